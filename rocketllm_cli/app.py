@@ -1,0 +1,66 @@
+"""The Typer app: registers every command in one place and maps errors to exit codes."""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Optional
+
+import typer
+
+from . import __version__
+from .errors import report
+
+app = typer.Typer(
+    name="rocketllm",
+    help="Run language models larger than memory by streaming them layer by layer.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _guarded(func):
+    """Run a command; any exception becomes one line on stderr and a non-zero exit (see errors.py)."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the one place that maps every error
+            raise typer.Exit(report(exc)) from None
+
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"rocketllm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = None,
+) -> None:
+    """Run language models larger than memory by streaming them layer by layer.
+
+    Every tuning value is derived from a measured HardwareProfile of this machine;
+    `rocketllm profile` prints each with its formula.
+    """
+
+
+def _register() -> None:
+    from .commands import doctor, generate, profile, shard
+
+    for module in (doctor, profile, shard, generate):
+        app.command(name=module.NAME, help=module.HELP, no_args_is_help=getattr(module, "NO_ARGS_IS_HELP", False))(_guarded(module.run))
+
+
+_register()
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,68 @@
+"""The one place where exceptions become one-line messages and exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+class RocketError(Exception):
+    """A user-facing error: one line that names the problem and what to do. Exit code 1."""
+
+    exit_code = 1
+
+
+class UsageError(RocketError):
+    """A bad combination of arguments. Exit code 2."""
+
+    exit_code = 2
+
+
+class ModelError(RocketError):
+    """The model path, checkpoint or architecture cannot be used."""
+
+
+class ShardError(RocketError):
+    """A shard set is missing, incomplete or does not match its manifest."""
+
+
+class KnobError(RocketError):
+    """A knob override has a value that cannot be parsed or is out of range."""
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("ROCKETLLM_DEBUG", "") not in ("", "0", "false", "no")
+
+
+def describe(exc: BaseException) -> tuple[str, int]:
+    """Map any exception to (one-line message, exit code)."""
+    if isinstance(exc, RocketError):
+        return _one_line(str(exc)), exc.exit_code
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(exc, MemoryError):
+        return "out of memory: lower --device-cache-bytes or --host-cache-bytes, or free memory", 1
+    if isinstance(exc, FileNotFoundError):
+        return _one_line(f"file not found: {exc.filename or exc}"), 1
+    if isinstance(exc, PermissionError):
+        return _one_line(f"permission denied: {exc.filename or exc}"), 1
+    if isinstance(exc, OSError) and exc.errno == 28:
+        return _one_line(f"no space left on device: {exc.filename or ''} (free space, or shard with --out on another disk)"), 1
+    if isinstance(exc, ValueError):
+        return _one_line(f"invalid value: {exc}"), 1
+    return _one_line(f"internal error ({type(exc).__name__}: {exc}); rerun with ROCKETLLM_DEBUG=1 and report it"), 1
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split()) or "error"
+
+
+def report(exc: BaseException) -> int:
+    """Print the exception the way the CLI does and return the exit code."""
+    message, code = describe(exc)
+    if debug_enabled():
+        import traceback
+
+        traceback.print_exception(exc)
+    print(f"error: {message}", file=sys.stderr)
+    return code

@@ -1,0 +1,43 @@
+"""CLI options defined once: shared Annotated aliases and the knob flags every command can take."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .profiles.specs import KNOB_SPECS
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of text.")]
+RefreshOpt = Annotated[bool, typer.Option("--refresh", help="Re-measure the hardware instead of using the cached profile.")]
+ModelPathOpt = Annotated[
+    Optional[Path],
+    typer.Option("--model", help="Model or shard directory (or .gguf file); storage is measured where it lives."),
+]
+
+KNOB_PANEL = "Knobs (derived from the measured hardware unless set; ROCKETLLM_<NAME> also sets them)"
+
+
+def with_knob_options(func):
+    """Add one --<knob-name> option per knob to a command; they reach it as `knob_flags` (name -> raw text)."""
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.name != "knob_flags"]
+    for spec in KNOB_SPECS:
+        option = typer.Option(spec.flag, *spec.flags, help=f"{spec.help} [{spec.accepted()}]", rich_help_panel=KNOB_PANEL, show_default=False)
+        params.append(
+            inspect.Parameter(f"knob_{spec.name}", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], option])
+        )
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        flags = {spec.name: kwargs.pop(f"knob_{spec.name}") for spec in KNOB_SPECS if kwargs.get(f"knob_{spec.name}") is not None}
+        for spec in KNOB_SPECS:
+            kwargs.pop(f"knob_{spec.name}", None)
+        return func(*args, knob_flags=flags, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=params)
+    wrapper.__annotations__ = {**func.__annotations__, **{p.name: p.annotation for p in params}}
+    return wrapper

@@ -1,0 +1,86 @@
+"""The knob table: every tuning value's name, type and help, declared once.
+
+Defaults are never declared here: every knob is derived from the measured
+HardwareProfile (see knobs.py) unless a flag, a ROCKETLLM_<NAME> variable or
+a Python keyword overrides it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import KnobError
+from ..sizes import ACCEPTED as BYTES_ACCEPTED, parse_bytes
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class KnobSpec:
+    name: str
+    kind: str  # "bytes" | "int" | "choice" | "bool"
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: int = 0
+    flags: tuple[str, ...] = ()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "ROCKETLLM_" + self.name.upper()
+
+    def accepted(self) -> str:
+        if self.kind == "bytes":
+            return BYTES_ACCEPTED
+        if self.kind == "int":
+            return f"an integer >= {self.minimum}"
+        if self.kind == "bool":
+            return "on/off (true/false, 1/0)"
+        return "one of " + ", ".join(self.choices)
+
+    def parse(self, raw: object, origin: str = "") -> object:
+        """Parse a raw override; a bad value is a KnobError naming the knob and the accepted forms."""
+        where = f" (from {origin})" if origin else ""
+        try:
+            if self.kind == "bytes":
+                return parse_bytes(raw)  # type: ignore[arg-type]
+            if self.kind == "int":
+                value = int(str(raw).strip())
+                if value < self.minimum:
+                    raise ValueError
+                return value
+            if self.kind == "bool":
+                if isinstance(raw, bool):
+                    return raw
+                text = str(raw).strip().lower()
+                if text in _TRUE | _FALSE:
+                    return text in _TRUE
+                raise ValueError
+            text = str(raw).strip().lower()
+            text = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(text, text)
+            if text not in self.choices:
+                raise ValueError
+            return text
+        except (ValueError, TypeError):
+            raise KnobError(f"bad value {raw!r} for {self.name}{where}: expected {self.accepted()}") from None
+
+
+KNOB_SPECS: tuple[KnobSpec, ...] = (
+    KnobSpec("reserve_bytes", "bytes", "Memory left untouched for the OS, activations and other programs."),
+    KnobSpec("device_cache_bytes", "bytes", "Weights kept resident on the compute device (0 streams every layer)."),
+    KnobSpec("host_cache_bytes", "bytes", "Weights kept in host RAM / page cache between tokens (0 reads every streamed layer from storage)."),
+    KnobSpec("io_workers", "int", "Threads reading shards from storage.", minimum=1),
+    KnobSpec("prefetch_depth", "int", "Streamed units read ahead of the one computing (0 disables prefetch).", minimum=0),
+    KnobSpec("compute_dtype", "choice", "Dtype the forward pass runs in.", choices=DTYPES, flags=("--dtype",)),
+    KnobSpec("kv_cache_bytes", "bytes", "Memory for the KV cache; bounds the context length."),
+    KnobSpec("max_context", "int", "Longest prompt + generation in tokens.", minimum=1),
+    KnobSpec("direct_io", "bool", "Read streamed shards with O_DIRECT instead of buffered reads + page-cache eviction."),
+    KnobSpec("pin_memory", "bool", "Page-locked host buffers for faster host-to-device copies."),
+    KnobSpec("prefix_cache", "choice", "Reuse the KV cache of a repeated prompt prefix.", choices=("auto", "on", "off")),
+)
+KNOBS_BY_NAME = {spec.name: spec for spec in KNOB_SPECS}
