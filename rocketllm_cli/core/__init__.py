@@ -1,0 +1,1 @@
+"""The sharding/streaming core: checkpoint -> per-unit shards -> tiered weights -> transformers forward."""

@@ -1,0 +1,167 @@
+"""Find the layer structure of any causal LM from its module tree: no class per architecture.
+
+The repeated decoder stack is the ModuleList of identical blocks holding the most
+parameters; the input and output embeddings come from transformers' own accessors;
+every other parameter belongs to the outermost module that contains none of those.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import ModelError
+
+
+@dataclass
+class UnitPlan:
+    name: str
+    kind: str
+    module: str  # hook point ("" = root model)
+    params: list[str] = field(default_factory=list)  # canonical parameter/buffer names
+    index: int = -1
+
+
+@dataclass
+class Layout:
+    stack: str
+    units: list[UnitPlan]
+    aliases: dict[str, str]  # tied param -> canonical param that holds the data
+
+    def owner_of(self) -> dict[str, str]:
+        return {p: u.name for u in self.units for p in u.params}
+
+
+def build_meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model skeleton: parameters on the meta device, buffers (rotary inv_freq ...) real."""
+    import transformers
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with init_empty_weights(include_buffers=False):
+            kwargs = {"dtype": dtype} if dtype is not None else {}
+            try:
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+            except TypeError:  # transformers 4.x spells it torch_dtype
+                model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc) or "does not recognize this architecture" in str(exc):
+            raise ModelError(
+                f"unsupported architecture {getattr(config, 'model_type', '?')!r}: transformers {transformers.__version__} "
+                "has no causal-LM class for it; upgrade transformers or use a supported model"
+            ) from None
+        raise
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Parameters that share storage with another: {alias: source}."""
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases[name] = seen[id(p)]
+        else:
+            seen[id(p)] = name
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+        if inp is not None and out is not None and getattr(out, "weight", None) is not None:
+            names = {id(m): n for n, m in model.named_modules()}
+            if id(inp) in names and id(out) in names:
+                aliases.setdefault(_join(names[id(out)], "weight"), _join(names[id(inp)], "weight"))
+    return aliases
+
+
+def discover(model: nn.Module) -> Layout:
+    modules = dict(model.named_modules())
+    names = {id(m): n for n, m in modules.items()}
+    stack = _find_stack(modules)
+    aliases = tied_aliases(model)
+    persistent = _persistent_tensors(model)
+
+    claimed: set[str] = set()
+    units: list[UnitPlan] = []
+
+    def claim(unit: UnitPlan) -> None:
+        prefix = unit.module + "." if unit.module else ""
+        unit.params = [p for p in persistent if p.startswith(prefix) and p not in claimed and p not in aliases]
+        claimed.update(unit.params)
+        if unit.params:
+            units.append(unit)
+
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if inp is not None and id(inp) in names:
+        claim(UnitPlan("embed", "embed", names[id(inp)]))
+    for i, _ in enumerate(modules[stack]):
+        claim(UnitPlan(f"layer.{i:03d}", "layer", f"{stack}.{i}", index=i))
+    head = None
+    if out is not None and id(out) in names:
+        head = UnitPlan("lm_head", "lm_head", names[id(out)])
+
+    # Everything else: the outermost module that contains neither the stack nor an embedding.
+    reserved = [stack] + [u.module for u in units if u.kind == "embed"] + ([head.module] if head else [])
+    groups: dict[str, list[str]] = {}
+    for p in persistent:
+        if p in claimed or p in aliases or (head and p.startswith(head.module + ".")):
+            continue
+        groups.setdefault(_outermost_free(p, reserved), []).append(p)
+    for owner in groups:
+        kind = "root" if owner == "" or any(r.startswith(owner + ".") for r in reserved) else "extra"
+        name = "root" if kind == "root" else f"extra.{owner}"
+        claim(UnitPlan(name, kind, owner if kind == "extra" else ""))
+    extras = [u for u in units if u.kind == "extra"]
+    norms = [u for u in extras if re.search(r"(norm|ln_f)$", u.module)]
+    if len(norms) == 1:
+        norms[0].name, norms[0].kind = "norm", "norm"
+    if head is not None:
+        claim(head)
+    if not any(u.kind == "layer" for u in units):
+        raise ModelError("could not find a repeated decoder stack in this model's module tree; architecture not supported for streaming")
+    return Layout(stack, units, aliases)
+
+
+def _find_stack(modules: dict[str, nn.Module]) -> str:
+    best, best_size = None, 0
+    for name, m in modules.items():
+        if not isinstance(m, nn.ModuleList) or len(m) == 0:
+            continue
+        if len({type(c) for c in m}) != 1:
+            continue
+        size = sum(p.numel() for p in m.parameters())
+        if size > best_size:
+            best, best_size = name, size
+    if best is None:
+        raise ModelError("could not find a repeated decoder stack in this model's module tree; architecture not supported for streaming")
+    return best
+
+
+def _persistent_tensors(model: nn.Module) -> list[str]:
+    """Parameters, then persistent buffers (the ones a checkpoint may carry), in module order."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    for mod_name, mod in model.named_modules():
+        for b, _ in mod.named_buffers(recurse=False):
+            if b not in mod._non_persistent_buffers_set:
+                names.append(_join(mod_name, b))
+    return names
+
+
+def _outermost_free(param: str, reserved: list[str]) -> str:
+    parts = param.split(".")[:-1]
+    for i in range(1, len(parts) + 1):
+        candidate = ".".join(parts[:i])
+        if not any(r == candidate or r.startswith(candidate + ".") for r in reserved):
+            return candidate
+    return ".".join(parts)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

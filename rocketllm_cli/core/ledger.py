@@ -1,0 +1,79 @@
+"""Bytes served per tier per forward pass, with /proc/self/io as the witness for storage."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .plan import TIERS
+
+
+def storage_read_bytes() -> int | None:
+    """Bytes this process really fetched from storage (Linux /proc/self/io read_bytes)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class Step:
+    tokens: int  # positions processed in this pass (prompt length for prefill, 1 per sequence for decode)
+    seconds: float = 0.0
+    served: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    witnessed_storage: int | None = None  # read_bytes delta over the pass (prefetch for the next pass included)
+
+
+class Ledger:
+    """One Step per forward pass of the whole model."""
+
+    def __init__(self, resident_bytes: int) -> None:
+        self.resident_bytes = resident_bytes  # served from the device tier every pass
+        self.steps: list[Step] = []
+        self._t0 = 0.0
+        self._io0: int | None = None
+
+    def begin(self, tokens: int) -> None:
+        step = Step(tokens)
+        step.served["device"] = self.resident_bytes
+        self.steps.append(step)
+        self._io0 = storage_read_bytes()
+        self._t0 = time.perf_counter()
+
+    def serve(self, tier: str, nbytes: int) -> None:
+        if self.steps:
+            self.steps[-1].served[tier] += nbytes
+
+    def end(self) -> None:
+        if not self.steps:
+            return
+        step = self.steps[-1]
+        step.seconds = time.perf_counter() - self._t0
+        io1 = storage_read_bytes()
+        step.witnessed_storage = io1 - self._io0 if io1 is not None and self._io0 is not None else None
+
+    def reset(self) -> None:
+        self.steps.clear()
+
+    def decode_steps(self) -> list[Step]:
+        return self.steps[1:]
+
+    def summary(self) -> dict:
+        """Per-token figures over the decode passes (the prefill pass reported on its own)."""
+        decode = self.decode_steps()
+        out: dict = {"passes": len(self.steps)}
+        if self.steps:
+            first = self.steps[0]
+            out["prefill"] = {"tokens": first.tokens, "seconds": round(first.seconds, 4), "served": first.served}
+        if decode:
+            n = len(decode)
+            out["decode_passes"] = n
+            out["per_token_served"] = {t: sum(s.served[t] for s in decode) // n for t in TIERS}
+            witnessed = [s.witnessed_storage for s in decode if s.witnessed_storage is not None]
+            out["per_token_storage_witnessed"] = sum(witnessed) // len(witnessed) if witnessed else None
+            out["per_token_seconds"] = sum(s.seconds for s in decode) / n
+        return out

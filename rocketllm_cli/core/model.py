@@ -1,0 +1,213 @@
+"""The streaming model: a transformers model on the meta device whose weights arrive just in time.
+
+Resident units are bound once. Each streamed unit gets a forward pre-hook on its
+module that binds views of its bytes to (module, name) pairs computed up front,
+and a post-hook that puts the meta placeholders back and frees the buffer.
+transformers runs the forward pass and generate() unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import KnobError
+from .discover import build_meta_model
+from .ledger import Ledger
+from .manifest import Manifest
+from .plan import ResidencyPlan, make_plan
+from .store import WeightStore
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class EngineConfig:
+    """Everything the streaming model needs; AutoModel fills it from the resolved knobs."""
+
+    device: str = "cpu"
+    compute_dtype: str = "fp32"
+    device_cache_bytes: int = 0
+    host_cache_bytes: int = 0
+    prefetch_depth: int = 1
+    io_workers: int = 1
+    direct_io: bool = False
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in TORCH_DTYPES:
+            raise KnobError(f"bad compute_dtype {self.compute_dtype!r}: expected bf16, fp16 or fp32")
+        for name in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth"):
+            if getattr(self, name) < 0:
+                raise KnobError(f"bad {name} {getattr(self, name)}: must be >= 0")
+        if self.io_workers < 1:
+            raise KnobError(f"bad io_workers {self.io_workers}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class Binding:
+    module: nn.Module
+    attr: str
+    tensor: str  # key in the unit's tensor dict
+    is_buffer: bool
+    placeholder: torch.Tensor | None
+
+
+class StreamingModel:
+    """A causal LM streamed from a shard directory. Attribute access falls through to the transformers model."""
+
+    def __init__(self, directory: Path, config: EngineConfig, manifest: Manifest | None = None) -> None:
+        from transformers import AutoConfig
+
+        self.directory = Path(directory)
+        self.config_engine = config
+        self.manifest = manifest or Manifest.load(self.directory)
+        self.device = torch.device(config.device)
+        self.dtype = TORCH_DTYPES[config.compute_dtype]
+        hf_config = AutoConfig.from_pretrained(self.directory)
+        model = build_meta_model(hf_config, self.dtype)
+        self.plan: ResidencyPlan = make_plan(self.manifest, config.device_cache_bytes, config.host_cache_bytes)
+        resident = sum(u.tensor_bytes for u in self.manifest.units if self.plan.tier[u.name] == "device")
+        self.ledger = Ledger(resident)
+        self.store = WeightStore(
+            self.directory, self.manifest, self.plan, self.ledger, device=self.device, compute_dtype=self.dtype,
+            prefetch_depth=config.prefetch_depth, io_workers=config.io_workers, direct_io=config.direct_io, pin_memory=config.pin_memory,
+        )
+        self._hooks: list = []
+        self._bind(model)
+        _move_buffers(model, self.device)
+        _pin_device(model, self.device)
+        _load_generation_config(model, self.directory)
+        self.model = model
+        self.tokenizer = _load_tokenizer(self.directory)
+
+    # -- wiring -----------------------------------------------------------------------
+    def _bind(self, model: nn.Module) -> None:
+        bindings: dict[str, dict[str, list[Binding]]] = {}  # unit -> hook module path -> bindings
+        owner = {t.name: u.name for u in self.manifest.units for t in u.tensors}
+        hook_of = {u.name: u.module for u in self.manifest.units}
+        targets = [(t.name, t.name, u.name) for u in self.manifest.units for t in u.tensors]
+        targets += [(alias, src, owner[src]) for alias, src in self.manifest.aliases.items() if src in owner]
+        for name, key, unit in targets:
+            module_path, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_path)
+            is_buffer = attr in module._buffers
+            placeholder = module._buffers[attr] if is_buffer else module._parameters.get(attr)
+            hook = hook_of[unit] if name == key else module_path
+            bindings.setdefault(unit, {}).setdefault(hook, []).append(Binding(module, attr, key, is_buffer, placeholder))
+
+        for unit, by_hook in bindings.items():
+            if self.plan.tier[unit] == "device":
+                tensors = self.store.resident(unit)
+                for group in by_hook.values():
+                    _assign(group, tensors)
+                continue
+            for hook_path, group in by_hook.items():
+                module = model.get_submodule(hook_path)
+                self._hooks.append(module.register_forward_pre_hook(self._pre_hook(unit, group)))
+                self._hooks.append(module.register_forward_hook(self._post_hook(unit, group)))
+        self._hooks.append(model.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
+        self._hooks.append(model.register_forward_hook(self._end_pass))
+
+    def _pre_hook(self, unit: str, group: list[Binding]):
+        store = self.store
+
+        def hook(module, args):
+            _assign(group, store.acquire(unit))
+
+        return hook
+
+    def _post_hook(self, unit: str, group: list[Binding]):
+        store = self.store
+
+        def hook(module, args, output):
+            for b in group:
+                (b.module._buffers if b.is_buffer else b.module._parameters)[b.attr] = b.placeholder
+            store.release(unit)
+
+        return hook
+
+    def _begin_pass(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            embeds = kwargs.get("inputs_embeds")
+            tokens = int(embeds.shape[0] * embeds.shape[1]) if embeds is not None else 0
+        else:
+            tokens = int(ids.numel())
+        self.ledger.begin(tokens)
+        self.store.begin_pass()
+
+    def _end_pass(self, module, args, output):
+        self.store.end_pass()
+        self.ledger.end()
+
+    # -- transformers surface -------------------------------------------------------------
+    def generate(self, *args, **kwargs):
+        """transformers' generate(), on the streamed model."""
+        return self.model.generate(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _assign(group: list[Binding], tensors: dict[str, torch.Tensor]) -> None:
+    for b in group:
+        t = tensors[b.tensor]
+        if b.is_buffer:
+            b.module._buffers[b.attr] = t
+        else:
+            b.module._parameters[b.attr] = nn.Parameter(t, requires_grad=False)
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device.type != "meta" and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def _pin_device(model: nn.Module, device: torch.device) -> None:
+    """Unbound parameters sit on the meta device, so `model.device` must not be read from them."""
+    cls = model.__class__
+    model.__class__ = type(cls.__name__, (cls,), {"device": property(lambda self: device), "__module__": cls.__module__})
+
+
+def _load_generation_config(model: nn.Module, directory: Path) -> None:
+    if (directory / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(directory)
+        except (OSError, ValueError):
+            pass
+
+
+def _load_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,101 @@
+"""Residency plan: which units live on the device, which in the host cache, which stream from storage.
+
+Units that are not layers (embeddings, norm, head, extras) are placed first:
+they are needed every token and are few. Then as many layers as fit stay resident,
+and the streamed ones are spaced evenly through the stack, so each streamed layer
+has the compute time of the resident layers before it to arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import RocketError
+from ..sizes import format_bytes
+from .manifest import Manifest
+
+TIERS = ("device", "host", "storage")
+
+
+@dataclass
+class ResidencyPlan:
+    tier: dict[str, str]  # unit name -> device | host | storage
+    formula: str
+    inputs: dict[str, int] = field(default_factory=dict)
+
+    def units_in(self, tier: str) -> list[str]:
+        return [u for u, t in self.tier.items() if t == tier]
+
+    def bytes_per_tier(self, manifest: Manifest) -> dict[str, int]:
+        sizes = {u.name: u.tensor_bytes for u in manifest.units}
+        out = dict.fromkeys(TIERS, 0)
+        for name, tier in self.tier.items():
+            out[tier] += sizes[name]
+        return out
+
+    def describe(self, manifest: Manifest) -> str:
+        layers = [u.name for u in manifest.layers]
+        marks = {"device": "D", "host": "H", "storage": "S"}
+        strip = "".join(marks[self.tier[n]] for n in layers)
+        per = self.bytes_per_tier(manifest)
+        counts = ", ".join(f"{t} {len(self.units_in(t))} units / {format_bytes(per[t])}" for t in TIERS)
+        return f"residency: {counts}; layers [{strip}] (D device, H host cache, S storage); {self.formula}"
+
+    def to_dict(self) -> dict:
+        return {"tier": self.tier, "formula": self.formula, "inputs": self.inputs}
+
+
+def spaced(n: int, k: int) -> list[int]:
+    """k indices spread evenly over range(n): the i-th at floor((i + 0.5) * n / k)."""
+    return [int((i + 0.5) * n / k) for i in range(k)] if k > 0 else []
+
+
+def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int) -> ResidencyPlan:
+    units = {u.name: u for u in manifest.units}
+    tier: dict[str, str] = {}
+    budget = {"device": device_cache_bytes, "host": host_cache_bytes}
+
+    def place(name: str, order=("device", "host", "storage")) -> None:
+        size = units[name].tensor_bytes
+        for t in order:
+            if t == "storage" or budget[t] >= size:
+                if t != "storage":
+                    budget[t] -= size
+                tier[name] = t
+                return
+
+    # Units hooked on the whole model hold their weights for the entire forward: keep them resident.
+    for u in manifest.units:
+        if u.kind == "root":
+            tier[u.name] = "device"
+            budget["device"] -= u.tensor_bytes
+    for u in sorted((u for u in manifest.units if u.kind not in ("layer", "root")), key=lambda u: u.tensor_bytes):
+        place(u.name)
+    layers = manifest.layers
+    n = len(layers)
+    layer_bytes = max((u.tensor_bytes for u in layers), default=0)
+    fit_device = min(n, max(0, budget["device"]) // layer_bytes) if layer_bytes else n
+    streamed = set(spaced(n, n - fit_device))
+    fit_host = min(len(streamed), max(0, budget["host"]) // layer_bytes) if layer_bytes else 0
+    streamed_sorted = sorted(streamed)
+    host_idx = {streamed_sorted[i] for i in spaced(len(streamed_sorted), fit_host)}
+    for i, u in enumerate(layers):
+        tier[u.name] = "host" if i in host_idx else "storage" if i in streamed else "device"
+    formula = (
+        f"device layers = min(N, device budget left / layer bytes) = {fit_device}; "
+        f"streamed every ~N/(N-k) = {n / max(1, n - fit_device):.1f} layers; host layers = {fit_host} of the streamed"
+    )
+    inputs = {
+        "N": n, "layer_bytes": layer_bytes, "device_cache_bytes": device_cache_bytes, "host_cache_bytes": host_cache_bytes,
+        "k": fit_device,
+    }
+    return ResidencyPlan(tier, formula, inputs)
+
+
+def check_budget(manifest: Manifest, streaming_bytes: int, available: int | None) -> None:
+    """A machine that cannot hold even one streamed unit plus the resident minimum cannot run the model."""
+    if available is None:
+        return
+    minimum = sum(u.tensor_bytes for u in manifest.units if u.kind == "root") + streaming_bytes
+    if available < minimum:
+        raise RocketError(f"not enough memory to stream this model: need at least {format_bytes(minimum)} (resident minimum + streaming buffers), have {format_bytes(available)}")

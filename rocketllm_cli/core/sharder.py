@@ -1,0 +1,292 @@
+"""Split a checkpoint into one safetensors file per unit (embed, layer.NNN, norm, lm_head, extras).
+
+Streams: one unit's tensors in memory at a time. Writes into a hidden partial
+directory with a journal of finished units, and renames it into place only
+after every tensor is accounted for, so an interrupted run never leaves a set
+that loads, and a rerun resumes from the journal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelError, ShardError
+from ..sizes import format_bytes
+from . import stfile
+from .discover import Layout, build_meta_model, discover
+from .manifest import MANIFEST, Manifest, TensorRecord, UnitRecord
+from .source import Source, open_source, save_tokenizer
+
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+JOURNAL = "journal.jsonl"
+
+
+def default_out(source: Source, dtype: str) -> Path:
+    from ..profiles import cache_dir
+
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", source.name)[:64] or "model"
+    return cache_dir() / "shards" / f"{safe}-{source.fingerprint()}-{dtype}"
+
+
+def resolve_dtype(source: Source, dtype: str) -> str:
+    if dtype != "auto":
+        if dtype not in DTYPE_NAMES:
+            raise ModelError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
+        return dtype
+    counts: dict[torch.dtype, int] = {}
+    for shape, dt in source.shapes.values():
+        if dt.is_floating_point:
+            n = 1
+            for d in shape:
+                n *= d
+            counts[dt] = counts.get(dt, 0) + n
+    stored = max(counts, key=counts.get) if counts else torch.float32
+    return {v: k for k, v in DTYPE_NAMES.items()}.get(stored, "bf16")
+
+
+def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[str, str]:
+    """canonical parameter name -> source tensor name; missing parameters are an error."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    available = set(source.shapes)
+    meta = dict(model.named_parameters(remove_duplicate=False))
+    mapping: dict[str, str] = {}
+    missing: list[str] = []
+    for unit in layout.units:
+        for name in list(unit.params):
+            found = next((c for c in _candidates(name, prefix) if c in available), None)
+            if found is None:
+                if name in meta:
+                    missing.append(name)
+                else:
+                    unit.params.remove(name)  # a persistent buffer the checkpoint omits keeps its initial value
+                continue
+            want = tuple(meta[name].shape) if name in meta else None
+            got = source.shapes[found][0]
+            if want is not None and want != got:
+                raise ModelError(f"tensor {found} has shape {list(got)} but the config expects {list(want)} (config and weights disagree)")
+            mapping[name] = found
+    if missing:
+        raise ModelError(
+            f"checkpoint lacks {len(missing)} tensors this {model.config.model_type} model needs (e.g. {missing[0]}); "
+            "the config does not match the weights, or this checkpoint layout is not supported yet"
+        )
+    return mapping
+
+
+def _candidates(name: str, prefix: str) -> list[str]:
+    out = [name]
+    if prefix and name.startswith(prefix + "."):
+        out.append(name[len(prefix) + 1 :])
+    elif prefix:
+        out.append(f"{prefix}.{name}")
+    legacy = re.sub(r"\.weight$", ".gamma", name), re.sub(r"\.bias$", ".beta", name)
+    return out + [c for c in legacy if c != name]
+
+
+def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=print) -> tuple[Manifest, Path, dict]:
+    """Shard MODEL (or reuse a complete shard set). Returns (manifest, directory, summary)."""
+    started = time.perf_counter()
+    source = open_source(model)
+    try:
+        return _shard(source, out, dtype, progress, log, started)
+    finally:
+        source.close()
+
+
+def _shard(source: Source, out: Path | None, dtype: str, progress, log, started: float) -> tuple[Manifest, Path, dict]:
+    dtype = resolve_dtype(source, dtype)
+    final = Path(out) if out else default_out(source, dtype)
+    fingerprint = source.fingerprint()
+    existing = _reusable(final, fingerprint, dtype)
+    if existing is not None:
+        return existing, final, {"reused": True, **_summary(existing, 0.0)}
+
+    model = build_meta_model(source.config)
+    layout = discover(model)
+    mapping = map_names(source, model, layout)
+    target = DTYPE_NAMES[dtype]
+    expected = {n: _out_dtype(source.shapes[s][1], target) for n, s in mapping.items()}
+    need = sum(_numel(source.shapes[mapping[n]][0]) * dt.itemsize for n, dt in expected.items())
+    partial = final.parent / f".{final.name}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
+    _check_space(partial, need)
+
+    done = _read_journal(partial, fingerprint, dtype)
+    units: list[UnitRecord] = []
+    with (progress or _NoProgress)("sharding", len(layout.units)) as bar:
+        for index, plan in enumerate(layout.units):
+            file = f"{index:04d}-{plan.name}.safetensors"
+            record = done.get(plan.name)
+            if record is None or record.file != file or not _file_ok(partial / file, record.bytes):
+                tensors = {n: source.read(mapping[n]).to(expected[n]) for n in plan.params}
+                record = _write_unit(partial, file, plan, tensors, mapping)
+                del tensors
+                _journal(partial, fingerprint, dtype, record)
+            units.append(record)
+            bar.advance(1)
+
+    written = sum(len(u.tensors) for u in units)
+    written_bytes = sum(u.tensor_bytes for u in units)
+    if written != len(mapping) or written_bytes != need:
+        raise ShardError(f"shard set incomplete: wrote {written} tensors / {written_bytes} bytes, source has {len(mapping)} / {need}; not marked complete")
+    manifest = Manifest(
+        source={"kind": source.kind, "name": source.name, "fingerprint": fingerprint},
+        model_type=source.config.model_type,
+        architecture=type(model).__name__,
+        dtype=dtype,
+        stack=layout.stack,
+        units=units,
+        aliases=layout.aliases,
+        seconds=round(time.perf_counter() - started, 3),
+    )
+    source.config.save_pretrained(partial)
+    save_tokenizer(source, partial)
+    (partial / JOURNAL).unlink(missing_ok=True)
+    manifest.save(partial)
+    _fsync_dir(partial)
+    if final.exists():
+        shutil.rmtree(final)  # only reached for a directory _reusable judged stale and ours to replace
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    log(f"sharded {source.name}: {len(units)} units, {format_bytes(written_bytes)} in {manifest.seconds:.1f} s -> {final}")
+    return manifest, final, {"reused": False, **_summary(manifest, manifest.seconds)}
+
+
+def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tensor], mapping: dict[str, str]) -> UnitRecord:
+    header, spans = stfile.layout(tensors, {"format": "pt", "unit": plan.name})
+    digest = hashlib.sha256(header)
+    tmp = directory / (file + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header)
+        for name, _, _ in spans:
+            data = stfile.tensor_bytes(tensors[name])
+            digest.update(data)
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / file)
+    records = [
+        TensorRecord(name, mapping[name], stfile.NAMES[tensors[name].dtype], list(tensors[name].shape), len(header) + offset, nbytes)
+        for name, offset, nbytes in spans
+    ]
+    size = len(header) + sum(n for _, _, n in spans)
+    return UnitRecord(plan.name, plan.kind, plan.module, file, size, digest.hexdigest(), records, plan.index)
+
+
+def verify(directory: Path, log=print) -> list[str]:
+    """Re-check every unit file against the manifest: sizes and sha256. Returns the problems found."""
+    manifest = Manifest.load(directory)  # sizes and tensor bounds
+    problems = []
+    for u in manifest.units:
+        digest = hashlib.sha256()
+        with open(directory / u.file, "rb") as f:
+            while chunk := f.read(16 << 20):
+                digest.update(chunk)
+        if digest.hexdigest() != u.sha256:
+            problems.append(f"{u.file}: checksum mismatch (contents changed)")
+    return problems
+
+
+def _reusable(final: Path, fingerprint: str, dtype: str) -> Manifest | None:
+    if not final.exists():
+        return None
+    if not (final / MANIFEST).is_file():
+        if final.is_dir() and not any(final.iterdir()):
+            final.rmdir()
+            return None
+        raise ShardError(f"{final} exists and is not a shard directory; choose another --out or remove it")
+    manifest = Manifest.load(final)
+    if manifest.source.get("fingerprint") != fingerprint or manifest.dtype != dtype:
+        raise ShardError(f"{final} holds shards of another source or dtype; choose another --out or remove it")
+    return manifest
+
+
+def _read_journal(partial: Path, fingerprint: str, dtype: str) -> dict[str, UnitRecord]:
+    done: dict[str, UnitRecord] = {}
+    path = partial / JOURNAL
+    if not path.is_file():
+        return done
+    for line in path.read_text().splitlines():
+        try:
+            doc = json.loads(line)
+            if doc["fingerprint"] != fingerprint or doc["dtype"] != dtype:
+                return {}
+            u = doc["unit"]
+            done[u["name"]] = UnitRecord(**{**u, "tensors": [TensorRecord(**t) for t in u["tensors"]]})
+        except (ValueError, KeyError, TypeError):
+            break  # a torn last line from an interrupted write: everything before it stands
+    return done
+
+
+def _journal(partial: Path, fingerprint: str, dtype: str, record: UnitRecord) -> None:
+    with open(partial / JOURNAL, "a") as f:
+        f.write(json.dumps({"fingerprint": fingerprint, "dtype": dtype, "unit": asdict(record)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _file_ok(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
+
+def _check_space(directory: Path, need: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < need + (64 << 20):
+        raise ShardError(f"not enough disk space for shards: need {format_bytes(need)}, {format_bytes(free)} free at {directory.parent}; free space or pass --out on another disk")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _out_dtype(stored: torch.dtype, target: torch.dtype) -> torch.dtype:
+    return target if stored.is_floating_point else stored
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _summary(manifest: Manifest, seconds: float) -> dict:
+    total = manifest.total_bytes
+    return {
+        "units": len(manifest.units),
+        "layers": len(manifest.layers),
+        "bytes": total,
+        "seconds": round(seconds, 3),
+        "mb_per_s": round(total / seconds / 1e6, 1) if seconds > 0 else None,
+        "dtype": manifest.dtype,
+    }
+
+
+class _NoProgress:
+    def __init__(self, *_):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def advance(self, n):
+        pass

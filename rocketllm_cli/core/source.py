@@ -1,0 +1,210 @@
+"""Checkpoint sources: a HF directory (safetensors, sharded index, legacy .bin), a .gguf file, or a hub id.
+
+A source yields its config, its tensor names with shapes, and one tensor at a
+time, so the sharder holds about one layer in memory whatever the checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+import torch
+
+from ..errors import ModelError
+from . import stfile
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+
+
+@dataclass
+class Source:
+    kind: str  # safetensors | bin | gguf
+    path: Path  # directory, or the .gguf file
+    name: str
+    config: object
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    _headers: dict[str, stfile.TensorEntry] = field(default_factory=dict, repr=False)
+    _file_of: dict[str, Path] = field(default_factory=dict, repr=False)
+    _state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    _fds: dict[Path, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def weight_files(self) -> list[Path]:
+        if self.kind == "gguf":
+            return [self.path]
+        if self.kind == "safetensors":
+            return sorted(set(self._file_of.values()))
+        return sorted(self.path.glob("*.bin"))
+
+    def fingerprint(self) -> str:
+        """Identity of the source as stored: file names, sizes and modification times, plus the config."""
+        h = hashlib.sha256()
+        for f in self.weight_files:
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        cfg = self.path / "config.json" if self.path.is_dir() else None
+        if cfg is not None and cfg.is_file():
+            h.update(cfg.read_bytes())
+        return h.hexdigest()[:16]
+
+    def read(self, name: str) -> torch.Tensor:
+        """One source tensor, read into fresh memory."""
+        if self._state is not None:
+            return self._state[name]
+        entry = self._headers[name]
+        path = self._file_of[name]
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return stfile.read_tensor(fd, entry)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._state = None
+
+
+def resolve(model: str | os.PathLike) -> Path:
+    """A local path for MODEL: an existing path, or a hub id fetched with huggingface_hub."""
+    text = str(model)
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    looks_like_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and not path.suffix
+    if not looks_like_id:
+        raise ModelError(f"model path not found: {text} (give a model directory, a .gguf file or a hub id like org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.bin"]))
+    except Exception as exc:  # noqa: BLE001 - any hub failure is one line for the user
+        offline = os.environ.get("HF_HUB_OFFLINE") or "connect" in str(exc).lower() or "resolve" in str(exc).lower()
+        why = "the hub is not reachable (offline?)" if offline else f"{type(exc).__name__}"
+        raise ModelError(f"cannot download {text}: {why}; download it elsewhere and pass the local directory") from None
+
+
+def open_source(model: str | os.PathLike) -> Source:
+    path = resolve(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return _open_gguf(path)
+    if path.is_file():
+        raise ModelError(f"{path.name}: not a model (expected a model directory or a .gguf file)")
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _open_gguf(ggufs[0])
+        raise ModelError(f"{path}: no config.json, so not a Hugging Face model directory (pass the model directory or a .gguf file)")
+    config = _load_config(path)
+    safetensors = sorted(path.glob("*.safetensors"))
+    if safetensors:
+        return _open_safetensors(path, config, safetensors)
+    bins = sorted(path.glob("*.bin"))
+    if bins:
+        return _open_bin(path, config, bins)
+    raise ModelError(f"{path}: has config.json but no *.safetensors or *.bin weights")
+
+
+def _load_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as exc:
+        raise ModelError(f"{path}/config.json: cannot be used ({' '.join(str(exc).split())[:200]})") from None
+    except (OSError, json.JSONDecodeError):
+        raise ModelError(f"{path}/config.json: unreadable or not valid JSON") from None
+
+
+def _open_safetensors(path: Path, config, files: list[Path]) -> Source:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            listed = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError):
+            raise ModelError(f"{index.name}: corrupt index") from None
+        missing = [f.name for f in listed if not f.is_file()]
+        if missing:
+            raise ModelError(f"{path}: index lists {missing[0]} but the file is missing (incomplete download?)")
+        files = listed
+    source = Source("safetensors", path, path.name, config)
+    for f in files:
+        for name, entry in stfile.read_header(f).entries.items():
+            if name in source._headers:
+                raise ModelError(f"{path}: tensor {name} appears in two files")
+            source._headers[name] = entry
+            source._file_of[name] = f
+            source.shapes[name] = (entry.shape, entry.dtype)
+    return source
+
+
+def _open_bin(path: Path, config, files: list[Path]) -> Source:
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            part = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - old pickles cannot be mmapped
+            try:
+                part = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001
+                raise ModelError(f"{f.name}: cannot read legacy weights ({type(exc).__name__})") from None
+        state.update({k: v for k, v in part.items() if isinstance(v, torch.Tensor)})
+    source = Source("bin", path, path.name, config, _state=state)
+    source.shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    return source
+
+
+def _open_gguf(path: Path) -> Source:
+    """GGUF is dequantized by transformers as a whole: memory here is the full model, once."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except ImportError:
+        raise ModelError("reading .gguf needs the gguf package: pip install gguf") from None
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
+        raise ModelError(f"{path.name}: not a readable GGUF model ({' '.join(str(exc).split())[:160]})") from None
+    try:
+        kwargs = {"gguf_file": path.name, "dtype": torch.bfloat16}
+        try:
+            from transformers import GgufConfig
+
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
+        except ImportError:
+            pass
+        model = AutoModelForCausalLM.from_pretrained(path.parent, **kwargs)
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ModelError(f"{path.name}: cannot dequantize this GGUF ({' '.join(str(exc).split())[:160]})") from None
+    config = model.config
+    state = {k: v for k, v in model.state_dict().items()}
+    source = Source("gguf", path, path.stem, config, _state=state)
+    source.shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    return source
+
+
+def save_tokenizer(source: Source, dest: Path) -> bool:
+    """Copy the tokenizer (and generation config) beside the shards so they are self-contained."""
+    if source.kind == "gguf":
+        from transformers import AutoTokenizer
+
+        try:
+            AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name).save_pretrained(dest)
+            return True
+        except Exception:  # noqa: BLE001 - a model without a tokenizer still shards
+            return False
+    copied = False
+    for name in TOKENIZER_FILES:
+        f = source.path / name
+        if f.is_file():
+            (dest / name).write_bytes(f.read_bytes())
+            copied = True
+    return copied

@@ -1,0 +1,246 @@
+"""Where weights live between uses, and how a streamed unit's bytes reach the compute device.
+
+device  - read once into memory owned by the compute device; bound for good.
+host    - CPU: a persistent zero-copy mmap of the unit file, served from the page cache;
+          GPU: a pinned RAM copy, copied to a device buffer on each use.
+storage - read on each use into one of a few reusable buffers, then dropped from the
+          page cache (POSIX_FADV_DONTNEED) so streaming never evicts the resident set.
+
+IO workers read the next units of the learned schedule while the current one computes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ShardError
+from .ledger import Ledger
+from .manifest import RESHARD, Manifest, UnitRecord
+from .plan import ResidencyPlan
+from .stfile import ALIGN, DTYPES
+
+
+@dataclass
+class Slot:
+    host: torch.Tensor  # uint8, page-aligned (pinned on CUDA)
+    device: torch.Tensor | None = None  # uint8 on the compute device (CUDA only)
+    ready: object = None  # CUDA event: copy into `device` finished
+    free_after: object = None  # CUDA event: compute finished reading `device`
+
+
+class WeightStore:
+    def __init__(self, directory: Path, manifest: Manifest, plan: ResidencyPlan, ledger: Ledger, *, device: torch.device,
+                 compute_dtype: torch.dtype, prefetch_depth: int, io_workers: int, direct_io: bool, pin_memory: bool) -> None:
+        self.directory = directory
+        self.units = {u.name: u for u in manifest.units}
+        self.plan = plan
+        self.ledger = ledger
+        self.device = device
+        self.dtype = compute_dtype
+        self.depth = prefetch_depth
+        self.direct_io = direct_io and hasattr(os, "O_DIRECT")
+        self.cuda = device.type == "cuda"
+        self.pin = pin_memory and self.cuda
+        self._resident: dict[str, dict[str, torch.Tensor]] = {}
+        self._host: dict[str, torch.Tensor] = {}  # unit -> its file bytes (mmap on CPU, pinned on CUDA)
+        self._host_views: dict[str, dict[str, torch.Tensor]] = {}
+        self._maps: list[mmap.mmap] = []
+        streamed = [u for u in manifest.units if plan.tier[u.name] != "device"]
+        self.slot_bytes = _round_up(max((u.bytes for u in streamed), default=0))
+        self._slots: list[Slot] = []
+        self._free: list[Slot] = []
+        self._max_slots = max(1, prefetch_depth) + 1
+        self._pending: dict[str, Future] = {}
+        self._held: dict[str, tuple[Slot | None, int, dict[str, torch.Tensor]]] = {}
+        self._pool = ThreadPoolExecutor(max(1, io_workers), thread_name_prefix="rocketllm-io") if prefetch_depth > 0 and streamed else None
+        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.schedule: list[str] = [u.name for u in streamed]
+        self._order: list[str] = []
+        self._pos = -1
+        for u in manifest.units:
+            if plan.tier[u.name] == "device":
+                self._resident[u.name] = self._load_resident(u)
+            elif plan.tier[u.name] == "host":
+                self._host[u.name] = self._load_host(u)
+
+    # -- loading the resident tiers -------------------------------------------------
+    def _load_resident(self, unit: UnitRecord) -> dict[str, torch.Tensor]:
+        buf = torch.empty(unit.bytes, dtype=torch.uint8)
+        self._read(unit, buf, evict=True)
+        return {name: t.to(self.device) for name, t in self._views(unit, buf).items()}
+
+    def _load_host(self, unit: UnitRecord) -> torch.Tensor:
+        if self.cuda:
+            buf = torch.empty(unit.bytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._read(unit, buf, evict=True)
+            return buf
+        with open(self.directory / unit.file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private, never written: zero-copy page cache
+        self._maps.append(mm)
+        buf = torch.frombuffer(mm, dtype=torch.uint8)
+        self._host_views[unit.name] = self._views(unit, buf)
+        return buf
+
+    def resident(self, name: str) -> dict[str, torch.Tensor]:
+        return self._resident[name]
+
+    # -- streaming ------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        self._order = []
+
+    def end_pass(self) -> None:
+        if self._order:
+            self.schedule = self._order
+
+    def acquire(self, name: str) -> dict[str, torch.Tensor]:
+        """The unit's tensors on the compute device, until release(name)."""
+        held = self._held.get(name)
+        if held is not None:
+            self._held[name] = (held[0], held[1] + 1, held[2])
+            return held[2]
+        unit = self.units[name]
+        tier = self.plan.tier[name]
+        self._order.append(name)
+        self._pos = self._locate(name)
+        self.ledger.serve(tier, unit.tensor_bytes)
+        if tier == "host" and not self.cuda:
+            slot, views = None, self._host_views[name]
+        else:
+            future = self._pending.pop(name, None)
+            slot = future.result() if future is not None else self._fill(self._take_slot(), name)
+            if slot.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(slot.ready)
+            views = self._views(unit, slot.device if self.cuda else slot.host)
+        self._held[name] = (slot, 1, views)
+        self._prefetch_after(name)
+        return views
+
+    def release(self, name: str) -> None:
+        slot, count, views = self._held[name]
+        if count > 1:
+            self._held[name] = (slot, count - 1, views)
+            return
+        del self._held[name]
+        if slot is not None:
+            if self.cuda:
+                slot.free_after = torch.cuda.current_stream(self.device).record_event()
+            self._free.append(slot)
+        self._prefetch_after(name)
+
+    def _prefetch_after(self, name: str) -> None:
+        """Start reads for the next `depth` streamed units of the schedule that are not on their way yet."""
+        if self._pool is None or not self.schedule:
+            return
+        n = len(self.schedule)
+        for step in range(1, min(self.depth, n) + 1):
+            nxt = self.schedule[(self._pos + step) % n]
+            if nxt in self._pending or nxt in self._held or self.plan.tier[nxt] == "device":
+                continue
+            if self.plan.tier[nxt] == "host" and not self.cuda:
+                continue  # served from the page cache through the mapping: nothing to read ahead
+            slot = self._take_slot(block=False)
+            if slot is None:
+                return
+            self._pending[nxt] = self._pool.submit(self._fill, slot, nxt)
+
+    def _locate(self, name: str) -> int:
+        """Position of `name` in the schedule, searching forward from the last unit acquired."""
+        n = len(self.schedule)
+        for k in range(n):
+            i = (self._pos + 1 + k) % n
+            if self.schedule[i] == name:
+                return i
+        return self._pos
+
+    def _take_slot(self, block: bool = True) -> Slot | None:
+        if self._free:
+            return self._free.pop()
+        if len(self._slots) < self._max_slots:
+            slot = Slot(_aligned_buffer(self.slot_bytes, self.pin))
+            if self.cuda:
+                slot.device = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            self._slots.append(slot)
+            return slot
+        if not block or not self._pending:
+            if block:
+                raise RuntimeError("no free streaming buffer (more units held at once than buffers)")
+            return None
+        # Every buffer is waiting for a prefetched unit nobody asked for yet: take back the furthest one.
+        victim = next(reversed(self._pending))
+        return self._pending.pop(victim).result()
+
+    def _fill(self, slot: Slot, name: str) -> Slot:
+        unit = self.units[name]
+        if self.plan.tier[name] == "host":  # CUDA: pinned copy already in RAM
+            source = self._host[name]
+        else:
+            self._read(unit, slot.host, evict=True)
+            source = slot.host
+        if self.cuda:
+            with torch.cuda.stream(self._copy_stream):
+                if slot.free_after is not None:
+                    self._copy_stream.wait_event(slot.free_after)
+                slot.device[: unit.bytes].copy_(source[: unit.bytes], non_blocking=True)
+                slot.ready = self._copy_stream.record_event()
+        return slot
+
+    def _read(self, unit: UnitRecord, into: torch.Tensor, evict: bool) -> None:
+        path = self.directory / unit.file
+        direct = self.direct_io and into.data_ptr() % ALIGN == 0 and into.numel() >= _round_up(unit.bytes)
+        try:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        except OSError as exc:
+            raise ShardError(f"cannot open shard file {unit.file} ({exc.strerror}); {RESHARD}") from None
+        try:
+            view = memoryview(into.numpy())
+            want = _round_up(unit.bytes) if direct else unit.bytes
+            done = 0
+            while done < unit.bytes:
+                n = os.preadv(fd, [view[done:want]], done)
+                if n <= 0:
+                    raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
+                done += n
+            if evict and not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def _views(self, unit: UnitRecord, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for t in unit.tensors:
+            view = buf[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
+            if view.is_floating_point() and view.dtype != self.dtype:
+                view = view.to(self.dtype)
+            out[t.name] = view
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._pending.clear()
+        self._host_views.clear()
+        self._host.clear()
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a tensor still views it; the mapping goes when that tensor does
+        self._maps.clear()
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    if pin:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    mm = mmap.mmap(-1, max(nbytes, ALIGN))  # anonymous mappings are page-aligned, as O_DIRECT needs
+    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
