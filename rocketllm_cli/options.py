@@ -41,3 +41,16 @@ def with_knob_options(func):
     wrapper.__signature__ = sig.replace(parameters=params)
     wrapper.__annotations__ = {**func.__annotations__, **{p.name: p.annotation for p in params}}
     return wrapper
+
+
+def validate_knob_flags(flags: dict) -> None:
+    """Parse every knob flag and ROCKETLLM_<KNOB> variable now, so a bad value fails before any work."""
+    import os
+
+    from .profiles.specs import KNOBS_BY_NAME
+
+    for name, raw in flags.items():
+        KNOBS_BY_NAME[name].parse(raw, origin=KNOBS_BY_NAME[name].flag)
+    for spec in KNOB_SPECS:
+        if spec.env in os.environ:
+            spec.parse(os.environ[spec.env], origin=spec.env)

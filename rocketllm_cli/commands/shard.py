@@ -1,10 +1,58 @@
-"""Placeholder until this command lands."""
+"""rocketllm shard: split a checkpoint once into per-unit shards with a manifest."""
 
-from ..errors import RocketError
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import ShardError
+from ..options import JsonOpt
+from ..output import Output
+from ..sizes import format_bytes
 
 NAME = "shard"
-HELP = "(not built yet)"
+NO_ARGS_IS_HELP = True
+HELP = """Split MODEL into one file per layer (plus embed, norm, lm_head, extras) with a manifest.
+
+MODEL is a Hugging Face model directory, a .gguf file, a hub id, or (with --verify) a shard directory.
+Shards go beside the model cache unless --out is given; `generate` finds and reuses them.
+
+Example: rocketllm shard ./Llama-3.1-8B --dtype bf16 --verify
+"""
 
 
-def run() -> None:
-    raise RocketError("shard is not built yet")
+def run(
+    model: Annotated[str, typer.Argument(help="Model directory, .gguf file, hub id, or shard directory.", show_default=False)],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Shard directory to write (default: under the cache dir, keyed by the source).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Dtype of the shards: auto (as stored), bf16, fp16 or fp32.")] = "auto",
+    verify: Annotated[bool, typer.Option("--verify", help="Re-check every shard file against the manifest (sizes and sha256).")] = False,
+    json: JsonOpt = False,
+) -> None:
+    from ..core.manifest import MANIFEST, Manifest
+    from ..core.sharder import DTYPE_NAMES, shard, verify as verify_dir
+
+    if dtype != "auto" and dtype not in DTYPE_NAMES:
+        raise ShardError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
+    output = Output(as_json=json)
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / MANIFEST).is_file():
+        manifest, directory, summary = Manifest.load(path), path, {"reused": True}
+        summary.update({"units": len(manifest.units), "layers": len(manifest.layers), "bytes": manifest.total_bytes, "dtype": manifest.dtype})
+    else:
+        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log)
+    problems = verify_dir(directory) if verify else []
+    document = {"directory": str(directory), **summary, "verified": verify and not problems, "problems": problems,
+                "source": manifest.source, "model_type": manifest.model_type}
+    if json:
+        output.json(document)
+    else:
+        rate = f", {summary['mb_per_s']} MB/s" if summary.get("mb_per_s") else ""
+        state = "reused existing shards" if summary.get("reused") else f"sharded in {summary.get('seconds')} s{rate}"
+        output.result(f"{directory}\n{manifest.model_type}: {summary['units']} units ({summary['layers']} layers), "
+                      f"{format_bytes(summary['bytes'])} {manifest.dtype}; {state}")
+        if verify:
+            output.result("verify: ok, every file matches the manifest" if not problems else "verify: FAILED")
+    if problems:
+        raise ShardError(f"{len(problems)} shard files do not match the manifest ({problems[0]}); re-run `rocketllm shard` on the source model")

@@ -83,6 +83,7 @@ class StreamingModel:
         _load_generation_config(model, self.directory)
         self.model = model
         self.tokenizer = _load_tokenizer(self.directory)
+        self.knobs = self.profile = self.facts = None  # filled in by AutoModel.from_pretrained
 
     # -- wiring -----------------------------------------------------------------------
     def _bind(self, model: nn.Module) -> None:

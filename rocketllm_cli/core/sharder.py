@@ -24,17 +24,30 @@ from ..sizes import format_bytes
 from . import stfile
 from .discover import Layout, build_meta_model, discover
 from .manifest import MANIFEST, Manifest, TensorRecord, UnitRecord
-from .source import Source, open_source, save_tokenizer
+from .source import Located, Source, locate, open_source, save_tokenizer
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 JOURNAL = "journal.jsonl"
 
 
-def default_out(source: Source, dtype: str) -> Path:
+def default_out(located: Located, dtype: str) -> Path:
+    """Beside the model cache, keyed by the source's fingerprint, so generate finds and reuses it."""
     from ..profiles import cache_dir
 
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", source.name)[:64] or "model"
-    return cache_dir() / "shards" / f"{safe}-{source.fingerprint()}-{dtype}"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", located.name)[:64] or "model"
+    return cache_dir() / "shards" / f"{safe}-{located.fingerprint()}-{dtype}"
+
+
+def find_existing(located: Located, dtype: str) -> tuple[Manifest, Path] | None:
+    """A complete shard set of this source in the default place (any dtype for 'auto'), without reading weights."""
+    dtypes = list(DTYPE_NAMES) if dtype == "auto" else [dtype]
+    for dt in dtypes:
+        final = default_out(located, dt)
+        if (final / MANIFEST).is_file():
+            manifest = Manifest.load(final)
+            if manifest.source.get("fingerprint") == located.fingerprint():
+                return manifest, final
+    return None
 
 
 def resolve_dtype(source: Source, dtype: str) -> str:
@@ -56,8 +69,9 @@ def resolve_dtype(source: Source, dtype: str) -> str:
 def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[str, str]:
     """canonical parameter name -> source tensor name; missing parameters are an error."""
     prefix = getattr(model, "base_model_prefix", "") or ""
-    available = set(source.shapes)
     meta = dict(model.named_parameters(remove_duplicate=False))
+    renamed = _renamed_by_transformers(model, list(source.shapes), meta)
+    available = set(renamed)
     mapping: dict[str, str] = {}
     missing: list[str] = []
     for unit in layout.units:
@@ -70,6 +84,7 @@ def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[st
                     unit.params.remove(name)  # a persistent buffer the checkpoint omits keeps its initial value
                 continue
             want = tuple(meta[name].shape) if name in meta else None
+            found = renamed[found]
             got = source.shapes[found][0]
             if want is not None and want != got:
                 raise ModelError(f"tensor {found} has shape {list(got)} but the config expects {list(want)} (config and weights disagree)")
@@ -80,6 +95,30 @@ def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[st
             "the config does not match the weights, or this checkpoint layout is not supported yet"
         )
     return mapping
+
+
+def _renamed_by_transformers(model, names: list[str], meta: dict) -> dict[str, str]:
+    """{name the model uses: source name} after transformers' own key renamings (e.g. embed_out -> lm_head).
+
+    Only pure renamings are applied; a converter that merges tensors (fused MoE experts) is not.
+    """
+    out = {n: n for n in names}
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4.x: checkpoints already use the module names
+        return out
+    try:
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming) and not isinstance(t, WeightConverter)]
+    except Exception:  # noqa: BLE001 - no mapping for this model: names are used as they are
+        return out
+    if not renamings:
+        return out
+    for n in names:
+        new, _ = rename_source_key(n, renamings, [], None, None)
+        if new != n and new not in out:
+            out[new] = n
+    return out
 
 
 def _candidates(name: str, prefix: str) -> list[str]:
@@ -95,7 +134,12 @@ def _candidates(name: str, prefix: str) -> list[str]:
 def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=print) -> tuple[Manifest, Path, dict]:
     """Shard MODEL (or reuse a complete shard set). Returns (manifest, directory, summary)."""
     started = time.perf_counter()
-    source = open_source(model)
+    located = locate(model)
+    if out is None:
+        found = find_existing(located, dtype)
+        if found is not None:
+            return found[0], found[1], {"reused": True, **_summary(found[0], 0.0)}
+    source = open_source(located)
     try:
         return _shard(source, out, dtype, progress, log, started)
     finally:
@@ -104,7 +148,7 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
 
 def _shard(source: Source, out: Path | None, dtype: str, progress, log, started: float) -> tuple[Manifest, Path, dict]:
     dtype = resolve_dtype(source, dtype)
-    final = Path(out) if out else default_out(source, dtype)
+    final = Path(out) if out else default_out(source.located, dtype)
     fingerprint = source.fingerprint()
     existing = _reusable(final, fingerprint, dtype)
     if existing is not None:

@@ -23,36 +23,45 @@ TOKENIZER_FILES = (
 )
 
 
+@dataclass(frozen=True)
+class Located:
+    """Where a checkpoint is and what kind, found without reading any weights."""
+
+    kind: str  # safetensors | bin | gguf
+    path: Path  # directory, or the .gguf file
+    files: tuple[Path, ...]  # weight files
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.kind == "gguf" else self.path.name
+
+    def fingerprint(self) -> str:
+        """Identity of the source as stored: file names, sizes and modification times, plus the config."""
+        h = hashlib.sha256()
+        for f in self.files:
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        cfg = self.path / "config.json"
+        if self.kind != "gguf" and cfg.is_file():
+            h.update(cfg.read_bytes())
+        return h.hexdigest()[:16]
+
+
 @dataclass
 class Source:
     kind: str  # safetensors | bin | gguf
     path: Path  # directory, or the .gguf file
     name: str
     config: object
+    located: Located | None = None
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     _headers: dict[str, stfile.TensorEntry] = field(default_factory=dict, repr=False)
     _file_of: dict[str, Path] = field(default_factory=dict, repr=False)
     _state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     _fds: dict[Path, int] = field(default_factory=dict, repr=False)
 
-    @property
-    def weight_files(self) -> list[Path]:
-        if self.kind == "gguf":
-            return [self.path]
-        if self.kind == "safetensors":
-            return sorted(set(self._file_of.values()))
-        return sorted(self.path.glob("*.bin"))
-
     def fingerprint(self) -> str:
-        """Identity of the source as stored: file names, sizes and modification times, plus the config."""
-        h = hashlib.sha256()
-        for f in self.weight_files:
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-        cfg = self.path / "config.json" if self.path.is_dir() else None
-        if cfg is not None and cfg.is_file():
-            h.update(cfg.read_bytes())
-        return h.hexdigest()[:16]
+        return self.located.fingerprint()
 
     def read(self, name: str) -> torch.Tensor:
         """One source tensor, read into fresh memory."""
@@ -91,25 +100,45 @@ def resolve(model: str | os.PathLike) -> Path:
         raise ModelError(f"cannot download {text}: {why}; download it elsewhere and pass the local directory") from None
 
 
-def open_source(model: str | os.PathLike) -> Source:
+def locate(model: str | os.PathLike) -> Located:
+    """Find the checkpoint MODEL names; errors name the problem and what to pass instead."""
     path = resolve(model)
     if path.is_file() and path.suffix == ".gguf":
-        return _open_gguf(path)
+        return Located("gguf", path, (path,))
     if path.is_file():
         raise ModelError(f"{path.name}: not a model (expected a model directory or a .gguf file)")
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _open_gguf(ggufs[0])
+            return Located("gguf", ggufs[0], (ggufs[0],))
         raise ModelError(f"{path}: no config.json, so not a Hugging Face model directory (pass the model directory or a .gguf file)")
-    config = _load_config(path)
-    safetensors = sorted(path.glob("*.safetensors"))
-    if safetensors:
-        return _open_safetensors(path, config, safetensors)
-    bins = sorted(path.glob("*.bin"))
-    if bins:
-        return _open_bin(path, config, bins)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            listed = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ModelError(f"{index.name}: corrupt index (re-download the model)") from None
+        missing = [f.name for f in listed if not f.is_file()]
+        if missing:
+            raise ModelError(f"{path}: index lists {missing[0]} but the file is missing (incomplete download?)")
+        return Located("safetensors", path, tuple(listed))
+    for kind, pattern in (("safetensors", "*.safetensors"), ("bin", "*.bin")):
+        files = tuple(sorted(path.glob(pattern)))
+        if files:
+            return Located(kind, path, files)
     raise ModelError(f"{path}: has config.json but no *.safetensors or *.bin weights")
+
+
+def open_source(located: Located) -> Source:
+    """Read the config and the tensor index (GGUF: dequantize the whole model)."""
+    if located.kind == "gguf":
+        source = _open_gguf(located.path)
+    elif located.kind == "safetensors":
+        source = _open_safetensors(located.path, _load_config(located.path), list(located.files))
+    else:
+        source = _open_bin(located.path, _load_config(located.path), list(located.files))
+    source.located = located
+    return source
 
 
 def _load_config(path: Path):
@@ -124,16 +153,6 @@ def _load_config(path: Path):
 
 
 def _open_safetensors(path: Path, config, files: list[Path]) -> Source:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            listed = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (ValueError, KeyError, TypeError):
-            raise ModelError(f"{index.name}: corrupt index") from None
-        missing = [f.name for f in listed if not f.is_file()]
-        if missing:
-            raise ModelError(f"{path}: index lists {missing[0]} but the file is missing (incomplete download?)")
-        files = listed
     source = Source("safetensors", path, path.name, config)
     for f in files:
         for name, entry in stfile.read_header(f).entries.items():

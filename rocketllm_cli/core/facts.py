@@ -1,0 +1,31 @@
+"""ModelFacts of a shard set: what the knob formulas and the cost model need to know."""
+
+from __future__ import annotations
+
+from ..profiles.modelfacts import ModelFacts
+from .manifest import Manifest
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def facts_from_manifest(manifest: Manifest, hf_config, compute_dtype: str | None = None) -> ModelFacts:
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    layers = manifest.layers
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", 0) or 0
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
+    itemsize = DTYPE_BYTES.get(compute_dtype or manifest.dtype, 2)
+    kv_per_token = 2 * len(layers) * kv_heads * head_dim * itemsize  # K and V, every layer
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 4096
+    return ModelFacts(
+        name=manifest.source.get("name", "model"),
+        total_bytes=manifest.total_bytes,
+        num_layers=len(layers),
+        layer_bytes=max((u.tensor_bytes for u in layers), default=0),
+        largest_unit_bytes=max((u.tensor_bytes for u in manifest.units), default=0),
+        non_layer_bytes=sum(u.tensor_bytes for u in manifest.units if u.kind != "layer"),
+        kv_bytes_per_token=int(kv_per_token),
+        max_positions=int(positions),
+        dtype=manifest.dtype,
+    )
