@@ -1,0 +1,11 @@
+"""HardwareProfile probe, knobs and cost model: every tuning value derived from this machine's measurements.
+
+Importing this package is cheap: torch is imported only when something is measured.
+"""
+
+from .cache import cache_dir
+from .hardware import HardwareProfile
+from .modelfacts import ModelFacts
+from .records import Capability, Measurement
+
+__all__ = ["Capability", "HardwareProfile", "Measurement", "ModelFacts", "cache_dir"]

@@ -1,0 +1,185 @@
+"""Static facts about this machine: OS, versions, CPU, RAM, GPUs.
+
+Every probe that fails degrades to "unavailable" with the reason; nothing is guessed.
+No serial numbers, UUIDs or host names are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+
+from .nvml import driver_version, nvml_gpus
+
+# ISA flags that decide kernels and dtypes (x86 names as in /proc/cpuinfo; the last four are Arm's).
+RELEVANT_ISA = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+    "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16", "i8mm",
+)
+GIB = 1024**3
+
+
+def package_version(dist: str) -> str | None:
+    """Installed version from package metadata, without importing the package (transformers costs seconds)."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def os_name() -> str:
+    return f"{platform.system()} {platform.release()}"
+
+
+def cpu_model() -> str:
+    for line in _read_lines("/proc/cpuinfo"):
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+            return value.strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_flags() -> tuple[list[str], str]:
+    """(relevant ISA flags present, where they came from): py-cpuinfo first, /proc/cpuinfo if it fails."""
+    try:
+        import cpuinfo
+
+        flags = set(cpuinfo.get_cpu_info().get("flags", []))
+        source = "py-cpuinfo"
+    except Exception as exc:  # noqa: BLE001 - py-cpuinfo raises anything on odd platforms
+        flags = set()
+        for line in _read_lines("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                flags.update(value.split())
+                break
+        what = "missing" if isinstance(exc, ImportError) else f"failed ({type(exc).__name__})"
+        source = f"/proc/cpuinfo (py-cpuinfo {what})" if flags else f"unavailable: py-cpuinfo {what} and no /proc/cpuinfo flags"
+    return [f for f in RELEVANT_ISA if f in flags], source
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on: the affinity mask, lowered by a cgroup CPU quota if one is set."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, quota)) if quota else cores
+
+
+def memory() -> tuple[int, int]:
+    """(total, available) RAM in bytes, lowered to the cgroup memory limit when one is set."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    total, available = int(vm.total), int(vm.available)
+    limit = _first_int("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+    if limit and limit < total:
+        usage = _first_int("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes") or 0
+        reclaimable = _cgroup_stat("inactive_file", "total_inactive_file")
+        total, available = limit, min(available, max(0, limit - usage + reclaimable))
+    return total, available
+
+
+def pci_accelerators() -> list[str]:
+    """vendor:device ids of display (0x03) and processing-accelerator (0x12) PCI functions; ids only, no serials."""
+    found = []
+    base = "/sys/bus/pci/devices"
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return found
+    for name in names:
+        klass = _read_text(f"{base}/{name}/class")
+        if klass[:4] in ("0x03", "0x12"):
+            found.append(f"{_read_text(f'{base}/{name}/vendor')}:{_read_text(f'{base}/{name}/device')}")
+    return found
+
+
+def fingerprint_facts() -> dict:
+    """The stable facts the cache is keyed on; cheap to gather (no torch import, no py-cpuinfo)."""
+    gpus, _ = nvml_gpus()
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_cores": usable_cores(),
+        "ram_total_gib": round(memory()[0] / GIB),
+        "gpus": [(g["name"], round((g["memory_total"] or 0) / GIB)) for g in gpus],
+        "pci_accelerators": pci_accelerators(),
+        "os": f"{platform.system()} {platform.release().split('.')[0]}",
+        "torch": package_version("torch"),
+    }
+
+
+def fingerprint(facts: dict) -> str:
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def collect_facts() -> dict:
+    """Everything static the report shows; gathered once per measurement and cached with it."""
+    flags, flags_source = cpu_flags()
+    gpus, gpu_reason = nvml_gpus()
+    try:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False)
+    except Exception:  # noqa: BLE001
+        physical = None
+    return {
+        "os": os_name(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu": {
+            "model": cpu_model(),
+            "isa": flags,
+            "isa_source": flags_source,
+            "cores_logical": os.cpu_count(),
+            "cores_physical": physical,
+            "cores_usable": usable_cores(),
+        },
+        "gpus": gpus,
+        "gpus_reason": gpu_reason,
+        "driver": driver_version(),
+    }
+
+
+def _cgroup_cpu_quota() -> int | None:
+    v2 = _read_text("/sys/fs/cgroup/cpu.max").split()
+    if len(v2) == 2 and v2[0] != "max":
+        return -(-int(v2[0]) // int(v2[1]))
+    quota = _first_int("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+    period = _first_int("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    return -(-quota // period) if quota and quota > 0 and period else None
+
+
+def _cgroup_stat(*keys: str) -> int:
+    for path in ("/sys/fs/cgroup/memory.stat", "/sys/fs/cgroup/memory/memory.stat"):
+        for line in _read_lines(path):
+            key, _, value = line.partition(" ")
+            if key in keys and value.strip().isdigit():
+                return int(value)
+    return 0
+
+
+def _first_int(*paths: str) -> int | None:
+    for path in paths:
+        text = _read_text(path)
+        if text.lstrip("-").isdigit():
+            return int(text)
+    return None
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _read_lines(path: str) -> list[str]:
+    return _read_text(path).splitlines()

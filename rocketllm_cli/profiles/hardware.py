@@ -1,0 +1,218 @@
+"""HardwareProfile: this machine's facts, measurements and capability decisions.
+
+Measured once and cached as JSON under cache_dir()/profiles/<fingerprint>/: host.json
+(CPU, memory, device, compute) and one fs-<key>.json per filesystem (storage speed
+belongs to the filesystem that holds the weights). Free memory is re-read on every load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from . import capabilities as caps
+from . import measure
+from .cache import cache_dir, profile_dir, read_json, write_json
+from .devices import choose_device, device_memory, torch_accelerators
+from .facts import collect_facts, fingerprint, fingerprint_facts, memory, usable_cores
+from .filesystems import filesystem_of
+from .records import Capability, Measurement
+from .redact import redact
+from .storage import measure_storage, probe_bytes
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class HardwareProfile:
+    """What this machine is and how fast it moves bytes; knobs and the cost model are computed from it."""
+
+    fingerprint: str
+    compute_device: str  # "cpu", "cuda:0", "xpu:0" or "mps", chosen by capability query
+    cpu_cores: int
+    ram_total: int
+    ram_available: int  # live, re-read on load
+    vram_total: int | None = None  # None without an accelerator
+    vram_free: int | None = None  # live
+    facts: dict = field(default_factory=dict)
+    measurements: dict[str, Measurement] = field(default_factory=dict)
+    capabilities: dict[str, Capability] = field(default_factory=dict)
+    storage: dict = field(default_factory=dict)  # the filesystem the storage figures belong to
+    measured_at: dict = field(default_factory=dict)
+    from_cache: bool = field(default=False, compare=False)
+
+    @classmethod
+    def load(cls, storage_path: Path | None = None, refresh: bool = False, *, log: Log | None = None) -> "HardwareProfile":
+        """The cached profile for this machine and the filesystem of `storage_path` (default: the cache dir),
+        measuring whatever part is missing, or everything when `refresh`."""
+        log = log or logging.getLogger("rocketllm").info
+        fp = fingerprint(fingerprint_facts())
+        fs = filesystem_of(Path(storage_path) if storage_path is not None else cache_dir())
+        where = profile_dir(fp)
+        host = None if refresh else read_json(where / "host.json")
+        disk = None if refresh else read_json(where / f"{fs.key}.json")
+        from_cache = host is not None and disk is not None
+        if host is None:
+            host = _measure_host(log)
+            write_json(where / "host.json", host)
+        if disk is None:
+            disk = _measure_filesystem(fs, log)
+            if disk.pop("cacheable"):
+                write_json(where / f"{fs.key}.json", disk)
+        if not from_cache:
+            log(redact(f"profile cached in {where} (--refresh re-measures)"))
+        ram_total, ram_available = memory()
+        vram_total, vram_free = _guarded(lambda: device_memory(host["compute_device"]), lambda why: (None, None))
+        return cls(
+            fingerprint=fp,
+            compute_device=host["compute_device"],
+            cpu_cores=usable_cores(),
+            ram_total=ram_total,
+            ram_available=ram_available,
+            vram_total=vram_total if vram_total is not None else host.get("vram_total"),
+            vram_free=vram_free,
+            facts={**host["facts"], "device_reason": host["device_reason"], "accelerators": host["accelerators"]},
+            measurements={k: Measurement.from_dict(v) for k, v in {**host["measurements"], **disk["measurements"]}.items()},
+            capabilities={k: Capability.from_dict(v) for k, v in {**host["capabilities"], **disk["capabilities"]}.items()},
+            storage={**disk["filesystem"], "directory": str(fs.directory)},
+            measured_at={"host": host["measured_at"], "storage": disk["measured_at"]},
+            from_cache=from_cache,
+        )
+
+    # -- convenience figures (bytes per second; None where unmeasured) ----------------------------
+    def _bps(self, name: str) -> float | None:
+        m = self.measurements.get(name)
+        return m.value_bps if m else None
+
+    @property
+    def storage_read_bps(self) -> float | None:
+        """Cold sequential read of the weights' filesystem, by the method direct_io picked."""
+        return self._bps("storage_read_direct") if self.capability("direct_io") else self._bps("storage_read")
+
+    @property
+    def page_cache_read_bps(self) -> float | None:
+        return self._bps("page_cache_read")
+
+    @property
+    def host_memory_bps(self) -> float | None:
+        return self._bps("host_memory")
+
+    @property
+    def h2d_bps(self) -> float | None:
+        """Host-to-device copies from pinned memory; None on the CPU."""
+        return self._bps("h2d_pinned")
+
+    @property
+    def h2d_pageable_bps(self) -> float | None:
+        return self._bps("h2d_pageable")
+
+    @property
+    def device_memory_bps(self) -> float | None:
+        return self._bps("device_memory")
+
+    @property
+    def compute_dtype(self) -> str:
+        return str(self.capability("compute_dtype") or "fp32")
+
+    def matvec_bps(self, dtype: str | None = None) -> float | None:
+        """Weight bytes per second a decode-shaped matmul consumes in `dtype` (default: the compute dtype)."""
+        return self._bps(f"matvec_{dtype or self.compute_dtype}")
+
+    def capability(self, name: str) -> object:
+        cap = self.capabilities.get(name)
+        return cap.value if cap else None
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.compute_device == "cpu"
+
+    def tier_meaning(self) -> str:
+        """What the three tiers are on this machine, in one line."""
+        if self.is_cpu:
+            return ("CPU device: 'device' = weights resident in process RAM; 'host' = the OS page cache holding shard files, "
+                    "served zero-copy through mmap (the same RAM); 'storage' = cold reads from disk")
+        return (f"{self.compute_device}: 'device' = weights resident in device memory; 'host' = host RAM "
+                f"({'pinned' if self.capability('pin_memory') else 'pageable'}), copied to the device when a layer runs; 'storage' = cold reads from disk")
+
+    # -- serialisation -----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "fingerprint": self.fingerprint, "compute_device": self.compute_device, "cpu_cores": self.cpu_cores,
+            "ram_total": self.ram_total, "ram_available": self.ram_available,
+            "vram_total": self.vram_total, "vram_free": self.vram_free, "facts": self.facts,
+            "measurements": {k: m.to_dict() for k, m in self.measurements.items()},
+            "capabilities": {k: c.to_dict() for k, c in self.capabilities.items()},
+            "storage": self.storage, "measured_at": self.measured_at, "from_cache": self.from_cache,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "HardwareProfile":
+        doc = dict(doc)
+        doc["measurements"] = {k: Measurement.from_dict(v) for k, v in doc.get("measurements", {}).items()}
+        doc["capabilities"] = {k: Capability.from_dict(v) for k, v in doc.get("capabilities", {}).items()}
+        return cls(**doc)
+
+
+def _measure_host(log: Log) -> dict:
+    start = time.perf_counter()
+    log("measuring this machine once (memory, compute; cached afterwards)")
+    facts = collect_facts()
+    device, device_reason = choose_device()
+    found: dict[str, Measurement] = {"host_memory": measure.host_memory()}
+    found["device_memory"] = measure.device_memory(device, found["host_memory"])
+    found.update(measure.host_to_device(device))
+    found.update(measure.compute(device))
+    decided = {"compute_dtype": _guarded(lambda: caps.compute_dtype(device, facts["cpu"]["isa"], found),
+                                         lambda why: Capability("compute_dtype", "fp32", "fp32", f"dtype query failed ({why})"))}
+    decided["pin_memory"] = caps.pin_memory(device, found)
+    decided["non_blocking"] = caps.non_blocking(device, decided["pin_memory"])
+    decided["sdpa"] = caps.sdpa(device)
+    log(f"compute device: {device} ({device_reason})")
+    _log_decisions(decided, log)
+    return {
+        "facts": facts, "compute_device": device, "device_reason": device_reason,
+        "accelerators": _guarded(lambda: torch_accelerators(device), lambda why: [{"name": f"unavailable: {why}"}]),
+        "vram_total": _guarded(lambda: device_memory(device)[0], lambda why: None),
+        "measurements": {k: m.to_dict() for k, m in found.items()},
+        "capabilities": {k: c.to_dict() for k, c in decided.items()},
+        "measured_at": _now(), "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def _guarded(call, fallback):
+    """A device query that raises (a driver that claims a device it cannot use) degrades to its fallback."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001
+        return fallback(f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
+
+
+def _measure_filesystem(fs, log: Log) -> dict:
+    start = time.perf_counter()
+    # The probe file goes in the cache dir when it shares the filesystem (never litter a model directory),
+    # else beside the weights.
+    directories = [fs.directory]
+    if filesystem_of(cache_dir()).key == fs.key:
+        directories.insert(0, cache_dir())
+    found, decided, cacheable = measure_storage(fs, probe_bytes(), lambda message: log(redact(message)), directories)
+    _log_decisions(decided, log)
+    return {
+        "filesystem": {"mount_point": fs.mount_point, "fstype": fs.fstype, "source": fs.source, "kind": fs.kind, "key": fs.key},
+        "measurements": {k: m.to_dict() for k, m in found.items()},
+        "capabilities": {k: c.to_dict() for k, c in decided.items()},
+        "measured_at": _now(), "seconds": round(time.perf_counter() - start, 3), "cacheable": cacheable,
+    }
+
+
+def _log_decisions(decided: dict[str, Capability], log: Log) -> None:
+    for cap in decided.values():
+        taken = f"; fallback: {cap.fallback_taken}" if cap.fallback_taken else ""
+        log(redact(f"decided {cap.name} = {cap.value}{taken} ({cap.reason})"))
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,212 @@
+"""Storage and page-cache bandwidth of one filesystem, measured with a probe file.
+
+Order matters: the freshly written file is warm (page-cache read), then evicted with
+POSIX_FADV_DONTNEED and read cold (buffered, with readahead), then evicted again and
+read with O_DIRECT. /proc/self/io `read_bytes` witnesses that a cold read really
+reached the device. The probe file is always deleted.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..sizes import format_bytes, parse_bytes
+from .filesystems import Filesystem
+from .records import Capability, Measurement
+
+DEFAULT_PROBE_BYTES = 256 * 1024**2  # ~1 s of writing and reading on a 2-core VM disk
+CHUNK = 16 * 1024**2  # buffered reads: large, so syscall cost vanishes
+DIRECT_CHUNK = 8 * 1024**2  # O_DIRECT requests: 4096-aligned offset, length and buffer
+ALIGN = 4096
+MIN_PROBE_BYTES = 1024**2  # below this, timer resolution and readahead dominate the figure
+
+
+def probe_bytes() -> int:
+    """Size of the probe file: ROCKETLLM_PROBE_BYTES (tests make it small) or the default, 4096-aligned."""
+    raw = os.environ.get("ROCKETLLM_PROBE_BYTES")
+    size = parse_bytes(raw) if raw else DEFAULT_PROBE_BYTES
+    return max(MIN_PROBE_BYTES, size // ALIGN * ALIGN)
+
+
+def measure_storage(
+    fs: Filesystem, size: int, log=lambda message: None, directories: list[Path] | None = None
+) -> tuple[dict[str, Measurement], dict[str, Capability], bool]:
+    """page_cache_read, storage_read (cold, buffered) and storage_read_direct, the I/O capabilities,
+    and whether the result may be cached (not when no probe file could be written: a later run may succeed)."""
+    caps = {"storage_kind": Capability("storage_kind", fs.kind, None, fs.kind_reason)}
+    free = _free_bytes(fs.directory)
+    if free is not None and free < 2 * size:
+        size = max(0, free // 4 // ALIGN * ALIGN)
+    if size < MIN_PROBE_BYTES:
+        why = f"only {format_bytes(free)} free on this filesystem: too little for a meaningful probe file"
+        return _all_unavailable(why), {**caps, **_io_caps_unknown(why)}, False
+    error: OSError | None = None
+    for directory in directories or [fs.directory]:
+        path = directory / f".rocketllm-probe-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            _write_probe(path, size)
+            break
+        except OSError as exc:
+            _remove(path)
+            error = exc
+    else:
+        why = f"cannot write a {format_bytes(size)} probe file on this filesystem ({error.strerror or error})"
+        return _all_unavailable(why), {**caps, **_io_caps_unknown(why)}, False
+    try:
+        return (*_measure_file(path, size, fs, caps, log), True)
+    finally:
+        _remove(path)
+
+
+def _measure_file(path: Path, size: int, fs: Filesystem, caps: dict, log) -> tuple[dict[str, Measurement], dict[str, Capability]]:
+    log(f"measuring storage: {format_bytes(size)} probe file on {fs.mount_point} ({fs.fstype}, {fs.kind})")
+    out: dict[str, Measurement] = {}
+    warm = min((_buffered_read(path) for _ in range(2)), key=lambda r: r[1])
+    out["page_cache_read"] = Measurement("page_cache_read", size / warm[1], "read() of a just-written file into a reused 16 MiB buffer, best of 2", size, warm[1])
+
+    evicted = _evict(path)
+    io_before = _io_read_bytes()
+    n, seconds = _buffered_read(path)
+    delta = None if io_before is None else _io_read_bytes() - io_before
+    cold_ok, witness = _cold_verdict(fs, size, delta, seconds, warm[1], evicted)
+    method = f"sequential read() in 16 MiB chunks after posix_fadvise(DONTNEED); {witness}"
+    out["storage_read"] = Measurement("storage_read", n / seconds if cold_ok else None, method, n, seconds, cold_ok, "" if cold_ok else witness)
+    can_evict = cold_ok and evicted is None and fs.kind != "tmpfs"
+    caps["fadvise_dontneed"] = Capability(
+        "fadvise_dontneed", can_evict, None if can_evict else "none: streamed units stay in the page cache until the kernel evicts them", witness,
+    )
+
+    direct = _direct_read(path, size)
+    out["storage_read_direct"] = direct
+    if direct.available and out["storage_read"].available:
+        faster = direct.value > out["storage_read"].value
+        caps["direct_io"] = Capability(
+            "direct_io", faster, None if faster else "buffered reads + POSIX_FADV_DONTNEED",
+            f"O_DIRECT {direct.value / 1e9:.2f} GB/s vs buffered cold {out['storage_read'].value / 1e9:.2f} GB/s",
+        )
+    else:
+        why = direct.reason or out["storage_read"].reason
+        caps["direct_io"] = Capability("direct_io", False, "buffered reads + POSIX_FADV_DONTNEED", why)
+    return out, caps
+
+
+def _write_probe(path: Path, size: int) -> None:
+    block = os.urandom(4 * 1024**2)  # random, so compressing or deduplicating storage cannot flatter the read
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        written = 0
+        while written < size:
+            written += os.write(fd, memoryview(block)[: min(len(block), size - written)])
+        os.fsync(fd)  # dirty pages cannot be evicted; after fsync they are clean and DONTNEED drops them
+    finally:
+        os.close(fd)
+
+
+def _buffered_read(path: Path) -> tuple[int, float]:
+    buf = memoryview(bytearray(CHUNK))
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        start = time.perf_counter()
+        while n := f.readinto(buf):
+            total += n
+        return total, max(time.perf_counter() - start, 1e-9)
+
+
+def _direct_read(path: Path, size: int) -> Measurement:
+    name, best = "storage_read_direct", None
+    if not hasattr(os, "O_DIRECT"):
+        return Measurement.unavailable(name, "O_DIRECT", "this OS has no O_DIRECT")
+    for in_flight in (1, 2):
+        _evict(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as exc:
+            return Measurement.unavailable(name, "O_DIRECT", f"open(O_DIRECT) refused: {exc.strerror or exc}")
+        try:
+            bufs = [mmap.mmap(-1, DIRECT_CHUNK) for _ in range(in_flight)]  # anonymous maps are page-aligned
+            offsets = list(range(0, size, DIRECT_CHUNK))
+
+            def worker(i: int) -> int:
+                return sum(os.preadv(fd, [bufs[i]], off) for off in offsets[i::in_flight])
+
+            start = time.perf_counter()
+            with ThreadPoolExecutor(in_flight) as pool:
+                n = sum(pool.map(worker, range(in_flight)))
+            seconds = max(time.perf_counter() - start, 1e-9)
+        except OSError as exc:
+            return Measurement.unavailable(name, "O_DIRECT", f"O_DIRECT read failed: {exc.strerror or exc}")
+        finally:
+            os.close(fd)
+        if best is None or seconds < best[1]:
+            best = (n, seconds, in_flight)
+    n, seconds, in_flight = best
+    method = f"O_DIRECT preadv() of 8 MiB aligned requests, {in_flight} in flight (best of 1 and 2)"
+    return Measurement(name, n / seconds, method, n, seconds)
+
+
+def _cold_verdict(fs: Filesystem, size: int, delta: int | None, cold_s: float, warm_s: float, evict_error: str | None) -> tuple[bool, str]:
+    """(did the read reach the device, the witness in words)."""
+    if fs.kind == "tmpfs":
+        return True, "tmpfs keeps files in RAM: no eviction possible, this read is the storage speed"
+    if evict_error:
+        return False, f"posix_fadvise unusable ({evict_error}): a cold read cannot be forced"
+    if delta is not None:
+        verdict = delta >= 0.9 * size
+        return verdict, f"/proc/self/io read_bytes rose by {format_bytes(delta)} of {format_bytes(size)}: eviction {'verified' if verdict else 'did not work'}"
+    verdict = cold_s > warm_s / 0.7
+    return verdict, f"/proc/self/io unreadable; eviction judged by time (cold {cold_s:.3f}s vs warm {warm_s:.3f}s): {'evicted' if verdict else 'not evicted'}"
+
+
+def _evict(path: Path) -> str | None:
+    """Drop the file's clean pages from the page cache; returns why not, or None."""
+    if not hasattr(os, "posix_fadvise"):
+        return "no os.posix_fadvise on this OS"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        os.close(fd)
+
+
+def _io_read_bytes() -> int | None:
+    try:
+        with open("/proc/self/io", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        st = os.statvfs(directory)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return None
+
+
+def _remove(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _all_unavailable(why: str) -> dict[str, Measurement]:
+    return {name: Measurement.unavailable(name, "probe file", why) for name in ("page_cache_read", "storage_read", "storage_read_direct")}
+
+
+def _io_caps_unknown(why: str) -> dict[str, Capability]:
+    return {
+        "direct_io": Capability("direct_io", False, "buffered reads + POSIX_FADV_DONTNEED", why),
+        "fadvise_dontneed": Capability("fadvise_dontneed", False, "none: streamed units stay in the page cache until the kernel evicts them", why),
+    }
