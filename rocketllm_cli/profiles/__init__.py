@@ -5,7 +5,8 @@ Importing this package is cheap: torch is imported only when something is measur
 
 from .cache import cache_dir
 from .hardware import HardwareProfile
-from .modelfacts import ModelFacts
+from .modelfacts import ModelFacts, parse_param_count
+from .modelpath import model_facts_from_path
 from .records import Capability, Measurement
 
-__all__ = ["Capability", "HardwareProfile", "Measurement", "ModelFacts", "cache_dir"]
+__all__ = ["Capability", "HardwareProfile", "Measurement", "ModelFacts", "cache_dir", "model_facts_from_path", "parse_param_count"]

@@ -46,3 +46,19 @@ class ModelFacts:
             max_positions=131_072,
             dtype=f"{weight_bits:g}bit",
         )
+
+
+_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_param_count(text: str) -> float:
+    """'70B', '7.5b', '135M', '1e9' -> parameters; ValueError naming the accepted forms."""
+    raw = str(text).strip().lower()
+    suffix = raw[-1:] if raw[-1:] in _SUFFIXES and raw[-1:].isalpha() else ""
+    try:
+        value = float(raw[: len(raw) - len(suffix)]) * _SUFFIXES[suffix]
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"cannot read {text!r} as a parameter count; expected a positive number with an optional K/M/B/T suffix, e.g. 70B, 7.5B, 135M")
+    return value

@@ -1,0 +1,80 @@
+"""Just enough of a GGUF header to size a model: metadata values and tensor byte extents.
+
+Parsed by hand (no gguf import: its reader decodes the whole vocabulary, seconds on a small model).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+from ..errors import ModelError
+
+# value type id -> struct format of a scalar; 8 = string, 9 = array
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M",
+              13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
+
+
+def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, int]]:
+    """(metadata without arrays of strings, tensor name -> bytes as stored). ModelError on a foreign or truncated file."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return _parse(mm, len(mm))
+    except (struct.error, IndexError, UnicodeDecodeError, ValueError, OverflowError) as exc:
+        raise ModelError(f"{path.name}: not a readable GGUF file ({type(exc).__name__})") from None
+
+
+def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int]]:
+    if mm[:4] != b"GGUF":
+        raise ValueError("bad magic")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
+    if version < 2 or n_tensors > 10**6 or n_kv > 10**6:
+        raise ValueError("unsupported header")
+    pos = 24
+    meta: dict[str, object] = {}
+    for _ in range(n_kv):
+        key, pos = _string(mm, pos)
+        (vtype,) = struct.unpack_from("<I", mm, pos)
+        meta[key], pos = _value(mm, pos + 4, vtype)
+    offsets: list[tuple[int, str]] = []
+    for _ in range(n_tensors):
+        name, pos = _string(mm, pos)
+        (n_dims,) = struct.unpack_from("<I", mm, pos)
+        pos += 4 + 8 * n_dims + 4  # dims, then the ggml type
+        (offset,) = struct.unpack_from("<Q", mm, pos)
+        pos += 8
+        offsets.append((offset, name))
+    align = int(meta.get("general.alignment", 32) or 32)
+    data_start = -(-pos // align) * align
+    offsets.sort()
+    ends = [o for o, _ in offsets[1:]] + [size - data_start]
+    # Each tensor runs to the next one's start (alignment padding of < 32 bytes included).
+    return meta, {name: end - start for (start, name), end in zip(offsets, ends)}
+
+
+def _string(mm, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", mm, pos)
+    if n > 1 << 24:
+        raise ValueError("string too long")
+    return bytes(mm[pos + 8 : pos + 8 + n]).decode("utf-8"), pos + 8 + n
+
+
+def _value(mm, pos: int, vtype: int) -> tuple[object, int]:
+    if vtype in _SCALARS:
+        fmt = _SCALARS[vtype]
+        return struct.unpack_from(fmt, mm, pos)[0], pos + struct.calcsize(fmt)
+    if vtype == 8:
+        return _string(mm, pos)
+    if vtype == 9:
+        (etype, count) = struct.unpack_from("<IQ", mm, pos)
+        pos += 12
+        if etype in _SCALARS:
+            width = struct.calcsize(_SCALARS[etype])
+            values = list(struct.unpack_from(f"<{count}{_SCALARS[etype][1]}", mm, pos)) if count <= 4096 else None
+            return values, pos + width * count
+        for _ in range(count):  # arrays of strings (the vocabulary) are skipped, not kept
+            _, pos = _value(mm, pos, etype)
+        return None, pos
+    raise ValueError(f"unknown GGUF value type {vtype}")
