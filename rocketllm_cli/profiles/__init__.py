@@ -4,9 +4,14 @@ Importing this package is cheap: torch is imported only when something is measur
 """
 
 from .cache import cache_dir
+from .cost import Projection, TierCost, plan_tier_bytes, project
 from .hardware import HardwareProfile
+from .knobs import Knob, Knobs, resolve_knobs
 from .modelfacts import ModelFacts, parse_param_count
 from .modelpath import model_facts_from_path
 from .records import Capability, Measurement
 
-__all__ = ["Capability", "HardwareProfile", "Measurement", "ModelFacts", "cache_dir", "model_facts_from_path", "parse_param_count"]
+__all__ = [
+    "Capability", "HardwareProfile", "Knob", "Knobs", "Measurement", "ModelFacts", "Projection", "TierCost",
+    "cache_dir", "model_facts_from_path", "parse_param_count", "plan_tier_bytes", "project", "resolve_knobs",
+]

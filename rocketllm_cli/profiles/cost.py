@@ -1,0 +1,113 @@
+"""The cost model: seconds per decode token = sum over tiers of bytes served from it / its measured bandwidth.
+
+Tiers: 'device' (weights resident on the compute device, read at device memory speed),
+'host' (on the CPU the page cache, at page-cache read speed; on a GPU host RAM, at the
+host-to-device copy speed), 'storage' (cold reads of the weights' filesystem).
+A tier with bytes but no measurement makes the total unavailable; nothing is guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .hardware import HardwareProfile
+from .knobs import Knobs
+from .modelfacts import ModelFacts
+
+TIERS = ("device", "host", "storage")
+
+
+@dataclass(frozen=True)
+class TierCost:
+    tier: str
+    bytes: int  # served from this tier per decode token
+    bandwidth_bps: float | None
+    bandwidth: str  # which measurement, in words
+    seconds: float | None
+    available: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Projected seconds per decode token: `serial_seconds` (tiers one after another) and
+    `overlapped_seconds` = max(io, compute), the floor that prefetching can reach."""
+
+    model: str
+    tiers: dict[str, TierCost]
+    serial_seconds: float | None
+    io_seconds: float | None  # host + storage tiers
+    compute_seconds: float | None  # every weight byte read by the forward pass
+    compute_bandwidth: str
+    overlapped_seconds: float | None
+    reason: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.serial_seconds is not None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        best = self.overlapped_seconds or self.serial_seconds
+        return 1.0 / best if best else None
+
+    def to_dict(self) -> dict:
+        doc = asdict(self)
+        doc["tokens_per_second"] = self.tokens_per_second
+        return doc
+
+
+def plan_tier_bytes(model: ModelFacts, knobs: Knobs) -> dict[str, int]:
+    """The default residency split per decode token: the device tier takes what device_cache_bytes allows,
+    the host tier the next host_cache_bytes, storage the rest (a dense model reads every weight per token)."""
+    device = min(model.total_bytes, int(knobs.value("device_cache_bytes") or 0))
+    host = min(model.total_bytes - device, int(knobs.value("host_cache_bytes") or 0))
+    return {"device": device, "host": host, "storage": model.total_bytes - device - host}
+
+
+def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, int]) -> Projection:
+    tiers = {tier: _tier(profile, tier, int(tier_bytes.get(tier, 0))) for tier in TIERS}
+    missing = [t.tier for t in tiers.values() if not t.available]
+    serial = None if missing else sum(t.seconds for t in tiers.values())
+    io = None if {"host", "storage"} & set(missing) else tiers["host"].seconds + tiers["storage"].seconds
+    total = sum(tiers[t].bytes for t in TIERS)
+    rate = profile.matvec_bps()
+    if rate:
+        how = f"decode-shaped matvec in {profile.compute_dtype}, measured ({rate / 1e9:.2f} GB/s of weights)"
+    else:
+        rate = profile.device_memory_bps
+        how = f"device memory copy speed ({rate / 1e9:.2f} GB/s)" if rate else "unavailable: neither matvec nor device memory measured"
+    compute = total / rate if rate else None
+    overlapped = max(io, compute) if io is not None and compute is not None else None
+    reason = f"unmeasured tier(s): {', '.join(missing)}" if missing else ""
+    return Projection(model.name, tiers, serial, io, compute, how, overlapped, reason)
+
+
+def _tier(profile: HardwareProfile, tier: str, nbytes: int) -> TierCost:
+    bps, what, why = _bandwidth(profile, tier)
+    if nbytes == 0:
+        return TierCost(tier, 0, bps, what, 0.0, True, "nothing served from this tier")
+    if not bps:
+        return TierCost(tier, nbytes, None, what, None, False, why)
+    return TierCost(tier, nbytes, bps, what, nbytes / bps, True)
+
+
+def _bandwidth(profile: HardwareProfile, tier: str) -> tuple[float | None, str, str]:
+    """(bytes per second, measurement in words, why unavailable)."""
+    m = profile.measurements
+    if tier == "device":
+        name = "device_memory"
+        what = "host memory copy (the CPU's device memory is RAM)" if profile.is_cpu else f"{profile.compute_device} memory copy"
+    elif tier == "host" and profile.is_cpu:
+        name, what = "page_cache_read", "page-cache read() (a zero-copy mmap path pays about memory speed instead)"
+    elif tier == "host":
+        pinned = m.get("h2d_pinned")
+        name = "h2d_pinned" if pinned is not None and pinned.available else "h2d_pageable"
+        what = f"host-to-device copy, {'pinned' if name == 'h2d_pinned' else 'pageable'}"
+    else:
+        name = "storage_read_direct" if profile.capability("direct_io") else "storage_read"
+        what = f"cold {'O_DIRECT' if name.endswith('direct') else 'buffered'} read of {profile.storage.get('mount_point', '?')} ({profile.storage.get('kind', '?')})"
+    found = m.get(name)
+    if found is None:
+        return None, what, f"{name} was not measured"
+    return found.value_bps, what, found.reason

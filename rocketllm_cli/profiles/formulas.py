@@ -1,0 +1,166 @@
+"""How each knob is derived from the profile and the model: a readable expression and its inputs.
+
+Every derivation returns (expression, inputs); the knob's value IS eval(expression, inputs),
+so a printed knob can always be recomputed from what was printed.
+
+On a CPU the compute device's memory is host RAM: the 'device' tier is weights resident in
+process RAM and the 'host' tier is the page cache holding shard files (mapped zero-copy), so
+both budgets come out of the same free RAM, device first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import ceil, floor
+
+from .hardware import HardwareProfile
+from .modelfacts import ModelFacts
+
+GiB, MiB = 1024**3, 1024**2
+# Parallel reads worth issuing per storage kind: NVMe and network filesystems gain from deep queues,
+# one disk head does not, a virtual disk's medium is unknown (measured: 1 or 2 in flight similar here).
+PARALLEL_READS = {"nvme": 4, "ssd": 2, "network": 4, "rotational": 1, "tmpfs": 1, "overlay": 2, "unknown": 2}
+NAMESPACE = {"min": min, "max": max, "floor": floor, "ceil": ceil, "__builtins__": {}}
+
+
+@dataclass
+class Derivation:
+    formula: str
+    inputs: dict = field(default_factory=dict)
+    source: str = "derived"  # derived | measured | default
+    note: str = ""
+
+
+def evaluate(formula: str, inputs: dict) -> object:
+    """The value of a knob formula for the given inputs (only min/max/floor/ceil and arithmetic)."""
+    return eval(formula, dict(NAMESPACE), dict(inputs))  # noqa: S307 - our own formulas, a closed namespace
+
+
+class Context:
+    """What derivations read: the profile, the model (or None) and the knob values resolved so far."""
+
+    def __init__(self, profile: HardwareProfile, model: ModelFacts | None, values: dict, overridden: set[str]) -> None:
+        self.profile, self.model, self.values, self.overridden = profile, model, values, overridden
+        self.cpu = profile.compute_device == "cpu"
+        # CPU and Apple MPS: the device tier and the host tier are carved out of the same RAM.
+        self.unified = profile.compute_device in ("cpu", "mps")
+        # The compute device's free memory: VRAM on a GPU; RAM on the CPU (and on unified-memory devices).
+        self.device_free = profile.vram_free if profile.vram_free is not None else profile.ram_available
+
+    def kv_per_token(self) -> dict:
+        # ModelFacts gives K and V per token in the compute dtype.
+        return {"kv_bytes_per_token": self.model.kv_bytes_per_token}
+
+
+def reserve_bytes(c: Context) -> Derivation:
+    return Derivation("max(min_reserve_bytes, floor(reserve_fraction * ram_total))",
+                      {"min_reserve_bytes": GiB, "reserve_fraction": 0.10, "ram_total": c.profile.ram_total})
+
+
+def compute_dtype(c: Context) -> Derivation:
+    cap = c.profile.capabilities.get("compute_dtype")
+    if cap is None:
+        return Derivation("'fp32'", {}, "default", "compute dtype capability was not measured")
+    return Derivation("decided_dtype", {"decided_dtype": cap.value}, note=cap.reason)
+
+
+def kv_cache_bytes(c: Context) -> Derivation:
+    share = {"kv_fraction": 0.10, "memory_available": c.device_free, "reserve_bytes": c.values["reserve_bytes"]}
+    if c.model is None or not c.model.kv_bytes_per_token:
+        return Derivation("max(0, floor(kv_fraction * (memory_available - reserve_bytes)))", share, note="no model: a share of free memory (missing kv_bytes_per_token, max_positions)")
+    if "max_context" in c.overridden:
+        return Derivation("max_context * kv_bytes_per_token", {"max_context": c.values["max_context"], **c.kv_per_token()}, note="sized for the max_context override")
+    inputs = {"max_positions": c.model.max_positions, "min_context": 2048, **share, **c.kv_per_token()}
+    return Derivation(
+        "min(max_positions, max(min_context, floor(kv_fraction * (memory_available - reserve_bytes) / kv_bytes_per_token))) * kv_bytes_per_token",
+        inputs, note="10% of free device memory, at least 2048 tokens, at most the model's context",
+    )
+
+
+def max_context(c: Context) -> Derivation:
+    if c.model is None or not c.model.kv_bytes_per_token:
+        return Derivation("None", {}, note="needs a model (missing kv_bytes_per_token, max_positions): pass --model")
+    return Derivation("min(max_positions, kv_cache_bytes // kv_bytes_per_token)",
+                      {"max_positions": c.model.max_positions, "kv_cache_bytes": c.values["kv_cache_bytes"], **c.kv_per_token()})
+
+
+def io_workers(c: Context) -> Derivation:
+    kind = str(c.profile.capability("storage_kind") or "unknown")
+    return Derivation("max(1, min(parallel_reads, cpu_cores // 2))",
+                      {"storage_kind": kind, "parallel_reads": PARALLEL_READS.get(kind, 2), "cpu_cores": c.profile.cpu_cores},
+                      note="reads compete with compute for cores: at most half of them")
+
+
+def prefetch_depth(c: Context) -> Derivation:
+    storage = c.profile.storage_read_bps
+    compute = c.profile.matvec_bps(c.values["compute_dtype"]) or c.profile.device_memory_bps
+    if not storage or not compute:
+        return Derivation("2", {}, "default", "storage or compute bandwidth unmeasured: double buffering")
+    inputs = {"max_depth": 4, "compute_read_bps": round(compute), "storage_read_bps": round(storage)}
+    # Units that compute in the time one unit is read: that many reads in flight keep the reader ahead.
+    formula = "max(1, min(max_depth, ceil(compute_read_bps / storage_read_bps)))"
+    if c.model is None:
+        return Derivation(formula, inputs, note="no model: not limited by buffer memory (missing largest_unit_bytes)")
+    inputs.update(buffer_share=0.25, memory_available=c.device_free, reserve_bytes=c.values["reserve_bytes"],
+                  kv_cache_bytes=c.values["kv_cache_bytes"], largest_unit_bytes=c.model.largest_unit_bytes)
+    formula = ("max(1, min(max_depth, ceil(compute_read_bps / storage_read_bps), "
+               "floor(buffer_share * (memory_available - reserve_bytes - kv_cache_bytes) / largest_unit_bytes) - 2))")
+    return Derivation(formula, inputs, note="buffers limited to a quarter of free memory")
+
+
+def device_cache_bytes(c: Context) -> Derivation:
+    v, p = c.values, c.profile
+    if c.cpu or p.vram_free is None:
+        inputs = {"memory_available": c.device_free, "reserve_bytes": v["reserve_bytes"], "kv_cache_bytes": v["kv_cache_bytes"]}
+        free = "memory_available - reserve_bytes - kv_cache_bytes"
+    else:
+        inputs = {"vram_free": p.vram_free, "vram_total": p.vram_total or 0, "vram_reserve_min_bytes": 512 * MiB,
+                  "vram_reserve_fraction": 0.05, "kv_cache_bytes": v["kv_cache_bytes"]}
+        free = "vram_free - max(vram_reserve_min_bytes, floor(vram_reserve_fraction * vram_total)) - kv_cache_bytes"
+    if c.model is None:
+        return Derivation(f"max(0, {free})", inputs, note="no model: not capped at its size, no streaming buffers (missing total_bytes, largest_unit_bytes)")
+    inputs.update(total_bytes=c.model.total_bytes, prefetch_depth=v["prefetch_depth"], largest_unit_bytes=c.model.largest_unit_bytes)
+    return Derivation(f"max(0, min(total_bytes, {free} - (prefetch_depth + 2) * largest_unit_bytes))", inputs)
+
+
+def host_cache_bytes(c: Context) -> Derivation:
+    v, p = c.values, c.profile
+    inputs = {"ram_available": p.ram_available, "reserve_bytes": v["reserve_bytes"]}
+    if c.unified:  # the same RAM as the device tier: what is left after it
+        inputs.update(kv_cache_bytes=v["kv_cache_bytes"], device_cache_bytes=v["device_cache_bytes"])
+        free = "ram_available - reserve_bytes - kv_cache_bytes - device_cache_bytes"
+    else:
+        free = "ram_available - reserve_bytes"
+    if c.model is None:
+        return Derivation(f"max(0, {free})", inputs, note="no model: not capped at its size (missing total_bytes, largest_unit_bytes)")
+    inputs.update(total_bytes=c.model.total_bytes, device_cache_bytes=v["device_cache_bytes"],
+                  prefetch_depth=v["prefetch_depth"], largest_unit_bytes=c.model.largest_unit_bytes)
+    staging = "(prefetch_depth + 2) * largest_unit_bytes"  # streaming buffers (pinned staging on a GPU)
+    return Derivation(f"max(0, min(total_bytes - device_cache_bytes, {free} - {staging}))", inputs)
+
+
+def direct_io(c: Context) -> Derivation:
+    direct, buffered = c.profile.measurements.get("storage_read_direct"), c.profile.measurements.get("storage_read")
+    if direct and buffered and direct.available and buffered.available:
+        return Derivation("direct_read_bps > buffered_read_bps", {"direct_read_bps": round(direct.value), "buffered_read_bps": round(buffered.value)}, "measured")
+    cap = c.profile.capabilities.get("direct_io")
+    return Derivation("False", {}, "default", cap.reason if cap else "storage was not measured")
+
+
+def pin_memory(c: Context) -> Derivation:
+    pinned = c.profile.measurements.get("h2d_pinned")
+    return Derivation("device_kind == 'cuda' and pinned_copy_measured",
+                      {"device_kind": c.profile.compute_device.split(":")[0], "pinned_copy_measured": bool(pinned and pinned.available)})
+
+
+def prefix_cache(c: Context) -> Derivation:
+    return Derivation("'auto'", {}, "default", "reuse the KV cache when a prompt repeats a cached prefix")
+
+
+# Resolution order: each derivation may read the values resolved before it.
+DERIVATIONS = {
+    "reserve_bytes": reserve_bytes, "compute_dtype": compute_dtype, "kv_cache_bytes": kv_cache_bytes,
+    "max_context": max_context, "io_workers": io_workers, "prefetch_depth": prefetch_depth,
+    "device_cache_bytes": device_cache_bytes, "host_cache_bytes": host_cache_bytes,
+    "direct_io": direct_io, "pin_memory": pin_memory, "prefix_cache": prefix_cache,
+}
