@@ -1,10 +1,49 @@
-"""Placeholder until this command lands."""
+"""rocketllm profile: every knob with its value, formula, inputs and source."""
 
-from ..errors import RocketError
+# No `from __future__ import annotations` here: with_knob_options rebuilds the signature from the
+# annotation objects, and string annotations would lose the options' Typer metadata.
+from ..options import JsonOpt, ModelPathOpt, RefreshOpt, with_knob_options
+from ..output import Output
 
 NAME = "profile"
-HELP = "(not built yet)"
+HELP = """Print every knob: its value, the formula that derived it from the measured hardware, the formula's inputs, and its source.
+
+Overrides (a --<knob> flag, or ROCKETLLM_<NAME> in the environment) are marked [OVERRIDDEN].
+Examples: `rocketllm profile`, `rocketllm profile --model ./shards --prefetch-depth 2`, `rocketllm profile --json`.
+"""
 
 
-def run() -> None:
-    raise RocketError("profile is not built yet")
+@with_knob_options
+def run(
+    model: ModelPathOpt = None,
+    refresh: RefreshOpt = False,
+    json_output: JsonOpt = False,
+    *,
+    knob_flags: dict,
+) -> None:
+    from ..profiles import HardwareProfile, model_facts_from_path, resolve_knobs
+    from ..profiles.knobs import describe_input
+    from ..profiles.redact import redact
+
+    facts = model_facts_from_path(model) if model is not None else None
+    out = Output(as_json=json_output)
+    profile = HardwareProfile.load(storage_path=model, refresh=refresh, log=out.log)
+    knobs = resolve_knobs(profile, facts, flags=knob_flags)
+    if json_output:
+        out.json({
+            "fingerprint": profile.fingerprint, "compute_device": profile.compute_device, "from_cache": profile.from_cache,
+            "tiers": profile.tier_meaning(), "model": facts.to_dict() if facts else None, "knobs": knobs.to_dict(),
+        })
+        return
+    lines = [f"fingerprint {profile.fingerprint} ({'cached' if profile.from_cache else 'measured now'}), compute device {profile.compute_device}",
+             f"tiers: {profile.tier_meaning()}",
+             f"model: {facts.name}" if facts else "model: none (--model PATH sizes the model-dependent knobs)", ""]
+    for knob in knobs.values():
+        mark = " [OVERRIDDEN]" if knob.overridden else ""
+        lines.append(f"{knob.name:<20} {knob.display():>12}  {knob.source}{mark}")
+        lines.append(f"    = {knob.formula}")
+        if knob.inputs:
+            lines.append("    with " + ", ".join(describe_input(k, v) for k, v in knob.inputs.items()))
+        if knob.note:
+            lines.append(f"    ({knob.note})")
+    out.result(redact("\n".join(lines)))

@@ -1,0 +1,124 @@
+"""Render the doctor document as paste-able Markdown: one section per top-level field, same order."""
+
+from __future__ import annotations
+
+from ..sizes import format_bytes
+
+
+def render(doc: dict) -> str:
+    lines = ["# RocketLLM doctor report", ""]
+    for key, (heading, section) in SECTIONS.items():
+        lines += [f"## {heading}", "", *section(doc[key]), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _versions(v: dict) -> list[str]:
+    return [f"- {name}: {value}" for name, value in v.items()]
+
+
+def _cpu(c: dict) -> list[str]:
+    return [f"- model: {c.get('model')}",
+            f"- cores: {c.get('cores_used')} used ({c.get('cores_logical')} logical, {c.get('cores_physical')} physical)",
+            f"- ISA flags that matter: {', '.join(c.get('isa') or []) or 'none found'} (from {c.get('isa_source')})"]
+
+
+def _memory(m: dict) -> list[str]:
+    return [f"- RAM total: {format_bytes(m['ram_total'])}", f"- RAM available now: {format_bytes(m['ram_available'])}"]
+
+
+def _accelerators(a: dict) -> list[str]:
+    lines = [f"- compute device: {a['compute_device']} ({a['reason']})"]
+    for d in a["devices"]:
+        lines.append(f"- {d.get('backend')} {d.get('index')}: {d.get('name')}, {format_bytes(d.get('memory_total'))}, compute capability {d.get('compute_capability', 'n/a')}")
+    for g in a["nvml"]:
+        lines.append(f"- NVML {g.get('index')}: {g.get('name')}, PCIe gen {g.get('pcie_gen')}/{g.get('pcie_gen_max')} x{g.get('pcie_width')}/{g.get('pcie_width_max')}")
+    if a["driver"]:
+        lines.append(f"- driver: {a['driver']}")
+    if a["vram_total"] is not None:
+        lines.append(f"- VRAM: {format_bytes(a['vram_free'])} free of {format_bytes(a['vram_total'])}")
+    return lines
+
+
+def _capabilities(caps: list) -> list[str]:
+    rows = [[c["name"], str(c["value"]), c["fallback_taken"] or "-", c["reason"]] for c in caps]
+    return _table(["capability", "decision", "fallback taken", "why"], rows)
+
+
+def _optional_packages(pkgs: list) -> list[str]:
+    rows = [[p["package"], p["version"] or "missing", "-" if p["installed"] else p["cost_if_missing"]] for p in pkgs]
+    return _table(["package", "installed", "cost of its absence"], rows)
+
+
+def _measurements(ms: list) -> list[str]:
+    rows = []
+    for m in ms:
+        value = _rate(m["value"], m["unit"]) if m["available"] else f"unavailable: {m['reason']}"
+        rows.append([m["name"], value, m["method"], format_bytes(m["bytes_moved"]), f"{m['seconds']:.4f}"])
+    return _table(["measurement", "value", "method", "bytes", "seconds"], rows)
+
+
+def _storage(s: dict) -> list[str]:
+    return [f"- measured in: {s['directory']} (mount {s['mount_point']}, {s['fstype']}, kind {s['kind']})"]
+
+
+def _model(m: dict | None) -> list[str]:
+    if m is None:
+        return ["- none given (--model PATH or --model-size 70B --weight-bits 4 projects the cost per token)"]
+    return [f"- {m['name']} ({m['source']}): {format_bytes(m['total_bytes'])} as {m['dtype']}, {m['num_layers']} layers of up to "
+            f"{format_bytes(m['layer_bytes'])}, largest unit {format_bytes(m['largest_unit_bytes'])}, "
+            f"KV {format_bytes(m['kv_bytes_per_token'])}/token, context {m['max_positions']}"]
+
+
+def _projection(p: dict | None) -> list[str]:
+    if p is None:
+        return ["- no model given"]
+    rows = []
+    for t in p["tiers"].values():
+        seconds = f"{t['seconds']:.4f}" if t["available"] else f"unavailable: {t['reason']}"
+        rows.append([t["tier"], format_bytes(t["bytes"]), _rate(t["bandwidth_bps"], "B/s"), seconds, t["bandwidth"]])
+    lines = _table(["tier", "bytes/token", "bandwidth", "seconds", "measured as"], rows)
+    plan = p["plan"]
+    lines += ["", f"- plan: device_cache_bytes {format_bytes(plan['device_cache_bytes'])}, host_cache_bytes {format_bytes(plan['host_cache_bytes'])}",
+              f"- serial (sum of tiers): {_secs(p['serial_seconds'])}; io (host + storage): {_secs(p['io_seconds'])}",
+              f"- compute: {_secs(p['compute_seconds'])} via {p['compute_bandwidth']}",
+              f"- overlapped max(io, compute): {_secs(p['overlapped_seconds'])}"
+              + (f" -> {p['tokens_per_second']:.3g} tokens/s" if p["tokens_per_second"] else "")]
+    if p["reason"]:
+        lines.append(f"- {p['reason']}")
+    return lines
+
+
+def _environment(e: dict) -> list[str]:
+    lines = [f"- {name}={value}" if value is not None else f"- {name}: unset" for name, value in e["variables"].items()]
+    return lines + [f"- warning: {w}" for w in e["warnings"]]
+
+
+def _profile(p: dict) -> list[str]:
+    cached = "cached" if p["from_cache"] else "measured now"
+    return [f"- fingerprint: {p['fingerprint']} ({cached}; host measured {p['measured_at'].get('host')}, storage {p['measured_at'].get('storage')})",
+            f"- tiers: {p['tiers']}"]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    clean = [[str(cell).replace("|", "\\|") for cell in row] for row in rows]
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in clean)]
+
+
+def _rate(value: float | None, unit: str) -> str:
+    if value is None:
+        return "unavailable"
+    return f"{value / 1e9:.1f} GFLOP/s" if unit == "FLOP/s" else f"{value / 1e9:.2f} GB/s"
+
+
+def _secs(value: float | None) -> str:
+    return "unavailable" if value is None else f"{value:.4f} s"
+
+
+# document field -> (Markdown heading, renderer); the JSON document has exactly these fields
+SECTIONS = {
+    "versions": ("Versions", _versions), "cpu": ("CPU", _cpu), "memory": ("Memory", _memory),
+    "accelerators": ("Accelerators", _accelerators), "capabilities": ("Capability decisions", _capabilities),
+    "optional_packages": ("Optional packages", _optional_packages), "measurements": ("Measured bandwidths", _measurements),
+    "storage": ("Storage", _storage), "model": ("Model", _model), "projection": ("Projected cost per decode token", _projection),
+    "environment": ("Environment", _environment), "profile": ("Profile", _profile),
+}

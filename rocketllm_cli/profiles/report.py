@@ -1,0 +1,89 @@
+"""The doctor report as one document (dict): the --json output, and the source the Markdown is rendered from."""
+
+from __future__ import annotations
+
+import os
+
+from .. import __version__
+from .cost import plan_tier_bytes, project
+from .facts import package_version
+from .hardware import HardwareProfile
+from .knobs import resolve_knobs
+from .modelfacts import ModelFacts
+from .redact import redact, redact_env_value
+
+# (distribution, import name, what its absence costs)
+OPTIONAL_PACKAGES = (
+    ("nvidia-ml-py", "pynvml", "no NVML: GPU driver, PCIe link and live VRAM come from torch only (slower, fewer facts)"),
+    ("py-cpuinfo", "cpuinfo", "CPU ISA flags come from /proc/cpuinfo only: elsewhere bf16 support is unknown and fp32 is used"),
+    ("gguf", "gguf", "cannot shard .gguf checkpoints"),
+    ("accelerate", "accelerate", "cannot build the empty (meta-device) model skeleton: shard and generate fail"),
+    ("fastapi", "fastapi", "no HTTP server: `rocketllm serve` unavailable"),
+    ("uvicorn", "uvicorn", "no HTTP server: `rocketllm serve` unavailable"),
+)
+VERSIONED = ("torch", "transformers", "safetensors", "accelerate", "gguf")
+
+
+def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str | None) -> dict:
+    """Every field of the report; strings are redacted (no home path, user or host name, secrets)."""
+    facts = profile.facts
+    doc = {
+        "versions": {"rocketllm": __version__, "python": facts.get("python"), "os": facts.get("os"),
+                     **{name: package_version(name) or "not installed" for name in VERSIONED}},
+        "cpu": {**facts.get("cpu", {}), "cores_used": profile.cpu_cores},
+        "memory": {"ram_total": profile.ram_total, "ram_available": profile.ram_available},
+        "accelerators": _accelerators(profile),
+        "capabilities": [c.to_dict() for c in profile.capabilities.values()],
+        "optional_packages": [_package(*p) for p in OPTIONAL_PACKAGES],
+        "measurements": [m.to_dict() for m in profile.measurements.values()],
+        "storage": {k: profile.storage.get(k) for k in ("directory", "mount_point", "fstype", "kind")},
+        "model": None,
+        "projection": None,
+        "environment": _environment(profile),
+        "profile": {"fingerprint": profile.fingerprint, "from_cache": profile.from_cache,
+                    "measured_at": profile.measured_at, "tiers": profile.tier_meaning()},
+    }
+    if model is not None:
+        knobs = resolve_knobs(profile, model)
+        tier_bytes = plan_tier_bytes(model, knobs)
+        doc["model"] = {**model.to_dict(), "source": model_source}
+        doc["projection"] = {
+            **project(profile, model, tier_bytes).to_dict(),
+            "plan": {"device_cache_bytes": knobs.value("device_cache_bytes"), "host_cache_bytes": knobs.value("host_cache_bytes")},
+        }
+    return _redacted(doc)
+
+
+def _accelerators(profile: HardwareProfile) -> dict:
+    facts = profile.facts
+    devices = facts.get("accelerators") or []
+    nvml = facts.get("gpus") or []
+    reason = facts.get("device_reason", "")
+    if not devices:
+        reason = f"none: {reason}; NVML: {facts.get('gpus_reason') or 'no GPUs listed'}"
+    return {"compute_device": profile.compute_device, "reason": reason, "devices": devices, "nvml": nvml,
+            "driver": facts.get("driver"), "vram_total": profile.vram_total, "vram_free": profile.vram_free}
+
+
+def _package(dist: str, module: str, cost: str) -> dict:
+    version = package_version(dist)
+    return {"package": dist, "import": module, "installed": version is not None, "version": version, "cost_if_missing": cost}
+
+
+def _environment(profile: HardwareProfile) -> dict:
+    names = sorted(n for n in os.environ if n.startswith("ROCKETLLM_")) + ["PYTORCH_CUDA_ALLOC_CONF"]
+    variables = {n: (redact_env_value(n, os.environ[n]) if n in os.environ else None) for n in names}
+    warnings = []
+    if profile.compute_device.startswith("cuda") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        warnings.append("PYTORCH_CUDA_ALLOC_CONF is unset: set expandable_segments:True so reused layer buffers do not fragment VRAM")
+    return {"variables": variables, "warnings": warnings}
+
+
+def _redacted(value):
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_redacted(v) for v in value]
+    return value

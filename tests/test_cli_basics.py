@@ -1,0 +1,46 @@
+"""Every registered command answers --help; the root answers --version."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from rocketllm_cli import __version__
+from rocketllm_cli.app import app
+
+COMMANDS = [command.name for command in app.registered_commands]
+
+
+def test_the_first_commands_are_registered():
+    assert {"doctor", "profile", "shard", "generate"} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_of_every_command_exits_0(name):
+    result = CliRunner().invoke(app, [name, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["doctor", "profile"])
+def test_help_has_a_usage_example_and_the_shared_options(name):
+    text = CliRunner().invoke(app, [name, "--help"]).stdout
+    assert f"rocketllm {name}" in text and "--json" in text and "--refresh" in text and "--model" in text
+
+
+def test_profile_help_lists_every_knob_flag():
+    from rocketllm_cli.profiles.specs import KNOB_SPECS
+
+    text = CliRunner().invoke(app, ["profile", "--help"], terminal_width=200).stdout
+    for spec in KNOB_SPECS:
+        assert spec.flag in text
+
+
+def test_version():
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"rocketllm {__version__}"
+    done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"rocketllm {__version__}"

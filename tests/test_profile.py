@@ -1,0 +1,193 @@
+"""HardwareProfile: measured once, cached by fingerprint and filesystem, degrading to "unavailable" with a reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from rocketllm_cli.profiles import HardwareProfile, cache_dir
+from rocketllm_cli.profiles import facts, hardware, markdown, report
+from rocketllm_cli.profiles.filesystems import filesystem_of
+
+
+@pytest.fixture(autouse=True)
+def small_probe(monkeypatch):
+    monkeypatch.setenv("ROCKETLLM_PROBE_BYTES", "32MiB")
+
+
+@pytest.fixture
+def profile() -> HardwareProfile:
+    """The session's profile (measured by the first test that asks, cached for the rest)."""
+    return HardwareProfile.load()
+
+
+def _profile_files(fingerprint: str) -> dict[str, int]:
+    where = cache_dir() / "profiles" / fingerprint
+    return {p.name: p.stat().st_mtime_ns for p in where.glob("*.json")}
+
+
+def test_measured_profile_has_every_figure_with_its_method(profile):
+    assert profile.compute_device == "cpu" or profile.compute_device.startswith(("cuda", "xpu", "mps"))
+    assert profile.ram_total >= profile.ram_available > 0 and profile.cpu_cores >= 1
+    for name in ("host_memory", "device_memory", "page_cache_read", "storage_read", "storage_read_direct", "h2d_pinned"):
+        m = profile.measurements[name]
+        assert m.method, name
+        if m.available:
+            assert m.value > 0 and m.bytes_moved > 0 and m.seconds > 0, name
+        else:
+            assert m.value is None and m.reason, name
+    assert profile.host_memory_bps and profile.page_cache_read_bps
+    for name in ("compute_dtype", "pin_memory", "non_blocking", "sdpa", "direct_io", "fadvise_dontneed", "storage_kind"):
+        assert profile.capabilities[name].reason, name
+    assert profile.compute_dtype in ("bf16", "fp16", "fp32")
+    assert profile.capability("storage_kind") in ("nvme", "ssd", "rotational", "network", "tmpfs", "overlay", "unknown")
+
+
+def test_cpu_device_means_host_ram_and_no_host_to_device_copies(profile):
+    if profile.compute_device != "cpu":
+        pytest.skip("CPU-only semantics")
+    assert profile.vram_total is None and profile.vram_free is None and profile.h2d_bps is None
+    assert profile.device_memory_bps == profile.host_memory_bps
+    assert "page cache" in profile.tier_meaning() and "process RAM" in profile.tier_meaning()
+    assert profile.capability("pin_memory") is False
+    dtype = profile.capabilities["compute_dtype"]
+    isa = profile.facts["cpu"]["isa"]
+    assert (dtype.value == "bf16") == any(f in isa for f in ("avx512_bf16", "amx_bf16", "bf16"))
+
+
+def test_second_load_reads_the_cache_and_measures_nothing(profile, monkeypatch):
+    before = _profile_files(profile.fingerprint)
+    assert "host.json" in before and any(name.startswith("fs-") for name in before)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a cached load must not measure")
+
+    monkeypatch.setattr(hardware, "_measure_host", forbidden)
+    monkeypatch.setattr(hardware, "_measure_filesystem", forbidden)
+    again = HardwareProfile.load()
+    assert again.from_cache
+    assert again.measurements == profile.measurements and again.measured_at == profile.measured_at
+    assert _profile_files(profile.fingerprint) == before  # nothing rewritten
+
+
+def test_refresh_measures_again(profile, monkeypatch):
+    where = cache_dir() / "profiles" / profile.fingerprint
+    host_doc = json.loads((where / "host.json").read_text())
+    calls = []
+
+    def fake_host(log):
+        calls.append("host")
+        return {**host_doc, "measured_at": "refreshed"}
+
+    monkeypatch.setattr(hardware, "_measure_host", fake_host)
+    refreshed = HardwareProfile.load(refresh=True)
+    assert calls == ["host"] and refreshed.measured_at["host"] == "refreshed" and not refreshed.from_cache
+    (where / "host.json").write_text(json.dumps(host_doc))  # leave the real measurement for other tests
+
+
+def test_free_memory_is_live_not_cached(profile, monkeypatch):
+    monkeypatch.setattr(hardware, "memory", lambda: (profile.ram_total, 12345))
+    assert HardwareProfile.load().ram_available == 12345
+
+
+def test_corrupt_cache_file_is_remeasured(profile, monkeypatch):
+    where = cache_dir() / "profiles" / profile.fingerprint
+    good = (where / "host.json").read_text()
+    (where / "host.json").write_text("{not json")
+    monkeypatch.setattr(hardware, "_measure_host", lambda log: json.loads(good))
+    assert not HardwareProfile.load().from_cache
+    assert json.loads((where / "host.json").read_text())["compute_device"] == profile.compute_device
+
+
+def test_storage_is_measured_per_filesystem(profile, tmp_path):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or filesystem_of(shm).fstype != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    ram_disk = HardwareProfile.load(storage_path=shm)
+    assert ram_disk.capability("storage_kind") == "tmpfs"
+    assert ram_disk.storage["key"] != profile.storage["key"]
+    assert ram_disk.measurements["host_memory"] == profile.measurements["host_memory"]  # host part shared
+    assert not list(shm.glob(".rocketllm-probe-*")) and not list(cache_dir().glob(".rocketllm-probe-*"))
+
+
+def test_probe_file_lives_beside_the_weights_only_when_it_must(profile, tmp_path):
+    model_dir = tmp_path / "weights"
+    model_dir.mkdir()
+    HardwareProfile.load(storage_path=model_dir / "model.gguf")
+    assert list(model_dir.iterdir()) == []  # same filesystem as the cache: the probe went there, and is gone
+
+
+def test_round_trip_through_dict(profile):
+    doc = json.loads(json.dumps(profile.to_dict()))
+    assert HardwareProfile.from_dict(doc) == profile
+
+
+def test_fingerprint_is_stable_and_holds_no_private_facts():
+    first, second = facts.fingerprint_facts(), facts.fingerprint_facts()
+    assert facts.fingerprint(first) == facts.fingerprint(second)
+    text = json.dumps(first)
+    import socket
+
+    assert socket.gethostname() not in text or len(socket.gethostname()) < 3
+    assert set(first) == {"cpu_model", "cpu_cores", "ram_total_gib", "gpus", "pci_accelerators", "os", "torch"}
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "explicit"))
+    assert cache_dir() == tmp_path / "explicit" and cache_dir().is_dir()
+    monkeypatch.delenv("ROCKETLLM_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "rocketllm"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "rocketllm"
+
+
+def test_cpu_flags_fall_back_when_py_cpuinfo_is_missing_or_raises(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cpuinfo", None)
+    _, source = facts.cpu_flags()
+    assert "py-cpuinfo missing" in source
+    broken = types.ModuleType("cpuinfo")
+    broken.get_cpu_info = lambda: (_ for _ in ()).throw(RuntimeError("odd platform"))
+    monkeypatch.setitem(sys.modules, "cpuinfo", broken)
+    flags, source = facts.cpu_flags()
+    assert "py-cpuinfo failed (RuntimeError)" in source
+    if Path("/proc/cpuinfo").exists() and os.uname().machine == "x86_64":
+        assert "sse4_2" in flags or "avx" in flags
+
+
+def test_probe_without_gpu_nvml_or_cpuinfo_reports_unavailable_with_reasons(monkeypatch, tmp_path):
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setitem(sys.modules, "cpuinfo", None)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bare = HardwareProfile.load(refresh=True)
+    assert bare.compute_device in ("cpu", "mps", "xpu:0")
+    assert bare.facts["gpus_reason"] == "nvidia-ml-py (pynvml) not installed"
+    assert bare.facts["cpu"]["isa_source"].startswith(("/proc/cpuinfo (py-cpuinfo missing)", "unavailable"))
+    text = markdown.render(report.build(bare, None, None))
+    assert "none: " in text and "nvidia-ml-py (pynvml) not installed" in text
+    if bare.compute_device == "cpu":
+        assert bare.measurements["h2d_pinned"].reason and "| h2d_pinned | unavailable: " in text
+
+
+def test_a_device_that_claims_cuda_but_fails_degrades_instead_of_crashing(monkeypatch, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a real CUDA device is present")
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    broken = HardwareProfile.load(refresh=True)
+    assert broken.compute_device == "cuda:0"
+    assert not broken.measurements["device_memory"].available and broken.measurements["device_memory"].reason
+    assert not broken.measurements["h2d_pinned"].available
+    assert broken.compute_dtype == "fp32" and broken.capabilities["compute_dtype"].fallback_taken == "fp32"
+    assert "unavailable: " in markdown.render(report.build(broken, None, None))
