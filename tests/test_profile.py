@@ -191,3 +191,12 @@ def test_a_device_that_claims_cuda_but_fails_degrades_instead_of_crashing(monkey
     assert not broken.measurements["h2d_pinned"].available
     assert broken.compute_dtype == "fp32" and broken.capabilities["compute_dtype"].fallback_taken == "fp32"
     assert "unavailable: " in markdown.render(report.build(broken, None, None))
+
+
+def test_contention_while_measuring_is_recorded_and_reported(profile):
+    assert facts.others_cpu_share((10.0, 1.0, 100.0), (12.0, 2.0, 101.0)) == pytest.approx(min(1.0, 1.0 / (os.cpu_count() or 1)))
+    assert facts.others_cpu_share(None, (1.0, 1.0, 1.0)) is None
+    busy = HardwareProfile.from_dict({**profile.to_dict(), "measured_at": {**profile.measured_at, "host_others_cpu_share": 0.6}})
+    doc = report.build(busy, None, None)
+    assert any("60%" in w and "--refresh" in w for w in doc["profile"]["warnings"])
+    assert "- warning: other processes used 60%" in markdown.render(doc)

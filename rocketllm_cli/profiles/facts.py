@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import sys
+import time
 from importlib import metadata
 
 from .nvml import driver_version, nvml_gpus
@@ -145,6 +146,25 @@ def collect_facts() -> dict:
         "gpus_reason": gpu_reason,
         "driver": driver_version(),
     }
+
+
+def cpu_snapshot() -> tuple[float, float, float] | None:
+    """(busy CPU-seconds of the whole machine, CPU-seconds of this process, wall time), or None without /proc/stat."""
+    fields = _read_lines("/proc/stat")[:1]
+    if not fields or not fields[0].startswith("cpu "):
+        return None
+    ticks = [int(x) for x in fields[0].split()[1:]]
+    busy = sum(ticks[:3]) + sum(ticks[5:8])  # user nice system + irq softirq steal (idle and iowait excluded)
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system + own.children_user + own.children_system, time.monotonic()
+
+
+def others_cpu_share(before: tuple | None, after: tuple | None) -> float | None:
+    """Share of all CPUs that other processes (and the hypervisor's steal) used between two snapshots."""
+    if before is None or after is None or after[2] <= before[2]:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return round(max(0.0, min(1.0, others / ((after[2] - before[2]) * (os.cpu_count() or 1)))), 3)
 
 
 def _cgroup_cpu_quota() -> int | None:

@@ -18,13 +18,14 @@ from . import capabilities as caps
 from . import measure
 from .cache import cache_dir, profile_dir, read_json, write_json
 from .devices import choose_device, device_memory, torch_accelerators
-from .facts import collect_facts, fingerprint, fingerprint_facts, memory, usable_cores
+from .facts import collect_facts, cpu_snapshot, fingerprint, fingerprint_facts, memory, others_cpu_share, usable_cores
 from .filesystems import filesystem_of
 from .records import Capability, Measurement
 from .redact import redact
 from .storage import measure_storage, probe_bytes
 
 Log = Callable[[str], None]
+BUSY_SHARE = 0.25  # other processes using this share of the CPUs while measuring make the figures suspect
 
 
 @dataclass
@@ -79,7 +80,8 @@ class HardwareProfile:
             measurements={k: Measurement.from_dict(v) for k, v in {**host["measurements"], **disk["measurements"]}.items()},
             capabilities={k: Capability.from_dict(v) for k, v in {**host["capabilities"], **disk["capabilities"]}.items()},
             storage={**disk["filesystem"], "directory": str(fs.directory)},
-            measured_at={"host": host["measured_at"], "storage": disk["measured_at"]},
+            measured_at={"host": host["measured_at"], "storage": disk["measured_at"],
+                         "host_others_cpu_share": host.get("others_cpu_share"), "storage_others_cpu_share": disk.get("others_cpu_share")},
             from_cache=from_cache,
         )
 
@@ -158,7 +160,7 @@ class HardwareProfile:
 
 
 def _measure_host(log: Log) -> dict:
-    start = time.perf_counter()
+    start, busy = time.perf_counter(), cpu_snapshot()
     log("measuring this machine once (memory, compute; cached afterwards)")
     facts = collect_facts()
     device, device_reason = choose_device()
@@ -179,8 +181,16 @@ def _measure_host(log: Log) -> dict:
         "vram_total": _guarded(lambda: device_memory(device)[0], lambda why: None),
         "measurements": {k: m.to_dict() for k, m in found.items()},
         "capabilities": {k: c.to_dict() for k, c in decided.items()},
-        "measured_at": _now(), "seconds": round(time.perf_counter() - start, 3),
+        "measured_at": _now(), "seconds": round(time.perf_counter() - start, 3), "others_cpu_share": _contention(busy, log),
     }
+
+
+def _contention(before, log: Log) -> float | None:
+    """Other processes' share of the CPUs while measuring: a busy machine measures low, and the figure is cached."""
+    share = others_cpu_share(before, cpu_snapshot())
+    if share is not None and share >= BUSY_SHARE:
+        log(f"warning: other processes used {share:.0%} of the CPUs while measuring; figures may be low (--refresh when idle)")
+    return share
 
 
 def _guarded(call, fallback):
@@ -192,7 +202,7 @@ def _guarded(call, fallback):
 
 
 def _measure_filesystem(fs, log: Log) -> dict:
-    start = time.perf_counter()
+    start, busy = time.perf_counter(), cpu_snapshot()
     # The probe file goes in the cache dir when it shares the filesystem (never litter a model directory),
     # else beside the weights.
     directories = [fs.directory]
@@ -205,6 +215,7 @@ def _measure_filesystem(fs, log: Log) -> dict:
         "measurements": {k: m.to_dict() for k, m in found.items()},
         "capabilities": {k: c.to_dict() for k, c in decided.items()},
         "measured_at": _now(), "seconds": round(time.perf_counter() - start, 3), "cacheable": cacheable,
+        "others_cpu_share": _contention(busy, log),
     }
 
 

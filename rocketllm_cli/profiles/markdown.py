@@ -96,7 +96,7 @@ def _environment(e: dict) -> list[str]:
 def _profile(p: dict) -> list[str]:
     cached = "cached" if p["from_cache"] else "measured now"
     return [f"- fingerprint: {p['fingerprint']} ({cached}; host measured {p['measured_at'].get('host')}, storage {p['measured_at'].get('storage')})",
-            f"- tiers: {p['tiers']}"]
+            f"- tiers: {p['tiers']}", *(f"- warning: {w}" for w in p["warnings"])]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -7,7 +7,7 @@ import os
 from .. import __version__
 from .cost import plan_tier_bytes, project
 from .facts import package_version
-from .hardware import HardwareProfile
+from .hardware import BUSY_SHARE, HardwareProfile
 from .knobs import resolve_knobs
 from .modelfacts import ModelFacts
 from .redact import redact, redact_env_value
@@ -41,7 +41,7 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
         "projection": None,
         "environment": _environment(profile),
         "profile": {"fingerprint": profile.fingerprint, "from_cache": profile.from_cache,
-                    "measured_at": profile.measured_at, "tiers": profile.tier_meaning()},
+                    "measured_at": profile.measured_at, "tiers": profile.tier_meaning(), "warnings": _busy_warnings(profile)},
     }
     if model is not None:
         knobs = resolve_knobs(profile, model)
@@ -52,6 +52,16 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
             "plan": {"device_cache_bytes": knobs.value("device_cache_bytes"), "host_cache_bytes": knobs.value("host_cache_bytes")},
         }
     return _redacted(doc)
+
+
+def _busy_warnings(profile: HardwareProfile) -> list[str]:
+    warnings = []
+    for part in ("host", "storage"):
+        share = profile.measured_at.get(f"{part}_others_cpu_share")
+        if share is not None and share >= BUSY_SHARE:
+            warnings.append(f"other processes used {share:.0%} of the CPUs while the {part} figures were measured: "
+                            "they may be low; rerun with --refresh on an idle machine")
+    return warnings
 
 
 def _accelerators(profile: HardwareProfile) -> dict:
