@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -24,7 +25,8 @@ KNOB_PANEL = "Knobs (derived from the measured hardware unless set; ROCKETLLM_<N
 def with_knob_options(func):
     """Add one --<knob-name> option per knob to a command; they reach it as `knob_flags` (name -> raw text)."""
     sig = inspect.signature(func)
-    params = [p for p in sig.parameters.values() if p.name != "knob_flags"]
+    hints = typing.get_type_hints(func, include_extras=True)  # resolves string annotations, keeps typer's metadata
+    params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != "knob_flags"]
     for spec in KNOB_SPECS:
         option = typer.Option(spec.flag, *spec.flags, help=f"{spec.help} [{spec.accepted()}]", rich_help_panel=KNOB_PANEL, show_default=False)
         params.append(
