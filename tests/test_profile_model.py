@@ -53,8 +53,18 @@ def test_hf_directory_facts_match_the_checkpoint(tiny_checkpoint):
     assert facts.num_layers == layers and facts.layer_bytes == max(per_layer)
     assert facts.non_layer_bytes == sum(sizes.values()) - sum(per_layer)
     assert facts.largest_unit_bytes >= facts.layer_bytes
-    assert facts.kv_bytes_per_token == layers * 2 * config.get("num_key_value_heads", heads) * head_dim * 2
+    itemsize = 4 if config.get("torch_dtype", config.get("dtype")) == "float32" else 2  # KV in the stored dtype
+    assert facts.kv_bytes_per_token == layers * 2 * config.get("num_key_value_heads", heads) * head_dim * itemsize
     assert facts.max_positions == config["max_position_embeddings"]
+
+
+def test_shard_directory_and_its_source_give_the_same_facts(tiny_checkpoint, tmp_path):
+    from rocketllm_cli.core.sharder import shard
+
+    _, directory, _ = shard(tiny_checkpoint, out=tmp_path / "shards", dtype="auto", progress=None, log=lambda m: None)
+    assert (directory / "manifest.json").is_file()
+    source, shards = model_facts_from_path(tiny_checkpoint), model_facts_from_path(directory)
+    assert shards == source
 
 
 def test_the_decoder_is_the_largest_stack_not_the_vision_tower(tmp_path):

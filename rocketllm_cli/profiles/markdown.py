@@ -66,7 +66,7 @@ def _model(m: dict | None) -> list[str]:
         return ["- none given (--model PATH or --model-size 70B --weight-bits 4 projects the cost per token)"]
     return [f"- {m['name']} ({m['source']}): {format_bytes(m['total_bytes'])} as {m['dtype']}, {m['num_layers']} layers of up to "
             f"{format_bytes(m['layer_bytes'])}, largest unit {format_bytes(m['largest_unit_bytes'])}, "
-            f"KV {format_bytes(m['kv_bytes_per_token'])}/token, context {m['max_positions']}"]
+            f"KV {format_bytes(m['kv_bytes_per_token'])}/token, context {m['max_positions']}", f"- note: {m['note']}"]
 
 
 def _projection(p: dict | None) -> list[str]:

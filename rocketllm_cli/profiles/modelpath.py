@@ -19,7 +19,8 @@ from .redact import redact
 # a repeated stack: "<prefix>.<index>.<rest>", e.g. model.layers.3.mlp..., transformer.h.3..., blk.3...
 _STACK = re.compile(r"^(?P<prefix>(?:.*\.)?(?:layers|h|blocks|block|blk))\.(?P<index>\d+)\.")
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-KV_BYTES = 2  # K and V kept in a 16-bit compute dtype
+# K and V are kept in the compute dtype; like the engine, assume it is the stored dtype (16-bit for quantized weights).
+KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def model_facts_from_path(path: Path) -> ModelFacts:
@@ -63,7 +64,8 @@ def _from_manifest(path: Path) -> ModelFacts:
         raise ModelError(f"{path.name}/manifest.json lists no decoder layers")
     config = _config(path / "config.json") if (path / "config.json").is_file() else doc.get("config", {})
     total = sum(b for _, b in units.values())
-    return _build(path.name, total, layers, max(b for _, b in units.values()), config, _DTYPES.get(doc.get("dtype", ""), doc.get("dtype", "")))
+    name = (doc.get("source") or {}).get("name") or path.name
+    return _build(name, total, layers, max(b for _, b in units.values()), config, _DTYPES.get(doc.get("dtype", ""), doc.get("dtype", "")))
 
 
 def _from_gguf(path: Path) -> ModelFacts:
@@ -121,7 +123,7 @@ def _build(name: str, total: int, layers: list[int], largest: int, config: dict,
         layer_bytes=max(layers),
         largest_unit_bytes=int(largest),
         non_layer_bytes=int(total - sum(layers)),
-        kv_bytes_per_token=int(num_layers * 2 * kv_heads * head_dim * KV_BYTES),
+        kv_bytes_per_token=int(num_layers * 2 * kv_heads * head_dim * KV_BYTES.get(dtype, 2)),
         max_positions=int(positions),
         dtype=dtype or "unknown",
     )

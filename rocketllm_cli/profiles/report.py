@@ -46,12 +46,19 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
     if model is not None:
         knobs = resolve_knobs(profile, model)
         tier_bytes = plan_tier_bytes(model, knobs)
-        doc["model"] = {**model.to_dict(), "source": model_source}
+        doc["model"] = {**model.to_dict(), "source": model_source, "note": _model_note(model)}
         doc["projection"] = {
             **project(profile, model, tier_bytes).to_dict(),
             "plan": {"device_cache_bytes": knobs.value("device_cache_bytes"), "host_cache_bytes": knobs.value("host_cache_bytes")},
         }
     return _redacted(doc)
+
+
+def _model_note(model: ModelFacts) -> str:
+    notes = ["bytes only: per-layer framework overhead is not in the projection (`bench` shows measured next to projected)"]
+    if model.dtype.startswith("gguf"):
+        notes.insert(0, "sizes as stored in the GGUF; shards dequantized to 16 bits are larger: run doctor on the shard directory for streamed sizes")
+    return "; ".join(notes)
 
 
 def _busy_warnings(profile: HardwareProfile) -> list[str]:
