@@ -1,7 +1,7 @@
 """rocketllm profile: every knob with its value, formula, inputs and source."""
 
-# No `from __future__ import annotations` here: with_knob_options rebuilds the signature from the
-# annotation objects, and string annotations would lose the options' Typer metadata.
+from __future__ import annotations
+
 from ..options import JsonOpt, ModelPathOpt, RefreshOpt, with_knob_options
 from ..output import Output
 
