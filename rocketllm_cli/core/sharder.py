@@ -89,6 +89,11 @@ def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[st
             if want is not None and want != got:
                 raise ModelError(f"tensor {found} has shape {list(got)} but the config expects {list(want)} (config and weights disagree)")
             mapping[name] = found
+    if missing and any(".experts." in m for m in missing):
+        raise ModelError(
+            f"{model.config.model_type}: mixture-of-experts checkpoints (experts stored per expert, fused in the model) "
+            "cannot be sharded by this version yet; use a dense model"
+        )
     if missing:
         raise ModelError(
             f"checkpoint lacks {len(missing)} tensors this {model.config.model_type} model needs (e.g. {missing[0]}); "
