@@ -147,6 +147,14 @@ def _load_config(path: Path):
     try:
         return AutoConfig.from_pretrained(path)
     except (ValueError, KeyError) as exc:
+        if "does not recognize this architecture" in str(exc):  # transformers' advice is a paragraph: name the type instead
+            import transformers
+
+            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+            raise ModelError(
+                f"unsupported architecture {model_type!r}: transformers {transformers.__version__} does not know this model_type; "
+                "upgrade transformers or use a supported model"
+            ) from None
         raise ModelError(f"{path}/config.json: cannot be used ({' '.join(str(exc).split())[:200]})") from None
     except (OSError, json.JSONDecodeError):
         raise ModelError(f"{path}/config.json: unreadable or not valid JSON") from None
