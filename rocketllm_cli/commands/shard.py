@@ -31,15 +31,15 @@ def run(
     json: JsonOpt = False,
 ) -> None:
     from ..core.manifest import MANIFEST, Manifest
-    from ..core.sharder import DTYPE_NAMES, shard, verify as verify_dir
+    from ..core.sharder import DTYPE_NAMES, _summary, shard, verify as verify_dir
 
     if dtype != "auto" and dtype not in DTYPE_NAMES:
         raise ShardError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
     output = Output(as_json=json)
     path = Path(model).expanduser()
     if path.is_dir() and (path / MANIFEST).is_file():
-        manifest, directory, summary = Manifest.load(path), path, {"reused": True}
-        summary.update({"units": len(manifest.units), "layers": len(manifest.layers), "bytes": manifest.total_bytes, "dtype": manifest.dtype})
+        manifest, directory = Manifest.load(path), path
+        summary = {"reused": True, **_summary(manifest, 0.0)}  # the same fields as a fresh or reused run from a source
     else:
         manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log)
     problems = verify_dir(directory) if verify else []
