@@ -45,13 +45,14 @@ def test_shard_then_stream_peak_memory(big):
     assert largest < weights / 8, "the fixture must be much larger than any one unit"
     # The sharder holds one unit (plus one tensor in flight), never the checkpoint.
     added = sharding["peak"] - sharding["baseline"]
-    assert added < 2 * largest + 64 * MB, f"sharding added {added / MB:.0f} MB; largest unit {largest / MB:.0f} MB, checkpoint {weights / MB:.0f} MB"
+    assert added < 2 * largest + 64 * MB, f"sharding added {added / MB:.0f} MB; largest unit {largest / MB:.0f} MB, checkpoint {weights / MB:.0f} MB; {sharding}"
 
     depth = 2
     streaming = _probe("generate", str(source), str(shards), str(depth))
     # Nothing resident: the bound the engine promises is its streaming buffers plus a fixed allowance.
     bound = (depth + 2) * largest + 600 * MB
-    assert streaming["peak"] < bound, f"peak {streaming['peak'] / MB:.0f} MB >= bound {bound / MB:.0f} MB"
+    # Sampled RSS, not ru_maxrss: Linux carries the parent's (pytest's) high-water mark into a child across exec.
+    assert streaming["peak"] < bound, f"peak {streaming['peak'] / MB:.0f} MB >= bound {bound / MB:.0f} MB; {streaming}"
     served = streaming["per_token_served"]
     assert served["device"] == 0 and served["host"] == 0
     assert served["storage"] >= manifest.total_bytes  # every unit came from storage each token
