@@ -22,6 +22,7 @@ from rocketllm_cli.core.sharder import shard
 
 PROMPT = "Hello"
 NEW = 8
+SEED = 7  # weights of this module's own tiny model: no other test's shards of it sit in the session cache
 
 
 def invoke(*args, input: str | None = None, env: dict | None = None):
@@ -35,10 +36,15 @@ def generate_json(model, *args, prompt: str = PROMPT) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_checkpoint):
+def tiny_model(tiny_factory) -> Path:
+    return tiny_factory("llama", seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
     """Greedy text from plain transformers on the source checkpoint: the answer every path must give."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
     def ids(prompt: str = PROMPT, chat: bool = False) -> torch.Tensor:
         if chat:
@@ -58,9 +64,9 @@ def plain(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def shards(tiny_checkpoint) -> Path:
+def shards(tiny_model) -> Path:
     """The tiny model sharded where generate looks for it (the session cache), so later runs reuse it."""
-    _, directory, _ = shard(tiny_checkpoint, log=lambda m: None)
+    _, directory, _ = shard(tiny_model, log=lambda m: None)
     return directory
 
 
@@ -72,8 +78,8 @@ def resident(shards, plain) -> dict:
     return doc
 
 
-def test_pipeline_stdout_is_only_the_generated_text(tiny_checkpoint, shards, resident, plain):
-    cli = [sys.executable, "-m", "rocketllm_cli", "generate", str(tiny_checkpoint), "--raw", "-n", str(NEW)]
+def test_pipeline_stdout_is_only_the_generated_text(tiny_model, shards, resident, plain):
+    cli = [sys.executable, "-m", "rocketllm_cli", "generate", str(tiny_model), "--raw", "-n", str(NEW)]
     done = subprocess.run(["bash", "-c", 'echo "Hello" | "$@"', "sh", *cli], env={**os.environ, "PYTHONIOENCODING": "utf-8"},
                           capture_output=True, timeout=180)
     assert done.returncode == 0, done.stderr.decode()
@@ -132,10 +138,10 @@ def test_sampling_with_a_seed_repeats(shards):
     assert first["text"] == second["text"] and first["new_tokens"] >= 1
 
 
-def test_python_api_is_transformers_generate(tiny_checkpoint, shards, plain):
+def test_python_api_is_transformers_generate(tiny_model, shards, plain):
     from rocketllm import AutoModel
 
-    model = AutoModel.from_pretrained(tiny_checkpoint, device_cache_bytes=0)
+    model = AutoModel.from_pretrained(tiny_model, device_cache_bytes=0)
     try:
         assert model.directory == shards  # found the shards made earlier instead of sharding again
         assert model.device == torch.device("cpu") and model.tokenizer is not None
@@ -190,6 +196,14 @@ def test_bad_input_is_one_error_line_and_writes_nothing(case, tiny_checkpoint, t
     line = _one_error_line(result)
     assert says in line, line
     assert not [p for p in cache.rglob("*") if p.is_file()] and not (cache / "shards").exists()  # no shards, no profile
+
+
+def test_an_unparseable_number_is_a_usage_error(tiny_model, tmp_path):
+    cache = tmp_path / "cache"
+    result = invoke(tiny_model, PROMPT, "-n", "abc", env={"ROCKETLLM_CACHE": str(cache)})
+    assert result.exit_code == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert "Invalid value for" in result.stderr and "--max-new-tokens" in result.stderr
+    assert not cache.exists()
 
 
 def test_prompt_longer_than_the_context_is_refused(shards, tiny_factory):
