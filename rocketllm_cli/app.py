@@ -63,4 +63,19 @@ _register()
 
 
 def main() -> None:
-    app()
+    """Console entry point: usage errors become one line too (exit 2), like every other error."""
+    import sys
+
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:
+        print("error: interrupted", file=sys.stderr)
+        code = 130
+    except typer.TyperException as exc:  # Typer's usage errors: bad option, missing argument, unknown command
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            exc.show()  # a bare command asks for its help
+        else:
+            where = f"; see '{exc.ctx.command_path} --help'" if getattr(exc, "ctx", None) else ""
+            print(f"error: {' '.join(exc.format_message().split()).rstrip('.')}{where}", file=sys.stderr)
+        code = getattr(exc, "exit_code", 2)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -52,7 +52,8 @@ def validate_knob_flags(flags: dict) -> None:
     from .profiles.specs import KNOBS_BY_NAME
 
     for name, raw in flags.items():
-        KNOBS_BY_NAME[name].parse(raw, origin=KNOBS_BY_NAME[name].flag)
+        spec = KNOBS_BY_NAME[name]
+        spec.parse(raw, origin="/".join((spec.flag, *spec.flags)))
     for spec in KNOB_SPECS:
         if spec.env in os.environ:
             spec.parse(os.environ[spec.env], origin=spec.env)

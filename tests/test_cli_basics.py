@@ -44,3 +44,16 @@ def test_version():
     assert result.exit_code == 0 and result.stdout.strip() == f"rocketllm {__version__}"
     done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == f"rocketllm {__version__}"
+
+
+def test_usage_errors_are_one_line_with_exit_2():
+    """The console script (not only CliRunner) turns Typer's usage errors into one `error:` line."""
+    import subprocess
+    import sys
+
+    for args in (["generate", "x", "-n", "abc"], ["bogus"], ["generate", "x", "--bogus"]):
+        done = subprocess.run([sys.executable, "-m", "rocketllm_cli", *args], capture_output=True, text=True, timeout=60)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2, (args, done.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], (args, done.stderr)
+        assert "Traceback" not in done.stderr and done.stdout == ""

@@ -31,7 +31,7 @@ def run(
     json: JsonOpt = False,
 ) -> None:
     from ..core.manifest import MANIFEST, Manifest
-    from ..core.sharder import DTYPE_NAMES, _summary, shard, verify as verify_dir
+    from ..core.sharder import DTYPE_NAMES, summarize, shard, verify as verify_dir
 
     if dtype != "auto" and dtype not in DTYPE_NAMES:
         raise ShardError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
@@ -39,7 +39,7 @@ def run(
     path = Path(model).expanduser()
     if path.is_dir() and (path / MANIFEST).is_file():
         manifest, directory = Manifest.load(path), path
-        summary = {"reused": True, **_summary(manifest, 0.0)}  # the same fields as a fresh or reused run from a source
+        summary = {"reused": True, **summarize(manifest, 0.0)}  # the same fields as a fresh or reused run from a source
     else:
         manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log)
     problems = verify_dir(directory) if verify else []
@@ -55,4 +55,5 @@ def run(
         if verify:
             output.result("verify: ok, every file matches the manifest" if not problems else "verify: FAILED")
     if problems:
-        raise ShardError(f"{len(problems)} shard files do not match the manifest ({problems[0]}); re-run `rocketllm shard` on the source model")
+        count = "1 shard file does" if len(problems) == 1 else f"{len(problems)} shard files do"
+        raise ShardError(f"{count} not match the manifest ({problems[0]}); re-run `rocketllm shard` on the source model")

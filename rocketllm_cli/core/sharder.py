@@ -8,12 +8,14 @@ that loads, and a rerun resumes from the journal.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -143,7 +145,7 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
     if out is None:
         found = find_existing(located, dtype)
         if found is not None:
-            return found[0], found[1], {"reused": True, **_summary(found[0], 0.0)}
+            return found[0], found[1], {"reused": True, **summarize(found[0], 0.0)}
     source = open_source(located)
     try:
         return _shard(source, out, dtype, progress, log, started)
@@ -157,11 +159,39 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     fingerprint = source.fingerprint()
     existing = _reusable(final, fingerprint, dtype)
     if existing is not None:
-        return existing, final, {"reused": True, **_summary(existing, 0.0)}
-
+        return existing, final, {"reused": True, **summarize(existing, 0.0)}
+    # Everything that can refuse the input does so before anything is written.
     model = build_meta_model(source.config)
     layout = discover(model)
     mapping = map_names(source, model, layout)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(final.parent / f".{final.name}.lock", log):
+        existing = _reusable(final, fingerprint, dtype)  # another process may have finished it while we waited
+        if existing is not None:
+            return existing, final, {"reused": True, **summarize(existing, 0.0)}
+        return _write(source, final, dtype, model, layout, mapping, progress, log, started)
+
+
+@contextmanager
+def _exclusive(lock_path: Path, log):
+    """One sharder per target at a time: a second process waits, then finds the finished set and reuses it.
+
+    The lock file is removed after a successful run only: a waiter still holding the old file then
+    re-checks and finds the complete set; after a failure it stays, so no two writers ever meet.
+    """
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"another rocketllm is sharding into {lock_path.parent}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+        lock_path.unlink(missing_ok=True)
+
+
+def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mapping: dict[str, str], progress, log,
+           started: float) -> tuple[Manifest, Path, dict]:
+    fingerprint = source.fingerprint()
     target = DTYPE_NAMES[dtype]
     expected = {n: _out_dtype(source.shapes[s][1], target) for n, s in mapping.items()}
     need = sum(_numel(source.shapes[mapping[n]][0]) * dt.itemsize for n, dt in expected.items())
@@ -207,7 +237,7 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     os.rename(partial, final)
     _fsync_dir(final.parent)
     log(f"sharded {source.name}: {len(units)} units, {format_bytes(written_bytes)} in {manifest.seconds:.1f} s -> {final}")
-    return manifest, final, {"reused": False, **_summary(manifest, manifest.seconds)}
+    return manifest, final, {"reused": False, **summarize(manifest, manifest.seconds)}
 
 
 def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tensor], mapping: dict[str, str]) -> UnitRecord:
@@ -315,7 +345,7 @@ def _numel(shape) -> int:
     return n
 
 
-def _summary(manifest: Manifest, seconds: float) -> dict:
+def summarize(manifest: Manifest, seconds: float) -> dict:
     total = manifest.total_bytes
     return {
         "units": len(manifest.units),
