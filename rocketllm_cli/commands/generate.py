@@ -34,25 +34,44 @@ def run(
     chat: Annotated[Optional[bool], typer.Option("--chat/--raw", help="Apply the chat template (default when the tokenizer has one).", show_default=False)] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print speed, bytes per tier, peak RSS and the residency plan to stderr.")] = False,
+    batch: Annotated[bool, typer.Option("--batch", help="One prompt per stdin line, generated as one batch; one output line per prompt, in order (newlines in outputs written as \\n).")] = False,
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
-    from ..core.textgen import SamplingParams, check_context, encode_prompt, generate_text
+    from ..core.textgen import SamplingParams, check_context, encode_prompt, generate_batch, generate_text
 
     output = Output(as_json=json)
     params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed)
     validate_knob_flags(knob_flags or {})
+    if batch and prompt not in (None, "-"):
+        raise RocketError("--batch reads one prompt per line from stdin; do not pass PROMPT as well")
     text = _read_prompt(prompt)
+    prompts = [line for line in text.splitlines() if line.strip()] if batch else [text]
 
     from ..core.auto import AutoModel
 
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
     try:
-        ids = encode_prompt(streamed.tokenizer, text, chat, system)
-        check_context(ids.shape[1], params.max_new_tokens, int(streamed.knobs.value("max_context")))
-        result = generate_text(streamed, ids, params, on_text=None if json else output.stream)
+        ids = [encode_prompt(streamed.tokenizer, p, chat, system) for p in prompts]
+        for one in ids:
+            check_context(one.shape[1], params.max_new_tokens, int(streamed.knobs.value("max_context")))
+        if batch:
+            results = generate_batch(streamed, ids, params)
+        else:
+            result = generate_text(streamed, ids[0], params, on_text=None if json else output.stream)
     finally:
         streamed.close()
+    if batch:
+        if json:
+            output.json({"model": model, "results": [{k: v for k, v in r.to_dict().items() if k != "stats"} for r in results],
+                         "stats": results[0].stats})
+        else:
+            for r in results:
+                output.stream(r.text.replace("\\", "\\\\").replace("\n", "\\n") + "\n")
+        if stats:
+            total_new = sum(r.new_tokens for r in results)
+            output.log(format_stats(results[0].stats, sum(r.prompt_tokens for r in results), total_new))
+        return
     if json:
         output.json({**result.to_dict(), "model": model})
         return
@@ -79,7 +98,10 @@ def format_stats(stats: dict, prompt_tokens: int, new_tokens: int) -> str:
     witnessed = stats.get("storage_bytes_per_token_witnessed")
     return "\n".join([
         f"tokens: {prompt_tokens} prompt, {new_tokens} generated; time to first token {stats.get('time_to_first_token_s')} s",
-        f"decode: {stats.get('per_token_ms')} ms/token ({stats.get('decode_tokens_per_s')} tok/s) on {stats.get('device')} in {stats.get('compute_dtype')}",
+        (f"decode: {stats.get('per_token_ms')} ms per step of a batch of {stats['batch']} "
+         f"({stats['batch'] * (stats.get('decode_tokens_per_s') or 0):.2f} tok/s) on {stats.get('device')} in {stats.get('compute_dtype')}"
+         if stats.get("batch") else
+         f"decode: {stats.get('per_token_ms')} ms/token ({stats.get('decode_tokens_per_s')} tok/s) on {stats.get('device')} in {stats.get('compute_dtype')}"),
         f"bytes per token: {tiers or 'n/a'}; storage read witnessed {format_bytes(witnessed) if witnessed is not None else 'n/a'}",
         f"peak RSS: {format_bytes(stats.get('peak_rss_bytes'))}",
         stats.get("residency", ""),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class Step:
     seconds: float = 0.0
     served: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     witnessed_storage: int | None = None  # read_bytes delta over the pass (prefetch for the next pass included)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: read (IO threads), wait (compute thread blocked on IO)
 
 
 class Ledger:
@@ -36,6 +38,7 @@ class Ledger:
         self.steps: list[Step] = []
         self._t0 = 0.0
         self._io0: int | None = None
+        self._lock = threading.Lock()
 
     def begin(self, tokens: int) -> None:
         step = Step(tokens)
@@ -47,6 +50,13 @@ class Ledger:
     def serve(self, tier: str, nbytes: int) -> None:
         if self.steps:
             self.steps[-1].served[tier] += nbytes
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        """Time spent in a phase during the current pass; IO threads call this too."""
+        with self._lock:
+            if self.steps:
+                phases = self.steps[-1].phases
+                phases[phase] = phases.get(phase, 0.0) + seconds
 
     def end(self) -> None:
         if not self.steps:
@@ -76,4 +86,6 @@ class Ledger:
             witnessed = [s.witnessed_storage for s in decode if s.witnessed_storage is not None]
             out["per_token_storage_witnessed"] = sum(witnessed) // len(witnessed) if witnessed else None
             out["per_token_seconds"] = sum(s.seconds for s in decode) / n
+            names = sorted({p for s in decode for p in s.phases})
+            out["per_token_phase_seconds"] = {p: sum(s.phases.get(p, 0.0) for s in decode) / n for p in names}
         return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,8 +113,10 @@ class WeightStore:
         if tier == "host" and not self.cuda:
             slot, views = None, self._host_views[name]
         else:
+            waited = time.perf_counter()
             future = self._pending.pop(name, None)
             slot = future.result() if future is not None else self._fill(self._take_slot(), name)
+            self.ledger.add_time("wait", time.perf_counter() - waited)
             if slot.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(slot.ready)
             views = self._views(unit, slot.device if self.cuda else slot.host)
@@ -191,6 +194,11 @@ class WeightStore:
         return slot
 
     def _read(self, unit: UnitRecord, into: torch.Tensor, evict: bool) -> None:
+        started = time.perf_counter()
+        self._read_file(unit, into, evict)
+        self.ledger.add_time("read", time.perf_counter() - started)
+
+    def _read_file(self, unit: UnitRecord, into: torch.Tensor, evict: bool) -> None:
         path = self.directory / unit.file
         direct = self.direct_io and into.data_ptr() % ALIGN == 0 and into.numel() >= _round_up(unit.bytes)
         try:

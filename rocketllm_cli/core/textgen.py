@@ -123,10 +123,7 @@ def generate_text(model, prompt_ids: torch.Tensor, params: SamplingParams, on_te
     if params.seed is not None:
         torch.manual_seed(params.seed)
     streamer = _Streamer(tokenizer, on_text)
-    pad = model.generation_config.pad_token_id
-    if pad is None:
-        eos = model.generation_config.eos_token_id
-        pad = eos[0] if isinstance(eos, list) else eos
+    pad = _pad_id(model)
     model.ledger.reset()
     start = time.perf_counter()
     with torch.inference_mode():
@@ -140,6 +137,68 @@ def generate_text(model, prompt_ids: torch.Tensor, params: SamplingParams, on_te
     return GenerationResult(text, int(prompt_ids.shape[1]), len(new_ids), new_ids, collect_stats(model, streamer.times, start, total))
 
 
+def generate_batch(model, prompts: list[torch.Tensor], params: SamplingParams) -> list[GenerationResult]:
+    """Generate for several prompts in one batch: every streaming pass serves all sequences.
+
+    Prompts are left-padded so new tokens line up; results come back in input order.
+    """
+    tokenizer = model.tokenizer
+    if params.seed is not None:
+        torch.manual_seed(params.seed)
+    pad = _pad_id(model)
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - p.shape[1] :] = p[0]
+        mask[row, width - p.shape[1] :] = 1
+    streamer = _Streamer(tokenizer, None)
+    model.ledger.reset()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=params.max_new_tokens,
+                             streamer=_BatchTimer(streamer), pad_token_id=pad, **params.generate_kwargs())
+    total = time.perf_counter() - start
+    stats = collect_stats(model, streamer.times, start, total)
+    stats["batch"] = len(prompts)
+    eos = _eos_ids(model)
+    results = []
+    for row, p in enumerate(prompts):
+        new = out[row, width:].tolist()
+        cut = next((i for i, t in enumerate(new) if t in eos), None)
+        new = new[: cut + 1] if cut is not None else new  # what a lone run would have stopped at
+        results.append(GenerationResult(tokenizer.decode(new, skip_special_tokens=True), int(p.shape[1]), len(new), new, stats))
+    return results
+
+
+class _BatchTimer:
+    """Timestamps each generation step of a batch (transformers' streamers take batch size 1 only)."""
+
+    def __init__(self, streamer: _Streamer) -> None:
+        self.streamer = streamer
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:
+            self.streamer.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def _pad_id(model) -> int:
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = _eos_ids(model)[0] if _eos_ids(model) else 0
+    return int(pad)
+
+
+def _eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
 def collect_stats(model, times: list[float], start: float, total: float) -> dict:
     gaps = [b - a for a, b in zip(times, times[1:])]
     ledger = model.ledger.summary()
@@ -150,6 +209,7 @@ def collect_stats(model, times: list[float], start: float, total: float) -> dict
         "total_s": round(total, 3),
         "bytes_per_token": ledger.get("per_token_served"),
         "storage_bytes_per_token_witnessed": ledger.get("per_token_storage_witnessed"),
+        "phase_seconds_per_token": ledger.get("per_token_phase_seconds"),
         "prefill": ledger.get("prefill"),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "residency": model.plan.describe(model.manifest),
