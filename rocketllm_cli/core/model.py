@@ -47,13 +47,26 @@ class EngineConfig:
             raise KnobError(f"bad io_workers {self.io_workers}: must be >= 1")
 
 
-@dataclass(frozen=True)
 class Binding:
-    module: nn.Module
-    attr: str
-    tensor: str  # key in the unit's tensor dict
-    is_buffer: bool
-    placeholder: torch.Tensor | None
+    """One (module, attribute) a unit's tensor is bound to; remembers the last Parameter it made."""
+
+    __slots__ = ("module", "attr", "tensor", "is_buffer", "placeholder", "_source", "_param")
+
+    def __init__(self, module: nn.Module, attr: str, tensor: str, is_buffer: bool, placeholder: torch.Tensor | None) -> None:
+        self.module, self.attr, self.tensor, self.is_buffer, self.placeholder = module, attr, tensor, is_buffer, placeholder
+        self._source: torch.Tensor | None = None
+        self._param: nn.Parameter | None = None
+
+    def bind(self, t: torch.Tensor) -> None:
+        if self.is_buffer:
+            self.module._buffers[self.attr] = t
+            return
+        if t is not self._source:  # persistent views (host tier on CPU) reuse their Parameter every token
+            self._source, self._param = t, nn.Parameter(t, requires_grad=False)
+        self.module._parameters[self.attr] = self._param
+
+    def unbind(self) -> None:
+        (self.module._buffers if self.is_buffer else self.module._parameters)[self.attr] = self.placeholder
 
 
 class StreamingModel:
@@ -126,7 +139,7 @@ class StreamingModel:
 
         def hook(module, args, output):
             for b in group:
-                (b.module._buffers if b.is_buffer else b.module._parameters)[b.attr] = b.placeholder
+                b.unbind()
             store.release(unit)
 
         return hook
@@ -173,11 +186,7 @@ class StreamingModel:
 
 def _assign(group: list[Binding], tensors: dict[str, torch.Tensor]) -> None:
     for b in group:
-        t = tensors[b.tensor]
-        if b.is_buffer:
-            b.module._buffers[b.attr] = t
-        else:
-            b.module._parameters[b.attr] = nn.Parameter(t, requires_grad=False)
+        b.bind(tensors[b.tensor])
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

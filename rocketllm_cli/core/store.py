@@ -40,6 +40,7 @@ class WeightStore:
                  compute_dtype: torch.dtype, prefetch_depth: int, io_workers: int, direct_io: bool, pin_memory: bool) -> None:
         self.directory = directory
         self.units = {u.name: u for u in manifest.units}
+        self.sizes = {u.name: u.tensor_bytes for u in manifest.units}
         self.plan = plan
         self.ledger = ledger
         self.device = device
@@ -59,7 +60,9 @@ class WeightStore:
         self._max_slots = max(1, prefetch_depth) + 1
         self._pending: dict[str, Future] = {}
         self._held: dict[str, tuple[Slot | None, int, dict[str, torch.Tensor]]] = {}
-        self._pool = ThreadPoolExecutor(max(1, io_workers), thread_name_prefix="rocketllm-io") if prefetch_depth > 0 and streamed else None
+        # Host-tier units on a CPU are served through their mapping: only units read per use need IO threads.
+        reads = [u for u in streamed if plan.tier[u.name] == "storage" or self.cuda]
+        self._pool = ThreadPoolExecutor(max(1, io_workers), thread_name_prefix="rocketllm-io") if prefetch_depth > 0 and reads else None
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.schedule: list[str] = [u.name for u in streamed]
         self._order: list[str] = []
@@ -109,7 +112,7 @@ class WeightStore:
         tier = self.plan.tier[name]
         self._order.append(name)
         self._pos = self._locate(name)
-        self.ledger.serve(tier, unit.tensor_bytes)
+        self.ledger.serve(tier, self.sizes[name])
         if tier == "host" and not self.cuda:
             slot, views = None, self._host_views[name]
         else:

@@ -142,7 +142,18 @@ def host_cache_bytes(c: Context) -> Derivation:
 def direct_io(c: Context) -> Derivation:
     direct, buffered = c.profile.measurements.get("storage_read_direct"), c.profile.measurements.get("storage_read")
     if direct and buffered and direct.available and buffered.available:
-        return Derivation("direct_read_bps > buffered_read_bps", {"direct_read_bps": round(direct.value), "buffered_read_bps": round(buffered.value)}, "measured")
+        # Cost per byte: wall time plus, where compute shares the CPU, the CPU time the read itself uses.
+        shared = 1 if c.profile.compute_device == "cpu" else 0
+        inputs = {
+            "direct_seconds": direct.seconds, "direct_cpu_seconds": direct.cpu_seconds, "direct_bytes": direct.bytes_moved,
+            "buffered_seconds": buffered.seconds, "buffered_cpu_seconds": buffered.cpu_seconds, "buffered_bytes": buffered.bytes_moved,
+            "cpu_shared": shared,
+        }
+        return Derivation(
+            "(direct_seconds + cpu_shared * direct_cpu_seconds) / direct_bytes <= (buffered_seconds + cpu_shared * buffered_cpu_seconds) / buffered_bytes",
+            inputs, "measured",
+            note="O_DIRECT wins ties: it skips the page-cache copy and never evicts the resident set",
+        )
     cap = c.profile.capabilities.get("direct_io")
     return Derivation("False", {}, "default", cap.reason if cap else "storage was not measured")
 

@@ -17,6 +17,7 @@ class Measurement:
     available: bool = True
     reason: str = ""
     unit: str = "B/s"
+    cpu_seconds: float = 0.0  # process CPU time the measurement used (a read's cost to compute that shares the cores)
 
     @classmethod
     def unavailable(cls, name: str, method: str, reason: str, unit: str = "B/s") -> "Measurement":

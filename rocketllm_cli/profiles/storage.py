@@ -11,7 +11,6 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..sizes import format_bytes, parse_bytes
@@ -20,7 +19,6 @@ from .records import Capability, Measurement
 
 DEFAULT_PROBE_BYTES = 256 * 1024**2  # ~1 s of writing and reading on a 2-core VM disk
 CHUNK = 16 * 1024**2  # buffered reads: large, so syscall cost vanishes
-DIRECT_CHUNK = 8 * 1024**2  # O_DIRECT requests: 4096-aligned offset, length and buffer
 ALIGN = 4096
 MIN_PROBE_BYTES = 1024**2  # below this, timer resolution and readahead dominate the figure
 
@@ -70,11 +68,12 @@ def _measure_file(path: Path, size: int, fs: Filesystem, caps: dict, log) -> tup
 
     evicted = _evict(path)
     io_before = _io_read_bytes()
-    n, seconds = _buffered_read(path)
+    n, seconds, cpu = _unit_reads(path, size, direct=False)
     delta = None if io_before is None else _io_read_bytes() - io_before
     cold_ok, witness = _cold_verdict(fs, size, delta, seconds, warm[1], evicted)
-    method = f"sequential read() in 16 MiB chunks after posix_fadvise(DONTNEED); {witness}"
-    out["storage_read"] = Measurement("storage_read", n / seconds if cold_ok else None, method, n, seconds, cold_ok, "" if cold_ok else witness)
+    method = f"{UNIT_READS} after posix_fadvise(DONTNEED), each unit evicted after its read; {witness}"
+    out["storage_read"] = Measurement("storage_read", n / seconds if cold_ok else None, method, n, seconds, cold_ok,
+                                      "" if cold_ok else witness, cpu_seconds=round(cpu, 4))
     can_evict = cold_ok and evicted is None and fs.kind != "tmpfs"
     caps["fadvise_dontneed"] = Capability(
         "fadvise_dontneed", can_evict, None if can_evict else "none: streamed units stay in the page cache until the kernel evicts them", witness,
@@ -83,15 +82,29 @@ def _measure_file(path: Path, size: int, fs: Filesystem, caps: dict, log) -> tup
     direct = _direct_read(path, size)
     out["storage_read_direct"] = direct
     if direct.available and out["storage_read"].available:
-        faster = direct.value > out["storage_read"].value
+        buffered = out["storage_read"]
+        faster = direct_io_wins(direct, buffered, cpu_shared=True)
         caps["direct_io"] = Capability(
             "direct_io", faster, None if faster else "buffered reads + POSIX_FADV_DONTNEED",
-            f"O_DIRECT {direct.value / 1e9:.2f} GB/s vs buffered cold {out['storage_read'].value / 1e9:.2f} GB/s",
+            f"O_DIRECT {direct.value / 1e9:.2f} GB/s using {direct.cpu_seconds / direct.seconds:.2f} cores vs buffered cold "
+            f"{buffered.value / 1e9:.2f} GB/s using {buffered.cpu_seconds / buffered.seconds:.2f} cores "
+            "(cost per byte = 1/bandwidth + CPU seconds per byte, since reads share the cores with compute)",
         )
     else:
         why = direct.reason or out["storage_read"].reason
         caps["direct_io"] = Capability("direct_io", False, "buffered reads + POSIX_FADV_DONTNEED", why)
     return out, caps
+
+
+def direct_io_wins(direct: Measurement, buffered: Measurement, cpu_shared: bool) -> bool:
+    """O_DIRECT or buffered+evict, by cost per byte: wall time, plus the CPU time the read steals when compute
+    runs on the same cores (a buffered read copies every byte out of the page cache; O_DIRECT lets the device DMA)."""
+    return read_cost(direct, cpu_shared) <= read_cost(buffered, cpu_shared)
+
+
+def read_cost(m: Measurement, cpu_shared: bool) -> float:
+    """Seconds per byte of a cold read."""
+    return (m.seconds + (m.cpu_seconds if cpu_shared else 0.0)) / max(1, m.bytes_moved)
 
 
 def _write_probe(path: Path, size: int) -> None:
@@ -116,36 +129,38 @@ def _buffered_read(path: Path) -> tuple[int, float]:
         return total, max(time.perf_counter() - start, 1e-9)
 
 
-def _direct_read(path: Path, size: int) -> Measurement:
-    name, best = "storage_read_direct", None
-    if not hasattr(os, "O_DIRECT"):
-        return Measurement.unavailable(name, "O_DIRECT", "this OS has no O_DIRECT")
-    for in_flight in (1, 2):
-        _evict(path)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except OSError as exc:
-            return Measurement.unavailable(name, "O_DIRECT", f"open(O_DIRECT) refused: {exc.strerror or exc}")
-        try:
-            bufs = [mmap.mmap(-1, DIRECT_CHUNK) for _ in range(in_flight)]  # anonymous maps are page-aligned
-            offsets = list(range(0, size, DIRECT_CHUNK))
+UNIT = 16 * 1024**2
+UNIT_READS = "one open + one pread per 16 MiB unit, units in sequence (as the engine streams shard files)"
 
-            def worker(i: int) -> int:
-                return sum(os.preadv(fd, [bufs[i]], off) for off in offsets[i::in_flight])
 
-            start = time.perf_counter()
-            with ThreadPoolExecutor(in_flight) as pool:
-                n = sum(pool.map(worker, range(in_flight)))
-            seconds = max(time.perf_counter() - start, 1e-9)
-        except OSError as exc:
-            return Measurement.unavailable(name, "O_DIRECT", f"O_DIRECT read failed: {exc.strerror or exc}")
+def _unit_reads(path: Path, size: int, direct: bool) -> tuple[int, float, float]:
+    """Read the file the way the engine reads shards: one unit at a time, one request per unit.
+
+    Returns (bytes, seconds, process CPU seconds)."""
+    buf = mmap.mmap(-1, UNIT)  # page-aligned, as O_DIRECT needs
+    total = 0
+    start, cpu = time.perf_counter(), time.process_time()
+    for offset in range(0, size, UNIT):
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            total += os.preadv(fd, [memoryview(buf)[: min(UNIT, size - offset)]], offset)
+            if not direct:
+                os.posix_fadvise(fd, offset, UNIT, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        if best is None or seconds < best[1]:
-            best = (n, seconds, in_flight)
-    n, seconds, in_flight = best
-    method = f"O_DIRECT preadv() of 8 MiB aligned requests, {in_flight} in flight (best of 1 and 2)"
-    return Measurement(name, n / seconds, method, n, seconds)
+    return total, max(time.perf_counter() - start, 1e-9), time.process_time() - cpu
+
+
+def _direct_read(path: Path, size: int) -> Measurement:
+    name = "storage_read_direct"
+    if not hasattr(os, "O_DIRECT"):
+        return Measurement.unavailable(name, "O_DIRECT", "this OS has no O_DIRECT")
+    _evict(path)
+    try:
+        n, seconds, cpu = _unit_reads(path, size, direct=True)
+    except OSError as exc:
+        return Measurement.unavailable(name, "O_DIRECT", f"O_DIRECT read refused or failed: {exc.strerror or exc}")
+    return Measurement(name, n / seconds, f"O_DIRECT: {UNIT_READS}", n, seconds, cpu_seconds=round(cpu, 4))
 
 
 def _cold_verdict(fs: Filesystem, size: int, delta: int | None, cold_s: float, warm_s: float, evict_error: str | None) -> tuple[bool, str]:
