@@ -183,15 +183,17 @@ class WeightStore:
 
     def _fill(self, slot: Slot, name: str) -> Slot:
         unit = self.units[name]
+        if self.cuda and slot.free_after is not None:
+            # The GPU may still be running the last unit from this slot (and its copy from slot.host):
+            # the CPU must not overwrite either buffer before that work is done.
+            slot.free_after.synchronize()
         if self.plan.tier[name] == "host":  # CUDA: pinned copy already in RAM
             source = self._host[name]
         else:
             self._read(unit, slot.host, evict=True)
             source = slot.host
         if self.cuda:
-            with torch.cuda.stream(self._copy_stream):
-                if slot.free_after is not None:
-                    self._copy_stream.wait_event(slot.free_after)
+            with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
                 slot.device[: unit.bytes].copy_(source[: unit.bytes], non_blocking=True)
                 slot.ready = self._copy_stream.record_event()
         return slot
