@@ -53,9 +53,9 @@ def _root(
 
 
 def _register() -> None:
-    from .commands import doctor, generate, profile, shard
+    from .commands import bench, doctor, generate, profile, shard
 
-    for module in (doctor, profile, shard, generate):
+    for module in (doctor, profile, shard, generate, bench):
         app.command(name=module.NAME, help=module.HELP, no_args_is_help=getattr(module, "NO_ARGS_IS_HELP", False))(_guarded(module.run))
 
 

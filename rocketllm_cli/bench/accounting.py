@@ -1,0 +1,81 @@
+"""Measured next to projected next to the physical limit, per row.
+
+projected = the cost model (profiles.cost.project) on the bytes per tier the ledger measured:
+            max(io, compute) with io = host bytes / page-cache bandwidth + storage bytes / storage bandwidth
+            and compute = all bytes / measured matvec bandwidth.
+limit     = max(io, compute floor): io of each weight byte once (the plan's unique bytes per tier: a tied
+            embedding served twice counts once), and the compute floor is a *measured* per-token time of
+            the same model with nothing streaming (the faster of our resident regime and plain transformers;
+            for the resident row itself, plain transformers when it ran, else the cost model's compute). efficiency = limit / measured median.
+"""
+
+from __future__ import annotations
+
+
+def projection(profile, facts, tier_bytes: dict[str, int]) -> dict:
+    from ..profiles import project
+
+    p = project(profile, facts, tier_bytes)
+    return {
+        "tiers": {t: {"bytes": c.bytes, "bandwidth_bps": c.bandwidth_bps, "bandwidth": c.bandwidth, "seconds": c.seconds}
+                  for t, c in p.tiers.items()},
+        "io_seconds": p.io_seconds, "compute_seconds": p.compute_seconds, "compute_bandwidth": p.compute_bandwidth,
+        "compute_bandwidth_bps": profile.matvec_bps() or profile.device_memory_bps,
+        "serial_seconds": p.serial_seconds, "overlapped_seconds": p.overlapped_seconds, "reason": p.reason,
+    }
+
+
+def projected_ms(proj: dict) -> float | None:
+    best = proj["overlapped_seconds"] if proj["overlapped_seconds"] is not None else proj["serial_seconds"]
+    return None if best is None else 1000 * best
+
+
+def compute_floor(regime: str, measured: dict[tuple[str, str], float], proj: dict) -> tuple[float | None, str]:
+    """(seconds, basis in words): the time a token needs with no bytes to wait for."""
+    ours = measured.get(("rocketllm", "resident"))
+    plain = measured.get(("transformers", "resident"))
+    if regime == "resident":
+        if plain is not None:
+            return plain, "compute = plain transformers resident, measured"
+        return proj["compute_seconds"], "compute = all bytes / measured matvec bandwidth (no baseline ran)"
+    if ours is not None or plain is not None:
+        if plain is not None and (ours is None or plain < ours):
+            return plain, "compute = plain transformers resident, measured"
+        return ours, "compute = our resident regime, measured"
+    return proj["compute_seconds"], "compute = all bytes / measured matvec bandwidth (resident regime did not run)"
+
+
+def limit(regime: str, measured: dict, proj: dict, unique: dict | None) -> tuple[float | None, str]:
+    """Overlap-aware physical limit in seconds per token, and how it was formed."""
+    floor, basis = compute_floor(regime, measured, proj)
+    io = proj["io_seconds"]
+    if unique is not None and io is not None:
+        tiers = proj["tiers"]
+        io = sum(unique.get(t, 0) / tiers[t]["bandwidth_bps"] for t in ("host", "storage") if unique.get(t))
+    if floor is None or io is None:
+        return None, "unavailable: " + (proj["reason"] or "no compute figure")
+    bound = "io" if io > floor else "compute"
+    return max(io, floor), f"max(io {1000 * io:.1f} ms, {basis} {1000 * floor:.1f} ms): {bound}-bound"
+
+
+def finish_rows(rows: list[dict], profile, facts) -> None:
+    """Fill projected/limit/efficiency into every measured row, and speed-ups of ours over each baseline."""
+    measured = {(r["name"], r["regime"]): r["ms_per_token"]["median"] / 1000 for r in rows if r["status"] == "measured"}
+    ours = {r["regime"]: r for r in rows if r["name"] == "rocketllm" and r["status"] == "measured"}
+    for row in rows:
+        if row["status"] != "measured":
+            continue
+        same = ours.get(row["regime"]) or row  # baselines are judged on the bytes our plan for the same budget serves
+        tier_bytes = same.get("bytes_per_token") or {}
+        proj = projection(profile, facts, tier_bytes) if tier_bytes else None
+        row["projection"] = proj
+        row["projected_ms"] = round(projected_ms(proj), 2) if proj and projected_ms(proj) is not None else None
+        bound, how = limit(row["regime"], measured, proj, same.get("unique_bytes_per_tier")) if proj else (None, "no bytes per tier")
+        row["limit_ms"] = round(1000 * bound, 2) if bound is not None else None
+        row["limit_basis"] = how
+        row["efficiency"] = round(bound / measured[(row["name"], row["regime"])], 3) if bound else None
+    for regime, row in ours.items():
+        row["speedup"] = {
+            r["name"]: round(r["ms_per_token"]["median"] / row["ms_per_token"]["median"], 2)
+            for r in rows if r["regime"] == regime and r["name"] != "rocketllm" and r["status"] == "measured"
+        }

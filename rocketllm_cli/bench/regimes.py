@@ -1,0 +1,85 @@
+"""The three regimes as knob overrides, and one measured RocketLLM row per regime.
+
+resident - device_cache_bytes covers the whole model: every weight bound once, nothing streams.
+host     - nothing resident; every unit in the host tier (on CPU: the page cache through mmap).
+storage  - nothing resident, no host tier: every token's bytes come from storage, evicted after each read.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from ..core.plan import TIERS
+from ..sizes import format_bytes
+from .timing import WARMUP, fixed_prompt, timed_generate
+
+REGIMES = ("resident", "host", "storage")
+REGIME_KNOBS = ("device_cache_bytes", "host_cache_bytes")
+RAM_SHARE = 0.8  # a regime that holds the whole model in RAM needs it to fit in this share of available RAM
+
+
+def regime_overrides(regime: str, total_bytes: int) -> dict[str, int]:
+    huge = 2 * total_bytes + (1 << 30)
+    return {
+        "resident": {"device_cache_bytes": huge, "host_cache_bytes": 0},
+        "host": {"device_cache_bytes": 0, "host_cache_bytes": huge},
+        "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0},
+    }[regime]
+
+
+def skip_reason(regime: str, total_bytes: int, ram_available: int) -> str | None:
+    """Why a regime cannot run on this machine (the model must fit in RAM to be resident or page-cached)."""
+    if regime == "storage" or total_bytes <= RAM_SHARE * ram_available:
+        return None
+    where = "resident" if regime == "resident" else "in the page cache"
+    return (f"the model ({format_bytes(total_bytes)}) does not fit {where} in {RAM_SHARE:.0%} of the "
+            f"{format_bytes(ram_available)} RAM available")
+
+
+def read_method(knobs) -> str:
+    return "O_DIRECT" if knobs.value("direct_io") else "buffered read + POSIX_FADV_DONTNEED"
+
+
+def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: dict, log) -> dict:
+    """Load MODEL in `regime`, generate, and return the measured row (the ledger's figures over the measured steps)."""
+    from ..core.auto import AutoModel
+
+    overrides = regime_overrides(regime, _total_bytes(model_path))
+    streamed = AutoModel.from_pretrained(model_path, flags=flags, log=log, **overrides)
+    try:
+        ids = fixed_prompt(streamed.tokenizer, prompt_tokens)
+        timing = timed_generate(streamed, ids, tokens, pad_token_id=_pad(streamed))
+        steps = streamed.ledger.steps[1 + WARMUP :]  # steps[0] is the prefill pass
+        n = max(1, len(steps))
+        served = {t: sum(s.served[t] for s in steps) // n for t in TIERS}
+        witnessed = [s.witnessed_storage for s in steps if s.witnessed_storage is not None]
+        phases = sorted({p for s in steps for p in s.phases})
+        return {
+            "name": "rocketllm", "regime": regime, "status": "measured", "reason": "",
+            "ttft_ms": round(1000 * timing.ttft_s, 1), "ms_per_token": timing.summary(),
+            "bytes_per_token": served,
+            "unique_bytes_per_tier": streamed.plan.bytes_per_tier(streamed.manifest),  # each weight once: the limit's bytes
+            "storage_witnessed_per_token": sum(witnessed) // len(witnessed) if witnessed else timing.storage_bytes,
+            "phase_ms_per_token": {p: round(1000 * sum(s.phases.get(p, 0.0) for s in steps) / n, 2) for p in phases},
+            "read_method": read_method(streamed.knobs) if served["storage"] else None,
+            "residency": streamed.plan.to_dict(), "residency_text": streamed.plan.describe(streamed.manifest),
+            "knobs": {k: streamed.knobs.value(k) for k in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers",
+                                                           "direct_io", "compute_dtype")},
+            "_facts": streamed.facts, "_profile": streamed.profile,
+        }
+    finally:
+        streamed.close()
+        del streamed
+        gc.collect()
+
+
+def _total_bytes(model_path) -> int:
+    from ..core.manifest import Manifest
+
+    return Manifest.load(model_path).total_bytes
+
+
+def _pad(model) -> int | None:
+    config = model.generation_config
+    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    return pad[0] if isinstance(pad, list) else pad

@@ -1,0 +1,172 @@
+"""One bench run: shard (or reuse), each regime, each baseline where it means something, the batch sweep; one document."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UsageError
+from .baselines import BASELINES, REGIMES_OF, run_baseline
+from .regimes import REGIME_KNOBS, REGIMES, read_method, regime_overrides, run_regime, skip_reason
+from .timing import WARMUP, fixed_prompt
+
+
+@dataclass
+class BenchRequest:
+    model: str | None = None
+    synthetic: str | None = None
+    regimes: tuple[str, ...] = ()  # empty: every regime, or storage alone for a batch sweep
+    tokens: int = 8
+    prompt_tokens: int = 16
+    baselines: tuple[str, ...] = ()
+    batch: tuple[int, ...] = ()
+    knob_flags: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.synthetic is None):
+            raise UsageError("give MODEL or --synthetic ARCH:SIZE (one of them)")
+        if self.tokens < 1:
+            raise UsageError(f"--tokens must be at least 1 (got {self.tokens})")
+        if self.prompt_tokens < 1:
+            raise UsageError(f"--prompt-tokens must be at least 1 (got {self.prompt_tokens})")
+        for regime in self.regimes:
+            if regime not in REGIMES:
+                raise UsageError(f"bad --regime {regime!r}: expected resident, host, storage or all")
+        for name in self.baselines:
+            if name not in BASELINES:
+                raise UsageError(f"bad --baseline {name!r}: expected one of {', '.join(BASELINES)}")
+        for n in self.batch:
+            if n < 1:
+                raise UsageError(f"--batch sizes must be at least 1 (got {n})")
+        if self.batch and len(self.regimes) > 1:
+            raise UsageError("--batch measures one regime: pass --regime resident, host or storage (default storage)")
+        if not self.regimes:
+            self.regimes = ("storage",) if self.batch else REGIMES
+
+
+def run_bench(req: BenchRequest, log) -> dict:
+    from ..core.auto import ensure_shards
+    from ..profiles import cache_dir
+    from .report import hardware_line, load_average
+    from .sources import hf_checkpoint, synthetic_checkpoint
+
+    load = {"before": load_average()}
+    source = str(synthetic_checkpoint(req.synthetic, log)) if req.synthetic else req.model
+    manifest, shards = ensure_shards(source, log=log)
+    flags = dict(req.knob_flags)
+    for name in REGIME_KNOBS:
+        if flags.pop(name, None) is not None:
+            log(f"warning: --{name.replace('_', '-')} is set by each regime; the flag is ignored")
+
+    rows: list[dict] = []
+    residency: dict[str, dict] = {}
+    profile = facts = None
+    ram = _ram_available()
+    hf_dir, no_hf = (None, "")
+    if req.baselines:
+        hf_dir, no_hf = hf_checkpoint(source, manifest, log)
+    work = cache_dir() / "bench" / "work"
+    dtype = None
+    for regime in () if req.batch else req.regimes:
+        why = skip_reason(regime, manifest.total_bytes, ram)
+        if why:
+            log(f"{regime}: skipped, {why}")
+            rows.append({"name": "rocketllm", "regime": regime, "status": "skipped", "reason": why})
+            continue
+        log(f"{regime}: measuring RocketLLM ({req.tokens} tokens after {WARMUP} warm-up)")
+        row = run_regime(shards, regime, req.tokens, req.prompt_tokens, flags, log)
+        profile, facts = row.pop("_profile"), row.pop("_facts")
+        dtype = row["knobs"]["compute_dtype"]
+        residency[regime] = row["residency"]
+        rows.append(row)
+        for name in req.baselines:
+            if regime not in REGIMES_OF[name]:
+                continue
+            if hf_dir is None:
+                rows.append({"name": name, "regime": regime, "status": "skipped", "reason": no_hf})
+                continue
+            log(f"{regime}: measuring baseline {name}")
+            rows.append(run_baseline(name, regime, hf_dir, _torch_dtype(dtype), req.tokens, req.prompt_tokens, work, log))
+    batch = None
+    if req.batch:
+        regime = req.regimes[0]
+        batch, profile, facts = run_batch(shards, regime, req, flags, log)
+    if profile is None:
+        profile, facts = _profile_and_facts(shards, manifest)
+    from .accounting import finish_rows
+
+    finish_rows(rows, profile, facts)
+    load["after"], load["cores"] = load_average(), profile.cpu_cores
+    return {
+        "hardware": hardware_line(profile), "profile": {"fingerprint": profile.fingerprint, "summary": hardware_line(profile),
+                                                       "compute_device": profile.compute_device, "tiers": profile.tier_meaning()},
+        "model": {"name": req.synthetic or Path(req.model).name, "total_bytes": manifest.total_bytes, "dtype": manifest.dtype,
+                  "num_layers": len(manifest.layers), "synthetic": req.synthetic},
+        "tokens": req.tokens, "prompt_tokens": req.prompt_tokens, "warmup": WARMUP, "load": load,
+        "residency": residency, "rows": rows, "batch": batch,
+    }
+
+
+def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log) -> tuple[dict, object, object]:
+    """Throughput vs batch size N in one regime: each step of a batch of N is one streaming pass."""
+    from ..core.auto import AutoModel
+    from ..core.textgen import SamplingParams, generate_batch
+    from .timing import percentile
+
+    manifest_total = _total(shards)
+    streamed = AutoModel.from_pretrained(shards, flags=flags, log=log, **regime_overrides(regime, manifest_total))
+    rows = []
+    try:
+        base = fixed_prompt(streamed.tokenizer, req.prompt_tokens + max(req.batch))
+        new = 1 + WARMUP + req.tokens
+        streamed.model.generation_config.min_new_tokens = new  # every sequence runs the full count: no early EOS
+        for n in req.batch:
+            log(f"batch {n}: measuring ({regime} regime)")
+            prompts = [base[:, i : i + req.prompt_tokens] for i in range(n)]  # distinct prompts of equal length
+            generate_batch(streamed, prompts, SamplingParams(max_new_tokens=new))
+            steps = streamed.ledger.steps[1 + WARMUP :]
+            ms = sorted(1000 * s.seconds for s in steps)
+            witnessed = [s.witnessed_storage for s in steps if s.witnessed_storage is not None]
+            median = percentile(ms, 50)
+            rows.append({"batch": n, "ms_per_step": {"median": round(median, 2), "p10": round(percentile(ms, 10), 2),
+                                                     "p90": round(percentile(ms, 90), 2), "n": len(ms)},
+                         "tokens_per_s": round(1000 * n / median, 3),
+                         "storage_witnessed_per_step": sum(witnessed) // len(witnessed) if witnessed else None})
+        one = next((r for r in rows if r["batch"] == 1), rows[0])
+        for r in rows:
+            r["speedup_vs_1"] = round(r["tokens_per_s"] / one["tokens_per_s"], 2)
+        doc = {"regime": regime, "read_method": read_method(streamed.knobs), "rows": rows, "speedup_base": one["batch"],
+               "residency": streamed.plan.to_dict()}
+        return doc, streamed.profile, streamed.facts
+    finally:
+        streamed.close()
+        del streamed
+        gc.collect()
+
+
+def _profile_and_facts(shards: Path, manifest):
+    from transformers import AutoConfig
+
+    from ..core.facts import facts_from_manifest
+    from ..profiles import HardwareProfile
+
+    return HardwareProfile.load(storage_path=shards), facts_from_manifest(manifest, AutoConfig.from_pretrained(shards))
+
+
+def _total(shards: Path) -> int:
+    from ..core.manifest import Manifest
+
+    return Manifest.load(shards).total_bytes
+
+
+def _ram_available() -> int:
+    from ..profiles.facts import memory
+
+    return memory()[1]
+
+
+def _torch_dtype(name: str | None):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(name or "fp32", torch.float32)

@@ -1,0 +1,77 @@
+"""rocketllm bench: per regime, measured ms/token next to the cost model's projection and the physical limit, baselines beside."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ..options import JsonOpt, validate_knob_flags, with_knob_options
+from ..output import Output
+
+NAME = "bench"
+NO_ARGS_IS_HELP = True
+HELP = """Benchmark MODEL (or a --synthetic one) in the resident, host and storage regimes.
+
+Prints a one-line hardware profile and a Markdown table (paste it into docs/HARDWARE.md): ms/token
+median and spread, time to first token, bytes per token per tier, storage bytes witnessed by
+/proc/self/io, the cost model's projection, the physical limit and efficiency = limit / measured.
+
+Examples:
+  rocketllm bench ./SmolLM2.gguf --regime all --baseline transformers accelerate naive airllm
+  rocketllm bench --synthetic llama:1B --tokens 4
+  rocketllm bench ./SmolLM2.gguf --batch 1 4 8
+"""
+
+RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help="resident, host, storage or all (repeatable). [default: all; storage with --batch]", show_default=False)]
+BaselineOpt = Annotated[Optional[list[str]], typer.Option("--baseline", help="transformers, accelerate, naive, airllm or all (repeatable; several names after one flag work too).", show_default=False)]
+BatchOpt = Annotated[Optional[list[int]], typer.Option("--batch", help="Batch sizes to sweep (e.g. --batch 1 4 8): throughput vs N in one regime.", show_default=False)]
+
+
+@with_knob_options
+def run(
+    model: Annotated[Optional[list[str]], typer.Argument(help="Model directory, .gguf file, hub id or shard directory.", show_default=False, metavar="[MODEL]")] = None,
+    synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="Bench a random-weight model ARCH:SIZE (e.g. llama:1B), written once into the cache.", show_default=False)] = None,
+    regime: RegimeOpt = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="Decode tokens measured (after one warm-up token).")] = 8,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Length of the fixed prompt in tokens.")] = 16,
+    baseline: BaselineOpt = None,
+    batch: BatchOpt = None,
+    json: JsonOpt = False,
+    knob_flags: dict | None = None,
+) -> None:
+    from ..bench import BASELINES, REGIMES, BenchRequest, render, run_bench
+
+    output = Output(as_json=json)
+    validate_knob_flags(knob_flags or {})
+    model, regime, baseline, batch = _spread(model or [], regime or [], baseline or [], batch or [])
+    regimes = tuple(REGIMES if r == "all" else (r,) for r in regime)
+    baselines = tuple(BASELINES if b == "all" else (b,) for b in baseline)
+    req = BenchRequest(model, synthetic, tuple(dict.fromkeys(r for group in regimes for r in group)), tokens, prompt_tokens,
+                       tuple(dict.fromkeys(b for group in baselines for b in group)), tuple(batch or ()), knob_flags or {})
+    doc = run_bench(req, output.log)
+    if json:
+        output.json(doc)
+    else:
+        output.result(render(doc))
+
+
+def _spread(words: list[str], regime: list[str], baseline: list[str], batch: list[int]):
+    """`--baseline a b c` and `--batch 1 4 8`: the parser gives the flag its first value and the rest as
+    positional words; hand each word back to the flag it can belong to. What is left is MODEL."""
+    from ..bench import BASELINES, REGIMES
+    from ..errors import UsageError
+
+    rest = []
+    for word in words:
+        if baseline and word in (*BASELINES, "all"):
+            baseline.append(word)
+        elif regime and word in (*REGIMES, "all"):
+            regime.append(word)
+        elif batch and word.isdigit():
+            batch.append(int(word))
+        else:
+            rest.append(word)
+    if len(rest) > 1:
+        raise UsageError(f"one MODEL only (got {', '.join(rest)})")
+    return (rest[0] if rest else None), regime, baseline, batch
