@@ -1,0 +1,146 @@
+"""rocketllm bench: its accounting recomputes from what it prints, the synthetic checkpoint is one transformers
+loads and that streams equal to resident, --json has a fixed schema, a missing baseline is a skipped row
+(exit 0), and every bad input is one `error:` line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rocketllm_cli.app import app
+
+TOKENS = 2
+TIERS = ("device", "host", "storage")
+
+
+@pytest.fixture(scope="module")
+def bench_doc(tiny_factory) -> dict:
+    """One bench run on a tiny model, every regime, with transformers and a deliberately missing airllm."""
+    model = tiny_factory("llama", seed=11)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "airllm", None)  # `import airllm` raises ImportError
+        result = CliRunner().invoke(app, ["bench", str(model), "--tokens", str(TOKENS), "--prompt-tokens", "4",
+                                          "--baseline", "transformers", "airllm", "--json"])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_json_schema(bench_doc):
+    assert isinstance(bench_doc["hardware"], str) and bench_doc["profile"]["fingerprint"] in bench_doc["hardware"]
+    assert isinstance(bench_doc["profile"]["fingerprint"], str)
+    assert {"name", "total_bytes", "dtype", "num_layers"} <= set(bench_doc["model"])
+    assert set(bench_doc["residency"]) == {"resident", "host", "storage"}
+    assert all(isinstance(plan["tier"], dict) for plan in bench_doc["residency"].values())
+    assert bench_doc["tokens"] == TOKENS and bench_doc["warmup"] >= 1
+    assert {"before", "after", "cores"} <= set(bench_doc["load"])
+    ours = [r for r in bench_doc["rows"] if r["name"] == "rocketllm"]
+    assert [r["regime"] for r in ours] == ["resident", "host", "storage"]
+    for row in ours:
+        assert row["status"] == "measured"
+        assert set(row["ms_per_token"]) == {"median", "p10", "p90", "n"} and row["ms_per_token"]["n"] == TOKENS
+        assert row["ms_per_token"]["p10"] <= row["ms_per_token"]["median"] <= row["ms_per_token"]["p90"]
+        assert isinstance(row["ttft_ms"], float) and row["ttft_ms"] > 0
+        assert set(row["bytes_per_token"]) == set(TIERS) and all(isinstance(v, int) for v in row["bytes_per_token"].values())
+        assert isinstance(row["storage_witnessed_per_token"], int)
+        for key in ("projected_ms", "limit_ms", "efficiency"):
+            assert isinstance(row[key], float), key
+        assert isinstance(row["speedup"], dict)
+    served = {r["regime"]: r["bytes_per_token"] for r in ours}
+    assert served["resident"]["host"] == served["resident"]["storage"] == 0
+    assert served["host"]["device"] == served["host"]["storage"] == 0 and served["host"]["host"] > 0
+    assert served["storage"]["device"] == served["storage"]["host"] == 0 and served["storage"]["storage"] > 0
+    assert ours[2]["read_method"] in ("O_DIRECT", "buffered read + POSIX_FADV_DONTNEED")
+
+
+def test_projection_limit_and_efficiency_recompute_from_printed_inputs(bench_doc):
+    measured = {(r["name"], r["regime"]): r["ms_per_token"]["median"] for r in bench_doc["rows"] if r["status"] == "measured"}
+    for row in (r for r in bench_doc["rows"] if r["name"] == "rocketllm"):
+        proj = row["projection"]
+        tiers = proj["tiers"]
+        assert {t: tiers[t]["bytes"] for t in TIERS} == row["bytes_per_token"]
+        seconds = {t: tiers[t]["bytes"] / tiers[t]["bandwidth_bps"] if tiers[t]["bytes"] else 0.0 for t in TIERS}
+        io = seconds["host"] + seconds["storage"]
+        compute = sum(tiers[t]["bytes"] for t in TIERS) / proj["compute_bandwidth_bps"]
+        assert row["projected_ms"] == pytest.approx(1000 * max(io, compute), abs=0.01)
+        unique = row["unique_bytes_per_tier"]
+        io = sum(unique[t] / tiers[t]["bandwidth_bps"] for t in ("host", "storage") if unique[t])
+        floor = measured[("transformers", "resident")] if row["regime"] == "resident" else \
+            min(measured[("rocketllm", "resident")], measured[("transformers", "resident")])
+        limit = max(1000 * io, floor)
+        assert row["limit_ms"] == pytest.approx(limit, abs=0.01)
+        assert row["efficiency"] == pytest.approx(limit / row["ms_per_token"]["median"], abs=0.002)
+    resident = next(r for r in bench_doc["rows"] if r["name"] == "rocketllm" and r["regime"] == "resident")
+    assert resident["speedup"]["transformers"] == pytest.approx(measured[("transformers", "resident")] / measured[("rocketllm", "resident")], abs=0.01)
+
+
+def test_missing_baseline_is_a_skipped_row_with_its_reason(bench_doc):
+    airllm = [r for r in bench_doc["rows"] if r["name"] == "airllm"]
+    assert [r["regime"] for r in airllm] == ["storage"]
+    assert airllm[0]["status"] == "skipped" and "airllm not importable" in airllm[0]["reason"]
+    plain = [r for r in bench_doc["rows"] if r["name"] == "transformers"]
+    assert [(r["regime"], r["status"]) for r in plain] == [("resident", "measured")]
+
+
+def test_markdown_table_has_a_row_per_run(tiny_factory):
+    from rocketllm_cli.bench.report import render
+
+    doc = {"hardware": "CPU X, 2 cores", "model": {"name": "m", "total_bytes": 1, "dtype": "bf16", "num_layers": 1},
+           "prompt_tokens": 4, "tokens": 2, "warmup": 1, "load": {"before": 0.1, "after": 0.2, "cores": 2}, "batch": None,
+           "rows": [{"name": "airllm", "regime": "storage", "status": "skipped", "reason": "airllm not importable"}]}
+    text = render(doc)
+    assert text.splitlines()[0] == "**Hardware:** CPU X, 2 cores"
+    assert "| airllm | storage | skipped: airllm not importable |" in text
+
+
+def test_synthetic_checkpoint_loads_in_transformers_and_streams_equal_to_resident():
+    from transformers import AutoModelForCausalLM
+
+    from rocketllm import AutoModel
+    from rocketllm_cli.bench.sources import synthetic_checkpoint
+
+    path = synthetic_checkpoint("llama:tiny")
+    assert synthetic_checkpoint("llama:tiny") == path  # written once, then reused
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    want = plain.generate(ids, max_new_tokens=4, do_sample=False)
+    with AutoModel.from_pretrained(path, device_cache_bytes=0, host_cache_bytes=0) as streamed:
+        got = streamed.generate(ids, max_new_tokens=4, do_sample=False)
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("args", [
+    ["--synthetic", "nosuch:1B"],
+    ["--synthetic", "llama:tiny", "--regime", "bogus"],
+    ["--synthetic", "llama:tiny", "--tokens", "0"],
+    ["--synthetic", "llama:tiny", "--baseline", "nosuch"],
+    ["--synthetic", "llama:tiny", "--batch", "0"],
+    [],  # neither MODEL nor --synthetic: help
+])
+def test_bad_input_is_one_error_line(args, tmp_path):
+    env = {**__import__("os").environ, "ROCKETLLM_CACHE": str(tmp_path)}
+    if not args:
+        args = ["--tokens", "2"]
+    run = subprocess.run([sys.executable, "-m", "rocketllm_cli", "bench", *args], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode in (1, 2)
+    assert run.stdout == ""
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "synthetic").exists() or not any((tmp_path / "synthetic").iterdir())
+
+
+def test_batch_sweep_reports_throughput_against_batch_of_one(tiny_factory):
+    model = tiny_factory("llama", seed=11)
+    result = CliRunner().invoke(app, ["bench", str(model), "--batch", "1", "2", "--tokens", str(TOKENS), "--prompt-tokens", "4", "--json"])
+    assert result.exit_code == 0, result.stderr
+    batch = json.loads(result.stdout)["batch"]
+    assert batch["regime"] == "storage" and batch["speedup_base"] == 1
+    assert [r["batch"] for r in batch["rows"]] == [1, 2]
+    for r in batch["rows"]:
+        assert r["tokens_per_s"] == pytest.approx(1000 * r["batch"] / r["ms_per_step"]["median"], rel=1e-3)
+        assert r["speedup_vs_1"] == pytest.approx(r["tokens_per_s"] / batch["rows"][0]["tokens_per_s"], abs=0.01)
