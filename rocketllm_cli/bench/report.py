@@ -91,3 +91,14 @@ def _num(value) -> str:
 def _bps(profile, name: str) -> float | None:
     m = profile.measurements.get(name)
     return m.value_bps if m and m.available else None
+
+
+def community_rows(doc: dict, profile_cell: str | None = None) -> list[str]:
+    """The rows of docs/HARDWARE.md's community table: the bench row plus model and hardware profile columns."""
+    model = doc["model"]["name"]
+    cell = profile_cell or doc["hardware"]
+    out = []
+    for row in doc["rows"]:
+        c = _cells(row)
+        out.append("| " + " | ".join([model, c[1], c[0], *c[2:9], cell]) + " |")
+    return out
