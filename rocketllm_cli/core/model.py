@@ -121,6 +121,11 @@ class StreamingModel:
                 continue
             for hook_path, group in by_hook.items():
                 module = model.get_submodule(hook_path)
+                if self.store.can_gather_rows(unit) and _is_lookup(module, group):
+                    # A token lookup reads a few rows of the table, not the table.
+                    self._hooks.append(module.register_forward_pre_hook(self._rows_hook(unit, group[0])))
+                    self._hooks.append(module.register_forward_hook(self._unbind_hook(group)))
+                    continue
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook(unit, group)))
                 self._hooks.append(module.register_forward_hook(self._post_hook(unit, group)))
         self._hooks.append(model.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
@@ -141,6 +146,21 @@ class StreamingModel:
             for b in group:
                 b.unbind()
             store.release(unit)
+
+        return hook
+
+    def _rows_hook(self, unit: str, binding: Binding):
+        store = self.store
+
+        def hook(module, args):
+            binding.bind(store.gather_rows(unit, binding.tensor, args[0]))
+
+        return hook
+
+    def _unbind_hook(self, group: list[Binding]):
+        def hook(module, args, output):
+            for b in group:
+                b.unbind()
 
         return hook
 
@@ -187,6 +207,11 @@ class StreamingModel:
 def _assign(group: list[Binding], tensors: dict[str, torch.Tensor]) -> None:
     for b in group:
         b.bind(tensors[b.tensor])
+
+
+def _is_lookup(module: nn.Module, group: list[Binding]) -> bool:
+    """An embedding table bound alone: its forward gathers rows of `weight` for the token ids it is given."""
+    return isinstance(module, nn.Embedding) and len(group) == 1 and group[0].attr == "weight" and group[0].module is module
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

@@ -53,6 +53,7 @@ class WeightStore:
         self._host: dict[str, torch.Tensor] = {}  # unit -> its file bytes (mmap on CPU, pinned on CUDA)
         self._host_views: dict[str, dict[str, torch.Tensor]] = {}
         self._maps: list[mmap.mmap] = []
+        self._tables: dict[str, torch.Tensor] = {}  # sparse embedding tables for row gathers
         streamed = [u for u in manifest.units if plan.tier[u.name] != "device"]
         self.slot_bytes = _round_up(max((u.bytes for u in streamed), default=0))
         self._slots: list[Slot] = []
@@ -138,6 +139,50 @@ class WeightStore:
                 slot.free_after = torch.cuda.current_stream(self.device).record_event()
             self._free.append(slot)
         self._prefetch_after(name)
+
+    # -- row gathers (embedding lookups) ----------------------------------------------
+    def can_gather_rows(self, name: str) -> bool:
+        """Rows of a streamed unit can be served alone on a CPU, where the lookup reads them in place."""
+        unit = self.units[name]
+        return (not self.cuda and self.plan.tier[name] != "device" and len(unit.tensors) == 1
+                and DTYPES[unit.tensors[0].dtype] == self.dtype and len(unit.tensors[0].shape) == 2)
+
+    def gather_rows(self, name: str, key: str, ids: torch.Tensor) -> torch.Tensor:
+        """A full-shaped table in which the rows `ids` name hold their values: the lookup reads nothing else.
+
+        Host tier: the persistent mapping itself. Storage tier: the rows are read one by one into a sparse
+        anonymous mapping (pages never touched take no memory), with readahead off so nothing else is read.
+        """
+        unit = self.units[name]
+        record = unit.tensors[0]
+        rows = torch.unique(ids.reshape(-1)).tolist()
+        row_bytes = record.nbytes // record.shape[0]
+        self.ledger.serve(self.plan.tier[name], len(rows) * row_bytes)
+        if self.plan.tier[name] == "host":
+            return self._host_views[name][key]
+        started = time.perf_counter()
+        table = self._sparse_table(name, record.nbytes)
+        view = memoryview(table.numpy())
+        fd = os.open(self.directory / unit.file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for row in rows:
+                if not 0 <= row < record.shape[0]:
+                    raise IndexError(f"token id {row} outside the embedding table of {record.shape[0]} rows")
+                start = row * row_bytes
+                if os.preadv(fd, [view[start : start + row_bytes]], record.offset + start) != row_bytes:
+                    raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        self.ledger.add_time("read", time.perf_counter() - started)
+        return table.view(DTYPES[record.dtype]).view(record.shape)
+
+    def _sparse_table(self, name: str, nbytes: int) -> torch.Tensor:
+        table = self._tables.get(name)
+        if table is None:
+            table = self._tables[name] = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        return table
 
     def _prefetch_after(self, name: str) -> None:
         """Start reads for the next `depth` streamed units of the schedule that are not on their way yet."""
