@@ -86,9 +86,11 @@ def max_context(c: Context) -> Derivation:
 
 def io_workers(c: Context) -> Derivation:
     kind = str(c.profile.capability("storage_kind") or "unknown")
-    return Derivation("max(1, min(parallel_reads, cpu_cores // 2))",
-                      {"storage_kind": kind, "parallel_reads": PARALLEL_READS.get(kind, 2), "cpu_cores": c.profile.cpu_cores},
-                      note="reads compete with compute for cores: at most half of them")
+    return Derivation("max(1, min(parallel_reads, cpu_cores // (2 - direct_io)))",
+                      {"storage_kind": kind, "parallel_reads": PARALLEL_READS.get(kind, 2), "cpu_cores": c.profile.cpu_cores,
+                       "direct_io": int(bool(c.values["direct_io"]))},
+                      note="buffered reads copy through the page cache and compete with compute: at most half the cores; "
+                           "O_DIRECT reads are DMA and cost almost no CPU")
 
 
 def prefetch_depth(c: Context) -> Derivation:
@@ -171,7 +173,7 @@ def prefix_cache(c: Context) -> Derivation:
 # Resolution order: each derivation may read the values resolved before it.
 DERIVATIONS = {
     "reserve_bytes": reserve_bytes, "compute_dtype": compute_dtype, "kv_cache_bytes": kv_cache_bytes,
-    "max_context": max_context, "io_workers": io_workers, "prefetch_depth": prefetch_depth,
+    "max_context": max_context, "direct_io": direct_io, "io_workers": io_workers, "prefetch_depth": prefetch_depth,
     "device_cache_bytes": device_cache_bytes, "host_cache_bytes": host_cache_bytes,
-    "direct_io": direct_io, "pin_memory": pin_memory, "prefix_cache": prefix_cache,
+    "pin_memory": pin_memory, "prefix_cache": prefix_cache,
 }
