@@ -87,9 +87,13 @@ def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[st
                 continue
             want = tuple(meta[name].shape) if name in meta else None
             found = renamed[found]
-            got = source.shapes[found][0]
+            got, stored = source.shapes[found]
             if want is not None and want != got:
                 raise ModelError(f"tensor {found} has shape {list(got)} but the config expects {list(want)} (config and weights disagree)")
+            if want is not None and meta[name].is_floating_point() and not stored.is_floating_point:
+                # Converting integers to weights would shard "successfully" and generate garbage.
+                raise ModelError(f"tensor {found} is stored as {str(stored).removeprefix('torch.')} but the model needs floating-point weights "
+                                 "(a quantized or corrupt checkpoint; use an unquantized one)")
             mapping[name] = found
     if missing and any(".experts." in m for m in missing):
         raise ModelError(

@@ -65,30 +65,37 @@ def read_header(path: Path) -> Header:
         raise ShardError(f"{path.name}: cannot read ({exc.strerror or exc})") from None
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (UnicodeDecodeError, json.JSONDecodeError):
         raise ShardError(f"{path.name}: corrupt safetensors header (not UTF-8 JSON)") from None
+    except RecursionError:
+        raise ShardError(f"{path.name}: corrupt safetensors header (JSON nested too deeply)") from None
+    except ValueError:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+        raise ShardError(f"{path.name}: corrupt safetensors header (a number too long to parse)") from None
     if not isinstance(doc, dict):
         raise ShardError(f"{path.name}: corrupt safetensors header (not a JSON object)")
     data_offset = 8 + length
     metadata = doc.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise ShardError(f"{path.name}: corrupt safetensors header (__metadata__ is not an object)")
+    # As in the reference implementation: a flat map of strings (a nested value could not even be printed safely).
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ShardError(f"{path.name}: corrupt safetensors header (__metadata__ is not a map of strings)")
     entries = {name: _entry(path, name, spec, data_offset, size) for name, spec in doc.items()}
     spans = sorted((e.start, e.start + e.nbytes, e.name) for e in entries.values() if e.nbytes)
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
             raise ShardError(f"{path.name}: corrupt safetensors header (tensors {a} and {b} overlap)")
-    return Header(path, data_offset, entries, {str(k): str(v) for k, v in metadata.items()})
+    return Header(path, data_offset, entries, dict(metadata))
 
 
 def _entry(path: Path, name: str, spec: object, data_offset: int, size: int) -> TensorEntry:
     bad = f"{path.name}: corrupt safetensors header at tensor {str(name)[:80]!r}"
     if not isinstance(spec, dict):
         raise ShardError(f"{bad} (entry is not an object)")
-    dtype = DTYPES.get(spec.get("dtype"))  # type: ignore[arg-type]
+    name_of_dtype = spec.get("dtype")
+    dtype = DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
     shape, offsets = spec.get("shape"), spec.get("data_offsets")
     if dtype is None:
-        raise ShardError(f"{bad} (unknown dtype {str(spec.get('dtype'))[:20]!r})")
+        shown = repr(name_of_dtype[:20]) if isinstance(name_of_dtype, str) else f"of type {type(name_of_dtype).__name__}"
+        raise ShardError(f"{bad} (unknown dtype {shown})")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape):
         raise ShardError(f"{bad} (shape is not a list of non-negative integers)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
