@@ -1,17 +1,27 @@
-"""manifest.json: what a shard directory holds, checked before anything loads."""
+"""manifest.json: what a shard directory holds, checked before anything loads.
+
+Every load validates the manifest's types and internal consistency, then checks each unit file
+against it: size, and the file's own safetensors header (a few KB per unit) against the recorded
+tensors. Contents are hashed only by `shard --verify`.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..errors import ShardError
+from . import stfile
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 RESHARD = "re-run `rocketllm shard` on the source model"
+UNIT_FILE = re.compile(r"^\d{4}-.+\.safetensors$")
+SHARD_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}  # manifest dtype -> stored name of its floating tensors
+FIXED_UNIT_NAMES = {"embed": "embed", "norm": "norm", "lm_head": "lm_head", "root": "root"}
 
 
 @dataclass
@@ -86,22 +96,24 @@ class Manifest:
             raise ShardError(f"{path}: manifest is implausibly large; {RESHARD}")
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
-            if doc.get("format_version") != FORMAT_VERSION:
-                raise ShardError(f"{path}: manifest format {doc.get('format_version')!r}, this rocketllm reads {FORMAT_VERSION}; {RESHARD}")
-            units = [UnitRecord(**{**u, "tensors": [TensorRecord(**t) for t in u["tensors"]]}) for u in doc.pop("units")]
-            manifest = cls(**doc, units=units)
-        except ShardError:
-            raise
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-            raise ShardError(f"{path}: manifest is corrupt; {RESHARD}") from None
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deeply, a number too long
+            raise ShardError(f"{path}: manifest is corrupt (not readable JSON); {RESHARD}") from None
+        if isinstance(doc, dict) and doc.get("format_version") != FORMAT_VERSION and isinstance(doc.get("format_version"), int):
+            raise ShardError(f"{path}: manifest format {doc.get('format_version')!r}, this rocketllm reads {FORMAT_VERSION}; {RESHARD}")
+        try:
+            _validate(doc)
+        except _Corrupt as exc:
+            raise ShardError(f"{path}: manifest is corrupt ({exc}); {RESHARD}") from None
+        units = [UnitRecord(**{**u, "tensors": [TensorRecord(**t) for t in u["tensors"]]}) for u in doc.pop("units")]
+        manifest = cls(**doc, units=units)
         manifest.check_files(Path(directory))
         return manifest
 
     def check_files(self, directory: Path) -> None:
-        """Cheap checks on load: every unit file present with its recorded size, tensors inside it."""
+        """Cheap checks on load: every unit file present with its recorded size and a header that agrees with
+        the manifest (names, dtypes, shapes, offsets), and no unit file the manifest does not list."""
+        listed = {u.file for u in self.units}
         for u in self.units:
-            if "/" in u.file or u.file.startswith("."):
-                raise ShardError(f"manifest names an invalid unit file {u.file!r}; {RESHARD}")
             path = directory / u.file
             try:
                 size = path.stat().st_size
@@ -109,6 +121,99 @@ class Manifest:
                 raise ShardError(f"shard file {u.file} is missing; {RESHARD}") from None
             if size != u.bytes:
                 raise ShardError(f"shard file {u.file} is {size} bytes, manifest says {u.bytes} (truncated or changed); {RESHARD}")
-            for t in u.tensors:
-                if t.offset < 0 or t.nbytes < 0 or t.offset + t.nbytes > size:
-                    raise ShardError(f"manifest places tensor {t.name} outside {u.file}; {RESHARD}")
+            try:
+                header = stfile.read_header(path)
+            except ShardError as exc:
+                raise ShardError(f"shard file {exc}; {RESHARD}") from None
+            stored = {n: (stfile.NAMES[e.dtype], list(e.shape), e.start, e.nbytes) for n, e in header.entries.items()}
+            recorded = {t.name: (t.dtype, list(t.shape), t.offset, t.nbytes) for t in u.tensors}
+            if stored != recorded or header.metadata.get("unit", u.name) != u.name:
+                differs = next((n for n in sorted(set(stored) | set(recorded)) if stored.get(n) != recorded.get(n)), None)
+                what = f"tensor {differs}" if differs else f"it holds unit {header.metadata.get('unit')!r}"
+                raise ShardError(f"shard file {u.file} does not match the manifest ({what[:120]}); {RESHARD}")
+        try:
+            extra = sorted(p.name for p in directory.iterdir() if UNIT_FILE.match(p.name) and p.name not in listed)
+        except OSError:
+            extra = []
+        if extra:
+            raise ShardError(f"shard file {extra[0]} is not in the manifest (a unit removed from it?); {RESHARD}")
+
+
+class _Corrupt(Exception):
+    """What is wrong with a parsed manifest, for the one-line message."""
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise _Corrupt(what)
+
+
+def _count(value) -> bool:
+    return type(value) is int and 0 <= value < 2**63  # bool is not a count; the bound keeps products cheap
+
+
+def _show(value) -> str:
+    """A short, safe rendering of a value from an untrusted document (never the repr of a deep structure)."""
+    if isinstance(value, str):
+        return repr(value[:40])
+    return repr(value)[:40] if value is None or type(value) in (bool, int, float) else f"a {type(value).__name__}"
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in fields(cls)}
+
+
+def _validate(doc) -> None:
+    """Types and cross-field consistency, before any field is trusted: a manifest that passes describes
+    units whose names, files, modules and tensors agree with one another."""
+    _require(isinstance(doc, dict) and set(doc) == _fields(Manifest), "fields missing or unknown")
+    _require(type(doc["format_version"]) is int, "bad format_version")
+    source = doc["source"]
+    _require(isinstance(source, dict) and isinstance(source.get("fingerprint"), str), "bad source")
+    _require(all(isinstance(doc[k], str) for k in ("model_type", "architecture", "stack")), "bad model_type, architecture or stack")
+    _require(doc["dtype"] in SHARD_DTYPES, "bad dtype")
+    _require(type(doc["seconds"]) in (int, float), "bad seconds")
+    units = doc["units"]
+    _require(isinstance(units, list) and len(units) > 0, "no units")
+    tensors: set[str] = set()
+    layers = 0
+    for i, u in enumerate(units):
+        _require(isinstance(u, dict) and set(u) == _fields(UnitRecord), f"unit {i}: fields missing or unknown")
+        name, kind, module, index = u["name"], u["kind"], u["module"], u["index"]
+        _require(isinstance(name, str) and isinstance(module, str), f"unit {i}: bad name or module")
+        if kind == "layer":
+            _require(type(index) is int and index == layers, f"unit {name[:40]!r}: layer index {_show(index)} out of order")
+            expected = (f"layer.{index:03d}", f"{doc['stack']}.{index}")
+            layers += 1
+        else:
+            _require(isinstance(kind, str) and (kind in FIXED_UNIT_NAMES or kind == "extra"), f"unit {i}: unknown kind {_show(kind)}")
+            _require(type(index) is int and index == -1, f"unit {name[:40]!r}: bad index")
+            expected = (f"extra.{module}", module) if kind == "extra" else (FIXED_UNIT_NAMES[kind], "" if kind == "root" else module)
+        _require((name, module) == expected, f"unit {i}: name {name[:40]!r} or module {module[:40]!r} does not fit kind {kind}")
+        _require(u["file"] == f"{i:04d}-{name}.safetensors" and "/" not in name and "\x00" not in name, f"unit {name[:40]!r}: bad file name")
+        _require(_count(u["bytes"]), f"unit {name[:40]!r}: bad bytes")
+        _require(isinstance(u["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", u["sha256"]) is not None, f"unit {name[:40]!r}: bad sha256")
+        _require(isinstance(u["tensors"], list), f"unit {name[:40]!r}: bad tensors")
+        for t in u["tensors"]:
+            _require(isinstance(t, dict) and set(t) == _fields(TensorRecord), f"unit {name[:40]!r}: a tensor's fields missing or unknown")
+            _validate_tensor(t, module, doc["dtype"], tensors)
+    _require(layers > 0, "no layer units")
+    aliases = doc["aliases"]
+    _require(isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors and k not in tensors for k, v in aliases.items()),
+             "bad aliases")
+
+
+def _validate_tensor(t: dict, module: str, dtype: str, seen: set[str]) -> None:
+    name = t["name"]
+    _require(isinstance(name, str) and name not in seen and name.startswith(module + "." if module else ""),
+             f"tensor {_show(name)}: duplicate or outside its unit's module")
+    seen.add(name)
+    _require(isinstance(t["source"], str), f"tensor {name[:60]!r}: bad source name")
+    stored = stfile.DTYPES.get(t["dtype"]) if isinstance(t["dtype"], str) else None
+    _require(stored is not None and (not stored.is_floating_point or t["dtype"] == SHARD_DTYPES[dtype]), f"tensor {name[:60]!r}: bad dtype")
+    shape = t["shape"]
+    _require(isinstance(shape, list) and all(_count(d) for d in shape), f"tensor {name[:60]!r}: bad shape")
+    numel = 1
+    for d in shape:
+        numel *= d
+    _require(_count(t["offset"]) and _count(t["nbytes"]) and t["nbytes"] == numel * stored.itemsize, f"tensor {name[:60]!r}: bad offset or size")

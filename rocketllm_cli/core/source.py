@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 
-from ..errors import ModelError
+from ..errors import ModelError, ShardError
 from . import stfile
+from .manifest import MANIFEST, RESHARD, UNIT_FILE
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TOKENIZER_FILES = (
@@ -107,6 +108,7 @@ def locate(model: str | os.PathLike) -> Located:
         return Located("gguf", path, (path,))
     if path.is_file():
         raise ModelError(f"{path.name}: not a model (expected a model directory or a .gguf file)")
+    _refuse_incomplete_shards(path)
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -127,6 +129,19 @@ def locate(model: str | os.PathLike) -> Located:
         if files:
             return Located(kind, path, files)
     raise ModelError(f"{path}: has config.json but no *.safetensors or *.bin weights")
+
+
+def _refuse_incomplete_shards(path: Path) -> None:
+    """Unit files without a manifest are an interrupted or damaged shard set, never a model to shard again."""
+    units = sorted(f for f in path.iterdir() if UNIT_FILE.match(f.name)) if path.is_dir() else []
+    if not units or (path / MANIFEST).is_file():
+        return
+    try:
+        is_unit = "unit" in stfile.read_header(units[0]).metadata
+    except ShardError:
+        is_unit = False
+    if is_unit:
+        raise ShardError(f"{path}: unit files without {MANIFEST}: an interrupted or damaged shard set, not a model; {RESHARD}")
 
 
 def open_source(located: Located) -> Source:
