@@ -37,12 +37,17 @@ def run(
         raise ShardError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
     output = Output(as_json=json)
     path = Path(model).expanduser()
-    if path.is_dir() and (path / MANIFEST).is_file():
+    from_source = not (path.is_dir() and (path / MANIFEST).is_file())
+    if not from_source:
         manifest, directory = Manifest.load(path), path
         summary = {"reused": True, **summarize(manifest, 0.0)}  # the same fields as a fresh or reused run from a source
     else:
         manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log)
     problems = verify_dir(directory) if verify else []
+    if problems and from_source:  # the source is at hand: write the set again rather than report a damaged one
+        output.log(f"{_count(problems)} not match the manifest ({problems[0]}); sharding again")
+        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log, rebuild=True)
+        problems = verify_dir(directory)
     document = {"directory": str(directory), **summary, "verified": verify and not problems, "problems": problems,
                 "source": manifest.source, "model_type": manifest.model_type}
     if json:
@@ -55,5 +60,9 @@ def run(
         if verify:
             output.result("verify: ok, every file matches the manifest" if not problems else "verify: FAILED")
     if problems:
-        count = "1 shard file does" if len(problems) == 1 else f"{len(problems)} shard files do"
-        raise ShardError(f"{count} not match the manifest ({problems[0]}); re-run `rocketllm shard` on the source model")
+        raise ShardError(f"{_count(problems)} not match the manifest ({problems[0]}); "
+                         "re-run `rocketllm shard` on the source model with --verify to write them again")
+
+
+def _count(problems: list[str]) -> str:
+    return "1 shard file does" if len(problems) == 1 else f"{len(problems)} shard files do"
