@@ -105,12 +105,12 @@ def test_handmade_gguf_header(tmp_path):
           ("llama.context_length", 4, struct.pack("<I", 128)), ("llama.embedding_length", 4, struct.pack("<I", 32)),
           ("llama.attention.head_count", 4, struct.pack("<I", 4)), ("llama.attention.head_count_kv", 4, struct.pack("<I", 2)),
           ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 3) + b"".join(_gguf_string(t) for t in ("a", "bb", "ccc")))]
-    tensors = [("token_embd.weight", 4096), ("blk.0.attn_q.weight", 1024), ("blk.1.attn_q.weight", 1024)]
+    tensors = [("token_embd.weight", 4096), ("blk.0.attn_q.weight", 1024), ("blk.1.attn_q.weight", 1024)]  # ggml I8: a byte each
     body = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv))
     body += b"".join(_gguf_string(k) + struct.pack("<I", t) + v for k, t, v in kv)
     offset = 0
     for name, nbytes in tensors:
-        body += _gguf_string(name) + struct.pack("<I", 1) + struct.pack("<Q", nbytes) + struct.pack("<I", 8) + struct.pack("<Q", offset)
+        body += _gguf_string(name) + struct.pack("<I", 1) + struct.pack("<Q", nbytes) + struct.pack("<I", 24) + struct.pack("<Q", offset)
         offset += nbytes
     body += bytes(-len(body) % 32) + bytes(offset)
     (tmp_path / "tiny.gguf").write_bytes(body)

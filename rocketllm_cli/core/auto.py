@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .manifest import MANIFEST, Manifest
 from .model import EngineConfig, StreamingModel
+from .plan import check_budget
 
 
 def ensure_shards(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=None) -> tuple[Manifest, Path]:
@@ -45,6 +46,32 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
     return config, notes
 
 
+def memory_left(profile, knobs) -> int | None:
+    """What the compute device has for weights once the reserve and the KV cache are set aside."""
+    free = profile.ram_available if profile.compute_device == "cpu" else profile.vram_free
+    if free is None:
+        return None
+    return int(free) - int(knobs.value("reserve_bytes")) - int(knobs.value("kv_cache_bytes"))
+
+
+def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> None:
+    """Sharding a large model takes long: refuse a budget that cannot run it before, from the source's headers."""
+    from ..errors import RocketError
+    from ..profiles import HardwareProfile, resolve_knobs
+    from ..profiles.modelpath import model_facts_from_path
+
+    path = Path(str(model)).expanduser()
+    if not path.exists() or (path / MANIFEST).is_file():
+        return
+    try:
+        facts = model_facts_from_path(path)
+    except RocketError:
+        return  # not sizeable from headers: sharding gives the precise error
+    profile = HardwareProfile.load(storage_path=path, refresh=refresh)
+    knobs = resolve_knobs(profile, facts, flags=flags, kwargs=kwargs)
+    check_budget(0, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
+
+
 class AutoModel:
     """`AutoModel.from_pretrained(path_or_id_or_gguf, **knob_overrides)` -> a StreamingModel."""
 
@@ -56,11 +83,14 @@ class AutoModel:
         from ..profiles import HardwareProfile, resolve_knobs
         from .facts import facts_from_manifest
 
+        _refuse_before_sharding(model, flags or {}, knob_overrides, refresh_profile)
         manifest, directory = ensure_shards(model, out=out, dtype=shard_dtype, progress=progress, log=log)
         profile = HardwareProfile.load(storage_path=directory, refresh=refresh_profile)
         facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))
         knobs = resolve_knobs(profile, facts, flags=flags or {}, kwargs=knob_overrides)
         config, notes = engine_config(profile, knobs, manifest)
+        resident = sum(u.tensor_bytes for u in manifest.units if u.kind == "root")
+        check_budget(resident, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
         for note in notes:
             (log or (lambda m: None))(note)
         streamed = StreamingModel(directory, config, manifest)

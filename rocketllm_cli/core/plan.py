@@ -92,10 +92,14 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
     return ResidencyPlan(tier, formula, inputs)
 
 
-def check_budget(manifest: Manifest, streaming_bytes: int, available: int | None) -> None:
-    """A machine that cannot hold even one streamed unit plus the resident minimum cannot run the model."""
+def check_budget(resident_bytes: int, streaming_bytes: int, available: int | None) -> None:
+    """A machine that cannot hold the units that must stay resident plus the streaming buffers cannot run the model."""
     if available is None:
         return
-    minimum = sum(u.tensor_bytes for u in manifest.units if u.kind == "root") + streaming_bytes
+    minimum = resident_bytes + streaming_bytes
     if available < minimum:
-        raise RocketError(f"not enough memory to stream this model: need at least {format_bytes(minimum)} (resident minimum + streaming buffers), have {format_bytes(available)}")
+        raise RocketError(
+            f"not enough memory to stream this model: need at least {format_bytes(minimum)} (resident minimum + two streaming "
+            f"buffers of the largest unit), have {format_bytes(max(0, available))} after --reserve-bytes and --kv-cache-bytes; "
+            "lower them or free memory"
+        )

@@ -17,13 +17,20 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
               13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
 
 
+# ggml tensor type id -> (elements per block, bytes per block), for the types whose size we can check exactly
+_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
+           10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+           24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
+
+
 def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, int]]:
     """(metadata without arrays of strings, tensor name -> bytes as stored). ModelError on a foreign or truncated file."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             return _parse(mm, len(mm))
     except (struct.error, IndexError, UnicodeDecodeError, ValueError, OverflowError) as exc:
-        raise ModelError(f"{path.name}: not a readable GGUF file ({type(exc).__name__})") from None
+        why = str(exc) if isinstance(exc, ValueError) and "truncated" in str(exc) else type(exc).__name__
+        raise ModelError(f"{path.name}: not a readable GGUF file ({why})") from None
 
 
 def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int]]:
@@ -39,15 +46,29 @@ def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int]]:
         (vtype,) = struct.unpack_from("<I", mm, pos)
         meta[key], pos = _value(mm, pos + 4, vtype)
     offsets: list[tuple[int, str]] = []
+    exact: dict[str, int] = {}  # stored bytes, where the type's block size is known
     for _ in range(n_tensors):
         name, pos = _string(mm, pos)
         (n_dims,) = struct.unpack_from("<I", mm, pos)
-        pos += 4 + 8 * n_dims + 4  # dims, then the ggml type
+        if n_dims > 8:
+            raise ValueError("too many dimensions")
+        dims = struct.unpack_from(f"<{n_dims}Q", mm, pos + 4)
+        (ggml_type,) = struct.unpack_from("<I", mm, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 4
         (offset,) = struct.unpack_from("<Q", mm, pos)
         pos += 8
         offsets.append((offset, name))
+        if ggml_type in _BLOCKS:
+            per, nbytes = _BLOCKS[ggml_type]
+            numel = 1
+            for d in dims:
+                numel *= d
+            exact[name] = -(-numel // per) * nbytes
     align = int(meta.get("general.alignment", 32) or 32)
     data_start = -(-pos // align) * align
+    for offset, name in offsets:
+        if data_start + offset + exact.get(name, 0) > size:
+            raise ValueError(f"tensor {name[:60]} runs past the end of the file (truncated)")
     offsets.sort()
     ends = [o for o, _ in offsets[1:]] + [size - data_start]
     # Each tensor runs to the next one's start (alignment padding of < 32 bytes included).
