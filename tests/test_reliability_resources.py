@@ -178,7 +178,14 @@ def test_check_budget_names_the_minimum(twelve, tmp_path):
     check_budget(resident, 2 * largest, None)
 
 
-def test_a_budget_smaller_than_one_layer_is_refused_naming_the_minimum(twelve):
+def test_a_budget_smaller_than_one_layer_is_refused_naming_the_minimum(twelve, monkeypatch):
+    from rocketllm_cli.profiles import HardwareProfile, cache_dir
+
+    monkeypatch.setenv("ROCKETLLM_PROBE_BYTES", "32MiB")
+    HardwareProfile.load(storage_path=twelve)  # measured once, as any earlier run leaves it
+    before = set((cache_dir() / "shards").glob("*")) if (cache_dir() / "shards").exists() else set()
     result = invoke("generate", twelve, "Hello", "--raw", "-n", "2", "--reserve-bytes", "1TB")
     assert result.exit_code == 1, result.stdout
     assert "need at least" in one_line(result.stderr, result.stdout)
+    after = set((cache_dir() / "shards").glob("*")) if (cache_dir() / "shards").exists() else set()
+    assert after == before  # refused from the source's headers, before any sharding

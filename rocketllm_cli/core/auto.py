@@ -55,7 +55,9 @@ def memory_left(profile, knobs) -> int | None:
 
 
 def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> None:
-    """Sharding a large model takes long: refuse a budget that cannot run it before, from the source's headers."""
+    """Sharding a large model takes long: refuse a budget that cannot run it before, from the source's headers.
+
+    Only with a profile measured already: a bad input must not leave a new one behind."""
     from ..errors import RocketError
     from ..profiles import HardwareProfile, resolve_knobs
     from ..profiles.modelpath import model_facts_from_path
@@ -67,7 +69,9 @@ def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> 
         facts = model_facts_from_path(path)
     except RocketError:
         return  # not sizeable from headers: sharding gives the precise error
-    profile = HardwareProfile.load(storage_path=path, refresh=refresh)
+    profile = None if refresh else HardwareProfile.cached(storage_path=path)
+    if profile is None:
+        return
     knobs = resolve_knobs(profile, facts, flags=flags, kwargs=kwargs)
     check_budget(0, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
 

@@ -50,6 +50,15 @@ class HardwareProfile:
     def load(cls, storage_path: Path | None = None, refresh: bool = False, *, log: Log | None = None) -> "HardwareProfile":
         """The cached profile for this machine and the filesystem of `storage_path` (default: the cache dir),
         measuring whatever part is missing, or everything when `refresh`."""
+        return cls._load(storage_path, refresh, log, measure=True)
+
+    @classmethod
+    def cached(cls, storage_path: Path | None = None) -> "HardwareProfile | None":
+        """The profile if both its parts are cached already; never measures, never writes."""
+        return cls._load(storage_path, False, None, measure=False)
+
+    @classmethod
+    def _load(cls, storage_path: Path | None, refresh: bool, log: Log | None, measure: bool) -> "HardwareProfile | None":
         log = log or logging.getLogger("rocketllm").info
         fp = fingerprint(fingerprint_facts())
         fs = filesystem_of(Path(storage_path) if storage_path is not None else cache_dir())
@@ -57,6 +66,8 @@ class HardwareProfile:
         host = None if refresh else read_json(where / "host.json")
         disk = None if refresh else read_json(where / f"{fs.key}.json")
         from_cache = host is not None and disk is not None
+        if not measure and not from_cache:
+            return None
         if host is None:
             host = _measure_host(log)
             write_json(where / "host.json", host)
