@@ -25,12 +25,11 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
     """Turn resolved knobs into the engine's config; returns it and the decisions worth logging once."""
     notes = []
     compute = knobs.value("compute_dtype")
-    if knobs["compute_dtype"].source == "derived" and compute != manifest.dtype:
-        # Run in the dtype the shards hold unless the device cannot: conversion would cost a copy per use.
-        if manifest.dtype == "fp32" or manifest.dtype == compute or (manifest.dtype == "bf16" and compute == "bf16"):
+    if not knobs["compute_dtype"].overridden:
+        # Run in the dtype the shards hold where the device runs it well: converting costs a copy per use.
+        # fp32 runs everywhere; fp16 is slow on a CPU; bf16 only where the profile chose it.
+        if manifest.dtype == "fp32" or (manifest.dtype == "fp16" and profile.compute_device != "cpu"):
             compute = manifest.dtype
-        elif manifest.dtype == "fp16" and profile.compute_device != "cpu":
-            compute = "fp16"
     if compute != manifest.dtype:
         notes.append(f"shards hold {manifest.dtype}, computing in {compute}: each streamed use converts (reshard with --dtype {compute} to avoid it)")
     config = EngineConfig(
