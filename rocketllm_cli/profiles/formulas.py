@@ -15,11 +15,11 @@ from math import ceil, floor
 
 from .hardware import HardwareProfile
 from .modelfacts import ModelFacts
+from .storage import PARALLEL_READS
 
 GiB, MiB = 1024**3, 1024**2
 # Parallel reads worth issuing per storage kind: NVMe and network filesystems gain from deep queues,
 # one disk head does not, a virtual disk's medium is unknown (measured: 1 or 2 in flight similar here).
-PARALLEL_READS = {"nvme": 4, "ssd": 2, "network": 4, "rotational": 1, "tmpfs": 1, "overlay": 2, "unknown": 2}
 NAMESPACE = {"min": min, "max": max, "floor": floor, "ceil": ceil, "__builtins__": {}}
 
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..sizes import format_bytes, parse_bytes
+from .facts import usable_cores
 from .filesystems import Filesystem
 from .records import Capability, Measurement
 
@@ -68,10 +70,10 @@ def _measure_file(path: Path, size: int, fs: Filesystem, caps: dict, log) -> tup
 
     evicted = _evict(path)
     io_before = _io_read_bytes()
-    n, seconds, cpu = _unit_reads(path, size, direct=False)
+    n, seconds, cpu = _unit_reads(path, size, fs.kind, direct=False)
     delta = None if io_before is None else _io_read_bytes() - io_before
     cold_ok, witness = _cold_verdict(fs, size, delta, seconds, warm[1], evicted)
-    method = f"{UNIT_READS} after posix_fadvise(DONTNEED), each unit evicted after its read; {witness}"
+    method = f"{unit_reads_method(fs.kind, False)} after posix_fadvise(DONTNEED), each unit evicted after its read; {witness}"
     out["storage_read"] = Measurement("storage_read", n / seconds if cold_ok else None, method, n, seconds, cold_ok,
                                       "" if cold_ok else witness, cpu_seconds=round(cpu, 4))
     can_evict = cold_ok and evicted is None and fs.kind != "tmpfs"
@@ -79,7 +81,7 @@ def _measure_file(path: Path, size: int, fs: Filesystem, caps: dict, log) -> tup
         "fadvise_dontneed", can_evict, None if can_evict else "none: streamed units stay in the page cache until the kernel evicts them", witness,
     )
 
-    direct = _direct_read(path, size)
+    direct = _direct_read(path, size, fs.kind)
     out["storage_read_direct"] = direct
     if direct.available and out["storage_read"].available:
         buffered = out["storage_read"]
@@ -130,37 +132,58 @@ def _buffered_read(path: Path) -> tuple[int, float]:
 
 
 UNIT = 16 * 1024**2
-UNIT_READS = "one open + one pread per 16 MiB unit, units in sequence (as the engine streams shard files)"
+# Requests worth keeping in flight per storage kind; the io_workers knob is capped by the same table.
+PARALLEL_READS = {"nvme": 4, "ssd": 2, "network": 4, "rotational": 1, "tmpfs": 1, "overlay": 2, "unknown": 2}
 
 
-def _unit_reads(path: Path, size: int, direct: bool) -> tuple[int, float, float]:
-    """Read the file the way the engine reads shards: one unit at a time, one request per unit.
+def in_flight(kind: str, direct: bool) -> int:
+    """Unit reads the engine keeps in flight with this method (as the io_workers knob derives it): buffered reads
+    copy through the page cache and get at most half the cores; O_DIRECT reads are DMA and may use them all."""
+    cores = usable_cores()
+    return max(1, min(PARALLEL_READS.get(kind, 2), cores if direct else cores // 2))
+
+
+def unit_reads_method(kind: str, direct: bool) -> str:
+    return (f"{'O_DIRECT: ' if direct else ''}one open + one pread per 16 MiB unit, {in_flight(kind, direct)} in flight "
+            "(as the engine streams shard files with its IO workers)")
+
+
+def _unit_reads(path: Path, size: int, kind: str, direct: bool) -> tuple[int, float, float]:
+    """Read the file the way the engine reads shards: one request per unit, `in_flight(kind, direct)` at a time.
 
     Returns (bytes, seconds, process CPU seconds)."""
-    buf = mmap.mmap(-1, UNIT)  # page-aligned, as O_DIRECT needs
-    total = 0
+    workers = in_flight(kind, direct)
+    offsets = list(range(0, size, UNIT))
+
+    def worker(k: int) -> int:
+        buf = mmap.mmap(-1, UNIT)  # page-aligned, as O_DIRECT needs
+        total = 0
+        for offset in offsets[k::workers]:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            try:
+                total += os.preadv(fd, [memoryview(buf)[: min(UNIT, size - offset)]], offset)
+                if not direct:
+                    os.posix_fadvise(fd, offset, UNIT, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return total
+
     start, cpu = time.perf_counter(), time.process_time()
-    for offset in range(0, size, UNIT):
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        try:
-            total += os.preadv(fd, [memoryview(buf)[: min(UNIT, size - offset)]], offset)
-            if not direct:
-                os.posix_fadvise(fd, offset, UNIT, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    with ThreadPoolExecutor(workers) as pool:
+        total = sum(pool.map(worker, range(workers)))
     return total, max(time.perf_counter() - start, 1e-9), time.process_time() - cpu
 
 
-def _direct_read(path: Path, size: int) -> Measurement:
+def _direct_read(path: Path, size: int, kind: str) -> Measurement:
     name = "storage_read_direct"
     if not hasattr(os, "O_DIRECT"):
         return Measurement.unavailable(name, "O_DIRECT", "this OS has no O_DIRECT")
     _evict(path)
     try:
-        n, seconds, cpu = _unit_reads(path, size, direct=True)
+        n, seconds, cpu = _unit_reads(path, size, kind, direct=True)
     except OSError as exc:
         return Measurement.unavailable(name, "O_DIRECT", f"O_DIRECT read refused or failed: {exc.strerror or exc}")
-    return Measurement(name, n / seconds, f"O_DIRECT: {UNIT_READS}", n, seconds, cpu_seconds=round(cpu, 4))
+    return Measurement(name, n / seconds, unit_reads_method(kind, True), n, seconds, cpu_seconds=round(cpu, 4))
 
 
 def _cold_verdict(fs: Filesystem, size: int, delta: int | None, cold_s: float, warm_s: float, evict_error: str | None) -> tuple[bool, str]:
