@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.core.sharder import shard
+from cli_contract import one_error_line
 
 PROMPT = "Hello"
 NEW = 8
@@ -202,7 +203,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(case, tiny_checkpoint, t
         model = {"model": tiny_checkpoint, "missing": tmp_path / "missing", "empty dir": tmp_path / "empty"}[which]
     cache = tmp_path / "cache"
     result = invoke(model, *args, input=stdin, env={"ROCKETLLM_CACHE": str(cache), **env})
-    line = _one_error_line(result)
+    line = one_error_line(result)
     assert says in line, line
     assert not [p for p in cache.rglob("*") if p.is_file()] and not (cache / "shards").exists()  # no shards, no profile
 
@@ -216,7 +217,7 @@ def test_an_unparseable_number_is_a_usage_error(tiny_model, tmp_path):
 
 
 def test_prompt_longer_than_the_context_is_refused(shards, tiny_factory):
-    line = _one_error_line(invoke(shards, LONG_PROMPT, "--raw", "-n", NEW, "--max-context", "16"))
+    line = one_error_line(invoke(shards, LONG_PROMPT, "--raw", "-n", NEW, "--max-context", "16"))
     assert "but the context allows 16" in line and "shorten the prompt" in line
     short_context = tiny_factory("llama", max_position_embeddings=32)  # the limit the model itself sets
     result = invoke(short_context, LONG_PROMPT, "--raw", "-n", NEW)
@@ -236,11 +237,3 @@ def test_debug_shows_the_traceback_across_the_process_boundary(shards):
     assert plain_run.returncode == debug_run.returncode == 1 and out == dout == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: bad value '0' for io_workers")
     assert "Traceback (most recent call last)" in derr and derr.strip().splitlines()[-1] == err.strip()
-
-
-def _one_error_line(result) -> str:
-    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.stderr and result.stdout == ""
-    return lines[0]

@@ -20,22 +20,13 @@ from typer.testing import CliRunner
 from rocketllm_cli.app import app
 from rocketllm_cli.core import sharder
 from rocketllm_cli.core.manifest import MANIFEST, Manifest
+from cli_contract import one_error_line
 
 RESHARD_HINT = "re-run `rocketllm shard`"
 
 
 def invoke(*args, env: dict | None = None):
     return CliRunner().invoke(app, [str(a) for a in args], env=env)
-
-
-def one_error_line(result, code: int = 1) -> str:
-    """The CLI's contract for a failure: the exit code, one `error:` line on stderr, no traceback, empty stdout."""
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
-    assert result.stdout == ""
-    return lines[0]
 
 
 def files_under(path: Path) -> dict[str, int]:

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from rocketllm_cli.app import app
 from rocketllm_cli.core import stfile
 from rocketllm_cli.errors import ShardError
+from cli_contract import one_error_line
 
 FUZZ = settings(derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
@@ -193,14 +194,6 @@ def test_read_header_named_cases(name, data, tmp_path):
 
 # -- through `rocketllm shard` ------------------------------------------------------------------------------------
 
-def one_line_refusal(result) -> str:
-    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "internal error" not in lines[0] and "Traceback" not in result.stderr and result.stdout == ""
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def hostile_model(tiny_checkpoint, tmp_path_factory):
     """A copy of the tiny model whose model.safetensors each example replaces, and the real header to mutate."""
@@ -260,7 +253,7 @@ def test_shard_refuses_a_hostile_checkpoint_in_one_line_and_writes_nothing(data,
             n: (stfile.DTYPES[s["dtype"]], tuple(s["shape"])) for n, s in real.items() if n != "__metadata__"}
         event("sharded")
         return
-    line = one_line_refusal(result)
+    line = one_error_line(result)
     event("refused: " + re.sub(r" at tensor .*| \(.*|'.*", "", line.split(": ", 2)[-1])[:60])
     assert not out.exists() and not (out.parent / f".{out.name}.partial").exists()
 
@@ -288,11 +281,11 @@ def test_a_truncated_gguf_is_one_line_naming_the_file(smollm2_gguf, tmp_path):
     size = smollm2_gguf.stat().st_size
     cuts = [*HEADER_CUTS, *(c if c > 0 else size + c for c in DATA_CUTS)]
     for path in gguf_cuts(smollm2_gguf, tmp_path, cuts):
-        line = one_line_refusal(CliRunner().invoke(app, ["shard", str(path), "--out", str(tmp_path / "out")]))
+        line = one_error_line(CliRunner().invoke(app, ["shard", str(path), "--out", str(tmp_path / "out")]))
         assert line.startswith(f"error: {path.name}: not a readable GGUF model ("), line
         assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
         if int(path.stem.removeprefix("cut")) in HEADER_CUTS:
-            line = one_line_refusal(CliRunner().invoke(app, ["doctor", "--model", str(path)]))
+            line = one_error_line(CliRunner().invoke(app, ["doctor", "--model", str(path)]))
             assert line.startswith(f"error: {path.name}: not a readable GGUF file"), line
 
 
@@ -300,5 +293,5 @@ def test_a_truncated_gguf_is_one_line_naming_the_file(smollm2_gguf, tmp_path):
 def test_doctor_refuses_a_gguf_cut_inside_its_tensor_data(smollm2_gguf, tmp_path):
     size = smollm2_gguf.stat().st_size
     for path in gguf_cuts(smollm2_gguf, tmp_path, [c if c > 0 else size + c for c in DATA_CUTS]):
-        line = one_line_refusal(CliRunner().invoke(app, ["doctor", "--model", str(path)]))
+        line = one_error_line(CliRunner().invoke(app, ["doctor", "--model", str(path)]))
         assert path.name in line, line

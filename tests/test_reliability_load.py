@@ -23,6 +23,7 @@ from rocketllm_cli.core.manifest import MANIFEST, RESHARD, Manifest
 from rocketllm_cli.core.model import EngineConfig, StreamingModel
 from rocketllm_cli.errors import ShardError
 from rocketllm_cli.synthetic import config_for, write_checkpoint
+from cli_contract import one_error_line
 
 PROMPT = [1, 5, 9, 42, 7]
 
@@ -34,14 +35,6 @@ def small_probe(monkeypatch):
 
 def invoke(*args, env=None):
     return CliRunner().invoke(app, [str(a) for a in args], env=env)
-
-
-def one_line(result) -> str:
-    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "internal error" not in lines[0] and "Traceback" not in result.stderr and result.stdout == ""
-    return lines[0]
 
 
 def tokens(directory: Path) -> list[int]:
@@ -114,7 +107,7 @@ def test_generate_refuses_a_damaged_set_in_one_line(damage, model_and_set, tmp_p
     work = shutil.copytree(good, tmp_path / "set")
     damage_set(work, damage)
     cache = tmp_path / "cache"
-    line = one_line(invoke("generate", work, "Hello", "--raw", "-n", "3", env={"ROCKETLLM_CACHE": str(cache)}))
+    line = one_error_line(invoke("generate", work, "Hello", "--raw", "-n", "3", env={"ROCKETLLM_CACHE": str(cache)}))
     assert line.endswith(RESHARD), line
     assert not (cache / "shards").exists()  # nothing sharded from the damaged set itself
 
@@ -181,7 +174,7 @@ def test_a_damaged_set_of_another_model_is_left_alone(model_and_set, tiny_factor
     work = shutil.copytree(good, tmp_path / "set")
     damage_set(work, "truncated unit")
     before = sorted((p.name, p.stat().st_size) for p in work.iterdir())
-    line = one_line(invoke("shard", tiny_factory("llama", seed=1), "--out", work))
+    line = one_error_line(invoke("shard", tiny_factory("llama", seed=1), "--out", work))
     assert "damaged shard set that is not of this model" in line
     assert sorted((p.name, p.stat().st_size) for p in work.iterdir()) == before
 
@@ -223,5 +216,5 @@ def test_a_changed_source_never_uses_stale_shards(tmp_path):
     os.utime(model / "model.safetensors")  # touched, not changed: a new fingerprint, so sharded again, same text
     assert generated() == new and len(list((tmp_path / "cache" / "shards").iterdir())) == 4
 
-    line = one_line(invoke("shard", model, "--out", tmp_path / "out", env=env))
+    line = one_error_line(invoke("shard", model, "--out", tmp_path / "out", env=env))
     assert "holds shards of another source or dtype" in line
