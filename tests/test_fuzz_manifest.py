@@ -132,7 +132,7 @@ NAMED_EDITS = {
     "norm removed": (lambda d: d["units"].pop(-2), "bad file name"),
     "last unit removed": (lambda d: d["units"].pop(), "is not in the manifest"),
     "index true": (lambda d: d["units"][1].update(index=True), "layer index"),
-    "format 2": (lambda d: d.update(format_version=2), "manifest format 2"),
+    "format 3": (lambda d: d.update(format_version=3), "manifest format 3"),
     "aliases missing": (lambda d: d.pop("aliases"), "fields missing or unknown"),
 }
 

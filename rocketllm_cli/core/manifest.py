@@ -16,7 +16,8 @@ from pathlib import Path
 from ..errors import ShardError
 from . import stfile
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: mixture-of-experts models have one unit per expert (kind "expert")
+READABLE_VERSIONS = (1, 2)  # a dense set is the same in both
 MANIFEST = "manifest.json"
 RESHARD = "re-run `rocketllm shard` on the source model"
 UNIT_FILE = re.compile(r"^\d{4}-.+\.safetensors$")
@@ -36,14 +37,14 @@ class TensorRecord:
 
 @dataclass
 class UnitRecord:
-    name: str  # embed, layer.000 ..., norm, lm_head, extra.<module path>
-    kind: str  # embed | layer | norm | lm_head | extra | root
-    module: str  # module path the unit's forward hook sits on ("" = the whole model)
+    name: str  # embed, layer.000 ..., layer.000.expert.000 ..., norm, lm_head, extra.<module path>
+    kind: str  # embed | layer | expert | norm | lm_head | extra | root
+    module: str  # module path the unit's forward hook sits on ("" = the whole model); for an expert, its tensors' common prefix
     file: str
     bytes: int  # file size
     sha256: str
     tensors: list[TensorRecord]
-    index: int = -1  # layer index within the decoder stack
+    index: int = -1  # layer index within the decoder stack (a layer's, or the layer an expert belongs to)
 
     @property
     def tensor_bytes(self) -> int:
@@ -69,6 +70,10 @@ class Manifest:
     @property
     def layers(self) -> list[UnitRecord]:
         return [u for u in self.units if u.kind == "layer"]
+
+    @property
+    def experts(self) -> list[UnitRecord]:
+        return [u for u in self.units if u.kind == "expert"]
 
     def unit(self, name: str) -> UnitRecord:
         for u in self.units:
@@ -98,8 +103,8 @@ class Manifest:
             doc = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deeply, a number too long
             raise ShardError(f"{path}: manifest is corrupt (not readable JSON); {RESHARD}") from None
-        if isinstance(doc, dict) and doc.get("format_version") != FORMAT_VERSION and isinstance(doc.get("format_version"), int):
-            raise ShardError(f"{path}: manifest format {doc.get('format_version')!r}, this rocketllm reads {FORMAT_VERSION}; {RESHARD}")
+        if isinstance(doc, dict) and doc.get("format_version") not in READABLE_VERSIONS and isinstance(doc.get("format_version"), int):
+            raise ShardError(f"{path}: manifest format {doc.get('format_version')!r}, this rocketllm reads {' and '.join(map(str, READABLE_VERSIONS))}; {RESHARD}")
         try:
             _validate(doc)
         except _Corrupt as exc:
@@ -185,6 +190,11 @@ def _validate(doc) -> None:
             _require(type(index) is int and index == layers, f"unit {name[:40]!r}: layer index {_show(index)} out of order")
             expected = (f"layer.{index:03d}", f"{doc['stack']}.{index}")
             layers += 1
+        elif kind == "expert":
+            m = re.fullmatch(r"layer\.(\d{3,})\.expert\.(\d{3,})", name) if isinstance(name, str) else None
+            _require(doc["format_version"] >= 2 and m is not None and type(index) is int and index == layers - 1 == int(m.group(1)),
+                     f"unit {i}: expert {_show(name)} is not after its layer")
+            expected = (name, module)
         else:
             _require(isinstance(kind, str) and (kind in FIXED_UNIT_NAMES or kind == "extra"), f"unit {i}: unknown kind {_show(kind)}")
             _require(type(index) is int and index == -1, f"unit {name[:40]!r}: bad index")

@@ -26,7 +26,8 @@ import torch
 from ..errors import ModelError, ShardError
 from ..sizes import format_bytes
 from . import stfile
-from .discover import Layout, build_meta_model, discover
+from .discover import Layout, UnitPlan, build_meta_model, discover
+from .experts import conversion_rules, find_containers, plan_expert_pieces, unit_name
 from .manifest import MANIFEST, UNIT_FILE, Manifest, TensorRecord, UnitRecord
 from .source import TOKENIZER_FILES, Located, Source, locate, open_source, save_tokenizer
 
@@ -85,6 +86,8 @@ def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[st
     mapping: dict[str, str] = {}
     missing: list[str] = []
     for unit in layout.units:
+        if unit.kind == "expert":
+            continue  # mapped by split_experts
         for name in list(unit.params):
             found = next((c for c in _candidates(name, prefix) if c in available), None)
             if found is None:
@@ -103,17 +106,81 @@ def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[st
                 raise ModelError(f"tensor {found} is stored as {str(stored).removeprefix('torch.')} but the model needs floating-point weights "
                                  "(a quantized or corrupt checkpoint; use an unquantized one)")
             mapping[name] = found
-    if missing and any(".experts." in m for m in missing):
-        raise ModelError(
-            f"{model.config.model_type}: mixture-of-experts checkpoints (experts stored per expert, fused in the model) "
-            "cannot be sharded by this version yet; use a dense model"
-        )
     if missing:
         raise ModelError(
             f"checkpoint lacks {len(missing)} tensors this {model.config.model_type} model needs (e.g. {missing[0]}); "
             "the config does not match the weights, or this checkpoint layout is not supported yet"
         )
     return mapping
+
+
+def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str], dict[str, int]]:
+    """Give every expert of every layer a unit of its own, after its layer's unit (which keeps attention,
+    norms, router and shared experts). Returns {piece: source tensor} and {piece: expert} for pieces sliced
+    from a fused source tensor."""
+    containers = find_containers(model, layout.stack)
+    if not containers:
+        return {}, {}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    meta = dict(model.named_parameters(remove_duplicate=False))
+    renamed = _renamed_by_transformers(model, list(source.shapes), meta)
+
+    def resolve(param: str) -> str | None:
+        found = next((c for c in _candidates(param, prefix) if c in renamed), None)
+        return renamed[found] if found is not None else None
+
+    renamings, converters = conversion_rules(model)
+    plan = plan_expert_pieces(model, containers, source.shapes, resolve, renamings, converters)
+    units: list[UnitPlan] = []
+    for unit in layout.units:
+        unit.params = [p for p in unit.params if p not in plan.claimed]
+        units.append(unit)
+        if unit.kind != "layer":
+            continue
+        for (layer, expert), pieces in sorted(plan.units.items()):
+            if layer == unit.index:
+                names = [p.name for p in pieces]
+                units.append(UnitPlan(unit_name(layer, expert), "expert", _common_module(names), names, index=layer))
+    layout.units = units
+    mapping = {p.name: p.source for pieces in plan.units.values() for p in pieces}
+    for pieces in plan.units.values():
+        for p in pieces:
+            got = source.shapes[p.source]
+            if not got[1].is_floating_point:
+                raise ModelError(f"tensor {p.source} is stored as {str(got[1]).removeprefix('torch.')} but experts need floating-point "
+                                 "weights (a quantized or corrupt checkpoint; use an unquantized one)")
+    return mapping, {p.name: p.expert for pieces in plan.units.values() for p in pieces if p.sliced}
+
+
+class SourceMap(dict):
+    """{name in the shard set: source tensor}; `sliced` names those that are one expert's slice [e] of a fused source tensor."""
+
+    def __init__(self, mapping: dict[str, str], sliced: dict[str, int]) -> None:
+        super().__init__(mapping)
+        self.sliced = sliced
+        self._last: tuple[str, torch.Tensor] | None = None  # the fused tensor read last: its experts come one unit at a time
+
+    def read(self, source: Source, name: str) -> torch.Tensor:
+        src = self[name]
+        if name not in self.sliced:
+            return source.read(src)
+        if self._last is None or self._last[0] != src:
+            self._last = (src, source.read(src))
+        return self._last[1][self.sliced[name]]
+
+    def numel(self, source: Source, name: str) -> int:
+        n = _numel(source.shapes[self[name]][0])
+        return n // source.shapes[self[name]][0][0] if name in self.sliced else n
+
+
+def _common_module(names: list[str]) -> str:
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for group in zip(*parts):
+        if len(set(group)) != 1:
+            break
+        common.append(group[0])
+    return ".".join(common)
 
 
 def _renamed_by_transformers(model, names: list[str], meta: dict) -> dict[str, str]:
@@ -138,6 +205,11 @@ def _renamed_by_transformers(model, names: list[str], meta: dict) -> dict[str, s
         if new != n and new not in out:
             out[new] = n
     return out
+
+
+def candidate_names(name: str, prefix: str) -> list[str]:
+    """The names a tensor may carry in a checkpoint or a module tree: with and without the base-model prefix."""
+    return _candidates(name, prefix)
 
 
 def _candidates(name: str, prefix: str) -> list[str]:
@@ -182,7 +254,9 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     # Everything that can refuse the input does so before anything is written, the disk space check included.
     model = build_meta_model(source.config)
     layout = discover(model)
-    mapping = map_names(source, model, layout)
+    pieces, sliced = split_experts(source, model, layout)
+    mapping = SourceMap(map_names(source, model, layout), sliced)
+    mapping.update(pieces)
     need = _bytes_needed(source, mapping, dtype)
     partial = final.parent / f".{final.name}.partial"
     _check_space(final.parent, need - sum(r.tensor_bytes for r in _resumable(partial, fingerprint, dtype).values()))
@@ -243,7 +317,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
             file = f"{index:04d}-{plan.name}.safetensors"
             record = done.get(plan.name)
             if record is None or record.file != file:
-                tensors = {n: source.read(mapping[n]).to(expected[n]) for n in plan.params}
+                tensors = {n: mapping.read(source, n).to(expected[n]) for n in plan.params}
                 record = _write_unit(partial, file, plan, tensors, mapping)
                 del tensors
                 _journal(partial, fingerprint, dtype, record)
@@ -298,11 +372,16 @@ def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tenso
         raise
     os.replace(tmp, directory / file)
     records = [
-        TensorRecord(name, mapping[name], stfile.NAMES[tensors[name].dtype], list(tensors[name].shape), len(header) + offset, nbytes)
+        TensorRecord(name, _source_name(mapping, name), stfile.NAMES[tensors[name].dtype], list(tensors[name].shape), len(header) + offset, nbytes)
         for name, offset, nbytes in spans
     ]
     size = len(header) + sum(n for _, _, n in spans)
     return UnitRecord(plan.name, plan.kind, plan.module, file, size, digest.hexdigest(), records, plan.index)
+
+
+def _source_name(mapping: dict[str, str], name: str) -> str:
+    sliced = getattr(mapping, "sliced", {})
+    return f"{mapping[name]}[{sliced[name]}]" if name in sliced else mapping[name]
 
 
 def verify(directory: Path, log=print) -> list[str]:
@@ -429,10 +508,10 @@ def _file_ok(path: Path, size: int) -> bool:
         return False
 
 
-def _bytes_needed(source: Source, mapping: dict[str, str], dtype: str) -> int:
+def _bytes_needed(source: Source, mapping: SourceMap, dtype: str) -> int:
     """Tensor bytes of the whole shard set (headers and the manifest are small next to them)."""
     target = DTYPE_NAMES[dtype]
-    return sum(_numel(source.shapes[s][0]) * _out_dtype(source.shapes[s][1], target).itemsize for s in mapping.values())
+    return sum(mapping.numel(source, n) * _out_dtype(source.shapes[s][1], target).itemsize for n, s in mapping.items())
 
 
 def _free_bytes(directory: Path) -> int:
