@@ -28,6 +28,9 @@ class Step:
     served: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     witnessed_storage: int | None = None  # read_bytes delta over the pass (prefetch for the next pass included)
     phases: dict[str, float] = field(default_factory=dict)  # seconds: read (IO threads), wait (compute thread blocked on IO)
+    experts: int = 0  # expert uses (one per routed expert per layer, all tokens of the pass together)
+    expert_lookups: int = 0  # uses that asked the expert cache (experts not resident for good)
+    expert_hits: int = 0  # of those, served from the cache
 
 
 class Ledger:
@@ -50,6 +53,16 @@ class Ledger:
     def serve(self, tier: str, nbytes: int) -> None:
         if self.steps:
             self.steps[-1].served[tier] += nbytes
+
+    def serve_expert(self, tier: str, nbytes: int, cached: bool | None) -> None:
+        """One routed expert's bytes; cached: True a cache hit, False a miss, None the cache was not asked."""
+        if self.steps:
+            step = self.steps[-1]
+            step.served[tier] += nbytes
+            step.experts += 1
+            if cached is not None:
+                step.expert_lookups += 1
+                step.expert_hits += int(cached)
 
     def add_time(self, phase: str, seconds: float) -> None:
         """Time spent in a phase during the current pass; IO threads call this too."""
@@ -79,6 +92,8 @@ class Ledger:
         if self.steps:
             first = self.steps[0]
             out["prefill"] = {"tokens": first.tokens, "seconds": round(first.seconds, 4), "served": first.served}
+            if first.experts:
+                out["prefill"]["experts"] = first.experts
         if decode:
             n = len(decode)
             out["decode_passes"] = n
@@ -86,6 +101,11 @@ class Ledger:
             witnessed = [s.witnessed_storage for s in decode if s.witnessed_storage is not None]
             out["per_token_storage_witnessed"] = sum(witnessed) // len(witnessed) if witnessed else None
             out["per_token_seconds"] = sum(s.seconds for s in decode) / n
+            if any(s.experts for s in self.steps):
+                lookups = sum(s.expert_lookups for s in decode)
+                hits = sum(s.expert_hits for s in decode)
+                out["per_token_experts"] = sum(s.experts for s in decode) / n
+                out["expert_cache"] = {"lookups": lookups, "hits": hits, "hit_rate": round(hits / lookups, 4) if lookups else None}
             names = sorted({p for s in decode for p in s.phases})
             out["per_token_phase_seconds"] = {p: sum(s.phases.get(p, 0.0) for s in decode) / n for p in names}
         return out

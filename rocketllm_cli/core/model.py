@@ -83,14 +83,23 @@ class StreamingModel:
         hf_config = AutoConfig.from_pretrained(self.directory)
         model = build_meta_model(hf_config, self.dtype)
         self.plan: ResidencyPlan = make_plan(self.manifest, config.device_cache_bytes, config.host_cache_bytes)
-        resident = sum(u.tensor_bytes for u in self.manifest.units if self.plan.tier[u.name] == "device")
+        # Resident experts are counted when routed, like every expert: the rest of the device tier serves every pass.
+        resident = sum(u.tensor_bytes for u in self.manifest.units if self.plan.tier[u.name] == "device" and u.kind != "expert")
         self.ledger = Ledger(resident)
         self.store = WeightStore(
             self.directory, self.manifest, self.plan, self.ledger, device=self.device, compute_dtype=self.dtype,
             prefetch_depth=config.prefetch_depth, io_workers=config.io_workers, direct_io=config.direct_io, pin_memory=config.pin_memory,
         )
         self._hooks: list = []
+        self.experts = None
         self._bind(model)
+        if self.manifest.experts:
+            from .expertstream import ExpertStreamer
+            from .sharder import candidate_names
+
+            prefix = getattr(model, "base_model_prefix", "") or ""
+            self.experts = ExpertStreamer(model, self.manifest, self.plan, self.store, self.ledger, io_workers=config.io_workers,
+                                          candidates=lambda n: candidate_names(n, prefix))
         _move_buffers(model, self.device)
         _pin_device(model, self.device)
         _load_generation_config(model, self.directory)
@@ -101,9 +110,10 @@ class StreamingModel:
     # -- wiring -----------------------------------------------------------------------
     def _bind(self, model: nn.Module) -> None:
         bindings: dict[str, dict[str, list[Binding]]] = {}  # unit -> hook module path -> bindings
-        owner = {t.name: u.name for u in self.manifest.units for t in u.tensors}
-        hook_of = {u.name: u.module for u in self.manifest.units}
-        targets = [(t.name, t.name, u.name) for u in self.manifest.units for t in u.tensors]
+        units = [u for u in self.manifest.units if u.kind != "expert"]  # experts: see expertstream.py
+        owner = {t.name: u.name for u in units for t in u.tensors}
+        hook_of = {u.name: u.module for u in units}
+        targets = [(t.name, t.name, u.name) for u in units for t in u.tensors]
         targets += [(alias, src, owner[src]) for alias, src in self.manifest.aliases.items() if src in owner]
         for name, key, unit in targets:
             module_path, _, attr = name.rpartition(".")
@@ -175,6 +185,8 @@ class StreamingModel:
         self.store.begin_pass()
 
     def _end_pass(self, module, args, output):
+        if self.experts is not None:
+            self.experts.end_pass()
         self.store.end_pass()
         self.ledger.end()
 
@@ -195,6 +207,8 @@ class StreamingModel:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.experts is not None:
+            self.experts.close()
         self.store.close()
 
     def __enter__(self):

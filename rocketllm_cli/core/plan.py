@@ -22,6 +22,7 @@ class ResidencyPlan:
     tier: dict[str, str]  # unit name -> device | host | storage
     formula: str
     inputs: dict[str, int] = field(default_factory=dict)
+    expert_cache_bytes: int = 0  # device budget left for an LRU cache of experts streamed from storage
 
     def units_in(self, tier: str) -> list[str]:
         return [u for u, t in self.tier.items() if t == tier]
@@ -39,10 +40,16 @@ class ResidencyPlan:
         strip = "".join(marks[self.tier[n]] for n in layers)
         per = self.bytes_per_tier(manifest)
         counts = ", ".join(f"{t} {len(self.units_in(t))} units / {format_bytes(per[t])}" for t in TIERS)
-        return f"residency: {counts}; layers [{strip}] (D device, H host cache, S storage); {self.formula}"
+        experts = [u.name for u in manifest.experts]
+        moe = ""
+        if experts:
+            by = {t: sum(1 for e in experts if self.tier[e] == t) for t in TIERS}
+            moe = (f"; experts: {by['device']} device, {by['host']} host, {by['storage']} storage of {len(experts)}, "
+                   f"expert cache {format_bytes(self.expert_cache_bytes)}")
+        return f"residency: {counts}; layers [{strip}] (D device, H host cache, S storage){moe}; {self.formula}"
 
     def to_dict(self) -> dict:
-        return {"tier": self.tier, "formula": self.formula, "inputs": self.inputs}
+        return {"tier": self.tier, "formula": self.formula, "inputs": self.inputs, "expert_cache_bytes": self.expert_cache_bytes}
 
 
 def spaced(n: int, k: int) -> list[int]:
@@ -69,7 +76,7 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
         if u.kind == "root":
             tier[u.name] = "device"
             budget["device"] -= u.tensor_bytes
-    for u in sorted((u for u in manifest.units if u.kind not in ("layer", "root")), key=lambda u: u.tensor_bytes):
+    for u in sorted((u for u in manifest.units if u.kind not in ("layer", "expert", "root")), key=lambda u: u.tensor_bytes):
         place(u.name)
     layers = manifest.layers
     n = len(layers)
@@ -81,6 +88,9 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
     host_idx = {streamed_sorted[i] for i in spaced(len(streamed_sorted), fit_host)}
     for i, u in enumerate(layers):
         tier[u.name] = "host" if i in host_idx else "storage" if i in streamed else "device"
+    budget["device"] -= sum(layers[i].tensor_bytes for i in range(n) if tier[layers[i].name] == "device")
+    budget["host"] -= sum(layers[i].tensor_bytes for i in host_idx)
+    cache = _place_experts(manifest, tier, budget)
     formula = (
         f"device layers = min(N, device budget left / layer bytes) = {fit_device}; "
         f"streamed every ~N/(N-k) = {n / max(1, n - fit_device):.1f} layers; host layers = {fit_host} of the streamed"
@@ -89,7 +99,28 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
         "N": n, "layer_bytes": layer_bytes, "device_cache_bytes": device_cache_bytes, "host_cache_bytes": host_cache_bytes,
         "k": fit_device,
     }
-    return ResidencyPlan(tier, formula, inputs)
+    if manifest.experts:
+        formula += ("; experts (after every layer's dense part): all on the device if they fit, else the device budget left "
+                    "is an LRU expert cache and the host budget left holds experts spread evenly")
+    return ResidencyPlan(tier, formula, inputs, cache)
+
+
+def _place_experts(manifest: Manifest, tier: dict[str, str], budget: dict[str, int]) -> int:
+    """Experts go after the dense parts (every token needs those, an expert only when routed). Returns the cache bytes."""
+    experts = manifest.experts
+    if not experts:
+        return 0
+    total = sum(u.tensor_bytes for u in experts)
+    if budget["device"] >= total:
+        for u in experts:
+            tier[u.name] = "device"
+        return 0
+    size = max(u.tensor_bytes for u in experts)
+    fit_host = min(len(experts), max(0, budget["host"]) // size) if size else 0
+    host = set(spaced(len(experts), fit_host))
+    for i, u in enumerate(experts):
+        tier[u.name] = "host" if i in host else "storage"
+    return max(0, budget["device"])
 
 
 def check_budget(resident_bytes: int, streaming_bytes: int, available: int | None) -> None:

@@ -65,7 +65,7 @@ class WeightStore:
         reads = [u for u in streamed if plan.tier[u.name] == "storage" or self.cuda]
         self._pool = ThreadPoolExecutor(max(1, io_workers), thread_name_prefix="rocketllm-io") if prefetch_depth > 0 and reads else None
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.schedule: list[str] = [u.name for u in streamed]
+        self.schedule: list[str] = [u.name for u in streamed if u.kind != "expert"]  # experts go by routing, not order
         self._order: list[str] = []
         self._pos = -1
         for u in manifest.units:
