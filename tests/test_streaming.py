@@ -101,12 +101,3 @@ def test_model_device_and_generate_surface(shards):
         assert model.device == torch.device("cpu")
         out = model.generate(PROMPT, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True, pad_token_id=3)
         assert out.sequences.shape == (1, PROMPT.shape[1] + 3) and len(out.scores) == 3
-
-
-@pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
-def test_moe_refused_with_one_clear_line(arch, tiny_factory, tmp_path):
-    from rocketllm_cli.errors import ModelError
-
-    with pytest.raises(ModelError, match="mixture-of-experts"):
-        shard(tiny_factory(arch), out=tmp_path / "moe", log=lambda m: None)
-    assert not (tmp_path / "moe").exists()

@@ -25,13 +25,11 @@ def synthetic_dir(spec: str) -> Path:
 
 def synthetic_config(spec: str):
     """The transformers config for 'arch:SIZE'; a bad spec is a usage error naming what is accepted."""
-    from ..synthetic import ARCHS, MOE_ARCHS, config_from_spec
+    from ..synthetic import ARCHS, config_from_spec
 
     arch, sep, size = spec.partition(":")
     if not sep or not size.strip():
         raise UsageError(f"bad --synthetic {spec!r}: expected ARCH:SIZE such as llama:1B (architectures: {', '.join(ARCHS)})")
-    if arch.strip() in MOE_ARCHS:
-        raise UsageError(f"--synthetic {spec}: mixture-of-experts models do not stream yet; pick a dense architecture")
     try:
         return config_from_spec(spec)
     except ValueError as exc:

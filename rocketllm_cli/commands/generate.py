@@ -103,6 +103,14 @@ def format_stats(stats: dict, prompt_tokens: int, new_tokens: int) -> str:
          if stats.get("batch") else
          f"decode: {stats.get('per_token_ms')} ms/token ({stats.get('decode_tokens_per_s')} tok/s) on {stats.get('device')} in {stats.get('compute_dtype')}"),
         f"bytes per token: {tiers or 'n/a'}; storage read witnessed {format_bytes(witnessed) if witnessed is not None else 'n/a'}",
+        *([_experts_line(stats)] if stats.get("experts_per_token") is not None else []),
         f"peak RSS: {format_bytes(stats.get('peak_rss_bytes'))}",
         stats.get("residency", ""),
     ])
+
+
+def _experts_line(stats: dict) -> str:
+    cache = stats.get("expert_cache") or {}
+    rate = cache.get("hit_rate")
+    hits = f"{100 * rate:.1f}% ({cache['hits']} of {cache['lookups']} lookups)" if rate is not None else "n/a (no expert cache in use)"
+    return f"experts: {stats['experts_per_token']:.1f} routed expert uses per token (all layers); expert cache hit rate {hits}"

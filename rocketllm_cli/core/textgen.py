@@ -211,6 +211,8 @@ def collect_stats(model, times: list[float], start: float, total: float) -> dict
         "storage_bytes_per_token_witnessed": ledger.get("per_token_storage_witnessed"),
         "phase_seconds_per_token": ledger.get("per_token_phase_seconds"),
         "prefill": ledger.get("prefill"),
+        "experts_per_token": ledger.get("per_token_experts"),
+        "expert_cache": ledger.get("expert_cache"),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "residency": model.plan.describe(model.manifest),
         "device": str(model.device),

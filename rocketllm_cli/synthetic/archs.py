@@ -72,6 +72,16 @@ ARCHS: dict[str, ArchSpec] = {  # short name -> row
         hidden_scale=0.1,
         experts_key="num_experts",
     ),
+    "qwen2_moe": ArchSpec(  # shared expert beside the routed ones, and one dense layer (mlp_only_layers) in the tiny shape
+        "qwen2_moe",
+        names={"intermediate": "moe_intermediate_size"},
+        tiny={"num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 96, "intermediate_size": 96,
+              "mlp_only_layers": [1]},
+        sized={"num_experts": 60, "num_experts_per_tok": 4},
+        mlp_ratio=0.375,
+        hidden_scale=0.1,
+        experts_key="num_experts",
+    ),
 }
 
 MOE_ARCHS = tuple(name for name, spec in ARCHS.items() if spec.experts_key)
