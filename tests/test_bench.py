@@ -145,3 +145,29 @@ def test_batch_sweep_reports_throughput_against_batch_of_one(tiny_factory):
         median = r["ms_per_step"]["median"]  # rounded to 0.01 ms; tokens/s is computed before that rounding
         assert r["tokens_per_s"] == pytest.approx(1000 * r["batch"] / median, abs=1000 * r["batch"] * 0.005 / median**2 + 1e-3)
         assert r["speedup_vs_1"] == pytest.approx(r["tokens_per_s"] / batch["rows"][0]["tokens_per_s"], abs=0.01)
+
+
+def test_moe_bench_reports_routed_experts_and_the_cache(tiny_factory):
+    """A MoE model gets the expert-cache regime too; rows carry expert uses, cache hit rate and whole-layer bytes."""
+    model = tiny_factory("qwen3_moe", seed=5)
+    result = CliRunner().invoke(app, ["bench", str(model), "--tokens", "4", "--prompt-tokens", "4", "--regime", "storage",
+                                      "expert-cache", "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    rows = {r["regime"]: r for r in doc["rows"]}
+    assert set(rows) == {"storage", "expert-cache"}
+    for row in rows.values():
+        assert row["experts_per_token"] > 0
+        assert sum(row["bytes_per_token"].values()) < row["whole_layer_bytes_per_token"]
+    assert rows["storage"]["expert_cache"]["lookups"] == 0  # no cache without a device budget
+    cache = rows["expert-cache"]["expert_cache"]
+    assert cache["lookups"] > 0 and 0 <= cache["hits"] <= cache["lookups"]
+    assert rows["expert-cache"]["bytes_per_token"]["storage"] < rows["storage"]["bytes_per_token"]["storage"]
+
+
+def test_dense_model_has_no_expert_cache_regime(tiny_checkpoint):
+    result = CliRunner().invoke(app, ["bench", str(tiny_checkpoint), "--tokens", "1", "--prompt-tokens", "2", "--regime",
+                                      "expert-cache", "--json"])
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    assert [(r["regime"], r["status"], r["reason"]) for r in rows] == [("expert-cache", "skipped", "not a mixture-of-experts model")]

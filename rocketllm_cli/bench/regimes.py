@@ -3,6 +3,8 @@
 resident - device_cache_bytes covers the whole model: every weight bound once, nothing streams.
 host     - nothing resident; every unit in the host tier (on CPU: the page cache through mmap).
 storage  - nothing resident, no host tier: every token's bytes come from storage, evicted after each read.
+expert-cache (mixture-of-experts only) - dense parts resident, experts from storage through an expert cache
+           of a quarter of the experts' bytes: the regime of a MoE model whose experts do not fit.
 """
 
 from __future__ import annotations
@@ -13,22 +15,29 @@ from ..core.plan import TIERS
 from ..sizes import format_bytes
 from .timing import WARMUP, fixed_prompt, timed_generate
 
-REGIMES = ("resident", "host", "storage")
+REGIMES = ("resident", "host", "storage", "expert-cache")
+DEFAULT_REGIMES = ("resident", "host", "storage")  # plus expert-cache for a mixture-of-experts model
+EXPERT_CACHE_SHARE = 0.25
 REGIME_KNOBS = ("device_cache_bytes", "host_cache_bytes")
 RAM_SHARE = 0.8  # a regime that holds the whole model in RAM needs it to fit in this share of available RAM
 
 
-def regime_overrides(regime: str, total_bytes: int) -> dict[str, int]:
+def regime_overrides(regime: str, manifest) -> dict[str, int]:
+    total_bytes = manifest.total_bytes
     huge = 2 * total_bytes + (1 << 30)
+    experts = sum(u.tensor_bytes for u in manifest.experts)
     return {
         "resident": {"device_cache_bytes": huge, "host_cache_bytes": 0},
         "host": {"device_cache_bytes": 0, "host_cache_bytes": huge},
         "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0},
+        "expert-cache": {"device_cache_bytes": total_bytes - experts + int(EXPERT_CACHE_SHARE * experts), "host_cache_bytes": 0},
     }[regime]
 
 
-def skip_reason(regime: str, total_bytes: int, ram_available: int) -> str | None:
+def skip_reason(regime: str, total_bytes: int, ram_available: int, has_experts: bool = False) -> str | None:
     """Why a regime cannot run on this machine (the model must fit in RAM to be resident or page-cached)."""
+    if regime == "expert-cache":
+        return None if has_experts else "not a mixture-of-experts model"
     if regime == "storage" or total_bytes <= RAM_SHARE * ram_available:
         return None
     where = "resident" if regime == "resident" else "in the page cache"
@@ -44,7 +53,9 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
     """Load MODEL in `regime`, generate, and return the measured row (the ledger's figures over the measured steps)."""
     from ..core.auto import AutoModel
 
-    overrides = regime_overrides(regime, _total_bytes(model_path))
+    from ..core.manifest import Manifest
+
+    overrides = regime_overrides(regime, Manifest.load(model_path))
     streamed = AutoModel.from_pretrained(model_path, flags=flags, log=log, **overrides)
     try:
         ids = fixed_prompt(streamed.tokenizer, prompt_tokens)
@@ -54,11 +65,17 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
         served = {t: sum(s.served[t] for s in steps) // n for t in TIERS}
         witnessed = [s.witnessed_storage for s in steps if s.witnessed_storage is not None]
         phases = sorted({p for s in steps for p in s.phases})
+        moe = bool(streamed.manifest.experts)
+        lookups, hits = sum(s.expert_lookups for s in steps), sum(s.expert_hits for s in steps)
         return {
             "name": "rocketllm", "regime": regime, "status": "measured", "reason": "",
             "ttft_ms": round(1000 * timing.ttft_s, 1), "ms_per_token": timing.summary(),
             "bytes_per_token": served,
-            "unique_bytes_per_tier": streamed.plan.bytes_per_tier(streamed.manifest),  # each weight once: the limit's bytes
+            # the limit's bytes: each weight once (a MoE token: the dense part and its routed experts, as served)
+            "unique_bytes_per_tier": served if moe else streamed.plan.bytes_per_tier(streamed.manifest),
+            "experts_per_token": round(sum(s.experts for s in steps) / n, 2) if moe else None,
+            "expert_cache": {"lookups": lookups, "hits": hits, "hit_rate": round(hits / lookups, 4) if lookups else None} if moe else None,
+            "whole_layer_bytes_per_token": streamed.manifest.total_bytes if moe else None,
             "storage_witnessed_per_token": sum(witnessed) // len(witnessed) if witnessed else timing.storage_bytes,
             "phase_ms_per_token": {p: round(1000 * sum(s.phases.get(p, 0.0) for s in steps) / n, 2) for p in phases},
             "read_method": read_method(streamed.knobs) if served["storage"] else None,
@@ -71,12 +88,6 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
         streamed.close()
         del streamed
         gc.collect()
-
-
-def _total_bytes(model_path) -> int:
-    from ..core.manifest import Manifest
-
-    return Manifest.load(model_path).total_bytes
 
 
 def _pad(model) -> int | None:

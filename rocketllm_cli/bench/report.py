@@ -80,7 +80,14 @@ def _notes(rows: list[dict]) -> list[str]:
     for row in rows:
         if row["status"] == "measured" and row["name"] == "rocketllm":
             phases = ", ".join(f"{p} {v:.1f} ms" for p, v in (row.get("phase_ms_per_token") or {}).items()) or "none"
-            out.append(f"- {row['regime']}: limit {row.get('limit_basis')}; per-token phases {phases}; {row.get('residency_text', '')}")
+            experts = ""
+            if row.get("experts_per_token") is not None:
+                cache = row.get("expert_cache") or {}
+                rate = f"{100 * cache['hit_rate']:.1f}% of {cache['lookups']} lookups" if cache.get("hit_rate") is not None else "n/a (no cache)"
+                served = sum((row.get("bytes_per_token") or {}).values())
+                experts = (f"experts: {row['experts_per_token']:.1f} routed uses per token, expert cache hit rate {rate}, "
+                           f"{format_bytes(served)} per token vs {format_bytes(row['whole_layer_bytes_per_token'])} streaming whole layers; ")
+            out.append(f"- {row['regime']}: limit {row.get('limit_basis')}; per-token phases {phases}; {experts}{row.get('residency_text', '')}")
     return out
 
 

@@ -6,9 +6,10 @@ import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.manifest import Manifest
 from ..errors import UsageError
 from .baselines import BASELINES, REGIMES_OF, run_baseline
-from .regimes import REGIME_KNOBS, REGIMES, read_method, regime_overrides, run_regime, skip_reason
+from .regimes import DEFAULT_REGIMES, REGIME_KNOBS, REGIMES, read_method, regime_overrides, run_regime, skip_reason
 from .timing import WARMUP, fixed_prompt
 
 
@@ -32,7 +33,7 @@ class BenchRequest:
             raise UsageError(f"--prompt-tokens must be at least 1 (got {self.prompt_tokens})")
         for regime in self.regimes:
             if regime not in REGIMES:
-                raise UsageError(f"bad --regime {regime!r}: expected resident, host, storage or all")
+                raise UsageError(f"bad --regime {regime!r}: expected resident, host, storage, expert-cache or all")
         for name in self.baselines:
             if name not in BASELINES:
                 raise UsageError(f"bad --baseline {name!r}: expected one of {', '.join(BASELINES)}")
@@ -42,7 +43,7 @@ class BenchRequest:
         if self.batch and len(self.regimes) > 1:
             raise UsageError("--batch measures one regime: pass --regime resident, host or storage (default storage)")
         if not self.regimes:
-            self.regimes = ("storage",) if self.batch else REGIMES
+            self.regimes = ("storage",) if self.batch else ()  # () = every regime that applies to the model
 
 
 def run_bench(req: BenchRequest, log) -> dict:
@@ -68,8 +69,9 @@ def run_bench(req: BenchRequest, log) -> dict:
         hf_dir, no_hf = hf_checkpoint(source, manifest, log)
     work = cache_dir() / "bench" / "work"
     dtype = None
-    for regime in () if req.batch else req.regimes:
-        why = skip_reason(regime, manifest.total_bytes, ram)
+    regimes = req.regimes or DEFAULT_REGIMES + (("expert-cache",) if manifest.experts else ())
+    for regime in () if req.batch else regimes:
+        why = skip_reason(regime, manifest.total_bytes, ram, bool(manifest.experts))
         if why:
             log(f"{regime}: skipped, {why}")
             rows.append({"name": "rocketllm", "regime": regime, "status": "skipped", "reason": why})
@@ -115,7 +117,7 @@ def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log) ->
     from .timing import percentile
 
     manifest_total = _total(shards)
-    streamed = AutoModel.from_pretrained(shards, flags=flags, log=log, **regime_overrides(regime, manifest_total))
+    streamed = AutoModel.from_pretrained(shards, flags=flags, log=log, **regime_overrides(regime, Manifest.load(shards)))
     rows = []
     try:
         base = fixed_prompt(streamed.tokenizer, req.prompt_tokens + max(req.batch))

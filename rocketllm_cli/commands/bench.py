@@ -11,7 +11,7 @@ from ..output import Output
 
 NAME = "bench"
 NO_ARGS_IS_HELP = True
-HELP = """Benchmark MODEL (or a --synthetic one) in the resident, host and storage regimes.
+HELP = """Benchmark MODEL (or a --synthetic one) in the resident, host and storage regimes (and expert-cache for a MoE model).
 
 Prints a one-line hardware profile and a Markdown table (paste it into docs/HARDWARE.md): ms/token
 median and spread, time to first token, bytes per token per tier, storage bytes witnessed by
@@ -23,7 +23,7 @@ Examples:
   rocketllm bench ./SmolLM2.gguf --batch 1 4 8
 """
 
-RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help="resident, host, storage or all (repeatable). [default: all; storage with --batch]", show_default=False)]
+RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help="resident, host, storage, expert-cache (MoE models) or all (repeatable). [default: all that apply; storage with --batch]", show_default=False)]
 BaselineOpt = Annotated[Optional[list[str]], typer.Option("--baseline", help="transformers, accelerate, naive, airllm or all (repeatable; several names after one flag work too).", show_default=False)]
 BatchOpt = Annotated[Optional[list[int]], typer.Option("--batch", help="Batch sizes to sweep (e.g. --batch 1 4 8): throughput vs N in one regime.", show_default=False)]
 
@@ -45,9 +45,9 @@ def run(
     output = Output(as_json=json)
     validate_knob_flags(knob_flags or {})
     model, regime, baseline, batch = _spread(model or [], regime or [], baseline or [], batch or [])
-    regimes = tuple(REGIMES if r == "all" else (r,) for r in regime)
+    regimes = () if "all" in regime else tuple(dict.fromkeys(regime))  # () = every regime that applies to the model
     baselines = tuple(BASELINES if b == "all" else (b,) for b in baseline)
-    req = BenchRequest(model, synthetic, tuple(dict.fromkeys(r for group in regimes for r in group)), tokens, prompt_tokens,
+    req = BenchRequest(model, synthetic, regimes, tokens, prompt_tokens,
                        tuple(dict.fromkeys(b for group in baselines for b in group)), tuple(batch or ()), knob_flags or {})
     doc = run_bench(req, output.log)
     if json:

@@ -22,9 +22,10 @@ def facts_from_manifest(manifest: Manifest, hf_config, compute_dtype: str | None
         name=manifest.source.get("name", "model"),
         total_bytes=manifest.total_bytes,
         num_layers=len(layers),
-        layer_bytes=max((u.tensor_bytes for u in layers), default=0),
+        # a layer as stored: its dense part and all of its experts (what streaming it whole would read)
+        layer_bytes=max((u.tensor_bytes + sum(e.tensor_bytes for e in manifest.experts if e.index == u.index) for u in layers), default=0),
         largest_unit_bytes=max((u.tensor_bytes for u in manifest.units), default=0),
-        non_layer_bytes=sum(u.tensor_bytes for u in manifest.units if u.kind != "layer"),
+        non_layer_bytes=sum(u.tensor_bytes for u in manifest.units if u.kind not in ("layer", "expert")),
         kv_bytes_per_token=int(kv_per_token),
         max_positions=int(positions),
         dtype=manifest.dtype,
