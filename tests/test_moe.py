@@ -225,3 +225,20 @@ def test_generate_stats_report_experts_and_cache(moe, tiny_factory):
     assert result.exit_code == 0, result.output
     line = next(l for l in result.output.splitlines() if l.startswith("experts:"))
     assert "routed expert uses per token" in line and "hit rate" in line
+
+
+def test_cost_model_counts_a_token_s_routed_experts_not_every_weight(moe):
+    from rocketllm_cli.core.facts import facts_from_manifest
+    from rocketllm_cli.profiles.modelpath import model_facts_from_path
+
+    manifest, directory, _, src = moe("mixtral")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    k, count = config.num_experts_per_tok, config.num_local_experts
+    experts = sum(u.tensor_bytes for u in manifest.experts)
+    dense = manifest.total_bytes - experts
+    facts = facts_from_manifest(manifest, config)
+    assert facts.active_bytes == dense + experts * k // count
+    assert facts.non_layer_bytes == sum(u.tensor_bytes for u in manifest.units if u.kind not in ("layer", "expert"))
+    from_headers = model_facts_from_path(src)  # before sharding, from the checkpoint's own tensor names
+    assert from_headers.active_bytes == int(from_headers.total_bytes - experts * (1 - k / count))
+    assert model_facts_from_path(directory).active_bytes == facts.active_bytes

@@ -55,7 +55,8 @@ def run(
     else:
         rate = f", {summary['mb_per_s']} MB/s" if summary.get("mb_per_s") else ""
         state = "reused existing shards" if summary.get("reused") else f"sharded in {summary.get('seconds')} s{rate}"
-        output.result(f"{directory}\n{manifest.model_type}: {summary['units']} units ({summary['layers']} layers), "
+        output.result(f"{directory}\n{manifest.model_type}: {summary['units']} units ({summary['layers']} layers"
+                      f"{', ' + str(summary['experts']) + ' experts' if summary.get('experts') else ''}), "
                       f"{format_bytes(summary['bytes'])} {manifest.dtype}; {state}")
         if verify:
             output.result("verify: ok, every file matches the manifest" if not problems else "verify: FAILED")

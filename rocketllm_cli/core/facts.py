@@ -29,4 +29,19 @@ def facts_from_manifest(manifest: Manifest, hf_config, compute_dtype: str | None
         kv_bytes_per_token=int(kv_per_token),
         max_positions=int(positions),
         dtype=manifest.dtype,
+        active_bytes=_active_bytes(manifest, hf_config),
     )
+
+
+def _active_bytes(manifest: Manifest, hf_config) -> int | None:
+    """A mixture-of-experts decode token: every non-expert weight plus top-k experts in each layer that has experts."""
+    if not manifest.experts:
+        return None
+    from .experts import top_k
+
+    k = top_k(hf_config) or 1
+    dense = sum(u.tensor_bytes for u in manifest.units if u.kind != "expert")
+    per_layer: dict[int, list[int]] = {}
+    for u in manifest.experts:
+        per_layer.setdefault(u.index, []).append(u.tensor_bytes)
+    return dense + sum(min(k, len(sizes)) * sum(sizes) // len(sizes) for sizes in per_layer.values())

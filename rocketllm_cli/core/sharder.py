@@ -552,6 +552,7 @@ def summarize(manifest: Manifest, seconds: float) -> dict:
     return {
         "units": len(manifest.units),
         "layers": len(manifest.layers),
+        "experts": len(manifest.experts),
         "bytes": total,
         "seconds": round(seconds, 3),
         "mb_per_s": round(total / seconds / 1e6, 1) if seconds > 0 else None,

@@ -59,10 +59,15 @@ class Projection:
 
 def plan_tier_bytes(model: ModelFacts, knobs: Knobs) -> dict[str, int]:
     """The default residency split per decode token: the device tier takes what device_cache_bytes allows,
-    the host tier the next host_cache_bytes, storage the rest (a dense model reads every weight per token)."""
+    the host tier the next host_cache_bytes, storage the rest. A dense model reads every weight per token;
+    a mixture-of-experts token reads its active bytes, split across the tiers in the same shares."""
     device = min(model.total_bytes, int(knobs.value("device_cache_bytes") or 0))
     host = min(model.total_bytes - device, int(knobs.value("host_cache_bytes") or 0))
-    return {"device": device, "host": host, "storage": model.total_bytes - device - host}
+    split = {"device": device, "host": host, "storage": model.total_bytes - device - host}
+    if model.bytes_per_token == model.total_bytes or not model.total_bytes:
+        return split
+    share = model.bytes_per_token / model.total_bytes
+    return {tier: int(b * share) for tier, b in split.items()}
 
 
 def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, int]) -> Projection:

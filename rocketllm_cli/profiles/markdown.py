@@ -66,7 +66,9 @@ def _model(m: dict | None) -> list[str]:
         return ["- none given (--model PATH or --model-size 70B --weight-bits 4 projects the cost per token)"]
     return [f"- {m['name']} ({m['source']}): {format_bytes(m['total_bytes'])} as {m['dtype']}, {m['num_layers']} layers of up to "
             f"{format_bytes(m['layer_bytes'])}, largest unit {format_bytes(m['largest_unit_bytes'])}, "
-            f"KV {format_bytes(m['kv_bytes_per_token'])}/token, context {m['max_positions']}", f"- note: {m['note']}"]
+            f"KV {format_bytes(m['kv_bytes_per_token'])}/token, context {m['max_positions']}"
+            + (f"; mixture-of-experts: {format_bytes(m['active_bytes'])} read per decode token (dense part + routed experts)"
+               if m.get("active_bytes") else ""), f"- note: {m['note']}"]
 
 
 def _projection(p: dict | None) -> list[str]:

@@ -18,6 +18,11 @@ class ModelFacts:
     kv_bytes_per_token: int  # K and V for every layer, per token, in the compute dtype
     max_positions: int  # the context the config allows
     dtype: str = "bf16"
+    active_bytes: int | None = None  # mixture-of-experts: what one decode token reads (dense part + routed experts); None = every weight
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.active_bytes if self.active_bytes is not None else self.total_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -65,7 +65,14 @@ def _from_manifest(path: Path) -> ModelFacts:
     config = _config(path / "config.json") if (path / "config.json").is_file() else doc.get("config", {})
     total = sum(b for _, b in units.values())
     name = (doc.get("source") or {}).get("name") or path.name
-    return _build(name, total, layers, max(b for _, b in units.values()), config, _DTYPES.get(doc.get("dtype", ""), doc.get("dtype", "")))
+    experts = sum(b for kind, b in units.values() if kind == "expert")
+    layers = [b + sum(eb for ek, eb in _experts_of(doc, i)) for i, b in enumerate(layers)]  # a layer as stored: with its experts
+    return _build(name, total, layers, max(b for _, b in units.values()), config, _DTYPES.get(doc.get("dtype", ""), doc.get("dtype", "")),
+                  experts)
+
+
+def _experts_of(doc: dict, layer: int) -> list[tuple[str, int]]:
+    return [(u["name"], sum(t["nbytes"] for t in u["tensors"])) for u in doc["units"] if u.get("kind") == "expert" and u.get("index") == layer]
 
 
 def _from_gguf(path: Path) -> ModelFacts:
@@ -106,11 +113,17 @@ def _facts(name: str, sizes: dict[str, int], config: dict, dtype: str | None = N
             others.update({f"{prefix}.{i}": b for i, b in layers.items()})
     layers = list(stacks[decoder].values())
     largest = max([*layers, *others.values()])
-    return _build(name, sum(sizes.values()), layers, largest, config, dtype or _DTYPES.get(_dtype_of(config), "bf16"))
+    experts = sum(b for tensor, b in sizes.items() if ".experts." in tensor)
+    return _build(name, sum(sizes.values()), layers, largest, config, dtype or _DTYPES.get(_dtype_of(config), "bf16"), experts)
 
 
-def _build(name: str, total: int, layers: list[int], largest: int, config: dict, dtype: str) -> ModelFacts:
+def _build(name: str, total: int, layers: list[int], largest: int, config: dict, dtype: str, expert_bytes: int = 0) -> ModelFacts:
     text = config.get("text_config") or config  # multimodal configs nest the decoder's
+    count = next((text[k] for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") if text.get(k)), None)
+    top_k = next((text[k] for k in ("num_experts_per_tok", "moe_top_k") if text.get(k)), None)
+    active = None
+    if expert_bytes and isinstance(count, int) and isinstance(top_k, int) and 0 < top_k < count:
+        active = int(total - expert_bytes * (1 - top_k / count))  # a decode token reads top_k of count experts per layer
     heads = text.get("num_attention_heads") or text.get("n_head") or 0
     kv_heads = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or ((text.get("hidden_size") or text.get("n_embd") or 0) // heads if heads else 0)
@@ -126,6 +139,7 @@ def _build(name: str, total: int, layers: list[int], largest: int, config: dict,
         kv_bytes_per_token=int(num_layers * 2 * kv_heads * head_dim * KV_BYTES.get(dtype, 2)),
         max_positions=int(positions),
         dtype=dtype or "unknown",
+        active_bytes=active,
     )
 
 
