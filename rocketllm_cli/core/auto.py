@@ -41,6 +41,7 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         io_workers=int(knobs.value("io_workers")),
         direct_io=bool(knobs.value("direct_io")),
         pin_memory=bool(knobs.value("pin_memory")),
+        expert_cache_policy=str(knobs.value("expert_cache_policy")),
     )
     return config, notes
 

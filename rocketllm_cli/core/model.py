@@ -36,6 +36,7 @@ class EngineConfig:
     io_workers: int = 1
     direct_io: bool = False
     pin_memory: bool = False
+    expert_cache_policy: str = "lfu"
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in TORCH_DTYPES:
@@ -99,7 +100,7 @@ class StreamingModel:
 
             prefix = getattr(model, "base_model_prefix", "") or ""
             self.experts = ExpertStreamer(model, self.manifest, self.plan, self.store, self.ledger, io_workers=config.io_workers,
-                                          candidates=lambda n: candidate_names(n, prefix))
+                                          candidates=lambda n: candidate_names(n, prefix), cache_policy=config.expert_cache_policy)
         _move_buffers(model, self.device)
         _pin_device(model, self.device)
         _load_generation_config(model, self.directory)

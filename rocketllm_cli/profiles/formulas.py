@@ -170,10 +170,15 @@ def prefix_cache(c: Context) -> Derivation:
     return Derivation("'auto'", {}, "default", "reuse the KV cache when a prompt repeats a cached prefix")
 
 
+def expert_cache_policy(c: Context) -> Derivation:
+    return Derivation("'lfu'", {}, "default", "measured: a decode pass walks the layers in a cycle, so LRU with room for fewer experts "
+                      "than one pass routes evicts each just before its layer comes round again (docs/ARCHITECTURE.md)")
+
+
 # Resolution order: each derivation may read the values resolved before it.
 DERIVATIONS = {
     "reserve_bytes": reserve_bytes, "compute_dtype": compute_dtype, "kv_cache_bytes": kv_cache_bytes,
     "max_context": max_context, "direct_io": direct_io, "io_workers": io_workers, "prefetch_depth": prefetch_depth,
     "device_cache_bytes": device_cache_bytes, "host_cache_bytes": host_cache_bytes,
-    "pin_memory": pin_memory, "prefix_cache": prefix_cache,
+    "pin_memory": pin_memory, "prefix_cache": prefix_cache, "expert_cache_policy": expert_cache_policy,
 }

@@ -82,5 +82,7 @@ KNOB_SPECS: tuple[KnobSpec, ...] = (
     KnobSpec("direct_io", "bool", "Read streamed shards with O_DIRECT instead of buffered reads + page-cache eviction."),
     KnobSpec("pin_memory", "bool", "Page-locked host buffers for faster host-to-device copies."),
     KnobSpec("prefix_cache", "choice", "Reuse the KV cache of a repeated prompt prefix.", choices=("auto", "on", "off")),
+    KnobSpec("expert_cache_policy", "choice", "Which experts a mixture-of-experts model keeps in its expert cache: the most often routed "
+             "(lfu) or the most recently routed (lru).", choices=("lfu", "lru")),
 )
 KNOBS_BY_NAME = {spec.name: spec for spec in KNOB_SPECS}
