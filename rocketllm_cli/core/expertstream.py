@@ -322,6 +322,7 @@ class ExpertStreamer:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
         self._arenas.clear()
+        self._staging.clear()
 
 
 def _expert_module_path(model: nn.Module, path: str, stack: str) -> str:

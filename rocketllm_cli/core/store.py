@@ -55,7 +55,8 @@ class WeightStore:
         self._maps: list[mmap.mmap] = []
         self._tables: dict[str, torch.Tensor] = {}  # sparse embedding tables for row gathers
         streamed = [u for u in manifest.units if plan.tier[u.name] != "device"]
-        self.slot_bytes = _round_up(max((u.bytes for u in streamed), default=0))
+        # experts have staging buffers of their own (expertstream.py): slots fit the largest other streamed unit
+        self.slot_bytes = _round_up(max((u.bytes for u in streamed if u.kind != "expert"), default=0))
         self._slots: list[Slot] = []
         self._free: list[Slot] = []
         self._max_slots = max(1, prefetch_depth) + 1
