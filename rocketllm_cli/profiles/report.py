@@ -88,11 +88,13 @@ def _package(dist: str, module: str, cost: str) -> dict:
 
 
 def _environment(profile: HardwareProfile) -> dict:
-    names = sorted(n for n in os.environ if n.startswith("ROCKETLLM_")) + ["PYTORCH_CUDA_ALLOC_CONF"]
+    names = sorted(n for n in os.environ if n.startswith("ROCKETLLM_")) + ["PYTORCH_CUDA_ALLOC_CONF", "OMP_WAIT_POLICY", "OMP_NUM_THREADS"]
     variables = {n: (redact_env_value(n, os.environ[n]) if n in os.environ else None) for n in names}
     warnings = []
     if profile.compute_device.startswith("cuda") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         warnings.append("PYTORCH_CUDA_ALLOC_CONF is unset: set expandable_segments:True so reused layer buffers do not fragment VRAM")
+    if (os.environ.get("OMP_WAIT_POLICY") or "").upper() == "ACTIVE":
+        warnings.append("OMP_WAIT_POLICY=ACTIVE: spinning compute threads take the cores the streaming reads need; rocketllm uses PASSIVE unless told")
     return {"variables": variables, "warnings": warnings}
 
 
