@@ -27,6 +27,8 @@ def build_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    from ..compat import extra_special_tokens_kwargs
+
     to_char = _bytes_to_unicode()
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     vocab.update({to_char[b]: len(SPECIAL_TOKENS) + b for b in range(256)})
@@ -46,7 +48,7 @@ def build_tokenizer():
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
-        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
+        **extra_special_tokens_kwargs(["<|im_start|>", "<|im_end|>"]),
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
