@@ -214,12 +214,14 @@ def _open_gguf(path: Path) -> Source:
     except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
         raise ModelError(f"{path.name}: not a readable GGUF model ({' '.join(str(exc).split())[:160]})") from None
     try:
-        kwargs = {"gguf_file": path.name, "dtype": torch.bfloat16}
+        from ..compat import dtype_kwargs
+
+        kwargs = {"gguf_file": path.name, **dtype_kwargs(torch.bfloat16)}  # torch_dtype before transformers 4.56
         try:
             from transformers import GgufConfig
 
             kwargs["quantization_config"] = GgufConfig(dequantize=True)
-        except ImportError:
+        except ImportError:  # transformers 4.x dequantizes GGUF without being asked
             pass
         model = AutoModelForCausalLM.from_pretrained(path.parent, **kwargs)
     except ModelError:
