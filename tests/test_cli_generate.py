@@ -23,6 +23,8 @@ from rocketllm_cli.app import app
 from rocketllm_cli.core.sharder import shard
 from cli_contract import one_error_line
 
+pytestmark = pytest.mark.compat
+
 PROMPT = "Hello"
 NEW = 8
 SEED = 7  # weights of this module's own tiny model: no other test's shards of it sit in the session cache

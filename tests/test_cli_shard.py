@@ -22,6 +22,8 @@ from rocketllm_cli.core import sharder
 from rocketllm_cli.core.manifest import MANIFEST, Manifest
 from cli_contract import one_error_line
 
+pytestmark = pytest.mark.compat
+
 RESHARD_HINT = "re-run `rocketllm shard`"
 
 

@@ -16,7 +16,7 @@ from rocketllm_cli.app import app
 from rocketllm_cli.core.manifest import Manifest
 from rocketllm_cli.core.model import EngineConfig, StreamingModel
 
-pytestmark = pytest.mark.realmodel
+pytestmark = [pytest.mark.realmodel, pytest.mark.compat]
 
 PROMPT = "The capital of France is"
 HUGE = 1 << 40

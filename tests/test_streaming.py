@@ -1,5 +1,6 @@
 """Streamed generation equals plain transformers token for token, for every dense architecture,
-at every residency, with prefetch on and off, from single-file and out-of-order multi-file checkpoints."""
+at every residency, with prefetch on and off, from single-file and out-of-order multi-file checkpoints,
+on every supported transformers line."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from rocketllm_cli.core.model import EngineConfig, StreamingModel
 from rocketllm_cli.core.plan import spaced
 from rocketllm_cli.core.sharder import shard
 from rocketllm_cli.synthetic import ARCHS, MOE_ARCHS
+
+pytestmark = pytest.mark.compat
 
 DENSE = [a for a in ARCHS if a not in MOE_ARCHS]
 PROMPT = torch.tensor([[1, 40, 57, 60, 71, 85, 90]])

@@ -24,6 +24,8 @@ from rocketllm_cli.synthetic import (
     write_checkpoint,
 )
 
+pytestmark = pytest.mark.compat
+
 PROMPT = "The capital of France is"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
