@@ -1,5 +1,7 @@
-"""The repository's promises about itself: CI runs exactly the README's test command; the license files exist."""
+"""The repository's promises about itself: CI runs exactly the README's test command, on both transformers lines
+the README names; the license files exist."""
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,12 +21,26 @@ def _bash_blocks(text: str) -> list[str]:
     return blocks
 
 
-def test_ci_runs_exactly_the_readme_test_command():
+def _readme_test_command() -> list[str]:
     blocks = _bash_blocks((ROOT / "README.md").read_text())
     test_commands = [b for b in blocks if "pytest" in b]
     assert len(test_commands) == 1, blocks
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert test_commands[0] in ci.splitlines()
+    return test_commands[0].splitlines()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    command = _readme_test_command()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    # Every line of the README's block, in order and nothing between them.
+    assert any(ci[i:i + len(command)] == command for i in range(len(ci))), (command, ci)
+
+
+def test_the_test_command_runs_the_compat_tests_on_the_older_transformers_the_readme_names():
+    pinned = [line for line in _readme_test_command() if "'transformers==" in line]
+    assert len(pinned) == 1 and pinned[0].endswith("python -m pytest -q -m compat"), pinned
+    version = re.search(r"'transformers==([0-9.]+)'", pinned[0]).group(1)
+    supported = (ROOT / "README.md").read_text().split("## Supported", 1)[1]
+    assert f"the `compat` tests on {version}" in " ".join(supported.split())
 
 
 def test_readme_has_a_doctor_command_that_installs_first():

@@ -17,6 +17,8 @@ What transformers 5 saves (checked against save_pretrained in tests/test_synthet
 - Dense families (llama, mistral, qwen2/3, gemma2/3, phi3, gpt2, gpt_neox, olmo2) save their module tree as is
   (phi3 keeps its fused qkv_proj/gate_up_proj; gpt2 its Conv1D [in, out] weights; non-persistent buffers
   such as rotary inv_freq and gpt2's attn.bias are not saved).
+transformers 4.x (checked on 4.57) saves the same names and shapes: its experts are modules of their own
+(mixtral's under block_sparse_moe, qwen3_moe's under mlp), so there is nothing to revert.
 """
 
 from .archs import ARCHS, MOE_ARCHS, TINY_SHAPE, ArchSpec, config_for, config_from_spec, count_params, parse_size
