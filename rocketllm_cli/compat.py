@@ -28,6 +28,11 @@ def dtype_kwargs(dtype) -> dict:
     return {} if dtype is None else {DTYPE_KWARG: dtype}
 
 
+def set_config_dtype(config, dtype) -> None:
+    """Record the weights' dtype on a config, under the attribute the installed version serialises."""
+    setattr(config, DTYPE_KWARG, dtype)
+
+
 def extra_special_tokens_kwargs(tokens: list[str]) -> dict:
     """A tokenizer's extra special tokens, a plain list, as its constructor takes them.
 

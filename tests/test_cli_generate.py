@@ -20,6 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.core.sharder import shard
 from cli_contract import one_error_line
 
@@ -48,7 +49,7 @@ def tiny_model(tiny_factory) -> Path:
 @pytest.fixture(scope="module")
 def plain(tiny_model):
     """Greedy text from plain transformers on the source checkpoint: the answer every path must give."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, **dtype_kwargs(torch.float32))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
     def ids(prompt: str = PROMPT, chat: bool = False) -> torch.Tensor:

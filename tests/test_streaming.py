@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.core.model import EngineConfig, StreamingModel
 from rocketllm_cli.core.plan import spaced
 from rocketllm_cli.core.sharder import shard
@@ -33,7 +34,7 @@ def reference(tiny_factory):
 
     def get(arch: str) -> torch.Tensor:
         if arch not in cache:
-            model = AutoModelForCausalLM.from_pretrained(tiny_factory(arch), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(tiny_factory(arch), **dtype_kwargs(torch.float32))
             cache[arch] = _greedy(model)
         return cache[arch]
 
@@ -93,7 +94,7 @@ def test_partial_plan_spaces_streamed_layers(shards):
 def test_bf16_shards_match_transformers_in_bf16(tiny_factory, tmp_path):
     source = tiny_factory("qwen3")
     _, directory, _ = shard(source, out=tmp_path / "bf16", dtype="bf16", log=lambda m: None)
-    plain = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    plain = AutoModelForCausalLM.from_pretrained(source, **dtype_kwargs(torch.bfloat16))
     with StreamingModel(directory, EngineConfig(compute_dtype="bf16", device_cache_bytes=0, host_cache_bytes=0, prefetch_depth=1)) as model:
         assert torch.equal(_greedy(model), _greedy(plain))
 

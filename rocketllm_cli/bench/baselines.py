@@ -84,7 +84,9 @@ class ColdFiles:
 def _run_transformers(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+    from ..compat import dtype_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, **dtype_kwargs(dtype)).eval()
     tok = _tokenizer(hf_dir)
     return timed_generate(model, fixed_prompt(tok, prompt_tokens), tokens, pad_token_id=_pad(tok))
 
@@ -94,12 +96,14 @@ def _run_accelerate(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
 
     from transformers import AutoModelForCausalLM
 
+    from ..compat import dtype_kwargs
+
     offload = work / "accelerate-offload"
     shutil.rmtree(offload, ignore_errors=True)
     offload.mkdir(parents=True)
     try:
         # Budget 0 on the compute device: everything offloaded to disk, as in our host and storage regimes.
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, device_map={"": "disk"}, offload_folder=str(offload)).eval()
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, **dtype_kwargs(dtype), device_map={"": "disk"}, offload_folder=str(offload)).eval()
         pin_cpu(model)
         if regime == "storage":
             model.register_forward_pre_hook(ColdFiles(_weight_files(hf_dir) + sorted(offload.rglob("*.dat"))))

@@ -76,11 +76,13 @@ def _save_gguf_copy(path: Path, dest: Path, dtype: str, log) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..compat import dtype_kwargs
+
     log(f"saving a {dtype} safetensors copy of {path.name} for the baselines (once)")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     partial = dest.with_name("." + dest.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **dtype_kwargs(torch_dtype))
     # The weights are already dequantized in memory; only the GGUF marker stops save_pretrained.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

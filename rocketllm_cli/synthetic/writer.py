@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..compat import set_config_dtype
 from .archs import ARCHS, TINY_SHAPE
 from .tensors import TensorSpec, chunk_count, make_chunk, saved_tensors, tensor_values
 from .tokenizer import VOCAB_SIZE, build_tokenizer
@@ -55,7 +56,7 @@ def write_checkpoint(
     if tokenizer and config.vocab_size < VOCAB_SIZE:
         raise ValueError(f"vocab_size {config.vocab_size} is smaller than the tokenizer's {VOCAB_SIZE}")
     config = copy.deepcopy(config)
-    config.dtype = dtype
+    set_config_dtype(config, dtype)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for old in [*dest.glob("*.safetensors"), *dest.glob("*.safetensors.index.json"), *dest.glob("pytorch_model*.bin")]:
