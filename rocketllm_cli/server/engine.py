@@ -27,6 +27,7 @@ class GenerationRequest:
     cancel: threading.Event = field(default_factory=threading.Event)
     on_text: Callable[[str], None] | None = None  # called on the worker thread with each safe piece of text
     use_prefix_cache: bool = True
+    keep_prefix: bool = True  # store this generation's KV for later prompts (bench times repeats without it)
 
 
 @dataclass
@@ -37,7 +38,7 @@ class GenerationOutcome:
     finish_reason: str  # stop | length | cancelled
     stop_sequence: str | None = None  # the stop string that ended it, if one did
     reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    prefill_s: float | None = None  # prompt in -> first token out
+    prefill_s: float | None = None  # prompt in -> first token out (restoring a cached prefix included)
     token_gaps_s: list[float] = field(default_factory=list)  # between successive tokens
     total_s: float = 0.0
     served_bytes: dict = field(default_factory=dict)  # tier -> bytes over every pass of this generation
@@ -149,6 +150,7 @@ class Engine:
         tracker = _Tracker(self.tokenizer, req.stop, req.on_text, req.cancel)
         if req.cancel.is_set():
             return GenerationOutcome("", [], len(prompt), "cancelled")
+        start = time.perf_counter()  # the prefill time includes restoring a cached prefix
         hit = self.prefix_cache.lookup(prompt) if (self.prefix_cache is not None and req.use_prefix_cache) else None
         extra = {self._cache_kwarg: hit.cache} if hit is not None else {}
         if req.params.seed is not None:
@@ -156,7 +158,6 @@ class Engine:
         criteria = StoppingCriteriaList([_StopWhen(tracker)])
         ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
         model.ledger.reset()
-        start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.params.max_new_tokens, streamer=tracker,
@@ -165,7 +166,7 @@ class Engine:
             )
         total = time.perf_counter() - start
         new_ids = out.sequences[0, len(prompt) :].tolist()
-        if self.prefix_cache is not None and req.use_prefix_cache:
+        if self.prefix_cache is not None and req.use_prefix_cache and req.keep_prefix:
             cache = output_cache(out)
             if cache is not None:
                 self.prefix_cache.store(prompt + new_ids, cache)  # the last id has no KV yet: store() crops to what the cache holds
