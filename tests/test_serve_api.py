@@ -377,3 +377,30 @@ def test_an_unknown_route_is_404_and_the_server_keeps_serving(server, reference)
     assert anthropic_error(server.http().post("/v1/messages/nothing", json={}), 404, "not_found_error")
     assert server.http().get("/v1/chat/completions").status_code == 405
     assert chat(server).choices[0].message.content == reference["chat"].text
+
+
+def test_a_generation_that_fails_is_a_500_and_the_server_keeps_serving(server, model, reference):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device went away")
+
+    model.generate = broken
+    try:
+        response = server.http().post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 500 and response.headers[QUEUE] == "0"
+        assert response.json()["error"]["type"] == "server_error" and "the device went away" in response.json()["error"]["message"]
+        response = server.http().post("/v1/messages", json=MESSAGES)
+        assert response.status_code == 500 and response.json()["error"]["type"] == "api_error"
+        lines = sse_lines(server, "/v1/messages", {**MESSAGES, "stream": True})
+        assert "event: error" in lines and "the device went away" in lines[lines.index("event: error") + 1]
+        lines = sse_lines(server, "/v1/chat/completions", {**CHAT, "stream": True})
+        assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+    finally:
+        del model.generate
+    assert chat(server).choices[0].message.content == reference["chat"].text
+
+
+def test_a_completion_prompt_may_be_token_ids(server, reference):
+    whole = server.openai().completions.create(model=MODEL, prompt=reference["raw_ids"], max_tokens=N, **GREEDY)
+    assert whole.choices[0].text == reference["raw"].text
+    error = openai_error(server.http().post("/v1/completions", json={"model": MODEL, "prompt": [1, 99999]}), 400)
+    assert "outside the vocabulary" in error["message"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 
-from .common import APIError, bad, boolean, check_context, job_events, new_id, number, required, sampling, sse, stop_strings, string
+from .common import (APIError, Prepared, bad, boolean, check_context, job_events, new_id, number, required, sampling, sse,
+                     stop_strings, string)
 from .engine import GenerationRequest
-from .openai_api import Prepared, tool_choice
+from .openai_api import tool_choice
 from .prompts import PromptError
 from .tools import StreamSplitter
 

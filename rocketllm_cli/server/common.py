@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from ..core.textgen import SamplingParams
+from .engine import GenerationRequest
 
 
 class APIError(Exception):
@@ -15,6 +17,18 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass
+class Prepared:
+    """A checked request, ready for the worker, and what its response needs."""
+
+    request: GenerationRequest
+    stream: bool = False
+    tools: bool = False  # parse the reply for tool calls
+    include_usage: bool = False
+    headers: dict = field(default_factory=dict)  # extra response headers (ignored settings, tool_choice not enforced)
+    echo: str = ""  # the prompt text a completion echoes before its reply
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -3,29 +3,14 @@ stream-chunk and error shapes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from .common import (APIError, bad, boolean, check_context, job_events, new_id, now, number, required, sampling, sse,
-                     stop_strings, string)
+from .common import (APIError, Prepared, bad, boolean, check_context, job_events, new_id, now, number, required, sampling,
+                     sse, stop_strings, string)
 from .engine import GenerationRequest
 from .prompts import PromptError
 from .tools import StreamSplitter
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 PENALTIES = ("presence_penalty", "frequency_penalty")
-
-
-@dataclass
-class Prepared:
-    """A checked request, ready for the worker, and what its response needs."""
-
-    request: GenerationRequest
-    stream: bool = False
-    tools: bool = False  # parse the reply for tool calls
-    include_usage: bool = False
-    headers: dict = field(default_factory=dict)
-    echo: str = ""
-    ignored: tuple[str, ...] = ()
 
 
 def error_body(err: APIError) -> dict:
@@ -136,8 +121,8 @@ def tool_choice(value: object, tools: list[dict], param: str = "tool_choice") ->
     return value
 
 
-def _common(body: dict, state, headers: dict) -> tuple[str, ...]:
-    """Checks shared by both endpoints; returns the settings accepted but not applied."""
+def _common(body: dict, state, headers: dict) -> None:
+    """Checks shared by both endpoints; settings accepted but not applied are named in a header (and logged once)."""
     if number(body, "n", 1, integer=True, default=1) != 1:
         raise bad("only n=1 is supported (one model instance, no batching)", "n")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
@@ -150,7 +135,6 @@ def _common(body: dict, state, headers: dict) -> tuple[str, ...]:
                                 "carry the header x-rocketllm-ignored)")
     if ignored:
         headers["x-rocketllm-ignored"] = ", ".join(ignored)
-    return ignored
 
 
 def prepare_chat(body: dict, state) -> Prepared:
@@ -165,7 +149,7 @@ def prepare_chat(body: dict, state) -> Prepared:
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         raise bad(f"response_format {fmt.get('type')!r} is not supported (no constrained decoding); ask for JSON in the prompt", "response_format")
     headers: dict = {}
-    ignored = _common(body, state, headers)
+    _common(body, state, headers)
     stream = boolean(body, "stream")
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
@@ -184,7 +168,7 @@ def prepare_chat(body: dict, state) -> Prepared:
     max_tokens = check_context(len(ids), max_tokens, state.max_context, param)
     params = sampling(body, max_tokens, 2.0)
     use_tools = bool(tools) and choice != "none"
-    return Prepared(GenerationRequest(ids, params, stop), stream, use_tools, include_usage, headers, ignored=ignored)
+    return Prepared(GenerationRequest(ids, params, stop), stream, use_tools, include_usage, headers)
 
 
 def prepare_completion(body: dict, state) -> Prepared:
@@ -204,7 +188,7 @@ def prepare_completion(body: dict, state) -> Prepared:
     if number(body, "best_of", 1, integer=True, default=1) != 1:
         raise bad("only best_of=1 is supported", "best_of")
     headers: dict = {}
-    ignored = _common(body, state, headers)
+    _common(body, state, headers)
     stream = boolean(body, "stream")
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
@@ -219,7 +203,7 @@ def prepare_completion(body: dict, state) -> Prepared:
     if boolean(body, "echo"):
         echo = prompt if isinstance(prompt, str) else state.builder.decode(ids)
     return Prepared(GenerationRequest(ids, params, stop_strings(body.get("stop"), "stop")), stream, False, include_usage, headers,
-                    echo=echo, ignored=ignored)
+                    echo=echo)
 
 
 # -- responses -----------------------------------------------------------------------------------------

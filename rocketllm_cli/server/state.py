@@ -102,6 +102,8 @@ class ServerState:
     def _finished(self, job: Job) -> None:
         if job.outcome is not None:
             self.metrics.generation(job.outcome)
+        if job.error is not None:
+            self.log(f"error: generation failed ({type(job.error).__name__}: {job.error}); the server goes on serving")
         if self.prefix_cache is not None and self.prefix_cache.disabled_reason and self.prefix_on:
             self.prefix_on = False
             self.prefix_reason = f"off: {self.prefix_cache.disabled_reason}"
