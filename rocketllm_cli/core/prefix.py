@@ -271,12 +271,6 @@ class PrefixCache:
                 self._evict(next(iter(self._entries)))
             return length
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._index.clear()
-            self.bytes = 0
-
     def to_dict(self) -> dict:
         return {"entries": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes, "block_tokens": self.block_tokens,
                 "lookups": self.stats.lookups, "hits": self.stats.hits, "reused_tokens": self.stats.reused_tokens,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from .common import (APIError, Prepared, bad, boolean, check_context, job_events, new_id, number, required, sampling, sse,
-                     stop_strings, string)
+from .common import (APIError, Prepared, bad, boolean, check_context, check_model, job_events, new_id, number, required,
+                     sampling, sse, stop_strings, string)
 from .engine import GenerationRequest
 from .openai_api import tool_choice
 from .prompts import PromptError
@@ -23,12 +23,6 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 def error_body(err: APIError) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error"),
                                        "message": err.message}}
-
-
-def check_model(body: dict, state) -> None:
-    model = string(body, "model", needed=True)
-    if model != state.model_id:
-        raise APIError(404, f"model '{model}' does not exist; this server serves '{state.model_id}' (see GET /v1/models)", "model")
 
 
 def models(state) -> dict:

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from . import anthropic_api, openai_api
-from .common import APIError, parse_body
+from .common import APIError, parse_body, unknown_model
 from .state import ServerState
 from .worker import Job
 
@@ -83,8 +83,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def get_model(model_id: str, request: Request):
         if model_id != state.model_id:
             state.metrics.request("/v1/models", 404)
-            err = APIError(404, f"model '{model_id}' does not exist; this server serves '{state.model_id}'", "model", "model_not_found")
-            return _error("anthropic" if "anthropic-version" in request.headers else "openai", err)
+            return _error("anthropic" if "anthropic-version" in request.headers else "openai", unknown_model(model_id, state))
         state.metrics.request("/v1/models", 200)
         if "anthropic-version" in request.headers:
             return anthropic_api.models(state)["data"][0]

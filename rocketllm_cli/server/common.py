@@ -35,6 +35,17 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param, code)
 
 
+def unknown_model(name: str, state) -> APIError:
+    return APIError(404, f"model '{name}' does not exist; this server serves '{state.model_id}' (see GET /v1/models)",
+                    "model", "model_not_found")
+
+
+def check_model(body: dict, state) -> None:
+    name = string(body, "model", needed=True)
+    if name != state.model_id:
+        raise unknown_model(name, state)
+
+
 def parse_body(raw: bytes) -> dict:
     if not raw.strip():
         raise bad("the request body is empty; send a JSON object")

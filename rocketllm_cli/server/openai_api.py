@@ -3,8 +3,8 @@ stream-chunk and error shapes."""
 
 from __future__ import annotations
 
-from .common import (APIError, Prepared, bad, boolean, check_context, job_events, new_id, now, number, required, sampling,
-                     sse, stop_strings, string)
+from .common import (APIError, Prepared, bad, boolean, check_context, check_model, job_events, new_id, now, number,
+                     required, sampling, sse, stop_strings, string)
 from .engine import GenerationRequest
 from .prompts import PromptError
 from .tools import StreamSplitter
@@ -16,13 +16,6 @@ PENALTIES = ("presence_penalty", "frequency_penalty")
 def error_body(err: APIError) -> dict:
     kind = "invalid_request_error" if err.status < 500 else "server_error"
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
-
-
-def check_model(body: dict, state) -> None:
-    model = string(body, "model", needed=True)
-    if model != state.model_id:
-        raise APIError(404, f"model '{model}' does not exist; this server serves '{state.model_id}' (see GET /v1/models)",
-                       "model", "model_not_found")
 
 
 def model_card(state) -> dict:

@@ -63,9 +63,6 @@ class PromptBuilder:
             return [int(t) for t in prompt]
         return list(self.tokenizer(prompt).input_ids)
 
-    def count(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
-
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 

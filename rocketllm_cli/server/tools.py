@@ -73,9 +73,23 @@ def _as_call(value: object, arg_keys: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(value["name"], args)
 
 
+def _json_calls(body: str, arg_keys: tuple[str, ...]) -> tuple[list[ToolCall], str] | None:
+    """The calls written as JSON values (objects, or lists of them) from the start of `body`, and the text between and
+    after them; None unless every value is a call."""
+    found = _decoder_objects(body)
+    if not found or found[0][1] != 0:
+        return None
+    calls = [_as_call(c, arg_keys) for v, _, _ in found for c in (v if isinstance(v, list) else [v])]
+    if not calls or any(c is None for c in calls):
+        return None
+    leftover = body
+    for _, start, end in reversed(found):
+        leftover = leftover[:start] + leftover[end:]
+    return calls, leftover
+
+
 class ToolParser:
     family = ""
-    description = ""
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content without the calls, calls); a reply whose calls do not parse is all content."""
@@ -111,7 +125,6 @@ def _tool_lines(tools: list[dict]) -> str:
 
 class HermesParser(ToolParser):
     family = "hermes"
-    description = "<tool_call>{...}</tool_call> blocks"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -121,14 +134,11 @@ class HermesParser(ToolParser):
         content = []
         pos = 0
         for match in re.finditer(re.escape(self.OPEN) + r"(.*?)(?:" + re.escape(self.CLOSE) + r"|$)", text, re.S):
-            body = match.group(1).strip()
-            values = [v for v, _, _ in _decoder_objects(body)]
-            parsed = [c for v in values for c in (v if isinstance(v, list) else [v])]
-            batch = [_as_call(v, ("arguments", "parameters")) for v in parsed]
-            if not batch or any(c is None for c in batch):
+            found = _json_calls(match.group(1).strip(), ("arguments", "parameters"))
+            if found is None:
                 return text, []  # a malformed call: give the model's text back as it is
             content.append(text[pos : match.start()])
-            calls.extend(batch)
+            calls.extend(found[0])
             pos = match.end()
         content.append(text[pos:])
         return "".join(content).strip(), calls
@@ -154,7 +164,6 @@ class HermesParser(ToolParser):
 
 class Llama3JsonParser(ToolParser):
     family = "llama3_json"
-    description = 'a JSON reply {"name": ..., "parameters": {...}}, optionally after <|python_tag|>'
     TAG = "<|python_tag|>"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -163,17 +172,10 @@ class Llama3JsonParser(ToolParser):
             body = body[len(self.TAG) :].strip()
         if not body.startswith(("{", "[")):
             return text, []
-        found = _decoder_objects(body)
-        if not found or found[0][1] != 0:
+        found = _json_calls(body, ("parameters", "arguments"))
+        if found is None or found[1].replace(";", "").strip():  # calls, joined by ';', and nothing else
             return text, []
-        values = [c for v, _, _ in found for c in (v if isinstance(v, list) else [v])]
-        calls = [_as_call(v, ("parameters", "arguments")) for v in values]
-        leftover = body
-        for _, s, e in reversed(found):
-            leftover = leftover[:s] + leftover[e:]
-        if not calls or any(c is None for c in calls) or leftover.replace(";", "").strip():
-            return text, []
-        return "", calls
+        return "", found[0]
 
     def start(self, text: str) -> int | None:
         stripped = text.lstrip()
@@ -196,7 +198,6 @@ class Llama3JsonParser(ToolParser):
 
 class MistralParser(ToolParser):
     family = "mistral"
-    description = "[TOOL_CALLS] followed by a JSON list of calls"
     MARK = "[TOOL_CALLS]"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -208,14 +209,10 @@ class MistralParser(ToolParser):
             at, body = 0, stripped
         else:
             body = text[at + len(self.MARK) :].strip()
-        found = _decoder_objects(body)
-        if not found or found[0][1] != 0:
+        found = _json_calls(body, ("arguments", "parameters"))
+        if found is None:
             return text, []
-        values = [c for v, _, _ in found for c in (v if isinstance(v, list) else [v])]
-        calls = [_as_call(v, ("arguments", "parameters")) for v in values]
-        if not calls or any(c is None for c in calls):
-            return text, []
-        return text[:at].strip(), calls
+        return text[:at].strip(), found[0]
 
     def start(self, text: str) -> int | None:
         at = text.find(self.MARK)
@@ -301,8 +298,5 @@ class StreamSplitter:
         content, calls = self.parser.parse(self.text)
         if not calls:
             return self.text[self.sent :], []
-        already = self.text[: self.sent]
-        rest = content[len(already.strip()) :] if content.startswith(already.strip()) else ""
-        if not already.strip():
-            rest = content
-        return rest, calls
+        sent = self.text[: self.sent].strip()  # content before the first call went out already
+        return (content[len(sent) :] if content.startswith(sent) else ""), calls

@@ -32,7 +32,6 @@ class Job:
     enqueued_at: float = 0.0
     started_at: float | None = None
     finished_at: float | None = None
-    tokens_seen: int = 0  # text pieces handed on while running
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     _events: asyncio.Queue | None = field(default=None, repr=False)
 
@@ -53,10 +52,6 @@ class Job:
     def finished(self) -> bool:
         return self.state in ("done", "cancelled", "failed")
 
-    @property
-    def cancelled(self) -> bool:
-        return self.request.cancel.is_set()
-
     def record(self) -> dict:
         o = self.outcome
         return {
@@ -69,8 +64,6 @@ class Job:
         }
 
     def _emit(self, kind: str, payload: object) -> None:
-        if kind == "text":
-            self.tokens_seen += 1
         loop, events = self._loop, self._events
         if loop is None or events is None:
             return
