@@ -22,6 +22,7 @@ POST /v1/chat/completions, /v1/completions and /v1/messages (each with stream: t
 Example: rocketllm serve ./SmolLM2.gguf --port 8000, then point an OpenAI client at http://127.0.0.1:8000/v1 (any API key) or an Anthropic client at http://127.0.0.1:8000.
 """
 MISSING_EXTRA = "rocketllm serve needs the server extra: pip install 'rocketllm[server]'"
+BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them
 DERIVED_AT_START = "Default: derived at start from the measured hardware profile (none is cached yet)"
 
 
@@ -115,20 +116,21 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
         app = create_app(state)
         bound_host, bound_port = sock.getsockname()[:2]
         url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
-        for line in state.startup_lines(url):
-            output.log(line)
-        if output.as_json:
-            output.json({"url": url, "openai_base_url": f"{url}/v1", "anthropic_base_url": url, **state.health()})
-        if not _is_loopback(host):
-            output.warn(f"listening on {host}: anyone who can reach this machine can use the model (there is no authentication)")
         config = uvicorn.Config(app, log_level="warning", access_log=access_log, timeout_graceful_shutdown=5)
         if access_log:
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         server = uvicorn.Server(config)
+        sock.listen(BACKLOG)  # from here a client that connects waits in the backlog until uvicorn accepts it
         try:
+            for line in state.startup_lines(url):
+                output.log(line)
+            if not _is_loopback(host):
+                output.warn(f"listening on {host}: anyone who can reach this machine can use the model (there is no authentication)")
+            if output.as_json:
+                output.json({"url": url, "openai_base_url": f"{url}/v1", "anthropic_base_url": url, **state.health()})
             server.run(sockets=[sock])
         except KeyboardInterrupt:
-            pass  # uvicorn shut down gracefully and re-raised the Ctrl-C
+            pass  # Ctrl-C: uvicorn shut down gracefully and re-raised it, or it came before uvicorn took the signal over
         output.log("stopped")
     finally:
         if state is not None:
