@@ -40,11 +40,12 @@ def test_each_turn_reuses_the_earlier_turns_and_gives_the_same_reply(doc):
             assert after["reused_tokens"] > before["reused_tokens"] and after["reused_tokens"] % 16 == 0
             assert after["reused_tokens"] <= before["prompt_tokens"] + before["reply_tokens"]
         for t in turns:
-            assert t["same_reply"] is True
+            assert t["same_reply"] is True and t["first_difference"] is None
             assert t["computed_tokens_on"] == t["prompt_tokens"] - t["reused_tokens"]
             assert t["prefill_ms_off"] > 0 and t["prefill_ms_on"] > 0
             assert len(t["prefill_ms_samples"]["off"]) == len(t["prefill_ms_samples"]["on"]) == doc["repeats"]
     assert "[DDDD]" in doc["runs"][0]["residency"] and "[SSSS]" in doc["runs"][1]["residency"]
+    assert doc["runs"][0]["compute_dtype"] == "float32"
 
 
 def test_the_table_has_a_row_per_turn(doc):
@@ -55,6 +56,9 @@ def test_the_table_has_a_row_per_turn(doc):
     header = lines.index("| regime | turn | prompt tokens | reused tokens (on) | prefill ms, reuse off | prefill ms, reuse on | speed-up | same reply |")
     rows = [line for line in lines[header + 2 :] if line.startswith("| ")]
     assert len(rows) == 6 and rows[0].startswith("| resident | 1 | ") and rows[-1].endswith("| yes |")
+    assert lines[-2].startswith("- resident: computing in float32; residency: ")
+    doc["runs"][0]["turns"][2].update(same_reply=False, first_difference=4)
+    assert render_conversation(doc).splitlines()[header + 4].endswith("| no, from token 5 |")
 
 
 @pytest.mark.parametrize("args, message", [

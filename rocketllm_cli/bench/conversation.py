@@ -110,17 +110,25 @@ def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> 
             turns.append({"turn": turn + 1, "prompt_tokens": len(ids), "reused_tokens": on.reused_tokens,
                           "prefill_ms_off": ms["off"], "prefill_ms_on": ms["on"], "prefill_ms_samples": times,
                           "computed_tokens_on": len(ids) - on.reused_tokens, "reply_tokens": off.completion_tokens,
-                          "same_reply": on.token_ids == off.token_ids})
+                          "same_reply": on.token_ids == off.token_ids, "first_difference": _first_difference(on.token_ids, off.token_ids)})
             log(f"turn {turn + 1}: {len(ids)} prompt tokens, {on.reused_tokens} reused; prefill median {ms['off']} ms off, "
                 f"{ms['on']} ms on")
             messages.append({"role": "assistant", "content": off.text})
         run = {"regime": regime, "status": "measured", "residency": model.plan.describe(model.manifest), "turns": turns,
+               "compute_dtype": str(model.dtype).removeprefix("torch."),
                "prefix_cache": cache.to_dict()}
         return run, model.profile
     finally:
         model.close()
         del model
         gc.collect()
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two replies differ (None when they are the same)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -146,6 +154,13 @@ def render_conversation(doc: dict) -> str:
         for t in run["turns"]:
             speed = t["prefill_ms_off"] / t["prefill_ms_on"] if t["prefill_ms_on"] else float("nan")
             lines.append(f"| {run['regime']} | {t['turn']} | {t['prompt_tokens']} | {t['reused_tokens']} | {t['prefill_ms_off']:.1f} | "
-                         f"{t['prefill_ms_on']:.1f} | {speed:.2f}× | {'yes' if t['same_reply'] else 'NO'} |")
-    notes = [f"- {run['regime']}: {run['residency']}" for run in doc["runs"] if run["status"] == "measured"]
+                         f"{t['prefill_ms_on']:.1f} | {speed:.2f}× | {_same(t)} |")
+    notes = [f"- {run['regime']}: computing in {run['compute_dtype']}; {run['residency']}" for run in doc["runs"] if run["status"] == "measured"]
+    if any(not t["same_reply"] for run in doc["runs"] for t in run.get("turns", ())):
+        notes.append("- a reply that differs with reuse on: a prefill computed in pieces rounds differently from a whole one; "
+                     "in bf16 that can change a greedy choice after some tokens (in fp32 the replies match)")
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _same(turn: dict) -> str:
+    return "yes" if turn["same_reply"] else f"no, from token {turn['first_difference'] + 1}"
