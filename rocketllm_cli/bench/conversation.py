@@ -158,7 +158,7 @@ def render_conversation(doc: dict) -> str:
     notes = [f"- {run['regime']}: computing in {run['compute_dtype']}; {run['residency']}" for run in doc["runs"] if run["status"] == "measured"]
     if any(not t["same_reply"] for run in doc["runs"] for t in run.get("turns", ())):
         notes.append("- a reply that differs with reuse on: a prefill computed in pieces rounds differently from a whole one; "
-                     "in bf16 that can change a greedy choice after some tokens (in fp32 the replies match)")
+                     "in bf16 that can change a greedy choice after some tokens (--dtype fp32 rounds far less)")
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
