@@ -53,10 +53,11 @@ def _root(
 
 
 def _register() -> None:
-    from .commands import bench, doctor, generate, profile, shard
+    from .commands import bench, doctor, generate, profile, serve, shard
 
-    for module in (doctor, profile, shard, generate, bench):
-        app.command(name=module.NAME, help=module.HELP, no_args_is_help=getattr(module, "NO_ARGS_IS_HELP", False))(_guarded(module.run))
+    for module in (doctor, profile, shard, generate, serve, bench):
+        app.command(name=module.NAME, help=module.HELP, no_args_is_help=getattr(module, "NO_ARGS_IS_HELP", False),
+                    cls=getattr(module, "COMMAND_CLASS", None))(_guarded(module.run))
 
 
 _register()

@@ -21,10 +21,12 @@ Examples:
   rocketllm bench ./SmolLM2.gguf --regime all --baseline transformers accelerate naive airllm
   rocketllm bench --synthetic llama:1B --tokens 4
   rocketllm bench ./SmolLM2.gguf --batch 1 4 8
+  rocketllm bench ./SmolLM2.gguf --conversation 3
 """
 
 RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help="resident, host, storage, expert-cache (MoE models) or all (repeatable). [default: all that apply; storage with --batch]", show_default=False)]
 BaselineOpt = Annotated[Optional[list[str]], typer.Option("--baseline", help="transformers, accelerate, naive, airllm or all (repeatable; several names after one flag work too).", show_default=False)]
+ConversationOpt = Annotated[Optional[int], typer.Option("--conversation", help="Replay an N-turn chat with prefix reuse off and on and print each turn's prefill time (resident regime unless --regime; replies of --tokens, default 32).", show_default=False)]
 BatchOpt = Annotated[Optional[list[int]], typer.Option("--batch", help="Batch sizes to sweep (e.g. --batch 1 4 8): throughput vs N in one regime.", show_default=False)]
 
 
@@ -33,10 +35,11 @@ def run(
     model: Annotated[Optional[list[str]], typer.Argument(help="Model directory, .gguf file, hub id or shard directory.", show_default=False, metavar="[MODEL]")] = None,
     synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="Bench a random-weight model ARCH:SIZE (e.g. llama:1B), written once into the cache.", show_default=False)] = None,
     regime: RegimeOpt = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="Decode tokens measured (after one warm-up token).")] = 8,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", help="Decode tokens measured (after one warm-up token). [default: 8]", show_default=False)] = None,
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Length of the fixed prompt in tokens.")] = 16,
     baseline: BaselineOpt = None,
     batch: BatchOpt = None,
+    conversation: ConversationOpt = None,
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
@@ -45,6 +48,10 @@ def run(
     output = Output(as_json=json)
     validate_knob_flags(knob_flags or {})
     model, regime, baseline, batch = _spread(model or [], regime or [], baseline or [], batch or [])
+    if conversation is not None:
+        _conversation(model, synthetic, conversation, tokens, regime, baseline, batch, knob_flags or {}, output)
+        return
+    tokens = 8 if tokens is None else tokens
     regimes = () if "all" in regime else tuple(dict.fromkeys(regime))  # () = every regime that applies to the model
     baselines = tuple(BASELINES if b == "all" else (b,) for b in baseline)
     req = BenchRequest(model, synthetic, regimes, tokens, prompt_tokens,
@@ -75,3 +82,22 @@ def _spread(words: list[str], regime: list[str], baseline: list[str], batch: lis
     if len(rest) > 1:
         raise UsageError(f"one MODEL only (got {', '.join(rest)})")
     return (rest[0] if rest else None), regime, baseline, batch
+
+
+def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob_flags, output) -> None:
+    from ..bench import REGIMES
+    from ..bench.conversation import ConversationRequest, render_conversation, run_conversation
+    from ..errors import UsageError
+
+    if baseline or batch:
+        raise UsageError("--conversation measures RocketLLM alone: drop --baseline and --batch")
+    regimes = tuple(dict.fromkeys(r for name in regime for r in (REGIMES if name == "all" else (name,))))
+    for name in regimes:
+        if name not in REGIMES:
+            raise UsageError(f"bad --regime {name!r}: expected resident, host, storage, expert-cache or all")
+    req = ConversationRequest(model, synthetic, turns, 32 if tokens is None else tokens, regimes, knob_flags)
+    doc = run_conversation(req, output.log)
+    if output.as_json:
+        output.json(doc)
+    else:
+        output.result(render_conversation(doc))

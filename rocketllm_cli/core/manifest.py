@@ -176,7 +176,7 @@ def _validate(doc) -> None:
     source = doc["source"]
     _require(isinstance(source, dict) and isinstance(source.get("fingerprint"), str), "bad source")
     _require(all(isinstance(doc[k], str) for k in ("model_type", "architecture", "stack")), "bad model_type, architecture or stack")
-    _require(doc["dtype"] in SHARD_DTYPES, "bad dtype")
+    _require(isinstance(doc["dtype"], str) and doc["dtype"] in SHARD_DTYPES, "bad dtype")
     _require(type(doc["seconds"]) in (int, float), "bad seconds")
     units = doc["units"]
     _require(isinstance(units, list) and len(units) > 0, "no units")

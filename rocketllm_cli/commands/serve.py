@@ -1,0 +1,178 @@
+"""rocketllm serve: an OpenAI- and Anthropic-compatible HTTP server over one streaming model."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperCommand
+
+from ..errors import RocketError
+from ..options import with_knob_options
+from ..output import Output
+
+NAME = "serve"
+NO_ARGS_IS_HELP = True
+HELP = """Serve MODEL over HTTP with the OpenAI and Anthropic APIs, streamed layer by layer.
+
+POST /v1/chat/completions, /v1/completions and /v1/messages (each with stream: true); GET /v1/models, /health and /metrics. One model instance: requests queue and run one at a time, and a client that disconnects has its generation cancelled. Listens on 127.0.0.1 unless --host says otherwise. Needs the server extra: pip install 'rocketllm\\[server]'.
+
+Example: rocketllm serve ./SmolLM2.gguf --port 8000, then point an OpenAI client at http://127.0.0.1:8000/v1 (any API key) or an Anthropic client at http://127.0.0.1:8000.
+"""
+MISSING_EXTRA = "rocketllm serve needs the server extra: pip install 'rocketllm[server]'"
+BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them
+DERIVED_AT_START = "Default: derived at start from the measured hardware profile (none is cached yet)"
+
+
+class ServeCommand(TyperCommand):
+    """Fills each knob's help with the value derived on this machine, only when help is shown (never measures)."""
+
+    def format_help(self, ctx, formatter) -> None:
+        derived = derived_defaults()
+        from ..profiles.specs import KNOBS_BY_NAME
+
+        for param in self.params:
+            name = (param.name or "").removeprefix("knob_")
+            spec = KNOBS_BY_NAME.get(name) if (param.name or "").startswith("knob_") else None
+            if spec is not None:
+                # No square brackets: the help is rich markup, which would take them for tags.
+                param.help = f"{spec.help} Accepts {spec.accepted()}. {derived.get(name, DERIVED_AT_START)}."
+        super().format_help(ctx, formatter)
+
+
+def derived_defaults() -> dict[str, str]:
+    """knob -> how its default reads on this machine now, from the cached profile; empty without one."""
+    try:
+        from ..profiles import HardwareProfile, resolve_knobs
+
+        profile = HardwareProfile.cached()
+        if profile is None:
+            return {}
+        knobs = resolve_knobs(profile, None)
+    except Exception:  # noqa: BLE001 - help must show even when the cache or a variable is bad
+        return {}
+    out = {}
+    for name, knob in knobs.items():
+        if knob.overridden:
+            out[name] = f"Now: {knob.display()}, set by {knob.formula}"
+        elif name == "prefix_cache":
+            out[name] = "Default: auto, which turns it on only when every weight is resident"
+        elif knob.value is None:
+            out[name] = "Default: derived at start from the model"
+        elif knob.note.startswith(("no model", "needs a model")):
+            out[name] = f"Default on this machine: {knob.display()} before the model's size is known (derived again for the model at start)"
+        else:
+            out[name] = f"Default on this machine: {knob.display()}"
+    return out
+
+
+@with_knob_options
+def run(
+    model: Annotated[str, typer.Argument(help="Model directory, .gguf file, hub id, or shard directory.", show_default=False)],
+    host: Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.0.0 listens on every interface (no authentication!).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on (0 picks a free one).")] = 8000,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model id clients send and /v1/models lists. Default: the model directory's or file's name.", show_default=False)] = None,
+    tool_parser: Annotated[Optional[str], typer.Option("--tool-parser", help="Tool-call format: hermes, llama3_json or mistral. Default: read from the model's chat template.", show_default=False)] = None,
+    access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log one line per request on stderr.")] = True,
+    json: Annotated[bool, typer.Option("--json", help="Once listening, print one JSON document on stdout: URL, model id, residency, tool parser, prefix cache.")] = False,
+    knob_flags: dict | None = None,
+) -> None:
+    from ..options import validate_knob_flags
+    from ..server.tools import FAMILIES
+
+    output = Output(as_json=json)
+    if not 0 <= port <= 65535:
+        raise RocketError(f"--port must be between 0 and 65535 (got {port})")
+    if tool_parser is not None and tool_parser not in FAMILIES:
+        raise RocketError(f"bad --tool-parser {tool_parser!r}: expected one of {', '.join(FAMILIES)}")
+    if served_model_name is not None and not served_model_name.strip():
+        raise RocketError("--served-model-name is empty; give the name clients should send, or leave it out")
+    validate_knob_flags(knob_flags or {})
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise RocketError(MISSING_EXTRA) from None
+    sock = bind(host, port)
+    try:
+        _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags or {}, output, uvicorn)
+    finally:
+        sock.close()
+
+
+def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output, uvicorn) -> None:
+    import logging
+
+    from ..core.auto import AutoModel
+    from ..server.app import create_app
+    from ..server.state import ServerState, default_model_id
+
+    streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
+    state = None
+    try:
+        state = ServerState(streamed, served_model_name or default_model_id(model), tool_parser, log=output.log)
+        app = create_app(state)
+        bound_host, bound_port = sock.getsockname()[:2]
+        url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=access_log, timeout_graceful_shutdown=5)
+        if access_log:
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+        server = uvicorn.Server(config)
+        sock.listen(BACKLOG)  # from here a client that connects waits in the backlog until uvicorn accepts it
+        try:
+            for line in state.startup_lines(url):
+                output.log(line)
+            if not _is_loopback(host):
+                output.warn(f"listening on {host}: anyone who can reach this machine can use the model (there is no authentication)")
+            if output.as_json:
+                output.json({"url": url, "openai_base_url": f"{url}/v1", "anthropic_base_url": url, **state.health()})
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass  # Ctrl-C: uvicorn shut down gracefully and re-raised it, or it came before uvicorn took the signal over
+        output.log("stopped")
+    finally:
+        if state is not None:
+            state.close()
+        streamed.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A bound socket for uvicorn, made before the model loads so a taken port fails at once, in one line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        raise RocketError(f"cannot listen on {host!r}: not a host name or address this machine knows; "
+                          "pass --host 127.0.0.1 (or 0.0.0.0 for every interface)") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise RocketError(f"port {port} on {host} is already in use (another server?); stop that program or pass --port "
+                              "with a free port (--port 0 picks one)") from None
+        if exc.errno == errno.EACCES:
+            raise RocketError(f"not allowed to listen on port {port} (ports below 1024 need privileges); pass --port 1024 or above") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise RocketError(f"cannot listen on {host}: not an address of this machine; pass --host 127.0.0.1 "
+                              "(or 0.0.0.0 for every interface)") from None
+        raise RocketError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+COMMAND_CLASS = ServeCommand

@@ -1,0 +1,292 @@
+"""Prefix caching: reuse the KV cache of a prompt's leading token blocks from an earlier request.
+
+A prompt is cut into blocks of `block_tokens` tokens, and each block boundary gets a cumulative hash
+(the hash of every token before it). After a generation, the KV cache is cropped to the last block
+boundary it covers, compacted and stored with the hashes of its boundaries. A later prompt that shares
+the first k blocks (and has at least one token after them) gets a copy of that checkpoint cropped to
+exactly k * block_tokens tokens, and transformers' generate computes only the tokens after it.
+
+Restoring a KV checkpoint changes no result: the keys and values of a position depend only on the tokens
+before it, so a cropped cache holds exactly what a fresh prefill of those tokens would compute.
+
+Whether it pays: when every weight is resident, a prefill's cost grows with its length and reuse
+saves that compute. When layers stream from the host tier or storage, a prefill is one streaming pass
+whatever its length (the bytes moved dominate), so reuse saves little; `auto` turns it on only when
+the plan keeps every unit on the device.
+
+Works with transformers' DynamicCache (4.5x and 5.x): full-attention layers always, sliding-window layers
+while the sequence still fits their window (after that they have dropped tokens and cannot be cropped back).
+A cache of another kind (recurrent states, static caches) is not kept at all (`supported()` says why).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import threading
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+BLOCK_TOKENS = 16
+
+
+def decide(setting: str, plan, manifest) -> tuple[bool, str]:
+    """(on, reason) for the prefix_cache knob's value auto/on/off and the model's residency plan."""
+    streamed = [u.name for u in manifest.units if plan.tier.get(u.name) != "device"]
+    if setting == "off":
+        return False, "off (prefix_cache knob)"
+    if setting == "on":
+        if streamed:
+            return True, (f"on (prefix_cache knob), though {len(streamed)} of {len(manifest.units)} units stream each pass, "
+                          "so a prefill costs about one streaming pass whatever is reused")
+        return True, "on (prefix_cache knob)"
+    if streamed:
+        return False, (f"off: auto, and {len(streamed)} of {len(manifest.units)} units stream from the host tier or storage; "
+                       "a prefill is one streaming pass whatever its length, so reuse does not pay (--prefix-cache on forces it)")
+    return True, "on: auto, and every weight is resident, so a reused prefix skips its prefill compute"
+
+
+def generate_cache_kwarg(model) -> str:
+    """The keyword transformers' generate takes a cache under: `cache` from 5.x on, `past_key_values` before."""
+    try:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        if "cache" in getattr(GenerateDecoderOnlyOutput, "__dataclass_fields__", {}):
+            return "cache"
+    except ImportError:  # pragma: no cover - transformers always has it
+        pass
+    return "past_key_values"
+
+
+def output_cache(output):
+    """The cache a `return_dict_in_generate=True` output carries (named `cache` in 5.x, `past_key_values` before)."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(output, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _layers(cache) -> list[tuple[object, str, str]] | None:
+    """(holder, keys attribute, values attribute) per layer, or None for a cache of another kind."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer, "keys", "values") for layer in layers]
+    if hasattr(cache, "key_cache") and hasattr(cache, "value_cache"):  # transformers before the layered caches
+        return [(_ListSlot(cache, i), "keys", "values") for i in range(len(cache.key_cache))]
+    return None
+
+
+class _ListSlot:
+    """One layer of a pre-4.56 DynamicCache, seen through the attribute names of a layer object."""
+
+    def __init__(self, cache, index: int) -> None:
+        self._cache, self._index = cache, index
+
+    @property
+    def keys(self):
+        return self._cache.key_cache[self._index]
+
+    @keys.setter
+    def keys(self, value):
+        self._cache.key_cache[self._index] = value
+
+    @property
+    def values(self):
+        return self._cache.value_cache[self._index]
+
+    @values.setter
+    def values(self, value):
+        self._cache.value_cache[self._index] = value
+
+
+def supported(cache) -> tuple[bool, str]:
+    """Whether caches of this kind can be cropped back to a shorter prefix and restored."""
+    if type(cache).__name__ != "DynamicCache":
+        return False, f"the model's cache is a {type(cache).__name__}, not a DynamicCache"
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        other = {type(layer).__name__ for layer in layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}
+        if other:
+            return False, f"the model has {', '.join(sorted(other))} cache layers, which cannot be cropped back"
+        return True, ""
+    if _layers(cache) is None:
+        return False, "the cache layout of this transformers version is not known"
+    return True, ""
+
+
+def holds_every_token(cache) -> bool:
+    """False once a sliding-window layer has dropped tokens that fell out of its window: it cannot be cropped back."""
+    for layer in getattr(cache, "layers", None) or ():
+        if getattr(layer, "sliding_window", None) is None:
+            continue
+        keys = getattr(layer, "keys", None)
+        seen = getattr(layer, "cumulative_length", None)
+        if keys is None or seen is None or keys.shape[-2] != seen:
+            return False
+    return True
+
+
+def seq_length(cache) -> int:
+    return int(cache.get_seq_length())
+
+
+def crop(cache, length: int) -> None:
+    """Crop to exactly `length` tokens and compact (a slice keeps the whole tensor alive; a clone does not)."""
+    for holder, k_attr, v_attr in _layers(cache) or ():
+        keys, values = getattr(holder, k_attr), getattr(holder, v_attr)
+        if keys is None or getattr(keys, "numel", lambda: 0)() == 0:
+            continue
+        setattr(holder, k_attr, keys[..., :length, :].clone())
+        setattr(holder, v_attr, values[..., :length, :].clone())
+    if hasattr(cache, "_seen_tokens"):  # transformers < 4.56 counts tokens separately
+        cache._seen_tokens = length
+    for layer in getattr(cache, "layers", None) or ():
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = length
+
+
+def nbytes(cache) -> int:
+    total = 0
+    for holder, k_attr, v_attr in _layers(cache) or ():
+        for t in (getattr(holder, k_attr), getattr(holder, v_attr)):
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def block_hashes(ids: list[int], block_tokens: int, blocks: int | None = None) -> list[bytes]:
+    """Cumulative hash at each block boundary: hashes[i] covers ids[: (i + 1) * block_tokens]."""
+    n = len(ids) // block_tokens if blocks is None else min(blocks, len(ids) // block_tokens)
+    out, h = [], b""
+    for i in range(n):
+        block = array("q", ids[i * block_tokens : (i + 1) * block_tokens]).tobytes()
+        h = hashlib.blake2b(h + block, digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+@dataclass
+class Hit:
+    cache: object  # a private copy, cropped to `tokens`, for generate to extend
+    tokens: int  # prompt tokens whose KV it holds
+
+
+@dataclass
+class _Entry:
+    ids: list[int]
+    cache: object
+    nbytes: int
+    hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0
+    reused_tokens: int = 0
+    stored: int = 0
+    evicted: int = 0
+
+
+class PrefixCache:
+    """KV checkpoints keyed on token blocks, least recently used dropped first beyond `max_bytes`."""
+
+    def __init__(self, max_bytes: int, block_tokens: int = BLOCK_TOKENS) -> None:
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be at least 1")
+        self.max_bytes = int(max_bytes)
+        self.block_tokens = block_tokens
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order, oldest first
+        self._index: dict[bytes, tuple[int, int]] = {}  # boundary hash -> (entry id, boundary length)
+        self._next = 0
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.stats = PrefixStats()
+        self.disabled_reason = ""  # set when the model's cache turns out not to be croppable
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, ids: list[int]) -> Hit | None:
+        """The longest cached block prefix of `ids` leaving at least one token to compute, as a private copy."""
+        with self._lock:
+            self.stats.lookups += 1
+            if self.disabled_reason:
+                return None
+            usable = (len(ids) - 1) // self.block_tokens
+            for i, h in reversed(list(enumerate(block_hashes(ids, self.block_tokens, usable)))):
+                found = self._index.get(h)
+                if found is None:
+                    continue
+                entry_id, length = found
+                entry = self._entries.get(entry_id)
+                if entry is None or entry.ids[:length] != ids[:length]:  # evicted, or a hash collision
+                    continue
+                self._entries.move_to_end(entry_id)
+                snapshot = copy.deepcopy(entry.cache)
+                if seq_length(snapshot) > length:
+                    crop(snapshot, length)
+                self.stats.hits += 1
+                self.stats.reused_tokens += length
+                return Hit(snapshot, length)
+            return None
+
+    def store(self, ids: list[int], cache) -> int:
+        """Keep `cache` (which holds the KV of `ids`, and is handed over) cropped to its last block boundary.
+
+        Returns the tokens stored (0 when nothing was: too short, already cached, too large or unsupported)."""
+        with self._lock:
+            if self.disabled_reason:
+                return 0
+            ok, why = supported(cache)
+            if not ok:
+                self.disabled_reason = why
+                return 0
+            if not holds_every_token(cache):
+                return 0  # a conversation longer than a sliding window: this one cannot be kept
+            have = min(len(ids), seq_length(cache))
+            length = (have // self.block_tokens) * self.block_tokens
+            if length == 0:
+                return 0
+            ids = list(ids[:length])
+            hashes = block_hashes(ids, self.block_tokens)
+            known = self._index.get(hashes[-1])
+            if known is not None and known[0] in self._entries and self._entries[known[0]].ids[:length] == ids:
+                self._entries.move_to_end(known[0])  # this exact prefix is held already
+                return 0
+            crop(cache, length)
+            size = nbytes(cache)
+            if size > self.max_bytes:
+                return 0
+            entry_id, self._next = self._next, self._next + 1
+            self._entries[entry_id] = _Entry(ids, cache, size, hashes)
+            self.bytes += size
+            for i, h in enumerate(hashes):
+                self._index[h] = (entry_id, (i + 1) * self.block_tokens)
+            self.stats.stored += 1
+            self._drop_unreferenced()
+            while self.bytes > self.max_bytes and self._entries:
+                self._evict(next(iter(self._entries)))
+            return length
+
+    def to_dict(self) -> dict:
+        return {"entries": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes, "block_tokens": self.block_tokens,
+                "lookups": self.stats.lookups, "hits": self.stats.hits, "reused_tokens": self.stats.reused_tokens,
+                "stored": self.stats.stored, "evicted": self.stats.evicted, "disabled_reason": self.disabled_reason}
+
+    def _evict(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        self.bytes -= entry.nbytes
+        self.stats.evicted += 1
+        for h in entry.hashes:
+            if self._index.get(h, (None,))[0] == entry_id:
+                del self._index[h]
+
+    def _drop_unreferenced(self) -> None:
+        """An entry whose every boundary now points to a newer, longer one is no longer reachable."""
+        live = {entry_id for entry_id, _ in self._index.values()}
+        for entry_id in [e for e in self._entries if e not in live]:
+            entry = self._entries.pop(entry_id)
+            self.bytes -= entry.nbytes

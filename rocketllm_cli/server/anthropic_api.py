@@ -1,0 +1,272 @@
+"""The Anthropic Messages API: POST /v1/messages (and count_tokens), in Anthropic's request, response,
+stream-event and error shapes.
+
+Stream: message_start, then per content block content_block_start / content_block_delta (text_delta, or
+input_json_delta for a tool_use block) / content_block_stop, then message_delta (stop_reason, usage) and
+message_stop; ping events keep a quiet stream alive."""
+
+from __future__ import annotations
+
+import json
+
+from .common import (APIError, Prepared, bad, boolean, check_context, check_model, job_events, new_id, number, required,
+                     sampling, sse, stop_strings, string)
+from .engine import GenerationRequest
+from .openai_api import tool_choice
+from .prompts import PromptError
+from .tools import StreamSplitter
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+
+
+def error_body(err: APIError) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error"),
+                                       "message": err.message}}
+
+
+def models(state) -> dict:
+    from datetime import datetime, timezone
+
+    created = datetime.fromtimestamp(state.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    card = {"type": "model", "id": state.model_id, "display_name": state.model_id, "created_at": created,
+            "max_input_tokens": state.max_context, "max_tokens": state.max_context}
+    return {"data": [card], "has_more": False, "first_id": state.model_id, "last_id": state.model_id}
+
+
+# -- requests ------------------------------------------------------------------------------------------
+def _text_of(value: object, where: str, state) -> str:
+    """A content value that may only hold text: a string or a list of text blocks."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad(f"'{where}' must be a string or a list of content blocks", where)
+    texts = []
+    for j, block in enumerate(value):
+        if not isinstance(block, dict):
+            raise bad(f"'{where}[{j}]' must be a content block object", where)
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(string(block, "text", f"{where}[{j}].", needed=True))
+        elif kind in ("image", "document"):
+            raise bad(f"'{where}[{j}]' is an {kind} block, but {state.model_id} takes text only", where)
+        else:
+            raise bad(f"'{where}[{j}].type' must be 'text' here (got {kind!r})", where)
+    return "\n".join(texts)
+
+
+def _messages(raw: list, state) -> list[dict]:
+    out: list[dict] = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"'{where}' must be an object with 'role' and 'content'", "messages")
+        role = string(m, "role", f"{where}.", needed=True)
+        if role not in ("user", "assistant"):
+            raise bad(f"'{where}.role' must be user or assistant (got {role!r}); put a system prompt in 'system'", f"{where}.role")
+        content = required(m, "content", f"{where}.")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad(f"'{where}.content' must be a string or a list of content blocks", f"{where}.content")
+        texts, calls = [], []
+        for j, block in enumerate(content):
+            bw = f"{where}.content[{j}]"
+            if not isinstance(block, dict):
+                raise bad(f"'{bw}' must be a content block object", f"{where}.content")
+            kind = block.get("type")
+            if kind == "text":
+                texts.append(string(block, "text", f"{bw}.", needed=True))
+            elif kind == "tool_use" and role == "assistant":
+                name = string(block, "name", f"{bw}.", needed=True)
+                args = block.get("input") or {}
+                if not isinstance(args, dict):
+                    raise bad(f"'{bw}.input' must be an object", f"{bw}.input")
+                calls.append({"id": block.get("id") or "", "type": "function", "function": {"name": name, "arguments": args}})
+            elif kind == "tool_result" and role == "user":
+                result = block.get("content", "")
+                text = _text_of(result, f"{bw}.content", state) if result is not None else ""
+                if block.get("is_error"):
+                    text = f"error: {text}"
+                out.append({"role": "tool", "content": text, "tool_call_id": string(block, "tool_use_id", f"{bw}.") or ""})
+            elif kind in ("thinking", "redacted_thinking"):
+                continue
+            elif kind in ("image", "document"):
+                raise bad(f"'{bw}' is an {kind} block, but {state.model_id} takes text only", f"{where}.content")
+            else:
+                raise bad(f"'{bw}.type' {kind!r} is not supported in a {role} message", f"{where}.content")
+        if texts or calls or role == "assistant":
+            message: dict = {"role": role, "content": "\n".join(texts)}
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
+    return out
+
+
+def _tools(value: object) -> list[dict]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad("'tools' must be a list", "tools")
+    tools = []
+    for i, t in enumerate(value):
+        if not isinstance(t, dict):
+            raise bad(f"'tools[{i}]' must be an object", f"tools[{i}]")
+        if t.get("type") not in (None, "custom"):
+            raise bad(f"'tools[{i}]' is a {t.get('type')} tool; only custom tools (name, input_schema) are supported", f"tools[{i}]")
+        name = string(t, "name", f"tools[{i}].", needed=True)
+        schema = t.get("input_schema") or {"type": "object", "properties": {}}
+        if not isinstance(schema, dict):
+            raise bad(f"'tools[{i}].input_schema' must be a JSON schema object", f"tools[{i}].input_schema")
+        tools.append({"type": "function", "function": {"name": name, "description": t.get("description") or "", "parameters": schema}})
+    return tools
+
+
+def _tool_choice(value: object, tools: list[dict]) -> object:
+    if value is None:
+        return tool_choice(None, tools)
+    if not isinstance(value, dict) or value.get("type") not in ("auto", "any", "tool", "none"):
+        raise bad("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}", "tool_choice")
+    kind = value["type"]
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {"name": value.get("name")}
+    return tool_choice(mapped, tools)
+
+
+def _system(value: object, state) -> str:
+    if value is None:
+        return ""
+    return _text_of(value, "system", state)
+
+
+def _prompt(body: dict, state) -> tuple[list[int], bool, dict]:
+    """(prompt ids, whether to parse tool calls, response headers) for a Messages request."""
+    check_model(body, state)
+    raw = required(body, "messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad("'messages' must be a non-empty list", "messages")
+    messages = _messages(raw, state)
+    system = _system(body.get("system"), state)
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    tools = _tools(body.get("tools"))
+    choice = _tool_choice(body.get("tool_choice"), tools)
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        raise bad("extended thinking is not supported", "thinking")
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    try:
+        ids = state.builder.chat(messages, tools, choice, continue_final=prefill)
+    except PromptError as exc:
+        raise bad(str(exc), "messages") from None
+    headers: dict = {}
+    if choice == "required" or isinstance(choice, dict):
+        headers["x-rocketllm-tool-choice"] = "prompted, not enforced"
+        state.notice_once("tool_choice", "tool_choice 'any' and named tools bias the prompt but are not enforced")
+    return ids, bool(tools) and choice != "none", headers
+
+
+def prepare_messages(body: dict, state) -> Prepared:
+    max_tokens = number(body, "max_tokens", 1, integer=True, needed=True)
+    ids, use_tools, headers = _prompt(body, state)
+    max_tokens = check_context(len(ids), max_tokens, state.max_context, "max_tokens")
+    params = sampling(body, max_tokens, 1.0)
+    stop = stop_strings(body.get("stop_sequences"), "stop_sequences")
+    return Prepared(GenerationRequest(ids, params, stop), boolean(body, "stream"), use_tools, False, headers)
+
+
+def count_tokens(body: dict, state) -> dict:
+    ids, _, _ = _prompt(body, state)
+    return {"input_tokens": len(ids)}
+
+
+# -- responses -----------------------------------------------------------------------------------------
+def _stop_reason(outcome, calls) -> str:
+    if calls:
+        return "tool_use"
+    if outcome.stop_sequence is not None:
+        return "stop_sequence"
+    if outcome.finish_reason == "length":
+        return "max_tokens"
+    return "end_turn"
+
+
+def usage(outcome) -> dict:
+    return {"input_tokens": outcome.prompt_tokens - outcome.reused_tokens, "output_tokens": outcome.completion_tokens,
+            "cache_read_input_tokens": outcome.reused_tokens, "cache_creation_input_tokens": 0}
+
+
+def _tool_id(call) -> str:
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+def message_response(outcome, prepared: Prepared, state) -> dict:
+    text, calls = outcome.text, []
+    if prepared.tools:
+        text, calls = state.builder.parser.parse(outcome.text)
+    content: list[dict] = [{"type": "text", "text": text}] if text or not calls else []
+    content += [{"type": "tool_use", "id": _tool_id(c), "name": c.name, "input": c.arguments} for c in calls]
+    return {
+        "id": new_id("msg_"), "type": "message", "role": "assistant", "model": state.model_id, "content": content,
+        "stop_reason": _stop_reason(outcome, calls), "stop_sequence": outcome.stop_sequence, "usage": usage(outcome),
+    }
+
+
+async def message_stream(job, prepared: Prepared, state):
+    message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": state.model_id, "content": [],
+               "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": len(prepared.request.prompt_ids), "output_tokens": 0}}
+    yield sse({"type": "message_start", "message": message}, "message_start")
+    splitter = StreamSplitter(state.builder.parser) if prepared.tools else None
+    index = -1
+    text_open = False
+
+    def open_text():
+        nonlocal index, text_open
+        index += 1
+        text_open = True
+        return sse({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}, "content_block_start")
+
+    def text_delta(text: str) -> str:
+        return sse({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}, "content_block_delta")
+
+    def close_text() -> str:
+        nonlocal text_open
+        text_open = False
+        return sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+
+    yield sse({"type": "ping"}, "ping")
+    async for kind, payload in job_events(job):
+        if kind == "heartbeat":
+            yield sse({"type": "ping"}, "ping")
+        elif kind == "text":
+            text = splitter.feed(payload) if splitter else payload
+            if text:
+                if not text_open:
+                    yield open_text()
+                yield text_delta(text)
+        elif kind == "failed":
+            yield sse({"type": "error", "error": {"type": "api_error", "message": f"generation failed: {payload}"}}, "error")
+        elif kind == "done":
+            calls = []
+            if splitter:
+                rest, calls = splitter.finish()
+                if rest:
+                    if not text_open:
+                        yield open_text()
+                    yield text_delta(rest)
+            if index < 0 and not calls:  # an empty reply is one empty text block
+                yield open_text()
+            if text_open:
+                yield close_text()
+            for call in calls:
+                index += 1
+                block = {"type": "tool_use", "id": _tool_id(call), "name": call.name, "input": {}}
+                yield sse({"type": "content_block_start", "index": index, "content_block": block}, "content_block_start")
+                yield sse({"type": "content_block_delta", "index": index,
+                           "delta": {"type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}},
+                          "content_block_delta")
+                yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+            yield sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(payload, calls), "stop_sequence": payload.stop_sequence},
+                       "usage": usage(payload)}, "message_delta")
+            yield sse({"type": "message_stop"}, "message_stop")

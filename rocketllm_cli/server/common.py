@@ -1,0 +1,177 @@
+"""What both APIs share: the error they raise, field checks with plain messages, sampling settings, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..core.textgen import SamplingParams
+from .engine import GenerationRequest
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP status, message, and the field it is about. Each API renders its own shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass
+class Prepared:
+    """A checked request, ready for the worker, and what its response needs."""
+
+    request: GenerationRequest
+    stream: bool = False
+    tools: bool = False  # parse the reply for tool calls
+    include_usage: bool = False
+    headers: dict = field(default_factory=dict)  # extra response headers (ignored settings, tool_choice not enforced)
+    echo: str = ""  # the prompt text a completion echoes before its reply
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def unknown_model(name: str, state) -> APIError:
+    return APIError(404, f"model '{name}' does not exist; this server serves '{state.model_id}' (see GET /v1/models)",
+                    "model", "model_not_found")
+
+
+def check_model(body: dict, state) -> None:
+    name = string(body, "model", needed=True)
+    if name != state.model_id:
+        raise unknown_model(name, state)
+
+
+def parse_body(raw: bytes) -> dict:
+    if not raw.strip():
+        raise bad("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, not {_kind(body)}")
+    return body
+
+
+def _kind(value: object) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def required(body: dict, name: str, where: str = "") -> object:
+    if name not in body or body[name] is None:
+        raise bad(f"missing required field '{where}{name}'", f"{where}{name}")
+    return body[name]
+
+
+def string(body: dict, name: str, where: str = "", *, needed: bool = False, default: str | None = None) -> str | None:
+    value = required(body, name, where) if needed else body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise bad(f"'{where}{name}' must be a string, not {_kind(value)}", f"{where}{name}")
+    return value
+
+
+def number(body: dict, name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+           integer: bool = False, needed: bool = False, default: float | int | None = None):
+    value = required(body, name) if needed else body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}, not {_kind(value)}", name)
+    if integer and not float(value).is_integer():
+        raise bad(f"'{name}' must be an integer (got {value})", name)
+    value = int(value) if integer else float(value)
+    if low is not None and (value <= low if low_open else value < low):
+        raise bad(f"'{name}' must be {'>' if low_open else '>='} {_plain(low)}" + (f" and <= {_plain(high)}" if high is not None else "") + f" (got {_plain(value)})", name)
+    if high is not None and value > high:
+        raise bad(f"'{name}' must be <= {_plain(high)} (got {_plain(value)})", name)
+    return value
+
+
+def boolean(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be true or false, not {_kind(value)}", name)
+    return value
+
+
+def _plain(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def stop_strings(value: object, name: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad(f"'{name}' must be a string or a list of strings", name)
+    return tuple(s for s in value if s)
+
+
+def sampling(body: dict, max_tokens: int, temperature_max: float, temperature_default: float = 1.0) -> SamplingParams:
+    """Sampling settings from a request body (after max_tokens is known). Temperature 0 is greedy."""
+    top_k = number(body, "top_k", -1, integer=True, default=0)
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=number(body, "temperature", 0, temperature_max, default=temperature_default),
+        top_p=number(body, "top_p", 0, 1, low_open=True, default=1.0),
+        top_k=max(0, top_k),  # -1 (some clients' "off") is 0 here
+        seed=number(body, "seed", integer=True),
+        repetition_penalty=number(body, "repetition_penalty", 0, low_open=True, default=1.0),
+    )
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, param: str) -> int:
+    """max_tokens, or what the context leaves when it is not given; a prompt that does not fit is a 400."""
+    if max_tokens is None:
+        left = max_context - prompt_tokens
+        if left < 1:
+            raise bad(f"the prompt is {prompt_tokens} tokens, but the context allows {max_context}; shorten the prompt",
+                      "messages", "context_length_exceeded")
+        return left
+    if prompt_tokens + max_tokens > max_context:
+        raise bad(f"the prompt is {prompt_tokens} tokens and {param} is {max_tokens}, but the context allows {max_context}; "
+                  f"shorten the prompt or lower {param}", param, "context_length_exceeded")
+    return max_tokens
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(data: object, event: str | None = None) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+HEARTBEAT_S = 5.0  # a stream quiet this long (waiting in the queue, a slow prefill) sends a keep-alive
+
+
+async def job_events(job, heartbeat: float = HEARTBEAT_S):
+    """A job's events as they come: ("text", piece), ("heartbeat", None), then one of ("done", outcome),
+    ("cancelled", outcome) or ("failed", exception)."""
+    import asyncio
+
+    while True:
+        try:
+            kind, payload = await job.next_event(heartbeat)
+        except (asyncio.TimeoutError, TimeoutError):
+            yield "heartbeat", None
+            continue
+        yield kind, payload
+        if kind != "text":
+            return

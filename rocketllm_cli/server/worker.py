@@ -1,0 +1,173 @@
+"""The worker: one thread owns the model and runs jobs first in, first out (no batching across requests).
+
+A job's queue position is the number of jobs ahead of it when it arrived, the running one included, so
+the first of two concurrent requests is 0 and the second 1. The request side waits on the job's events
+(text pieces, then done or failed) delivered into its asyncio loop; cancelling a job removes it from the
+queue, or sets its cancel event so the running generation stops after its current step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .engine import Engine, GenerationOutcome, GenerationRequest
+
+HISTORY = 256  # finished jobs remembered (for /health and tests)
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    endpoint: str = ""
+    id: int = 0
+    position: int = 0
+    state: str = "new"  # queued | running | done | cancelled | failed
+    outcome: GenerationOutcome | None = None
+    error: BaseException | None = None
+    enqueued_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    _events: asyncio.Queue | None = field(default=None, repr=False)
+
+    def attach(self, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
+        """Deliver events into `loop`; text pieces only when `stream`."""
+        self._loop = loop
+        self._events = asyncio.Queue()
+        if stream:
+            self.request.on_text = lambda piece: self._emit("text", piece)
+
+    async def next_event(self, timeout: float | None = None) -> tuple[str, object]:
+        assert self._events is not None
+        if timeout is None:
+            return await self._events.get()
+        return await asyncio.wait_for(self._events.get(), timeout)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "cancelled", "failed")
+
+    def record(self) -> dict:
+        o = self.outcome
+        return {
+            "id": self.id, "endpoint": self.endpoint, "state": self.state, "position": self.position,
+            "prompt_tokens": len(self.request.prompt_ids), "generated_tokens": o.completion_tokens if o else 0,
+            "reused_tokens": o.reused_tokens if o else 0, "finish_reason": o.finish_reason if o else None,
+            "max_new_tokens": self.request.params.max_new_tokens,
+            "waited_s": round((self.started_at or self.finished_at or time.monotonic()) - self.enqueued_at, 4),
+            "ran_s": round(self.finished_at - self.started_at, 4) if self.started_at and self.finished_at else None,
+        }
+
+    def _emit(self, kind: str, payload: object) -> None:
+        loop, events = self._loop, self._events
+        if loop is None or events is None:
+            return
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+class Worker:
+    def __init__(self, engine: Engine, on_finish=None) -> None:
+        self.engine = engine
+        self.on_finish = on_finish or (lambda job: None)
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._ids = itertools.count(1)
+        self._stopping = False
+        self.current: Job | None = None
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
+        self._thread = threading.Thread(target=self._loop, name="rocketllm-worker", daemon=True)
+        self._thread.start()
+
+    # -- request side -----------------------------------------------------------------------------
+    def submit(self, job: Job) -> int:
+        """Queue the job; returns its position (jobs ahead of it, the running one included)."""
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            job.id = next(self._ids)
+            job.position = len(self._queue) + (1 if self.current is not None else 0)
+            job.state = "queued"
+            job.enqueued_at = time.monotonic()
+            self._queue.append(job)
+            self._cv.notify()
+            return job.position
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job if it waits, stop it after the current step if it runs."""
+        job.request.cancel.set()
+        with self._cv:
+            if job.state == "queued" and job in self._queue:
+                self._queue.remove(job)
+                self._finish(job, "cancelled")
+
+    @property
+    def queue_length(self) -> int:
+        """Jobs waiting (not the one running)."""
+        with self._cv:
+            return len(self._queue)
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            waiting = list(self._queue)
+            self._queue.clear()
+            if self.current is not None:
+                self.current.request.cancel.set()
+            self._cv.notify_all()
+        for job in waiting:
+            job.request.cancel.set()
+            self._finish(job, "cancelled")
+        self._thread.join(timeout)
+
+    # -- worker thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._stopping and not self._queue:
+                    return
+                job = self._queue.popleft()
+                if job.request.cancel.is_set():
+                    self._finish(job, "cancelled")
+                    continue
+                self.current = job
+                job.state = "running"
+                job.started_at = time.monotonic()
+            try:
+                job.outcome = self.engine.run(job.request)
+            except BaseException as exc:  # noqa: BLE001 - reported to the request; the worker keeps serving
+                job.error = exc
+                with self._cv:
+                    self.current = None
+                self._finish(job, "failed")
+                continue
+            with self._cv:
+                self.current = None
+            self._finish(job, "cancelled" if job.outcome.finish_reason == "cancelled" else "done")
+
+    def _finish(self, job: Job, state: str) -> None:
+        job.state = state
+        job.finished_at = time.monotonic()
+        self.history.append(job.record())
+        try:
+            self.on_finish(job)
+        finally:
+            if state == "failed":
+                job._emit("failed", job.error)
+            elif state == "cancelled":
+                job._emit("cancelled", job.outcome)
+            else:
+                job._emit("done", job.outcome)
