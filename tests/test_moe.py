@@ -242,3 +242,25 @@ def test_cost_model_counts_a_token_s_routed_experts_not_every_weight(moe):
     from_headers = model_facts_from_path(src)  # before sharding, from the checkpoint's own tensor names
     assert from_headers.active_bytes == int(from_headers.total_bytes - experts * (1 - k / count))
     assert model_facts_from_path(directory).active_bytes == facts.active_bytes
+
+
+def test_a_checkpoint_missing_one_expert_tensor_is_one_error_line(tiny_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from cli_contract import one_error_line
+
+    src = tiny_factory("qwen3_moe")
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    tensors = load_file(broken / "model.safetensors")
+    gone = next(n for n in tensors if n.endswith("layers.1.mlp.experts.2.up_proj.weight"))
+    del tensors[gone]
+    save_file(tensors, broken / "model.safetensors")
+    from typer.testing import CliRunner
+
+    from rocketllm_cli.app import app
+
+    line = one_error_line(CliRunner().invoke(app, ["shard", str(broken), "--out", str(tmp_path / "out")]))
+    print(line)
+    assert "expert" in line and "layers.1" in line
+    assert not (tmp_path / "out").exists()

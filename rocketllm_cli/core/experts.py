@@ -185,10 +185,12 @@ def plan_expert_pieces(model: nn.Module, containers: list[Container], source_sha
                 plan.claimed.add(p)
                 continue
             parts = by_target.get(p, [])
-            experts = {slot.expert for _, slot in parts}
-            if experts != set(range(c.num_experts)):
+            have = {(slot.expert, slot.part) for _, slot in parts}
+            want = {(e, k) for e in range(c.num_experts) for k in range(parts[0][1].parts if parts else 1)}
+            if have != want:
+                e, k = min(want - have) if want - have else min(have - want)
                 raise ModelError(
-                    f"checkpoint lacks the experts of {p} (found {len(experts)} of {c.num_experts}); "
+                    f"checkpoint lacks expert {e} of {p} (part {k + 1}; found {len(have)} of {len(want)} expert tensors); "
                     "the config does not match the weights, or this expert layout is not supported"
                 )
             for src, slot in sorted(parts, key=lambda item: (item[1].expert, item[1].part)):
