@@ -261,6 +261,5 @@ def test_a_checkpoint_missing_one_expert_tensor_is_one_error_line(tiny_factory, 
     from rocketllm_cli.app import app
 
     line = one_error_line(CliRunner().invoke(app, ["shard", str(broken), "--out", str(tmp_path / "out")]))
-    print(line)
     assert "expert" in line and "layers.1" in line
     assert not (tmp_path / "out").exists()
