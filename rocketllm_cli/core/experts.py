@@ -30,21 +30,19 @@ def unit_name(layer: int, expert: int) -> str:
 
 
 def expert_count(config) -> int | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for key in EXPERT_COUNT_KEYS:
-        value = getattr(text, key, None)
-        if isinstance(value, int) and value > 1:
-            return value
-    return None
+    """Experts per MoE layer (None for a dense model)."""
+    return _first_int(config, EXPERT_COUNT_KEYS, minimum=2)
 
 
 def top_k(config) -> int | None:
+    """Experts the router picks per token."""
+    return _first_int(config, TOP_K_KEYS, minimum=1)
+
+
+def _first_int(config, keys: tuple[str, ...], minimum: int) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for key in TOP_K_KEYS:
-        value = getattr(text, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    values = (getattr(text, key, None) for key in keys)
+    return next((v for v in values if isinstance(v, int) and v >= minimum), None)
 
 
 @dataclass
