@@ -101,7 +101,7 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
     }
     if manifest.experts:
         formula += ("; experts (after every layer's dense part): all on the device if they fit, else the device budget left "
-                    "is an LRU expert cache and the host budget left holds experts spread evenly")
+                    "is an expert cache and the host budget left holds experts spread evenly")
     return ResidencyPlan(tier, formula, inputs, cache)
 
 

@@ -93,8 +93,6 @@ def _environment(profile: HardwareProfile) -> dict:
     warnings = []
     if profile.compute_device.startswith("cuda") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         warnings.append("PYTORCH_CUDA_ALLOC_CONF is unset: set expandable_segments:True so reused layer buffers do not fragment VRAM")
-    if (os.environ.get("OMP_WAIT_POLICY") or "").upper() == "ACTIVE":
-        warnings.append("OMP_WAIT_POLICY=ACTIVE: spinning compute threads take the cores the streaming reads need; rocketllm uses PASSIVE unless told")
     return {"variables": variables, "warnings": warnings}
 
 
