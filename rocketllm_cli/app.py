@@ -54,10 +54,13 @@ def _root(
 
 def _register() -> None:
     from .commands import bench, doctor, generate, profile, serve, shard
+    from .options import KnobHelpCommand
 
     for module in (doctor, profile, shard, generate, serve, bench):
+        # Commands with knob flags show each knob's value derived on this machine in their help.
+        cls = KnobHelpCommand if getattr(module.run, "knob_options", False) else None
         app.command(name=module.NAME, help=module.HELP, no_args_is_help=getattr(module, "NO_ARGS_IS_HELP", False),
-                    cls=getattr(module, "COMMAND_CLASS", None))(_guarded(module.run))
+                    cls=cls)(_guarded(module.run))
 
 
 _register()

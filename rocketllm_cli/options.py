@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from .profiles.specs import KNOB_SPECS
 
@@ -28,7 +29,8 @@ def with_knob_options(func):
     hints = typing.get_type_hints(func, include_extras=True)  # resolves string annotations, keeps typer's metadata
     params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != "knob_flags"]
     for spec in KNOB_SPECS:
-        option = typer.Option(spec.flag, *spec.flags, help=f"{spec.help} [{spec.accepted()}]", rich_help_panel=KNOB_PANEL, show_default=False)
+        # No square brackets: help is rich markup, which takes them for tags and drops them.
+        option = typer.Option(spec.flag, *spec.flags, help=f"{spec.help} Accepts {spec.accepted()}.", rich_help_panel=KNOB_PANEL, show_default=False)
         params.append(
             inspect.Parameter(f"knob_{spec.name}", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], option])
         )
@@ -40,6 +42,7 @@ def with_knob_options(func):
             kwargs.pop(f"knob_{spec.name}", None)
         return func(*args, knob_flags=flags, **kwargs)
 
+    wrapper.knob_options = True  # app.py gives such commands KnobHelpCommand
     wrapper.__signature__ = sig.replace(parameters=params)
     wrapper.__annotations__ = {**func.__annotations__, **{p.name: p.annotation for p in params}}
     return wrapper
@@ -57,3 +60,47 @@ def validate_knob_flags(flags: dict) -> None:
     for spec in KNOB_SPECS:
         if spec.env in os.environ:
             spec.parse(os.environ[spec.env], origin=spec.env)
+
+
+DERIVED_AT_START = "Default: derived at start from the measured hardware profile (none is cached yet)"
+
+
+class KnobHelpCommand(TyperCommand):
+    """Fills each knob's help with the value derived on this machine, only when help is shown (never measures)."""
+
+    def format_help(self, ctx, formatter) -> None:
+        derived = derived_defaults()
+        from .profiles.specs import KNOBS_BY_NAME
+
+        for param in self.params:
+            name = (param.name or "").removeprefix("knob_")
+            spec = KNOBS_BY_NAME.get(name) if (param.name or "").startswith("knob_") else None
+            if spec is not None:
+                param.help = f"{spec.help} Accepts {spec.accepted()}. {derived.get(name, DERIVED_AT_START)}."
+        super().format_help(ctx, formatter)
+
+
+def derived_defaults() -> dict[str, str]:
+    """knob -> how its default reads on this machine now, from the cached profile; empty without one."""
+    try:
+        from .profiles import HardwareProfile, resolve_knobs
+
+        profile = HardwareProfile.cached()
+        if profile is None:
+            return {}
+        knobs = resolve_knobs(profile, None)
+    except Exception:  # noqa: BLE001 - help must show even when the cache or a variable is bad
+        return {}
+    out = {}
+    for name, knob in knobs.items():
+        if knob.overridden:
+            out[name] = f"Now: {knob.display()}, set by {knob.formula}"
+        elif name == "prefix_cache":
+            out[name] = "Default: auto, which turns it on only when every weight is resident"
+        elif knob.value is None:
+            out[name] = "Default: derived at start from the model"
+        elif knob.note.startswith(("no model", "needs a model")):
+            out[name] = f"Default on this machine: {knob.display()} before the model's size is known (derived again for the model at start)"
+        else:
+            out[name] = f"Default on this machine: {knob.display()}"
+    return out

@@ -57,3 +57,16 @@ def test_usage_errors_are_one_line_with_exit_2():
         assert done.returncode == 2, (args, done.stderr)
         assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], (args, done.stderr)
         assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_knob_help_keeps_its_accepted_values_and_shows_the_derived_default(tmp_path):
+    """Every command with knob flags: the accepted forms survive rich markup, and the derived value is shown."""
+    from typer.testing import CliRunner
+
+    from rocketllm_cli.app import app
+
+    for command in ("generate", "bench", "serve"):
+        result = CliRunner().invoke(app, [command, "--help"], env={"ROCKETLLM_CACHE": str(tmp_path / "empty"), "COLUMNS": "400"})
+        assert result.exit_code == 0, result.output
+        line = next(l for l in result.output.splitlines() if "--expert-cache-policy" in l)
+        assert "Accepts one of lfu, lru" in line and "derived at start" in line, line

@@ -7,7 +7,6 @@ import socket
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperCommand
 
 from ..errors import RocketError
 from ..options import with_knob_options
@@ -23,51 +22,6 @@ Example: rocketllm serve ./SmolLM2.gguf --port 8000, then point an OpenAI client
 """
 MISSING_EXTRA = "rocketllm serve needs the server extra: pip install 'rocketllm[server]'"
 BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them
-DERIVED_AT_START = "Default: derived at start from the measured hardware profile (none is cached yet)"
-
-
-class ServeCommand(TyperCommand):
-    """Fills each knob's help with the value derived on this machine, only when help is shown (never measures)."""
-
-    def format_help(self, ctx, formatter) -> None:
-        derived = derived_defaults()
-        from ..profiles.specs import KNOBS_BY_NAME
-
-        for param in self.params:
-            name = (param.name or "").removeprefix("knob_")
-            spec = KNOBS_BY_NAME.get(name) if (param.name or "").startswith("knob_") else None
-            if spec is not None:
-                # No square brackets: the help is rich markup, which would take them for tags.
-                param.help = f"{spec.help} Accepts {spec.accepted()}. {derived.get(name, DERIVED_AT_START)}."
-        super().format_help(ctx, formatter)
-
-
-def derived_defaults() -> dict[str, str]:
-    """knob -> how its default reads on this machine now, from the cached profile; empty without one."""
-    try:
-        from ..profiles import HardwareProfile, resolve_knobs
-
-        profile = HardwareProfile.cached()
-        if profile is None:
-            return {}
-        knobs = resolve_knobs(profile, None)
-    except Exception:  # noqa: BLE001 - help must show even when the cache or a variable is bad
-        return {}
-    out = {}
-    for name, knob in knobs.items():
-        if knob.overridden:
-            out[name] = f"Now: {knob.display()}, set by {knob.formula}"
-        elif name == "prefix_cache":
-            out[name] = "Default: auto, which turns it on only when every weight is resident"
-        elif knob.value is None:
-            out[name] = "Default: derived at start from the model"
-        elif knob.note.startswith(("no model", "needs a model")):
-            out[name] = f"Default on this machine: {knob.display()} before the model's size is known (derived again for the model at start)"
-        else:
-            out[name] = f"Default on this machine: {knob.display()}"
-    return out
-
-
 @with_knob_options
 def run(
     model: Annotated[str, typer.Argument(help="Model directory, .gguf file, hub id, or shard directory.", show_default=False)],
@@ -175,4 +129,3 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-COMMAND_CLASS = ServeCommand
