@@ -149,10 +149,10 @@ def converter_slot(name: str, renamings: list, converters: list) -> FusedSlot | 
 _INDEXED = re.compile(r"^(.*)\.(\d+)\.([^.]+)$")
 
 
-def plan_expert_pieces(model: nn.Module, containers: list[Container], source_shapes: dict, resolve, renamings: list,
+def plan_expert_pieces(model: nn.Module, containers: list[Container], source_shapes: dict, resolve, candidates, renamings: list,
                        converters: list) -> ExpertShardPlan:
     """Per (layer, expert): the source tensors that make it. `resolve(param)` -> the source name of a module-tree
-    parameter (candidates and renamings applied) or None."""
+    parameter (candidates and renamings applied) or None; `candidates(name)` -> the names it may carry in the tree."""
     plan = ExpertShardPlan()
     params = dict(model.named_parameters())
     by_target: dict[str, list[tuple[str, FusedSlot]]] = {}
@@ -160,7 +160,7 @@ def plan_expert_pieces(model: nn.Module, containers: list[Container], source_sha
         for src in source_shapes:
             slot = converter_slot(src, renamings, converters)
             if slot is not None:
-                by_target.setdefault(_strip_prefix(slot.target, params), []).append((src, slot))
+                by_target.setdefault(_in_tree(slot.target, params, candidates), []).append((src, slot))
     for c in containers:
         prefix = c.path + "."
         owned = [p for p in params if p.startswith(prefix)]
@@ -197,13 +197,9 @@ def plan_expert_pieces(model: nn.Module, containers: list[Container], source_sha
     return plan
 
 
-def _strip_prefix(name: str, params: dict) -> str:
-    if name in params:
-        return name
-    for cand in (f"model.{name}", name.split(".", 1)[-1]):
-        if cand in params:
-            return cand
-    return name
+def _in_tree(name: str, params: dict, candidates) -> str:
+    """`name` as the module tree spells it (with or without the base-model prefix), or unchanged."""
+    return next((c for c in candidates(name) if c in params), name)
 
 
 # -- run time: resolving pieces against the running module tree --------------------------------
@@ -247,7 +243,7 @@ def resolve_pieces(model: nn.Module, pieces: dict[str, tuple[int, ...]], candida
                 out[name] = Fused(model.get_submodule(path), attr, path, int(m.group(2)), 0, 0, shape[0] if shape else 0)
                 continue
         slot = converter_slot(name, renamings, converters)
-        target = _strip_prefix(slot.target, params) if slot else None
+        target = _in_tree(slot.target, params, candidates) if slot else None
         if slot is None or target not in params:
             raise ModelError(
                 f"expert tensor {name} has no place in this transformers version's {type(model).__name__}; "

@@ -97,7 +97,8 @@ class ExpertStreamer:
         self._staging_lock = threading.Lock()
         self._staging_bytes = _round_up(max((u.bytes for u in self.units.values()), default=0))
         self._pending: dict[str, Future] = {}
-        self._arenas: dict[tuple, torch.Tensor] = {}
+        self._arenas: dict[tuple, torch.Tensor] = {}  # (attr, shape) -> full-shaped tensor shared by every layer
+        self._params: dict[int, nn.Parameter] = {}  # arena data_ptr -> the Parameter bound over it
         self._hooks: list = []
         self._held: dict[str, tuple[list, torch.Tensor | None]] = {}
         self._k = top_k(model.config)
@@ -130,7 +131,7 @@ class ExpertStreamer:
                 self._bind_fused_resident(module, experts)
             self._hooks.append(module.register_forward_pre_hook(self._fused_pre(module, experts, resident), with_kwargs=True))
             if not resident:
-                self._hooks.append(module.register_forward_hook(self._fused_post(module, experts)))
+                self._hooks.append(module.register_forward_hook(self._fused_post(module)))
         routers: dict[int, tuple[nn.Module, dict[int, str]]] = {}
         for path, unit in direct.items():
             module = modules[path]
@@ -253,7 +254,7 @@ class ExpertStreamer:
 
         return hook
 
-    def _fused_post(self, module: nn.Module, experts: dict[int, str]):
+    def _fused_post(self, module: nn.Module):
         placeholders = dict(module._parameters)
 
         def hook(mod, args, output):
@@ -262,10 +263,9 @@ class ExpertStreamer:
         return hook
 
     def _parameter(self, arena: torch.Tensor) -> nn.Parameter:
-        key = ("param", arena.data_ptr(), tuple(arena.shape))
-        param = self._arenas.get(key)
+        param = self._params.get(arena.data_ptr())
         if param is None:
-            param = self._arenas[key] = nn.Parameter(arena, requires_grad=False)
+            param = self._params[arena.data_ptr()] = nn.Parameter(arena, requires_grad=False)
         return param
 
     # -- per-expert modules ---------------------------------------------------------------------
@@ -322,6 +322,7 @@ class ExpertStreamer:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
         self._arenas.clear()
+        self._params.clear()
         self._staging.clear()
 
 

@@ -89,7 +89,7 @@ def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[st
         if unit.kind == "expert":
             continue  # mapped by split_experts
         for name in list(unit.params):
-            found = next((c for c in _candidates(name, prefix) if c in available), None)
+            found = next((c for c in candidate_names(name, prefix) if c in available), None)
             if found is None:
                 if name in meta:
                     missing.append(name)
@@ -126,11 +126,11 @@ def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str]
     renamed = _renamed_by_transformers(model, list(source.shapes), meta)
 
     def resolve(param: str) -> str | None:
-        found = next((c for c in _candidates(param, prefix) if c in renamed), None)
+        found = next((c for c in candidate_names(param, prefix) if c in renamed), None)
         return renamed[found] if found is not None else None
 
     renamings, converters = conversion_rules(model)
-    plan = plan_expert_pieces(model, containers, source.shapes, resolve, renamings, converters)
+    plan = plan_expert_pieces(model, containers, source.shapes, resolve, lambda n: candidate_names(n, prefix), renamings, converters)
     units: list[UnitPlan] = []
     for unit in layout.units:
         unit.params = [p for p in unit.params if p not in plan.claimed]
@@ -208,11 +208,7 @@ def _renamed_by_transformers(model, names: list[str], meta: dict) -> dict[str, s
 
 
 def candidate_names(name: str, prefix: str) -> list[str]:
-    """The names a tensor may carry in a checkpoint or a module tree: with and without the base-model prefix."""
-    return _candidates(name, prefix)
-
-
-def _candidates(name: str, prefix: str) -> list[str]:
+    """The names a tensor may carry in a checkpoint or a module tree: with and without the base-model prefix, legacy gamma/beta."""
     out = [name]
     if prefix and name.startswith(prefix + "."):
         out.append(name[len(prefix) + 1 :])
