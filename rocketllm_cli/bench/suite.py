@@ -116,7 +116,6 @@ def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log) ->
     from ..core.textgen import SamplingParams, generate_batch
     from .timing import percentile
 
-    manifest_total = _total(shards)
     streamed = AutoModel.from_pretrained(shards, flags=flags, log=log, **regime_overrides(regime, Manifest.load(shards)))
     rows = []
     try:
@@ -154,12 +153,6 @@ def _profile_and_facts(shards: Path, manifest):
     from ..profiles import HardwareProfile
 
     return HardwareProfile.load(storage_path=shards), facts_from_manifest(manifest, AutoConfig.from_pretrained(shards))
-
-
-def _total(shards: Path) -> int:
-    from ..core.manifest import Manifest
-
-    return Manifest.load(shards).total_bytes
 
 
 def _ram_available() -> int:

@@ -23,7 +23,7 @@ def facts_from_manifest(manifest: Manifest, hf_config, compute_dtype: str | None
         total_bytes=manifest.total_bytes,
         num_layers=len(layers),
         # a layer as stored: its dense part and all of its experts (what streaming it whole would read)
-        layer_bytes=max((u.tensor_bytes + sum(e.tensor_bytes for e in manifest.experts if e.index == u.index) for u in layers), default=0),
+        layer_bytes=max(_stored_layer_bytes(manifest).values(), default=0),
         largest_unit_bytes=max((u.tensor_bytes for u in manifest.units), default=0),
         non_layer_bytes=sum(u.tensor_bytes for u in manifest.units if u.kind not in ("layer", "expert")),
         kv_bytes_per_token=int(kv_per_token),
@@ -31,6 +31,15 @@ def facts_from_manifest(manifest: Manifest, hf_config, compute_dtype: str | None
         dtype=manifest.dtype,
         active_bytes=_active_bytes(manifest, hf_config),
     )
+
+
+def _stored_layer_bytes(manifest: Manifest) -> dict[int, int]:
+    """layer index -> its bytes as stored: the dense part and all of its experts."""
+    out: dict[int, int] = {}
+    for u in manifest.units:
+        if u.kind in ("layer", "expert"):
+            out[u.index] = out.get(u.index, 0) + u.tensor_bytes
+    return out
 
 
 def _active_bytes(manifest: Manifest, hf_config) -> int | None:

@@ -56,23 +56,23 @@ def _facts_from_path(path: Path) -> ModelFacts:
 def _from_manifest(path: Path) -> ModelFacts:
     try:
         doc = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-        units = {u["name"]: (u["kind"], sum(t["nbytes"] for t in u["tensors"])) for u in doc["units"]}
+        units = [(u["kind"], u.get("index", -1), sum(t["nbytes"] for t in u["tensors"])) for u in doc["units"]]
     except (OSError, ValueError, KeyError, TypeError):
         raise ModelError(f"{path.name}/manifest.json is unreadable; re-run `rocketllm shard`") from None
-    layers = [b for kind, b in units.values() if kind == "layer"]
+    experts_of: dict = defaultdict(int)  # layer index -> its experts' bytes
+    for kind, index, nbytes in units:
+        if kind == "expert":
+            experts_of[index] += nbytes
+    # a layer as stored: its dense part and all of its experts (layers are in index order)
+    layers = [nbytes + experts_of[i] for i, nbytes in enumerate(b for kind, _, b in units if kind == "layer")]
     if not layers:
         raise ModelError(f"{path.name}/manifest.json lists no decoder layers")
     config = _config(path / "config.json") if (path / "config.json").is_file() else doc.get("config", {})
-    total = sum(b for _, b in units.values())
+    total = sum(b for _, _, b in units)
     name = (doc.get("source") or {}).get("name") or path.name
-    experts = sum(b for kind, b in units.values() if kind == "expert")
-    layers = [b + sum(eb for ek, eb in _experts_of(doc, i)) for i, b in enumerate(layers)]  # a layer as stored: with its experts
-    return _build(name, total, layers, max(b for _, b in units.values()), config, _DTYPES.get(doc.get("dtype", ""), doc.get("dtype", "")),
+    experts = sum(b for kind, _, b in units if kind == "expert")
+    return _build(name, total, layers, max(b for _, _, b in units), config, _DTYPES.get(doc.get("dtype", ""), doc.get("dtype", "")),
                   experts)
-
-
-def _experts_of(doc: dict, layer: int) -> list[tuple[str, int]]:
-    return [(u["name"], sum(t["nbytes"] for t in u["tensors"])) for u in doc["units"] if u.get("kind") == "expert" and u.get("index") == layer]
 
 
 def _from_gguf(path: Path) -> ModelFacts:
