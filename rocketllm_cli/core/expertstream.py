@@ -7,7 +7,7 @@ on a CPU, so slices of experts never routed cost no memory.
 Per-expert modules (transformers 4.x): only routed experts' modules run; each binds its own
 tensors in a pre-hook; a hook on the router starts the reads of all routed experts as soon as
 the router's logits exist.
-Experts read from storage are kept in an LRU cache of `expert_cache_bytes` (the device budget
+Experts read from storage are kept in a cache of `expert_cache_bytes` (LFU by default; the device budget
 the plan left over); hits and lookups go to the ledger.
 """
 

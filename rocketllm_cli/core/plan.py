@@ -22,7 +22,7 @@ class ResidencyPlan:
     tier: dict[str, str]  # unit name -> device | host | storage
     formula: str
     inputs: dict[str, int] = field(default_factory=dict)
-    expert_cache_bytes: int = 0  # device budget left for an LRU cache of experts streamed from storage
+    expert_cache_bytes: int = 0  # device budget left for the expert cache (experts streamed from storage)
 
     def units_in(self, tier: str) -> list[str]:
         return [u for u, t in self.tier.items() if t == tier]
