@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
-from .errors import report
+from .errors import ParameterError, RocketError, report
 
 app = typer.Typer(
     name="rocketllm",
@@ -29,10 +29,20 @@ def _guarded(func):
             return func(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
+        except ParameterError as exc:  # the library names its keywords; a CLI user typed flags
+            raise typer.Exit(report(RocketError(exc.spelled(flag_of)))) from None
         except BaseException as exc:  # noqa: BLE001 - the one place that maps every error
             raise typer.Exit(report(exc)) from None
 
     return wrapper
+
+
+def flag_of(param: str) -> str:
+    """The CLI flag of a library keyword: a knob's own flag (compute_dtype is --dtype), else --the-name."""
+    from .profiles.knobs.table import KNOBS_BY_NAME
+
+    spec = KNOBS_BY_NAME.get(param)
+    return (spec.flags[0] if spec.flags else spec.flag) if spec is not None else "--" + param.replace("_", "-")
 
 
 def _version(value: bool) -> None:

@@ -30,6 +30,20 @@ class KnobError(RocketError):
     """A knob override has a value that cannot be parsed or is out of range."""
 
 
+class ParameterError(RocketError):
+    """A library argument out of range. The message names parameters as `{name}` fields, so each caller spells
+    them its own way: the library as the keyword (`max_new_tokens must be at least 1`), the CLI as its flag
+    (`--max-new-tokens must be at least 1`), the server as its request field."""
+
+    def __init__(self, template: str, *params: str) -> None:
+        self.template, self.params = template, params
+        super().__init__(self.spelled(lambda name: name))
+
+    def spelled(self, spell) -> str:
+        """The message with every parameter written as spell(name)."""
+        return self.template.format(**{name: spell(name) for name in self.params})
+
+
 def debug_enabled() -> bool:
     return os.environ.get("ROCKETLLM_DEBUG", "") not in ("", "0", "false", "no")
 

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand
 
-from .profiles.specs import KNOB_SPECS
+from .profiles.knobs.table import KNOB_SPECS
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of text.")]
 RefreshOpt = Annotated[bool, typer.Option("--refresh", help="Re-measure the hardware instead of using the cached profile.")]
@@ -52,7 +52,7 @@ def validate_knob_flags(flags: dict) -> None:
     """Parse every knob flag and ROCKETLLM_<KNOB> variable now, so a bad value fails before any work."""
     import os
 
-    from .profiles.specs import KNOBS_BY_NAME
+    from .profiles.knobs.table import KNOBS_BY_NAME
 
     for name, raw in flags.items():
         spec = KNOBS_BY_NAME[name]
@@ -70,7 +70,7 @@ class KnobHelpCommand(TyperCommand):
 
     def format_help(self, ctx, formatter) -> None:
         derived = derived_defaults()
-        from .profiles.specs import KNOBS_BY_NAME
+        from .profiles.knobs.table import KNOBS_BY_NAME
 
         for param in self.params:
             name = (param.name or "").removeprefix("knob_")

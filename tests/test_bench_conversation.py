@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_contract import one_error_line
 from typer.testing import CliRunner
 
-from cli_contract import one_error_line
 from rocketllm_cli.app import app
 
 

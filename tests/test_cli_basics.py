@@ -32,7 +32,7 @@ def test_help_has_a_usage_example_and_the_shared_options(name):
 
 
 def test_profile_help_lists_every_knob_flag():
-    from rocketllm_cli.profiles.specs import KNOB_SPECS
+    from rocketllm_cli.profiles.knobs.table import KNOB_SPECS
 
     text = CliRunner().invoke(app, ["profile", "--help"], terminal_width=200).stdout
     for spec in KNOB_SPECS:

@@ -12,17 +12,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from rocketllm_cli.core.manifest import Manifest
 import torch
+from cli_contract import one_error_line
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.compat import dtype_kwargs
-from rocketllm_cli.core.sharder import shard
-from cli_contract import one_error_line
+from rocketllm_cli.shard.manifest import Manifest
+from rocketllm_cli.shard.sharder import shard
 
 pytestmark = pytest.mark.compat
 

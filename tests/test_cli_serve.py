@@ -15,9 +15,9 @@ import sys
 import time
 
 import pytest
+from cli_contract import one_error_line
 from typer.testing import CliRunner
 
-from cli_contract import one_error_line
 from rocketllm_cli.app import app
 from rocketllm_cli.commands.serve import MISSING_EXTRA
 
@@ -40,7 +40,7 @@ def tiny(tiny_factory):
 
 # -- help ------------------------------------------------------------------------------------------------
 def test_help_shows_the_derived_defaults_from_the_cached_profile(tiny, tmp_path):
-    from rocketllm_cli.core.auto import AutoModel
+    from rocketllm_cli.stream.auto import AutoModel
 
     AutoModel.from_pretrained(tiny).close()  # caches this machine's profile in the session cache
     start = time.monotonic()

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_contract import one_error_line
 from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
-from rocketllm_cli.core import sharder
-from rocketllm_cli.core.manifest import MANIFEST, Manifest
-from cli_contract import one_error_line
+from rocketllm_cli.shard import sharder
+from rocketllm_cli.shard.manifest import MANIFEST, Manifest
 
 pytestmark = pytest.mark.compat
 

@@ -7,14 +7,13 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from rocketllm_cli.profiles.report.markdown import SECTIONS
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.profiles import cache_dir
-from rocketllm_cli.profiles.markdown import SECTIONS
 
 
 @pytest.fixture(autouse=True)

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_contract import one_error_line
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
-from rocketllm_cli.core import stfile
 from rocketllm_cli.errors import ShardError
-from cli_contract import one_error_line
+from rocketllm_cli.shard import stfile
 
 FUZZ = settings(derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])

@@ -8,14 +8,21 @@ import math
 import re
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rocketllm_cli.profiles.knobs.table import KNOB_SPECS
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.errors import KnobError
-from rocketllm_cli.profiles import Capability, HardwareProfile, Measurement, ModelFacts, resolve_knobs
-from rocketllm_cli.profiles.knobs import Knob
-from rocketllm_cli.profiles.specs import KNOB_SPECS
+from rocketllm_cli.profiles import (
+    Capability,
+    HardwareProfile,
+    Measurement,
+    ModelFacts,
+    resolve_knobs,
+)
+from rocketllm_cli.profiles.knobs.resolve import Knob
 
 GiB = 1024**3
 NAMESPACE = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil}

@@ -15,11 +15,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from rocketllm_cli.core import stfile
-from rocketllm_cli.core.expertstream import ExpertCache
-from rocketllm_cli.core.manifest import MANIFEST, Manifest
-from rocketllm_cli.core.model import EngineConfig, StreamingModel
-from rocketllm_cli.core.sharder import shard
+from rocketllm_cli.shard import stfile
+from rocketllm_cli.shard.manifest import MANIFEST, Manifest
+from rocketllm_cli.shard.sharder import shard
+from rocketllm_cli.stream.experts import ExpertCache
+from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 from rocketllm_cli.synthetic import MOE_ARCHS
 
 pytestmark = pytest.mark.compat
@@ -185,7 +185,7 @@ def test_lfu_admits_only_over_less_used_experts():
 
 def test_each_expert_is_a_file_of_its_own(moe):
     manifest, directory, _, _ = moe("qwen3_moe")
-    from rocketllm_cli.core.experts import expert_count
+    from rocketllm_cli.shard.expertlayout import expert_count
 
     config = transformers.AutoConfig.from_pretrained(directory)
     assert len(manifest.experts) == config.num_hidden_layers * expert_count(config)
@@ -228,8 +228,8 @@ def test_generate_stats_report_experts_and_cache(moe, tiny_factory):
 
 
 def test_cost_model_counts_a_token_s_routed_experts_not_every_weight(moe):
-    from rocketllm_cli.core.facts import facts_from_manifest
-    from rocketllm_cli.profiles.modelpath import model_facts_from_path
+    from rocketllm_cli.shard.facts import facts_from_manifest
+    from rocketllm_cli.shard.modelpath import model_facts_from_path
 
     manifest, directory, _, src = moe("mixtral")
     config = transformers.AutoConfig.from_pretrained(directory)
@@ -245,9 +245,8 @@ def test_cost_model_counts_a_token_s_routed_experts_not_every_weight(moe):
 
 
 def test_a_checkpoint_missing_one_expert_tensor_is_one_error_line(tiny_factory, tmp_path):
-    from safetensors.torch import load_file, save_file
-
     from cli_contract import one_error_line
+    from safetensors.torch import load_file, save_file
 
     src = tiny_factory("qwen3_moe")
     broken = tmp_path / "broken"

@@ -9,10 +9,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rocketllm_cli.core.auto import AutoModel
-from rocketllm_cli.core.prefix import BLOCK_TOKENS, PrefixCache, block_hashes, decide, seq_length
-from rocketllm_cli.core.textgen import SamplingParams
-from rocketllm_cli.server.engine import Engine, GenerationRequest
+from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.text.engine import Engine, GenerationRequest
+from rocketllm_cli.text.prefix import (
+    BLOCK_TOKENS,
+    PrefixCache,
+    block_hashes,
+    decide,
+    seq_length,
+)
+from rocketllm_cli.text.textgen import SamplingParams
 
 NEW = 10
 PROMPT = [1] + list(range(10, 60))  # 51 tokens: three whole blocks of 16, and three tokens after them
@@ -70,7 +76,7 @@ def test_a_growing_conversation_reuses_the_earlier_turns(llama):
 
 
 def test_a_restored_checkpoint_holds_exactly_the_kv_of_its_tokens(llama):
-    from rocketllm_cli.core.prefix import output_cache
+    from rocketllm_cli.text.prefix import output_cache
 
     def kv(ids):
         with torch.inference_mode():

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from rocketllm_cli.profiles import HardwareProfile, cache_dir
-from rocketllm_cli.profiles import facts, hardware, markdown, report
-from rocketllm_cli.profiles.filesystems import filesystem_of
+from rocketllm_cli.profiles import HardwareProfile, cache_dir, hardware
+from rocketllm_cli.profiles.probe import machine as facts
+from rocketllm_cli.profiles.probe.filesystems import filesystem_of
+from rocketllm_cli.profiles.report import document as report
+from rocketllm_cli.profiles.report import markdown
 
 
 @pytest.fixture(autouse=True)

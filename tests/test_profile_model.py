@@ -10,7 +10,15 @@ import pytest
 
 from rocketllm_cli.errors import ModelError
 from rocketllm_cli.profiles import (
-    Capability, HardwareProfile, Measurement, ModelFacts, model_facts_from_path, parse_param_count, plan_tier_bytes, project, resolve_knobs,
+    Capability,
+    HardwareProfile,
+    Measurement,
+    ModelFacts,
+    model_facts_from_path,
+    parse_param_count,
+    plan_tier_bytes,
+    project,
+    resolve_knobs,
 )
 
 GiB = 1024**3
@@ -59,7 +67,7 @@ def test_hf_directory_facts_match_the_checkpoint(tiny_checkpoint):
 
 
 def test_shard_directory_and_its_source_give_the_same_facts(tiny_checkpoint, tmp_path):
-    from rocketllm_cli.core.sharder import shard
+    from rocketllm_cli.shard.sharder import shard
 
     _, directory, _ = shard(tiny_checkpoint, out=tmp_path / "shards", dtype="auto", progress=None, log=lambda m: None)
     assert (directory / "manifest.json").is_file()

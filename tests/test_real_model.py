@@ -13,8 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
-from rocketllm_cli.core.manifest import Manifest
-from rocketllm_cli.core.model import EngineConfig, StreamingModel
+from rocketllm_cli.shard.manifest import Manifest
+from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.compat]
 

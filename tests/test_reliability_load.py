@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_contract import one_error_line
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
-from rocketllm_cli.core import sharder
-from rocketllm_cli.core.manifest import MANIFEST, RESHARD, Manifest
-from rocketllm_cli.core.model import EngineConfig, StreamingModel
 from rocketllm_cli.errors import ShardError
+from rocketllm_cli.shard import sharder
+from rocketllm_cli.shard.manifest import MANIFEST, RESHARD, Manifest
+from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 from rocketllm_cli.synthetic import config_for, write_checkpoint
-from cli_contract import one_error_line
 
 PROMPT = [1, 5, 9, 42, 7]
 

@@ -17,11 +17,12 @@ import pytest
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
-from rocketllm_cli.core import sharder
-from rocketllm_cli.core.manifest import Manifest
-from rocketllm_cli.core.plan import check_budget
+from rocketllm_cli.app import flag_of
 from rocketllm_cli.errors import RocketError
+from rocketllm_cli.shard import sharder
+from rocketllm_cli.shard.manifest import Manifest
 from rocketllm_cli.sizes import format_bytes
+from rocketllm_cli.stream.plan import check_budget
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RESUME = "then re-run `rocketllm shard` to resume (finished units are kept)"
@@ -173,7 +174,9 @@ def test_check_budget_names_the_minimum(twelve, tmp_path):
         check_budget(resident, 2 * largest, largest)
     assert str(caught.value) == (f"not enough memory to stream this model: need at least {format_bytes(2 * largest)} "
                                  f"(resident minimum + two streaming buffers of the largest unit), have {format_bytes(largest)} "
-                                 "after --reserve-bytes and --kv-cache-bytes; lower them or free memory")
+                                 "after reserve_bytes and kv_cache_bytes; lower them or free memory")
+    # the CLI spells the same parameters as its flags
+    assert caught.value.spelled(flag_of).endswith("after --reserve-bytes and --kv-cache-bytes; lower them or free memory")
     check_budget(resident, 2 * largest, 2 * largest)
     check_budget(resident, 2 * largest, None)
 

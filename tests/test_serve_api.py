@@ -13,10 +13,10 @@ import time
 import anthropic
 import openai
 import pytest
-
-from rocketllm_cli.core.auto import AutoModel
-from rocketllm_cli.core.textgen import SamplingParams, encode_prompt, generate_text
 from serve_helpers import LiveServer, Script
+
+from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.text.textgen import SamplingParams, encode_prompt, generate_text
 
 MODEL = "tiny"
 QUESTION = "What is the capital of France?"

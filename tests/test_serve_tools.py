@@ -10,11 +10,17 @@ import random
 from pathlib import Path
 
 import pytest
-
-from rocketllm_cli.core.auto import AutoModel
-from rocketllm_cli.server.tools import FAMILIES, StreamSplitter, choose, detect, parser_for
-from rocketllm_cli.synthetic.tokenizer import CHAT_TEMPLATE
 from serve_helpers import LiveServer, Script, with_template
+
+from rocketllm_cli.server.tools import (
+    FAMILIES,
+    StreamSplitter,
+    choose,
+    detect,
+    parser_for,
+)
+from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.synthetic.tokenizer import CHAT_TEMPLATE
 
 CORPUS = Path(__file__).parent / "fixtures" / "tool_calls"
 FAMILY_DIRS = sorted(p.name for p in CORPUS.iterdir() if p.is_dir())

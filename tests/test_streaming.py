@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rocketllm_cli.compat import dtype_kwargs
-from rocketllm_cli.core.model import EngineConfig, StreamingModel
-from rocketllm_cli.core.plan import spaced
-from rocketllm_cli.core.sharder import shard
+from rocketllm_cli.shard.sharder import shard
+from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.plan import spaced
 from rocketllm_cli.synthetic import ARCHS, MOE_ARCHS
 
 pytestmark = pytest.mark.compat

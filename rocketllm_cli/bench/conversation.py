@@ -45,7 +45,7 @@ class ConversationRequest:
 
 
 def run_conversation(req: ConversationRequest, log) -> dict:
-    from ..core.auto import ensure_shards
+    from ..stream.auto import ensure_shards
     from .regimes import REGIME_KNOBS, skip_reason
     from .report import hardware_line, load_average
     from .sources import synthetic_checkpoint
@@ -78,11 +78,11 @@ def run_conversation(req: ConversationRequest, log) -> dict:
 
 
 def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> tuple[dict, object]:
-    from ..core.auto import AutoModel
-    from ..core.prefix import PrefixCache
-    from ..core.textgen import SamplingParams
-    from ..server.engine import Engine, GenerationRequest
-    from ..core.manifest import Manifest
+    from ..shard.manifest import Manifest
+    from ..stream.auto import AutoModel
+    from ..text.engine import Engine, GenerationRequest
+    from ..text.prefix import PrefixCache
+    from ..text.textgen import SamplingParams
     from .regimes import regime_overrides
 
     model = AutoModel.from_pretrained(shards, flags=flags, log=log, **regime_overrides(regime, Manifest.load(shards)))

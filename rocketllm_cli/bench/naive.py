@@ -18,7 +18,7 @@ class NaiveStreamer:
     def __init__(self, hf_dir: Path, dtype: torch.dtype) -> None:
         from transformers import AutoConfig
 
-        from ..core.discover import build_meta_model
+        from ..shard.discover import build_meta_model
 
         self.dtype = dtype
         self.files = _weight_map(Path(hf_dir))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import gc
 
-from ..core.plan import TIERS
 from ..sizes import format_bytes
+from ..tiers import TIERS
 from .timing import WARMUP, fixed_prompt, timed_generate
 
 REGIMES = ("resident", "host", "storage", "expert-cache")
@@ -51,9 +51,8 @@ def read_method(knobs) -> str:
 
 def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: dict, log) -> dict:
     """Load MODEL in `regime`, generate, and return the measured row (the ledger's figures over the measured steps)."""
-    from ..core.auto import AutoModel
-
-    from ..core.manifest import Manifest
+    from ..shard.manifest import Manifest
+    from ..stream.auto import AutoModel
 
     overrides = regime_overrides(regime, Manifest.load(model_path))
     streamed = AutoModel.from_pretrained(model_path, flags=flags, log=log, **overrides)

@@ -55,8 +55,8 @@ def synthetic_checkpoint(spec: str, log=lambda m: None) -> Path:
 
 def hf_checkpoint(model: str, manifest, log=lambda m: None) -> tuple[Path | None, str]:
     """A Hugging Face directory with the same weights as the shards, for the baselines; (None, why) when there is none."""
-    from ..core.manifest import MANIFEST
     from ..profiles import cache_dir
+    from ..shard.manifest import MANIFEST
 
     path = Path(model).expanduser()
     if path.is_dir() and (path / MANIFEST).is_file():
@@ -73,16 +73,16 @@ def hf_checkpoint(model: str, manifest, log=lambda m: None) -> tuple[Path | None
 
 def _save_gguf_copy(path: Path, dest: Path, dtype: str, log) -> None:
     """Dequantize the GGUF once and save it as safetensors, as the baselines' common source."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..compat import dtype_kwargs
 
     log(f"saving a {dtype} safetensors copy of {path.name} for the baselines (once)")
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    from ..dtypes import torch_dtype
+
     partial = dest.with_name("." + dest.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **dtype_kwargs(torch_dtype))
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **dtype_kwargs(torch_dtype(dtype)))
     # The weights are already dequantized in memory; only the GGUF marker stops save_pretrained.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -6,10 +6,18 @@ import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.manifest import Manifest
 from ..errors import UsageError
+from ..shard.manifest import Manifest
 from .baselines import BASELINES, REGIMES_OF, run_baseline
-from .regimes import DEFAULT_REGIMES, REGIME_KNOBS, REGIMES, read_method, regime_overrides, run_regime, skip_reason
+from .regimes import (
+    DEFAULT_REGIMES,
+    REGIME_KNOBS,
+    REGIMES,
+    read_method,
+    regime_overrides,
+    run_regime,
+    skip_reason,
+)
 from .timing import WARMUP, fixed_prompt
 
 
@@ -47,8 +55,8 @@ class BenchRequest:
 
 
 def run_bench(req: BenchRequest, log) -> dict:
-    from ..core.auto import ensure_shards
     from ..profiles import cache_dir
+    from ..stream.auto import ensure_shards
     from .report import hardware_line, load_average
     from .sources import hf_checkpoint, synthetic_checkpoint
 
@@ -112,8 +120,8 @@ def run_bench(req: BenchRequest, log) -> dict:
 
 def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log) -> tuple[dict, object, object]:
     """Throughput vs batch size N in one regime: each step of a batch of N is one streaming pass."""
-    from ..core.auto import AutoModel
-    from ..core.textgen import SamplingParams, generate_batch
+    from ..stream.auto import AutoModel
+    from ..text.textgen import SamplingParams, generate_batch
     from .timing import percentile
 
     streamed = AutoModel.from_pretrained(shards, flags=flags, log=log, **regime_overrides(regime, Manifest.load(shards)))
@@ -149,19 +157,19 @@ def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log) ->
 def _profile_and_facts(shards: Path, manifest):
     from transformers import AutoConfig
 
-    from ..core.facts import facts_from_manifest
     from ..profiles import HardwareProfile
+    from ..shard.facts import facts_from_manifest
 
     return HardwareProfile.load(storage_path=shards), facts_from_manifest(manifest, AutoConfig.from_pretrained(shards))
 
 
 def _ram_available() -> int:
-    from ..profiles.facts import memory
+    from ..profiles.probe.machine import memory
 
     return memory()[1]
 
 
 def _torch_dtype(name: str | None):
-    import torch
+    from ..dtypes import torch_dtype
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(name or "fp32", torch.float32)
+    return torch_dtype(name or "fp32")

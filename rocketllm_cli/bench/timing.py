@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.ledger import storage_read_bytes
+from ..stream.ledger import storage_read_bytes
 
 WARMUP = 1  # decode tokens excluded: the first pass after prefill pays one-off costs (page faults, allocator growth)
 PROMPT_TEXT = (

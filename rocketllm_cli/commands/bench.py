@@ -43,7 +43,7 @@ def run(
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
-    from ..bench import BASELINES, REGIMES, BenchRequest, render, run_bench
+    from ..bench import BASELINES, BenchRequest, render, run_bench
 
     output = Output(as_json=json)
     validate_knob_flags(knob_flags or {})
@@ -86,7 +86,11 @@ def _spread(words: list[str], regime: list[str], baseline: list[str], batch: lis
 
 def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob_flags, output) -> None:
     from ..bench import REGIMES
-    from ..bench.conversation import ConversationRequest, render_conversation, run_conversation
+    from ..bench.conversation import (
+        ConversationRequest,
+        render_conversation,
+        run_conversation,
+    )
     from ..errors import UsageError
 
     if baseline or batch:

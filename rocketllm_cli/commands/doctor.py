@@ -27,8 +27,14 @@ def run(
     json_output: JsonOpt = False,
     refresh: RefreshOpt = False,
 ) -> None:
-    from ..profiles import HardwareProfile, ModelFacts, model_facts_from_path, parse_param_count
-    from ..profiles import markdown, report
+    from ..profiles import (
+        HardwareProfile,
+        ModelFacts,
+        model_facts_from_path,
+        parse_param_count,
+    )
+    from ..profiles.report import document as report
+    from ..profiles.report import markdown
 
     if model is not None and model_size is not None:
         raise UsageError("give either --model PATH or --model-size, not both")

@@ -38,7 +38,13 @@ def run(
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
-    from ..core.textgen import SamplingParams, check_context, encode_prompt, generate_batch, generate_text
+    from ..text.textgen import (
+        SamplingParams,
+        check_context,
+        encode_prompt,
+        generate_batch,
+        generate_text,
+    )
 
     output = Output(as_json=json)
     params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed)
@@ -48,7 +54,7 @@ def run(
     text = _read_prompt(prompt)
     prompts = [line for line in text.splitlines() if line.strip()] if batch else [text]
 
-    from ..core.auto import AutoModel
+    from ..stream.auto import AutoModel
 
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
     try:

@@ -22,8 +22,8 @@ def run(
     knob_flags: dict,
 ) -> None:
     from ..profiles import HardwareProfile, model_facts_from_path, resolve_knobs
-    from ..profiles.knobs import describe_input
-    from ..profiles.redact import redact
+    from ..profiles.knobs.resolve import describe_input
+    from ..profiles.report.redact import redact
 
     facts = model_facts_from_path(model) if model is not None else None
     out = Output(as_json=json_output)

@@ -59,9 +59,9 @@ def run(
 def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output, uvicorn) -> None:
     import logging
 
-    from ..core.auto import AutoModel
     from ..server.app import create_app
     from ..server.state import ServerState, default_model_id
+    from ..stream.auto import AutoModel
 
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
     state = None

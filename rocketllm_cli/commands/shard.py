@@ -30,10 +30,12 @@ def run(
     verify: Annotated[bool, typer.Option("--verify", help="Re-check every shard file against the manifest (sizes and sha256).")] = False,
     json: JsonOpt = False,
 ) -> None:
-    from ..core.manifest import MANIFEST, Manifest
-    from ..core.sharder import DTYPE_NAMES, summarize, shard, verify as verify_dir
+    from ..dtypes import NAMES as DTYPES
+    from ..shard.manifest import MANIFEST, Manifest
+    from ..shard.sharder import shard, summarize
+    from ..shard.sharder import verify as verify_dir
 
-    if dtype != "auto" and dtype not in DTYPE_NAMES:
+    if dtype != "auto" and dtype not in DTYPES:
         raise ShardError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
     output = Output(as_json=json)
     path = Path(model).expanduser()

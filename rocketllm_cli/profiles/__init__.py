@@ -3,12 +3,12 @@
 Importing this package is cheap: torch is imported only when something is measured.
 """
 
+from ..shard.modelfacts import ModelFacts, parse_param_count
+from ..shard.modelpath import model_facts_from_path
 from .cache import cache_dir
 from .cost import Projection, TierCost, plan_tier_bytes, project
 from .hardware import HardwareProfile
-from .knobs import Knob, Knobs, resolve_knobs
-from .modelfacts import ModelFacts, parse_param_count
-from .modelpath import model_facts_from_path
+from .knobs.resolve import Knob, Knobs, resolve_knobs
 from .records import Capability, Measurement
 
 __all__ = [

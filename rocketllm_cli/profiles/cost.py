@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..shard.modelfacts import ModelFacts
+from ..tiers import TIERS
 from .hardware import HardwareProfile
-from .knobs import Knobs
-from .modelfacts import ModelFacts
-
-TIERS = ("device", "host", "storage")
+from .knobs.resolve import Knobs
 
 
 @dataclass(frozen=True)

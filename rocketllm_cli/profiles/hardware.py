@@ -14,15 +14,23 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from . import capabilities as caps
-from . import measure
 from .cache import cache_dir, profile_dir, read_json, write_json
-from .devices import choose_device, device_memory, torch_accelerators
-from .facts import collect_facts, cpu_snapshot, fingerprint, fingerprint_facts, memory, others_cpu_share, usable_cores
-from .filesystems import filesystem_of
+from .probe import capabilities as caps
+from .probe import measure
+from .probe.devices import choose_device, device_memory, torch_accelerators
+from .probe.filesystems import filesystem_of
+from .probe.machine import (
+    collect_facts,
+    cpu_snapshot,
+    fingerprint,
+    fingerprint_facts,
+    memory,
+    others_cpu_share,
+    usable_cores,
+)
+from .probe.storage import measure_storage, probe_bytes
 from .records import Capability, Measurement
-from .redact import redact
-from .storage import measure_storage, probe_bytes
+from .report.redact import redact
 
 Log = Callable[[str], None]
 BUSY_SHARE = 0.25  # other processes using this share of the CPUs while measuring make the figures suspect

@@ -9,9 +9,23 @@ from __future__ import annotations
 
 import json
 
-from .common import (APIError, Prepared, bad, boolean, check_context, check_model, job_events, new_id, number, required,
-                     sampling, sse, stop_strings, string)
-from .engine import GenerationRequest
+from ..text.engine import GenerationRequest
+from .common import (
+    APIError,
+    Prepared,
+    bad,
+    boolean,
+    check_context,
+    check_model,
+    job_events,
+    new_id,
+    number,
+    required,
+    sampling,
+    sse,
+    stop_strings,
+    string,
+)
 from .openai_api import tool_choice
 from .prompts import PromptError
 from .tools import StreamSplitter

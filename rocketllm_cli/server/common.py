@@ -7,8 +7,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..core.textgen import SamplingParams
-from .engine import GenerationRequest
+from ..text.engine import GenerationRequest
+from ..text.textgen import SamplingParams
 
 
 class APIError(Exception):

@@ -3,9 +3,24 @@ stream-chunk and error shapes."""
 
 from __future__ import annotations
 
-from .common import (APIError, Prepared, bad, boolean, check_context, check_model, job_events, new_id, now, number,
-                     required, sampling, sse, stop_strings, string)
-from .engine import GenerationRequest
+from ..text.engine import GenerationRequest
+from .common import (
+    APIError,
+    Prepared,
+    bad,
+    boolean,
+    check_context,
+    check_model,
+    job_events,
+    new_id,
+    now,
+    number,
+    required,
+    sampling,
+    sse,
+    stop_strings,
+    string,
+)
 from .prompts import PromptError
 from .tools import StreamSplitter
 

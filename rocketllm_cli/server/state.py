@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..core.prefix import PrefixCache, decide
-from .engine import Engine
+from ..text.engine import Engine
+from ..text.prefix import PrefixCache, decide
 from .metrics import Metrics
 from .prompts import PromptBuilder
 from .tools import FAMILIES, choose

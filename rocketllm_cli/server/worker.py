@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .engine import Engine, GenerationOutcome, GenerationRequest
+from ..text.engine import Engine, GenerationOutcome, GenerationRequest
 
 HISTORY = 256  # finished jobs remembered (for /health and tests)
 

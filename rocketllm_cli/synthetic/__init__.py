@@ -21,10 +21,27 @@ transformers 4.x (checked on 4.57) saves the same names and shapes: its experts 
 (mixtral's under block_sparse_moe, qwen3_moe's under mlp), so there is nothing to revert.
 """
 
-from .archs import ARCHS, MOE_ARCHS, TINY_SHAPE, ArchSpec, config_for, config_from_spec, count_params, parse_size
+from .archs import (
+    ARCHS,
+    MOE_ARCHS,
+    TINY_SHAPE,
+    ArchSpec,
+    config_for,
+    config_from_spec,
+    count_params,
+    parse_size,
+)
 from .tensors import TensorSpec, make_chunk, saved_tensors, tensor_chunks, tensor_values
 from .tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer
-from .writer import DEFAULT_MAX_FILE_BYTES, DEFAULT_STD, LAYOUTS, plan_files, value_rules, write_checkpoint, write_safetensors
+from .writer import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_STD,
+    LAYOUTS,
+    plan_files,
+    value_rules,
+    write_checkpoint,
+    write_safetensors,
+)
 
 __all__ = [
     "ARCHS", "MOE_ARCHS", "TINY_SHAPE", "ArchSpec", "config_for", "config_from_spec", "count_params", "parse_size",

@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .plan import TIERS
+from ..tiers import TIERS
 
 
 def storage_read_bytes() -> int | None:

@@ -23,15 +23,28 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelError, ShardError
+from ..dtypes import NAMES as DTYPES
+from ..dtypes import short_name, torch_dtype
+from ..errors import ModelError, ParameterError, ShardError
 from ..sizes import format_bytes
 from . import stfile
 from .discover import Layout, UnitPlan, build_meta_model, discover
-from .experts import conversion_rules, find_containers, plan_expert_pieces, unit_name
+from .expertlayout import (
+    conversion_rules,
+    find_containers,
+    plan_expert_pieces,
+    unit_name,
+)
 from .manifest import MANIFEST, UNIT_FILE, Manifest, TensorRecord, UnitRecord
-from .source import TOKENIZER_FILES, Located, Source, locate, open_source, save_tokenizer
+from .source import (
+    TOKENIZER_FILES,
+    Located,
+    Source,
+    locate,
+    open_source,
+    save_tokenizer,
+)
 
-DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 JOURNAL = "journal.jsonl"
 HEADROOM = 64 << 20  # free space left over after sharding, for everything else on the disk
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -47,7 +60,7 @@ def default_out(located: Located, dtype: str) -> Path:
 
 def find_existing(located: Located, dtype: str) -> tuple[Manifest, Path] | None:
     """A complete shard set of this source in the default place (any dtype for 'auto'), without reading weights."""
-    dtypes = list(DTYPE_NAMES) if dtype == "auto" else [dtype]
+    dtypes = list(DTYPES) if dtype == "auto" else [dtype]
     for dt in dtypes:
         final = default_out(located, dt)
         if (final / MANIFEST).is_file():
@@ -63,8 +76,8 @@ def find_existing(located: Located, dtype: str) -> tuple[Manifest, Path] | None:
 
 def resolve_dtype(source: Source, dtype: str) -> str:
     if dtype != "auto":
-        if dtype not in DTYPE_NAMES:
-            raise ModelError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
+        if dtype not in DTYPES:
+            raise ParameterError(f"bad {{dtype}} {dtype!r}: expected auto, {', '.join(DTYPES)}", "dtype")
         return dtype
     counts: dict[torch.dtype, int] = {}
     for shape, dt in source.shapes.values():
@@ -74,7 +87,7 @@ def resolve_dtype(source: Source, dtype: str) -> str:
                 n *= d
             counts[dt] = counts.get(dt, 0) + n
     stored = max(counts, key=counts.get) if counts else torch.float32
-    return {v: k for k, v in DTYPE_NAMES.items()}.get(stored, "bf16")
+    return short_name(stored) or "bf16"
 
 
 def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[str, str]:
@@ -191,7 +204,11 @@ def _renamed_by_transformers(model, names: list[str], meta: dict) -> dict[str, s
     out = {n: n for n in names}
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
     except ImportError:  # transformers 4.x: checkpoints already use the module names
         return out
     try:
@@ -302,7 +319,7 @@ def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mappi
 def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, layout: Layout, mapping: dict[str, str], need: int,
                  progress, log, started: float) -> tuple[Manifest, Path, dict]:
     fingerprint = source.fingerprint()
-    target = DTYPE_NAMES[dtype]
+    target = torch_dtype(dtype)
     expected = {n: _out_dtype(source.shapes[s][1], target) for n, s in mapping.items()}
     partial.mkdir(parents=True, exist_ok=True)
 
@@ -506,7 +523,7 @@ def _file_ok(path: Path, size: int) -> bool:
 
 def _bytes_needed(source: Source, mapping: SourceMap, dtype: str) -> int:
     """Tensor bytes of the whole shard set (headers and the manifest are small next to them)."""
-    target = DTYPE_NAMES[dtype]
+    target = torch_dtype(dtype)
     return sum(mapping.numel(source, n) * _out_dtype(source.shapes[s][1], target).itemsize for n, s in mapping.items())
 
 

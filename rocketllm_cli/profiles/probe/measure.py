@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import time
 
+from ...dtypes import NAMES as DTYPE_NAMES
+from ...dtypes import torch_dtype
+from ..records import Measurement
 from .devices import synchronize
-from .records import Measurement
 
 MiB = 1024**2
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def host_memory(size: int = 256 * MiB) -> Measurement:
@@ -77,8 +78,8 @@ def compute(device: str) -> dict[str, Measurement]:
     on_cpu = device == "cpu"
     n = 512 if on_cpu else 4096
     weight_bytes = 64 * MiB if on_cpu else 256 * MiB  # bigger than most caches, so the weights stream from memory
-    for short, long in DTYPES.items():
-        dtype = getattr(torch, long)
+    for short in DTYPE_NAMES:
+        dtype = torch_dtype(short)
         try:
             a = torch.ones(n, n, dtype=dtype, device=device)
             seconds = _best(lambda: a @ a, device, repeats=3, budget=0.15)
@@ -89,7 +90,7 @@ def compute(device: str) -> dict[str, Measurement]:
             seconds = _best(lambda: x @ w.T, device, repeats=3, budget=0.15)
             out[f"matvec_{short}"] = Measurement(f"matvec_{short}", w.nbytes / seconds, f"[1,{k}] @ [{k},{w.shape[0]}] ({w.nbytes // MiB} MiB of weights) on {device}, best of up to 3", w.nbytes, seconds)
         except Exception as exc:  # noqa: BLE001 - a dtype the device cannot run
-            why = f"{long} on {device} failed: {type(exc).__name__}"
+            why = f"{short} on {device} failed: {type(exc).__name__}"
             out.setdefault(f"matmul_{short}", Measurement.unavailable(f"matmul_{short}", "matmul", why, unit="FLOP/s"))
             out[f"matvec_{short}"] = Measurement.unavailable(f"matvec_{short}", "matvec", why)
     return out

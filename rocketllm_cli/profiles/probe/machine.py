@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import platform
-import sys
 import time
 from importlib import metadata
 

@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
 import torch
 
 from ..errors import ModelError, ShardError

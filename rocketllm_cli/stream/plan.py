@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import RocketError
+from ..errors import ParameterError
+from ..shard.manifest import Manifest
 from ..sizes import format_bytes
-from .manifest import Manifest
-
-TIERS = ("device", "host", "storage")
+from ..tiers import TIERS
 
 
 @dataclass
@@ -129,8 +128,8 @@ def check_budget(resident_bytes: int, streaming_bytes: int, available: int | Non
         return
     minimum = resident_bytes + streaming_bytes
     if available < minimum:
-        raise RocketError(
+        raise ParameterError(
             f"not enough memory to stream this model: need at least {format_bytes(minimum)} (resident minimum + two streaming "
-            f"buffers of the largest unit), have {format_bytes(max(0, available))} after --reserve-bytes and --kv-cache-bytes; "
-            "lower them or free memory"
+            f"buffers of the largest unit), have {format_bytes(max(0, available))} after {{reserve_bytes}} and {{kv_cache_bytes}}; "
+            "lower them or free memory", "reserve_bytes", "kv_cache_bytes",
         )

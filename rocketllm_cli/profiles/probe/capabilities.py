@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .records import Capability, Measurement
+from ..records import Capability, Measurement
 
 FP16_WARNING = (
     "fp16 overflows above 65504: models trained in bf16 can produce inf/nan activations; "

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import KnobError
-from ..sizes import ACCEPTED as BYTES_ACCEPTED, parse_bytes
+from ...dtypes import NAMES as DTYPES
+from ...dtypes import short_name
+from ...errors import KnobError
+from ...sizes import ACCEPTED as BYTES_ACCEPTED
+from ...sizes import parse_bytes
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class KnobSpec:
                     return text in _TRUE
                 raise ValueError
             text = str(raw).strip().lower()
-            text = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(text, text)
+            text = short_name(text) or text
             if text not in self.choices:
                 raise ValueError
             return text

@@ -11,16 +11,14 @@ import struct
 from collections import defaultdict
 from pathlib import Path
 
+from ..dtypes import ITEMSIZE, short_name
 from ..errors import ModelError
-from .ggufmeta import FILE_TYPES, read_gguf
+from ..profiles.report.redact import redact
+from .ggufheader import FILE_TYPES, read_gguf
 from .modelfacts import ModelFacts
-from .redact import redact
 
 # a repeated stack: "<prefix>.<index>.<rest>", e.g. model.layers.3.mlp..., transformer.h.3..., blk.3...
 _STACK = re.compile(r"^(?P<prefix>(?:.*\.)?(?:layers|h|blocks|block|blk))\.(?P<index>\d+)\.")
-_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-# K and V are kept in the compute dtype; like the engine, assume it is the stored dtype (16-bit for quantized weights).
-KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def model_facts_from_path(path: Path) -> ModelFacts:
@@ -71,7 +69,7 @@ def _from_manifest(path: Path) -> ModelFacts:
     total = sum(b for _, _, b in units)
     name = (doc.get("source") or {}).get("name") or path.name
     experts = sum(b for kind, _, b in units if kind == "expert")
-    return _build(name, total, layers, max(b for _, _, b in units), config, _DTYPES.get(doc.get("dtype", ""), doc.get("dtype", "")),
+    return _build(name, total, layers, max(b for _, _, b in units), config, (short_name(doc.get("dtype", "")) or str(doc.get("dtype", ""))),
                   experts)
 
 
@@ -114,7 +112,7 @@ def _facts(name: str, sizes: dict[str, int], config: dict, dtype: str | None = N
     layers = list(stacks[decoder].values())
     largest = max([*layers, *others.values()])
     experts = sum(b for tensor, b in sizes.items() if ".experts." in tensor)
-    return _build(name, sum(sizes.values()), layers, largest, config, dtype or _DTYPES.get(_dtype_of(config), "bf16"), experts)
+    return _build(name, sum(sizes.values()), layers, largest, config, dtype or short_name(_dtype_of(config)) or "bf16", experts)
 
 
 def _build(name: str, total: int, layers: list[int], largest: int, config: dict, dtype: str, expert_bytes: int = 0) -> ModelFacts:
@@ -136,7 +134,7 @@ def _build(name: str, total: int, layers: list[int], largest: int, config: dict,
         layer_bytes=max(layers),
         largest_unit_bytes=int(largest),
         non_layer_bytes=int(total - sum(layers)),
-        kv_bytes_per_token=int(num_layers * 2 * kv_heads * head_dim * KV_BYTES.get(dtype, 2)),
+        kv_bytes_per_token=int(num_layers * 2 * kv_heads * head_dim * ITEMSIZE.get(dtype, 2)),  # K and V in the stored dtype (16-bit for quantized weights)
         max_positions=int(positions),
         dtype=dtype or "unknown",
         active_bytes=active,

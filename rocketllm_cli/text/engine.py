@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ..core.textgen import SamplingParams
+from .textgen import SamplingParams
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Engine:
     """Runs one GenerationRequest at a time on a StreamingModel (the worker thread is its only caller)."""
 
     def __init__(self, model, prefix_cache=None) -> None:
-        from ..core.prefix import generate_cache_kwarg
+        from .prefix import generate_cache_kwarg
 
         self.model = model
         self.tokenizer = model.tokenizer
@@ -143,7 +143,7 @@ class Engine:
         self.pad_id = int(pad) if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
 
     def run(self, req: GenerationRequest) -> GenerationOutcome:
-        from ..core.prefix import output_cache
+        from .prefix import output_cache
 
         model = self.model
         prompt = list(req.prompt_ids)

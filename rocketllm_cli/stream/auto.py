@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .manifest import MANIFEST, Manifest
+from ..shard.manifest import MANIFEST, Manifest
 from .model import EngineConfig, StreamingModel
 from .plan import check_budget
 
@@ -15,7 +15,7 @@ def ensure_shards(model: str | os.PathLike, out: Path | None = None, dtype: str 
     path = Path(str(model)).expanduser()
     if path.is_dir() and (path / MANIFEST).is_file():
         return Manifest.load(path), path
-    from .sharder import shard
+    from ..shard.sharder import shard
 
     manifest, directory, _ = shard(model, out=out, dtype=dtype, progress=progress, log=log or (lambda m: None))
     return manifest, directory
@@ -60,7 +60,7 @@ def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> 
     Only with a profile measured already: a bad input must not leave a new one behind."""
     from ..errors import RocketError
     from ..profiles import HardwareProfile, resolve_knobs
-    from ..profiles.modelpath import model_facts_from_path
+    from ..shard.modelpath import model_facts_from_path
 
     path = Path(str(model)).expanduser()
     if not path.exists() or (path / MANIFEST).is_file():
@@ -85,7 +85,7 @@ class AutoModel:
         from transformers import AutoConfig
 
         from ..profiles import HardwareProfile, resolve_knobs
-        from .facts import facts_from_manifest
+        from ..shard.facts import facts_from_manifest
 
         _refuse_before_sharding(model, flags or {}, knob_overrides, refresh_profile)
         manifest, directory = ensure_shards(model, out=out, dtype=shard_dtype, progress=progress, log=log)

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from ..errors import ShardError
+from ..shard.manifest import RESHARD, Manifest, UnitRecord
+from ..shard.stfile import ALIGN, DTYPES
 from .ledger import Ledger
-from .manifest import RESHARD, Manifest, UnitRecord
 from .plan import ResidencyPlan
-from .stfile import ALIGN, DTYPES
 
 
 @dataclass

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 
-from .. import __version__
-from .cost import plan_tier_bytes, project
-from .facts import package_version
-from .hardware import BUSY_SHARE, HardwareProfile
-from .knobs import resolve_knobs
-from .modelfacts import ModelFacts
+from ... import __version__
+from ...shard.modelfacts import ModelFacts
+from ..cost import plan_tier_bytes, project
+from ..hardware import BUSY_SHARE, HardwareProfile
+from ..knobs.resolve import resolve_knobs
+from ..probe.machine import package_version
 from .redact import redact, redact_env_value
 
 # (distribution, import name, what its absence costs)

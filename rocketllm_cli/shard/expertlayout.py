@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from ..errors import ModelError

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from ..profiles.modelfacts import ModelFacts
+from ..dtypes import ITEMSIZE
 from .manifest import Manifest
-
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from .modelfacts import ModelFacts
 
 
 def facts_from_manifest(manifest: Manifest, hf_config, compute_dtype: str | None = None) -> ModelFacts:
@@ -15,7 +14,7 @@ def facts_from_manifest(manifest: Manifest, hf_config, compute_dtype: str | None
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     hidden = getattr(text, "hidden_size", 0) or 0
     head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
-    itemsize = DTYPE_BYTES.get(compute_dtype or manifest.dtype, 2)
+    itemsize = ITEMSIZE.get(compute_dtype or manifest.dtype, 2)
     kv_per_token = 2 * len(layers) * kv_heads * head_dim * itemsize  # K and V, every layer
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 4096
     return ModelFacts(
@@ -46,7 +45,7 @@ def _active_bytes(manifest: Manifest, hf_config) -> int | None:
     """A mixture-of-experts decode token: every non-expert weight plus top-k experts in each layer that has experts."""
     if not manifest.experts:
         return None
-    from .experts import top_k
+    from .expertlayout import top_k
 
     k = top_k(hf_config) or 1
     dense = sum(u.tensor_bytes for u in manifest.units if u.kind != "expert")

@@ -13,6 +13,9 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from ..dtypes import (
+    SAFETENSORS as SHARD_DTYPES,  # manifest dtype -> stored name of its floating tensors
+)
 from ..errors import ShardError
 from . import stfile
 
@@ -21,7 +24,6 @@ READABLE_VERSIONS = (1, 2)  # a dense set is the same in both
 MANIFEST = "manifest.json"
 RESHARD = "re-run `rocketllm shard` on the source model"
 UNIT_FILE = re.compile(r"^\d{4}-.+\.safetensors$")
-SHARD_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}  # manifest dtype -> stored name of its floating tensors
 FIXED_UNIT_NAMES = {"embed": "embed", "norm": "norm", "lm_head": "lm_head", "root": "root"}
 
 

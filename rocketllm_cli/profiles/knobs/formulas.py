@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import ceil, floor
 
-from .hardware import HardwareProfile
-from .modelfacts import ModelFacts
-from .storage import PARALLEL_READS
+from ...shard.modelfacts import ModelFacts
+from ..hardware import HardwareProfile
+from ..probe.storage import PARALLEL_READS
 
 GiB, MiB = 1024**3, 1024**2
 # Parallel reads worth issuing per storage kind: NVMe and network filesystems gain from deep queues,

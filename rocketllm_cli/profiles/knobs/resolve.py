@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
-from ..errors import KnobError
-from ..sizes import format_bytes
+from ...errors import KnobError
+from ...shard.modelfacts import ModelFacts
+from ...sizes import format_bytes
+from ..hardware import HardwareProfile
 from .formulas import DERIVATIONS, Context, evaluate
-from .hardware import HardwareProfile
-from .modelfacts import ModelFacts
-from .specs import KNOB_SPECS, KNOBS_BY_NAME
+from .table import KNOB_SPECS, KNOBS_BY_NAME
 
 OVERRIDE_SOURCES = ("flag", "kwarg", "env")
 BYTE_INPUTS = {"ram_total", "ram_available", "memory_available", "vram_free", "vram_total"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..sizes import format_bytes
+from ...sizes import format_bytes
 
 
 def render(doc: dict) -> str:

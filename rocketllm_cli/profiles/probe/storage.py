@@ -14,10 +14,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..sizes import format_bytes, parse_bytes
-from .facts import usable_cores
+from ...sizes import format_bytes, parse_bytes
+from ..records import Capability, Measurement
 from .filesystems import Filesystem
-from .records import Capability, Measurement
+from .machine import usable_cores
 
 DEFAULT_PROBE_BYTES = 256 * 1024**2  # ~1 s of writing and reading on a 2-core VM disk
 CHUNK = 16 * 1024**2  # buffered reads: large, so syscall cost vanishes

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..dtypes import NAMES as DTYPES
+from ..dtypes import torch_dtype
 from ..errors import KnobError
-from .discover import build_meta_model
+from ..shard.discover import build_meta_model
+from ..shard.manifest import Manifest
 from .ledger import Ledger
-from .manifest import Manifest
 from .plan import ResidencyPlan, make_plan
 from .store import WeightStore
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -39,7 +39,7 @@ class EngineConfig:
     expert_cache_policy: str = "lfu"
 
     def __post_init__(self) -> None:
-        if self.compute_dtype not in TORCH_DTYPES:
+        if self.compute_dtype not in DTYPES:
             raise KnobError(f"bad compute_dtype {self.compute_dtype!r}: expected bf16, fp16 or fp32")
         for name in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth"):
             if getattr(self, name) < 0:
@@ -80,7 +80,7 @@ class StreamingModel:
         self.config_engine = config
         self.manifest = manifest or Manifest.load(self.directory)
         self.device = torch.device(config.device)
-        self.dtype = TORCH_DTYPES[config.compute_dtype]
+        self.dtype = torch_dtype(config.compute_dtype)
         hf_config = AutoConfig.from_pretrained(self.directory)
         model = build_meta_model(hf_config, self.dtype)
         self.plan: ResidencyPlan = make_plan(self.manifest, config.device_cache_bytes, config.host_cache_bytes)
@@ -95,8 +95,8 @@ class StreamingModel:
         self.experts = None
         self._bind(model)
         if self.manifest.experts:
-            from .expertstream import ExpertStreamer
-            from .sharder import candidate_names
+            from ..shard.sharder import candidate_names
+            from .experts import ExpertStreamer
 
             prefix = getattr(model, "base_model_prefix", "") or ""
             self.experts = ExpertStreamer(model, self.manifest, self.plan, self.store, self.ledger, io_workers=config.io_workers,

@@ -1,1 +1,0 @@
-"""The sharding/streaming core: checkpoint -> per-unit shards -> tiered weights -> transformers forward."""

@@ -1,0 +1,1 @@
+"""Running shard sets: the residency plan, the weight store, the streaming model, routed experts, the ledger, AutoModel."""
