@@ -13,6 +13,7 @@ import platform
 import time
 from importlib import metadata
 
+from .cgroup import cpu_quota, memory_limit
 from .nvml import driver_version, nvml_gpus
 
 # ISA flags that decide kernels and dtypes (x86 names as in /proc/cpuinfo; the last four are Arm's).
@@ -68,21 +69,19 @@ def usable_cores() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    quota = _cgroup_cpu_quota()
+    quota = cpu_quota()
     return max(1, min(cores, quota)) if quota else cores
 
 
 def memory() -> tuple[int, int]:
-    """(total, available) RAM in bytes, lowered to the cgroup memory limit when one is set."""
+    """(total, available) RAM in bytes, lowered to this process's own cgroup memory limit when one is set."""
     import psutil
 
     vm = psutil.virtual_memory()
     total, available = int(vm.total), int(vm.available)
-    limit = _first_int("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-    if limit and limit < total:
-        usage = _first_int("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes") or 0
-        reclaimable = _cgroup_stat("inactive_file", "total_inactive_file")
-        total, available = limit, min(available, max(0, limit - usage + reclaimable))
+    group = memory_limit()
+    if group is not None and group.limit < total:
+        total, available = group.limit, min(available, group.available)
     return total, available
 
 
@@ -164,32 +163,6 @@ def others_cpu_share(before: tuple | None, after: tuple | None) -> float | None:
         return None
     others = (after[0] - before[0]) - (after[1] - before[1])
     return round(max(0.0, min(1.0, others / ((after[2] - before[2]) * (os.cpu_count() or 1)))), 3)
-
-
-def _cgroup_cpu_quota() -> int | None:
-    v2 = _read_text("/sys/fs/cgroup/cpu.max").split()
-    if len(v2) == 2 and v2[0] != "max":
-        return -(-int(v2[0]) // int(v2[1]))
-    quota = _first_int("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
-    period = _first_int("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
-    return -(-quota // period) if quota and quota > 0 and period else None
-
-
-def _cgroup_stat(*keys: str) -> int:
-    for path in ("/sys/fs/cgroup/memory.stat", "/sys/fs/cgroup/memory/memory.stat"):
-        for line in _read_lines(path):
-            key, _, value = line.partition(" ")
-            if key in keys and value.strip().isdigit():
-                return int(value)
-    return 0
-
-
-def _first_int(*paths: str) -> int | None:
-    for path in paths:
-        text = _read_text(path)
-        if text.lstrip("-").isdigit():
-            return int(text)
-    return None
 
 
 def _read_text(path: str) -> str:
