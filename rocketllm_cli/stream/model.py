@@ -49,12 +49,19 @@ class EngineConfig:
 
 
 class Binding:
-    """One (module, attribute) a unit's tensor is bound to; remembers the last Parameter it made."""
+    """One (module, attribute) a unit's tensor is bound to.
 
-    __slots__ = ("module", "attr", "tensor", "is_buffer", "placeholder", "_source", "_param")
+    `persistent`: the unit's tensors are the same objects on every use (host tier on a CPU), so the Parameter made
+    for them is kept and a bind is a dict assignment. Otherwise the Parameter is dropped on unbind: it may wrap a
+    copy converted to the compute dtype, and keeping one per layer would hold the whole model converted in memory.
+    """
 
-    def __init__(self, module: nn.Module, attr: str, tensor: str, is_buffer: bool, placeholder: torch.Tensor | None) -> None:
+    __slots__ = ("module", "attr", "tensor", "is_buffer", "placeholder", "persistent", "_source", "_param")
+
+    def __init__(self, module: nn.Module, attr: str, tensor: str, is_buffer: bool, placeholder: torch.Tensor | None,
+                 persistent: bool = False) -> None:
         self.module, self.attr, self.tensor, self.is_buffer, self.placeholder = module, attr, tensor, is_buffer, placeholder
+        self.persistent = persistent
         self._source: torch.Tensor | None = None
         self._param: nn.Parameter | None = None
 
@@ -68,6 +75,8 @@ class Binding:
 
     def unbind(self) -> None:
         (self.module._buffers if self.is_buffer else self.module._parameters)[self.attr] = self.placeholder
+        if not self.persistent:
+            self._source = self._param = None
 
 
 class StreamingModel:
@@ -122,8 +131,10 @@ class StreamingModel:
             is_buffer = attr in module._buffers
             placeholder = module._buffers[attr] if is_buffer else module._parameters.get(attr)
             hook = hook_of[unit] if name == key else module_path
-            bindings.setdefault(unit, {}).setdefault(hook, []).append(Binding(module, attr, key, is_buffer, placeholder))
+            persistent = self.plan.tier[unit] == "host" and self.device.type == "cpu"  # views of the persistent mapping
+            bindings.setdefault(unit, {}).setdefault(hook, []).append(Binding(module, attr, key, is_buffer, placeholder, persistent))
 
+        self.bindings = bindings  # kept for inspection: which module each unit's tensors are bound to
         for unit, by_hook in bindings.items():
             if self.plan.tier[unit] == "device":
                 tensors = self.store.resident(unit)
