@@ -9,11 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from rocketllm_cli.profiles.report.markdown import SECTIONS
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.profiles import cache_dir
+from rocketllm_cli.profiles.report.markdown import SECTIONS
 
 
 @pytest.fixture(autouse=True)

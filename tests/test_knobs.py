@@ -10,7 +10,6 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rocketllm_cli.profiles.knobs.table import KNOB_SPECS
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
@@ -23,6 +22,7 @@ from rocketllm_cli.profiles import (
     resolve_knobs,
 )
 from rocketllm_cli.profiles.knobs.resolve import Knob
+from rocketllm_cli.profiles.knobs.table import KNOB_SPECS
 
 GiB = 1024**3
 NAMESPACE = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil}

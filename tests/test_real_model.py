@@ -126,3 +126,25 @@ def test_everything_resident_serves_the_model_from_the_device_only(smol, manifes
     served = summary["per_token_served"]
     assert served["host"] == served["storage"] == 0
     assert served["device"] == manifest.total_bytes
+
+
+def test_gguf_is_read_one_tensor_at_a_time_and_matches_transformers_whole_file_load(smollm2_gguf):
+    # The sharder reads a GGUF one tensor at a time; each tensor must equal what transformers' own whole-file
+    # dequantization gives: the embedding (dequantized in row blocks), Llama's permuted q/k, a norm, an MLP weight.
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from rocketllm_cli.shard.discover import build_meta_model
+    from rocketllm_cli.shard.ggufsource import open_lazy
+
+    config = AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    meta = build_meta_model(config)
+    lazy = open_lazy(smollm2_gguf, config, meta)
+    assert lazy is not None, "a Llama GGUF must not need the whole-file path"
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+             "model.layers.0.input_layernorm.weight", "model.layers.29.mlp.down_proj.weight", "model.norm.weight"]
+    whole = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=meta)["tensors"]
+    for name in names:
+        got = lazy.read(name)  # a large tensor comes in its stored dtype (bf16 for quantized), the rest in fp32
+        assert torch.equal(got, whole[name].to(got.dtype)), name
+    assert set(lazy.mapping) == set(whole)

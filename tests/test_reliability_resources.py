@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rocketllm_cli.app import app
-from rocketllm_cli.app import flag_of
+from rocketllm_cli.app import app, flag_of
 from rocketllm_cli.errors import RocketError
 from rocketllm_cli.shard import sharder
 from rocketllm_cli.shard.manifest import Manifest

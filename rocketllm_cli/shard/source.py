@@ -61,6 +61,7 @@ class Source:
     _file_of: dict[str, Path] = field(default_factory=dict, repr=False)
     _state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     _fds: dict[Path, int] = field(default_factory=dict, repr=False)
+    _lazy: object = field(default=None, repr=False)  # a per-tensor GGUF reader (ggufsource.LazyGGUF)
 
     def fingerprint(self) -> str:
         return self.located.fingerprint()
@@ -69,6 +70,8 @@ class Source:
         """One source tensor, read into fresh memory."""
         if self._state is not None:
             return self._state[name]
+        if self._lazy is not None:
+            return self._lazy.read(name)
         entry = self._headers[name]
         path = self._file_of[name]
         fd = self._fds.get(path)
@@ -81,6 +84,7 @@ class Source:
             os.close(fd)
         self._fds.clear()
         self._state = None
+        self._lazy = None
 
 
 def resolve(model: str | os.PathLike) -> Path:
@@ -205,7 +209,8 @@ def _open_bin(path: Path, config, files: list[Path]) -> Source:
 
 
 def _open_gguf(path: Path) -> Source:
-    """GGUF is dequantized by transformers as a whole: memory here is the full model, once."""
+    """A GGUF read one tensor at a time (ggufsource.py); where transformers' processor must see the whole file,
+    dequantized by transformers as a whole (memory: the full model, once)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -214,6 +219,12 @@ def _open_gguf(path: Path) -> Source:
         raise ModelError("reading .gguf needs the gguf package: pip install gguf") from None
     except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
         raise ModelError(f"{path.name}: not a readable GGUF model ({' '.join(str(exc).split())[:160]})") from None
+    from .discover import build_meta_model
+    from .ggufsource import open_lazy
+
+    lazy = open_lazy(path, config, build_meta_model(config))
+    if lazy is not None:
+        return Source("gguf", path, path.stem, config, shapes=dict(lazy.shapes), _lazy=lazy)
     try:
         from ..compat import dtype_kwargs
 
