@@ -63,7 +63,7 @@ def _root(
 
 
 def _register() -> None:
-    from .commands import bench, doctor, generate, profile, serve, shard
+    from .commands import bench, cache, doctor, generate, profile, serve, shard
     from .options import KnobHelpCommand
 
     for module in (doctor, profile, shard, generate, serve, bench):
@@ -71,6 +71,11 @@ def _register() -> None:
         cls = KnobHelpCommand if getattr(module.run, "knob_options", False) else None
         app.command(name=module.NAME, help=module.HELP, no_args_is_help=getattr(module, "NO_ARGS_IS_HELP", False),
                     cls=cls)(_guarded(module.run))
+    # A command of subcommands: a Typer app of its own, each subcommand guarded like a command.
+    group = typer.Typer(name=cache.NAME, help=cache.HELP, no_args_is_help=True)
+    for name, (run, text) in cache.SUBCOMMANDS.items():
+        group.command(name=name, help=text)(_guarded(run))
+    app.add_typer(group)
 
 
 _register()

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.shard import sharder
+from rocketllm_cli.shard.journal import JOURNAL
 from rocketllm_cli.shard.manifest import MANIFEST, Manifest
 
 pytestmark = pytest.mark.compat
@@ -84,7 +85,7 @@ def test_shard_accounts_for_every_tensor_and_reruns_reuse(layout, tiny_factory, 
             assert torch.equal(stored[t.name], expected[t.source]), t.name
     for name in ("config.json", "tokenizer.json", "chat_template.jinja", "generation_config.json"):
         assert (out / name).is_file(), name  # self-contained: generate needs nothing from the source
-    assert not (out / sharder.JOURNAL).exists() and not (out.parent / f".{out.name}.partial").exists()
+    assert not (out / JOURNAL).exists() and not (out.parent / f".{out.name}.partial").exists()
 
     # The same weights in another layout give byte-identical units.
     assert [u.sha256 for u in manifest.units] == [u.sha256 for u in Manifest.load(good_set).units]
@@ -178,11 +179,11 @@ def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_by
     result = invoke("shard", source, "--out", out)
     assert result.exit_code == 130 and result.stderr.strip() == "error: interrupted"
     assert not out.exists()  # nothing that loads
-    journal = (partial / sharder.JOURNAL).read_text().splitlines()
+    journal = (partial / JOURNAL).read_text().splitlines()
     assert len(journal) == 3 and sorted(p.name for p in partial.glob("*.safetensors")) == sorted(calls)
 
     # Make the leftovers worse: a torn last journal line and a journaled unit cut short.
-    with open(partial / sharder.JOURNAL, "a") as f:
+    with open(partial / JOURNAL, "a") as f:
         f.write('{"fingerprint": "torn')
     os.truncate(partial / calls[1], 100)
 
@@ -196,7 +197,7 @@ def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_by
     doc = shard_json(source, out)
     assert doc["reused"] is False
     assert len(rewritten) == 7 - 3 + 1 and calls[1] in rewritten and calls[0] not in rewritten
-    assert not partial.exists() and not (out / sharder.JOURNAL).exists()
+    assert not partial.exists() and not (out / JOURNAL).exists()
     resumed, clean = Manifest.load(out), Manifest.load(good_set)
     assert [(u.name, u.file, u.bytes, u.sha256) for u in resumed.units] == [(u.name, u.file, u.bytes, u.sha256) for u in clean.units]
     assert invoke("shard", out, "--verify").exit_code == 0

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.errors import ShardError
-from rocketllm_cli.shard import sharder
+from rocketllm_cli.shard import checks, sharder
 from rocketllm_cli.shard.manifest import MANIFEST, RESHARD, Manifest
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 from rocketllm_cli.synthetic import config_for, write_checkpoint
@@ -94,11 +94,11 @@ def test_any_flipped_bit_is_caught_by_verify_and_never_crashes_a_load(model_and_
             refused_on_load += 1
             assert offset < data_start and unit.file in str(exc) and str(exc).endswith(RESHARD), exc
             with pytest.raises(ShardError):  # --verify loads first, so it refuses with the same line
-                sharder.verify(work)
+                checks.verify(work)
         else:
-            assert sharder.verify(work) == [f"{unit.file}: checksum mismatch (contents changed)"], (unit.file, offset)
+            assert checks.verify(work) == [f"{unit.file}: checksum mismatch (contents changed)"], (unit.file, offset)
         path.write_bytes(original)
-    assert 0 < refused_on_load < 60 and sharder.verify(work) == []
+    assert 0 < refused_on_load < 60 and checks.verify(work) == []
 
 
 @pytest.mark.parametrize("damage", ["truncated unit", "bad JSON", "offset moved", "unit removed", "manifest missing"])
@@ -151,7 +151,7 @@ def test_rerunning_shard_on_the_source_repairs_a_damaged_set(damage, model_and_s
     assert "sharding it again" in result.stderr or "sharding again" in result.stderr, result.stderr
     doc = json.loads(result.stdout)
     assert doc["reused"] is False and (doc["verified"] is True or not extra)
-    assert sharder.verify(work) == [] and tokens(work) == expected
+    assert checks.verify(work) == [] and tokens(work) == expected
     assert [u.sha256 for u in Manifest.load(work).units] == [u.sha256 for u in Manifest.load(good).units]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["set"]  # no partial, old or lock directory left
 
@@ -166,7 +166,7 @@ def test_the_default_location_repairs_itself_and_says_so(model_and_set, tmp_path
     result = invoke("generate", model, "Hello", "--raw", "-n", "3", env=env)
     assert result.exit_code == 0, result.stderr
     assert "(truncated or changed); sharding it again" in result.stderr
-    assert sharder.verify(directory) == [] and tokens(directory) == expected
+    assert checks.verify(directory) == [] and tokens(directory) == expected
 
 
 def test_a_damaged_set_of_another_model_is_left_alone(model_and_set, tiny_factory, tmp_path):

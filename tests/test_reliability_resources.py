@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from rocketllm_cli.app import app, flag_of
 from rocketllm_cli.errors import RocketError
-from rocketllm_cli.shard import sharder
+from rocketllm_cli.shard import checks, sharder
 from rocketllm_cli.shard.manifest import Manifest
 from rocketllm_cli.sizes import format_bytes
 from rocketllm_cli.stream.plan import check_budget
@@ -89,10 +89,10 @@ def test_the_space_check_counts_units_already_written(twelve, need, tmp_path, mo
     assert invoke("shard", twelve, "--out", tmp_path / "out").exit_code == 130
     monkeypatch.setattr(sharder, "_write_unit", real_write)
     left = need - sum(written)
-    fake_free(monkeypatch, left + sharder.HEADROOM - 1)
+    fake_free(monkeypatch, left + checks.HEADROOM - 1)
     line = one_line(invoke("shard", twelve, "--out", tmp_path / "out").stderr)
     assert f"need {format_bytes(left)} plus" in line
-    fake_free(monkeypatch, left + sharder.HEADROOM)
+    fake_free(monkeypatch, left + checks.HEADROOM)
     result = invoke("shard", twelve, "--out", tmp_path / "out", "--verify")
     assert result.exit_code == 0, result.stderr
 

@@ -31,9 +31,9 @@ def run(
     json: JsonOpt = False,
 ) -> None:
     from ..dtypes import NAMES as DTYPES
+    from ..shard.checks import verify as verify_dir
     from ..shard.manifest import MANIFEST, Manifest
     from ..shard.sharder import shard, summarize
-    from ..shard.sharder import verify as verify_dir
 
     if dtype != "auto" and dtype not in DTYPES:
         raise ShardError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")

@@ -5,234 +5,32 @@ directory with a journal of finished units, and renames it into place only
 after every tensor is accounted for, so an interrupted run never leaves a set
 that loads, and a rerun resumes from the journal. A damaged set of the same
 source is written again and swapped in; a full disk stops with one line.
+
+The steps live beside it: names.py (which source tensor fills each parameter), journal.py (resume),
+target.py (where the set goes, the lock, reuse or replace, the swap), checks.py (disk space, --verify).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
-import json
 import os
-import re
-import shutil
 import time
-from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from ..dtypes import NAMES as DTYPES
 from ..dtypes import short_name, torch_dtype
-from ..errors import ModelError, ParameterError, ShardError
+from ..errors import ParameterError, ShardError
 from ..sizes import format_bytes
-from . import stfile
-from .discover import Layout, UnitPlan, build_meta_model, discover
-from .expertlayout import (
-    conversion_rules,
-    find_containers,
-    plan_expert_pieces,
-    unit_name,
-)
-from .manifest import MANIFEST, UNIT_FILE, Manifest, TensorRecord, UnitRecord
-from .source import (
-    TOKENIZER_FILES,
-    Located,
-    Source,
-    locate,
-    open_source,
-    save_tokenizer,
-)
-
-JOURNAL = "journal.jsonl"
-HEADROOM = 64 << 20  # free space left over after sharding, for everything else on the disk
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def default_out(located: Located, dtype: str) -> Path:
-    """Beside the model cache, keyed by the source's fingerprint, so generate finds and reuses it."""
-    from ..profiles import cache_dir
-
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", located.name)[:64] or "model"
-    return cache_dir() / "shards" / f"{safe}-{located.fingerprint()}-{dtype}"
-
-
-def find_existing(located: Located, dtype: str) -> tuple[Manifest, Path] | None:
-    """A complete shard set of this source in the default place (any dtype for 'auto'), without reading weights."""
-    dtypes = list(DTYPES) if dtype == "auto" else [dtype]
-    for dt in dtypes:
-        final = default_out(located, dt)
-        if (final / MANIFEST).is_file():
-            try:
-                manifest = Manifest.load(final)
-            except ShardError:
-                continue  # damaged: shard() says so and writes it again
-            if manifest.source.get("fingerprint") == located.fingerprint():
-                _drop_replaced(final)
-                return manifest, final
-    return None
-
-
-def resolve_dtype(source: Source, dtype: str) -> str:
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ParameterError(f"bad {{dtype}} {dtype!r}: expected auto, {', '.join(DTYPES)}", "dtype")
-        return dtype
-    counts: dict[torch.dtype, int] = {}
-    for shape, dt in source.shapes.values():
-        if dt.is_floating_point:
-            n = 1
-            for d in shape:
-                n *= d
-            counts[dt] = counts.get(dt, 0) + n
-    stored = max(counts, key=counts.get) if counts else torch.float32
-    return short_name(stored) or "bf16"
-
-
-def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[str, str]:
-    """canonical parameter name -> source tensor name; missing parameters are an error."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    meta = dict(model.named_parameters(remove_duplicate=False))
-    renamed = _renamed_by_transformers(model, list(source.shapes), meta)
-    available = set(renamed)
-    mapping: dict[str, str] = {}
-    missing: list[str] = []
-    for unit in layout.units:
-        if unit.kind == "expert":
-            continue  # mapped by split_experts
-        for name in list(unit.params):
-            found = next((c for c in candidate_names(name, prefix) if c in available), None)
-            if found is None:
-                if name in meta:
-                    missing.append(name)
-                else:
-                    unit.params.remove(name)  # a persistent buffer the checkpoint omits keeps its initial value
-                continue
-            want = tuple(meta[name].shape) if name in meta else None
-            found = renamed[found]
-            got, stored = source.shapes[found]
-            if want is not None and want != got:
-                raise ModelError(f"tensor {found} has shape {list(got)} but the config expects {list(want)} (config and weights disagree)")
-            if want is not None and meta[name].is_floating_point() and not stored.is_floating_point:
-                # Converting integers to weights would shard "successfully" and generate garbage.
-                raise ModelError(f"tensor {found} is stored as {str(stored).removeprefix('torch.')} but the model needs floating-point weights "
-                                 "(a quantized or corrupt checkpoint; use an unquantized one)")
-            mapping[name] = found
-    if missing:
-        raise ModelError(
-            f"checkpoint lacks {len(missing)} tensors this {model.config.model_type} model needs (e.g. {missing[0]}); "
-            "the config does not match the weights, or this checkpoint layout is not supported yet"
-        )
-    return mapping
-
-
-def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str], dict[str, int]]:
-    """Give every expert of every layer a unit of its own, after its layer's unit (which keeps attention,
-    norms, router and shared experts). Returns {piece: source tensor} and {piece: expert} for pieces sliced
-    from a fused source tensor."""
-    containers = find_containers(model, layout.stack)
-    if not containers:
-        return {}, {}
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    meta = dict(model.named_parameters(remove_duplicate=False))
-    renamed = _renamed_by_transformers(model, list(source.shapes), meta)
-
-    def resolve(param: str) -> str | None:
-        found = next((c for c in candidate_names(param, prefix) if c in renamed), None)
-        return renamed[found] if found is not None else None
-
-    renamings, converters = conversion_rules(model)
-    plan = plan_expert_pieces(model, containers, source.shapes, resolve, lambda n: candidate_names(n, prefix), renamings, converters)
-    units: list[UnitPlan] = []
-    for unit in layout.units:
-        unit.params = [p for p in unit.params if p not in plan.claimed]
-        units.append(unit)
-        if unit.kind != "layer":
-            continue
-        for (layer, expert), pieces in sorted(plan.units.items()):
-            if layer == unit.index:
-                names = [p.name for p in pieces]
-                units.append(UnitPlan(unit_name(layer, expert), "expert", _common_module(names), names, index=layer))
-    layout.units = units
-    mapping = {p.name: p.source for pieces in plan.units.values() for p in pieces}
-    for pieces in plan.units.values():
-        for p in pieces:
-            got = source.shapes[p.source]
-            if not got[1].is_floating_point:
-                raise ModelError(f"tensor {p.source} is stored as {str(got[1]).removeprefix('torch.')} but experts need floating-point "
-                                 "weights (a quantized or corrupt checkpoint; use an unquantized one)")
-    return mapping, {p.name: p.expert for pieces in plan.units.values() for p in pieces if p.sliced}
-
-
-class SourceMap(dict):
-    """{name in the shard set: source tensor}; `sliced` names those that are one expert's slice [e] of a fused source tensor."""
-
-    def __init__(self, mapping: dict[str, str], sliced: dict[str, int]) -> None:
-        super().__init__(mapping)
-        self.sliced = sliced
-        self._last: tuple[str, torch.Tensor] | None = None  # the fused tensor read last: its experts come one unit at a time
-
-    def read(self, source: Source, name: str) -> torch.Tensor:
-        src = self[name]
-        if name not in self.sliced:
-            return source.read(src)
-        if self._last is None or self._last[0] != src:
-            self._last = (src, source.read(src))
-        return self._last[1][self.sliced[name]]
-
-    def numel(self, source: Source, name: str) -> int:
-        n = _numel(source.shapes[self[name]][0])
-        return n // source.shapes[self[name]][0][0] if name in self.sliced else n
-
-
-def _common_module(names: list[str]) -> str:
-    parts = [n.split(".")[:-1] for n in names]
-    common = []
-    for group in zip(*parts):
-        if len(set(group)) != 1:
-            break
-        common.append(group[0])
-    return ".".join(common)
-
-
-def _renamed_by_transformers(model, names: list[str], meta: dict) -> dict[str, str]:
-    """{name the model uses: source name} after transformers' own key renamings (e.g. embed_out -> lm_head).
-
-    Only pure renamings are applied; a converter that merges tensors (fused MoE experts) is not.
-    """
-    out = {n: n for n in names}
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
-    except ImportError:  # transformers 4.x: checkpoints already use the module names
-        return out
-    try:
-        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming) and not isinstance(t, WeightConverter)]
-    except Exception:  # noqa: BLE001 - no mapping for this model: names are used as they are
-        return out
-    if not renamings:
-        return out
-    for n in names:
-        new, _ = rename_source_key(n, renamings, [], None, None)
-        if new != n and new not in out:
-            out[new] = n
-    return out
-
-
-def candidate_names(name: str, prefix: str) -> list[str]:
-    """The names a tensor may carry in a checkpoint or a module tree: with and without the base-model prefix, legacy gamma/beta."""
-    out = [name]
-    if prefix and name.startswith(prefix + "."):
-        out.append(name[len(prefix) + 1 :])
-    elif prefix:
-        out.append(f"{prefix}.{name}")
-    legacy = re.sub(r"\.weight$", ".gamma", name), re.sub(r"\.bias$", ".beta", name)
-    return out + [c for c in legacy if c != name]
+from . import journal, stfile
+from .checks import DISK_FULL, check_space, free_bytes
+from .discover import Layout, build_meta_model, discover
+from .journal import JOURNAL
+from .manifest import Manifest, TensorRecord, UnitRecord
+from .names import SourceMap, map_names, split_experts
+from .source import Source, locate, open_source, save_tokenizer
+from .target import default_out, exclusive, find_existing, partial_of, reusable, swap_in
 
 
 def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=print,
@@ -258,7 +56,7 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     dtype = resolve_dtype(source, dtype)
     final = Path(out) if out else default_out(source.located, dtype)
     fingerprint = source.fingerprint()
-    existing = _reusable(final, fingerprint, dtype, ours=out is None, log=log)
+    existing = reusable(final, fingerprint, dtype, ours=out is None, log=log)
     if existing is not None and rebuild:
         log(f"{final}: writing every unit again")
         existing = None
@@ -271,47 +69,46 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     mapping = SourceMap(map_names(source, model, layout), sliced)
     mapping.update(pieces)
     need = _bytes_needed(source, mapping, dtype)
-    partial = final.parent / f".{final.name}.partial"
-    _check_space(final.parent, need - sum(r.tensor_bytes for r in _resumable(partial, fingerprint, dtype).values()))
+    partial = partial_of(final)
+    check_space(final.parent, need - sum(r.tensor_bytes for r in journal.resumable(partial, fingerprint, dtype).values()))
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(final.parent / f".{final.name}.lock", log):
+    with exclusive(final, log):
         # Another process may have finished it while we waited.
-        existing = _reusable(final, fingerprint, dtype, ours=out is None, log=lambda m: None)
+        existing = reusable(final, fingerprint, dtype, ours=out is None, log=lambda m: None)
         if existing is not None and not rebuild:
             return existing, final, {"reused": True, **summarize(existing, 0.0)}
         return _write(source, final, dtype, model, layout, mapping, progress, log, started)
 
 
-@contextmanager
-def _exclusive(lock_path: Path, log):
-    """One sharder per target at a time: a second process waits, then finds the finished set and reuses it.
-
-    The lock file is removed after a successful run only: a waiter still holding the old file then
-    re-checks and finds the complete set; after a failure it stays, so no two writers ever meet.
-    """
-    with open(lock_path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"another rocketllm is sharding into {lock_path.parent}; waiting for it")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-        lock_path.unlink(missing_ok=True)
+def resolve_dtype(source: Source, dtype: str) -> str:
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ParameterError(f"bad {{dtype}} {dtype!r}: expected auto, {', '.join(DTYPES)}", "dtype")
+        return dtype
+    counts: dict[torch.dtype, int] = {}
+    for shape, dt in source.shapes.values():
+        if dt.is_floating_point:
+            n = 1
+            for d in shape:
+                n *= d
+            counts[dt] = counts.get(dt, 0) + n
+    stored = max(counts, key=counts.get) if counts else torch.float32
+    return short_name(stored) or "bf16"
 
 
 def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mapping: dict[str, str], progress, log,
            started: float) -> tuple[Manifest, Path, dict]:
     need = _bytes_needed(source, mapping, dtype)
-    partial = final.parent / f".{final.name}.partial"
+    partial = partial_of(final)
     try:
         return _write_units(source, final, partial, dtype, model, layout, mapping, need, progress, log, started)
     except OSError as exc:
         if exc.errno not in DISK_FULL:
             raise
-        done = sum(r.tensor_bytes for r in _resumable(partial, source.fingerprint(), dtype).values())
+        done = sum(r.tensor_bytes for r in journal.resumable(partial, source.fingerprint(), dtype).values())
         raise ShardError(
             f"cannot write shards ({os.strerror(exc.errno)}): need {format_bytes(max(0, need - done))} more, "
-            f"{format_bytes(_free_bytes(final.parent))} free at {final.parent}; free space or pass --out on another disk, "
+            f"{format_bytes(free_bytes(final.parent))} free at {final.parent}; free space or pass --out on another disk, "
             "then re-run `rocketllm shard` to resume (finished units are kept)"
         ) from None
 
@@ -323,7 +120,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
     expected = {n: _out_dtype(source.shapes[s][1], target) for n, s in mapping.items()}
     partial.mkdir(parents=True, exist_ok=True)
 
-    done = _resumable(partial, fingerprint, dtype)
+    done = journal.resumable(partial, fingerprint, dtype)
     units: list[UnitRecord] = []
     with (progress or _NoProgress)("sharding", len(layout.units)) as bar:
         for index, plan in enumerate(layout.units):
@@ -333,7 +130,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
                 tensors = {n: mapping.read(source, n).to(expected[n]) for n in plan.params}
                 record = _write_unit(partial, file, plan, tensors, mapping)
                 del tensors
-                _journal(partial, fingerprint, dtype, record)
+                journal.append(partial, fingerprint, dtype, record)
             units.append(record)
             bar.advance(1)
 
@@ -355,14 +152,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
     save_tokenizer(source, partial)
     manifest.save(partial)  # before the journal goes, so a run killed in between still resumes every unit
     (partial / JOURNAL).unlink(missing_ok=True)
-    _fsync_dir(partial)
-    old = final.parent / f".{final.name}.old"
-    if final.exists():  # a damaged set of this source, judged ours to replace by _reusable: swap, never delete first
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(partial, final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in(partial, final)
     log(f"sharded {source.name}: {len(units)} units, {format_bytes(written_bytes)} in {manifest.seconds:.1f} s -> {final}")
     return manifest, final, {"reused": False, **summarize(manifest, manifest.seconds)}
 
@@ -397,167 +187,14 @@ def _source_name(mapping: dict[str, str], name: str) -> str:
     return f"{mapping[name]}[{sliced[name]}]" if name in sliced else mapping[name]
 
 
-def verify(directory: Path, log=print) -> list[str]:
-    """Re-check every unit file against the manifest: sizes and sha256. Returns the problems found."""
-    manifest = Manifest.load(directory)  # sizes and tensor bounds
-    problems = []
-    for u in manifest.units:
-        digest = hashlib.sha256()
-        with open(directory / u.file, "rb") as f:
-            while chunk := f.read(16 << 20):
-                digest.update(chunk)
-        if digest.hexdigest() != u.sha256:
-            problems.append(f"{u.file}: checksum mismatch (contents changed)")
-    return problems
-
-
-def _reusable(final: Path, fingerprint: str, dtype: str, ours: bool, log) -> Manifest | None:
-    """The complete set at FINAL, or None when there is none or it is a damaged set of this source to write again.
-
-    `ours`: FINAL is the default location, named after this source's fingerprint and dtype.
-    """
-    if not final.exists():
-        return None
-    if not (final / MANIFEST).is_file():
-        if final.is_dir() and not any(final.iterdir()):
-            final.rmdir()
-            return None
-        if final.is_dir() and (ours or _only_shard_files(final)):
-            log(f"{final}: no {MANIFEST}; sharding it again")
-            return None
-        raise ShardError(f"{final} exists and is not a shard directory; choose another --out or remove it")
-    try:
-        manifest = Manifest.load(final)
-    except ShardError as exc:
-        recorded = _recorded_as(final, fingerprint, dtype)
-        if not (ours or recorded or (recorded is None and _only_shard_files(final))):
-            what = "that is not of this model and dtype" if recorded is False else "mixed with other files"
-            raise ShardError(f"{final} holds a damaged shard set {what}; choose another --out or remove it") from None
-        log(f"{final}: {str(exc).split('; re-run')[0]}; sharding it again")
-        return None
-    if manifest.source.get("fingerprint") != fingerprint or manifest.dtype != dtype:
-        raise ShardError(f"{final} holds shards of another source or dtype; choose another --out or remove it")
-    _drop_replaced(final)
-    return manifest
-
-
-def _drop_replaced(final: Path) -> None:
-    """Remove what is left of a set this one replaced, when a run stopped before deleting it (it can be as big as the set)."""
-    old = final.parent / f".{final.name}.old"
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _only_shard_files(directory: Path) -> bool:
-    """A shard set that lost its manifest: unit files (by their own headers) and the files sharding copies, nothing else."""
-    known = {"config.json", MANIFEST, MANIFEST + ".tmp", JOURNAL, *TOKENIZER_FILES}
-    units = 0
-    for f in directory.iterdir():
-        if UNIT_FILE.match(f.name) and f.is_file():
-            try:
-                if "unit" not in stfile.read_header(f).metadata:
-                    return False
-            except ShardError:
-                pass  # a damaged unit file is still one of ours by its name
-            units += 1
-        elif f.name not in known or not f.is_file():
-            return False
-    return units > 0
-
-
-def _recorded_as(directory: Path, fingerprint: str, dtype: str) -> bool | None:
-    """Whether a (possibly damaged) manifest still names this source and dtype; None when it cannot be read."""
-    try:
-        doc = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
-        return doc["source"]["fingerprint"] == fingerprint and doc["dtype"] == dtype
-    except Exception:  # noqa: BLE001 - unreadable in any way
-        return None
-
-
-def _resumable(partial: Path, fingerprint: str, dtype: str) -> dict[str, UnitRecord]:
-    """Units an interrupted run finished, whose files are intact: from its journal, or from its manifest when it
-    stopped between writing that and the rename."""
-    if not partial.is_dir():
-        return {}
-    done = _read_journal(partial, fingerprint, dtype)
-    if not done and (partial / MANIFEST).is_file():
-        try:
-            manifest = Manifest.load(partial)
-        except ShardError:
-            manifest = None
-        if manifest is not None and manifest.source.get("fingerprint") == fingerprint and manifest.dtype == dtype:
-            done = {u.name: u for u in manifest.units}
-    return {name: r for name, r in done.items() if _file_ok(partial / r.file, r.bytes)}
-
-
-def _read_journal(partial: Path, fingerprint: str, dtype: str) -> dict[str, UnitRecord]:
-    done: dict[str, UnitRecord] = {}
-    path = partial / JOURNAL
-    if not path.is_file():
-        return done
-    for line in path.read_text().splitlines():
-        try:
-            doc = json.loads(line)
-            if doc["fingerprint"] != fingerprint or doc["dtype"] != dtype:
-                return {}
-            u = doc["unit"]
-            done[u["name"]] = UnitRecord(**{**u, "tensors": [TensorRecord(**t) for t in u["tensors"]]})
-        except (ValueError, KeyError, TypeError):
-            break  # a torn last line from an interrupted write: everything before it stands
-    return done
-
-
-def _journal(partial: Path, fingerprint: str, dtype: str, record: UnitRecord) -> None:
-    with open(partial / JOURNAL, "a") as f:
-        f.write(json.dumps({"fingerprint": fingerprint, "dtype": dtype, "unit": asdict(record)}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _file_ok(path: Path, size: int) -> bool:
-    try:
-        return path.stat().st_size == size
-    except OSError:
-        return False
-
-
 def _bytes_needed(source: Source, mapping: SourceMap, dtype: str) -> int:
     """Tensor bytes of the whole shard set (headers and the manifest are small next to them)."""
     target = torch_dtype(dtype)
     return sum(mapping.numel(source, n) * _out_dtype(source.shapes[s][1], target).itemsize for n, s in mapping.items())
 
 
-def _free_bytes(directory: Path) -> int:
-    probe = directory
-    while not probe.exists() and probe != probe.parent:  # the target may not exist yet
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
-
-
-def _check_space(directory: Path, need: int) -> None:
-    free = _free_bytes(directory)
-    if free < need + HEADROOM:
-        raise ShardError(f"not enough disk space for shards: need {format_bytes(need)} plus {format_bytes(HEADROOM)} headroom, "
-                         f"{format_bytes(free)} free at {directory}; free space or pass --out on another disk")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _out_dtype(stored: torch.dtype, target: torch.dtype) -> torch.dtype:
     return target if stored.is_floating_point else stored
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def summarize(manifest: Manifest, seconds: float) -> dict:

@@ -85,10 +85,12 @@ class AutoModel:
         from transformers import AutoConfig
 
         from ..profiles import HardwareProfile, resolve_knobs
+        from ..shard.cachedir import mark_used
         from ..shard.facts import facts_from_manifest
 
         _refuse_before_sharding(model, flags or {}, knob_overrides, refresh_profile)
         manifest, directory = ensure_shards(model, out=out, dtype=shard_dtype, progress=progress, log=log)
+        mark_used(directory)  # for `rocketllm cache ls`; a set outside the cache is left untouched
         profile = HardwareProfile.load(storage_path=directory, refresh=refresh_profile)
         facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))
         knobs = resolve_knobs(profile, facts, flags=flags or {}, kwargs=knob_overrides)

@@ -104,7 +104,7 @@ class StreamingModel:
         self.experts = None
         self._bind(model)
         if self.manifest.experts:
-            from ..shard.sharder import candidate_names
+            from ..shard.names import candidate_names
             from .experts import ExpertStreamer
 
             prefix = getattr(model, "base_model_prefix", "") or ""

@@ -1,0 +1,44 @@
+"""Checks around writing a shard set: room on the disk before, intact bytes after (`--verify`)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import shutil
+from pathlib import Path
+
+from ..errors import ShardError
+from ..sizes import format_bytes
+from .manifest import Manifest
+
+HEADROOM = 64 << 20  # free space left over after sharding, for everything else on the disk
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def check_space(directory: Path, need: int) -> None:
+    """Refuse up front when NEED bytes plus HEADROOM do not fit on DIRECTORY's disk."""
+    free = free_bytes(directory)
+    if free < need + HEADROOM:
+        raise ShardError(f"not enough disk space for shards: need {format_bytes(need)} plus {format_bytes(HEADROOM)} headroom, "
+                         f"{format_bytes(free)} free at {directory}; free space or pass --out on another disk")
+
+
+def free_bytes(directory: Path) -> int:
+    probe = directory
+    while not probe.exists() and probe != probe.parent:  # the target may not exist yet
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def verify(directory: Path, log=print) -> list[str]:
+    """Re-check every unit file against the manifest: sizes and sha256. Returns the problems found."""
+    manifest = Manifest.load(directory)  # sizes and tensor bounds
+    problems = []
+    for u in manifest.units:
+        digest = hashlib.sha256()
+        with open(directory / u.file, "rb") as f:
+            while chunk := f.read(16 << 20):
+                digest.update(chunk)
+        if digest.hexdigest() != u.sha256:
+            problems.append(f"{u.file}: checksum mismatch (contents changed)")
+    return problems

@@ -1,0 +1,158 @@
+"""Where a shard set goes and how it gets there: the default place, one writer per target, whether a set already
+there is reused, written again or refused, and the swap that puts a finished set in place.
+
+Beside a target `out` live its hidden siblings: `.out.partial` (the set being written), `.out.lock` (held by the
+writer) and `.out.old` (a replaced set, until it is deleted).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..dtypes import NAMES as DTYPES
+from ..errors import ShardError
+from . import stfile
+from .journal import JOURNAL
+from .manifest import MANIFEST, UNIT_FILE, Manifest
+from .source import TOKENIZER_FILES, Located
+
+
+def default_out(located: Located, dtype: str) -> Path:
+    """Beside the model cache, keyed by the source's fingerprint, so generate finds and reuses it."""
+    from ..profiles import cache_dir
+
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", located.name)[:64] or "model"
+    return cache_dir() / "shards" / f"{safe}-{located.fingerprint()}-{dtype}"
+
+
+def find_existing(located: Located, dtype: str) -> tuple[Manifest, Path] | None:
+    """A complete shard set of this source in the default place (any dtype for 'auto'), without reading weights."""
+    dtypes = list(DTYPES) if dtype == "auto" else [dtype]
+    for dt in dtypes:
+        final = default_out(located, dt)
+        if (final / MANIFEST).is_file():
+            try:
+                manifest = Manifest.load(final)
+            except ShardError:
+                continue  # damaged: shard() says so and writes it again
+            if manifest.source.get("fingerprint") == located.fingerprint():
+                _drop_replaced(final)
+                return manifest, final
+    return None
+
+
+def partial_of(final: Path) -> Path:
+    """The hidden directory a set for FINAL is written into before it is renamed into place."""
+    return _beside(final, "partial")
+
+
+@contextmanager
+def exclusive(final: Path, log):
+    """One sharder per target at a time: a second process waits, then finds the finished set and reuses it.
+
+    The lock file is removed after a successful run only: a waiter still holding the old file then
+    re-checks and finds the complete set; after a failure it stays, so no two writers ever meet.
+    """
+    lock_path = _beside(final, "lock")
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"another rocketllm is sharding into {lock_path.parent}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+        lock_path.unlink(missing_ok=True)
+
+
+def reusable(final: Path, fingerprint: str, dtype: str, ours: bool, log) -> Manifest | None:
+    """The complete set at FINAL, or None when there is none or it is a damaged set of this source to write again.
+
+    `ours`: FINAL is the default location, named after this source's fingerprint and dtype.
+    """
+    if not final.exists():
+        return None
+    if not (final / MANIFEST).is_file():
+        if final.is_dir() and not any(final.iterdir()):
+            final.rmdir()
+            return None
+        if final.is_dir() and (ours or _only_shard_files(final)):
+            log(f"{final}: no {MANIFEST}; sharding it again")
+            return None
+        raise ShardError(f"{final} exists and is not a shard directory; choose another --out or remove it")
+    try:
+        manifest = Manifest.load(final)
+    except ShardError as exc:
+        recorded = _recorded_as(final, fingerprint, dtype)
+        if not (ours or recorded or (recorded is None and _only_shard_files(final))):
+            what = "that is not of this model and dtype" if recorded is False else "mixed with other files"
+            raise ShardError(f"{final} holds a damaged shard set {what}; choose another --out or remove it") from None
+        log(f"{final}: {str(exc).split('; re-run')[0]}; sharding it again")
+        return None
+    if manifest.source.get("fingerprint") != fingerprint or manifest.dtype != dtype:
+        raise ShardError(f"{final} holds shards of another source or dtype; choose another --out or remove it")
+    _drop_replaced(final)
+    return manifest
+
+
+def swap_in(partial: Path, final: Path) -> None:
+    """Rename the finished set at PARTIAL to FINAL. A set already at FINAL (a damaged one of this source, judged
+    ours to replace by reusable) is moved aside first and deleted after: swap, never delete first."""
+    _fsync_dir(partial)
+    old = _beside(final, "old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _beside(final: Path, role: str) -> Path:
+    return final.parent / f".{final.name}.{role}"
+
+
+def _drop_replaced(final: Path) -> None:
+    """Remove what is left of a set this one replaced, when a run stopped before deleting it (it can be as big as the set)."""
+    old = _beside(final, "old")
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _only_shard_files(directory: Path) -> bool:
+    """A shard set that lost its manifest: unit files (by their own headers) and the files sharding copies, nothing else."""
+    known = {"config.json", MANIFEST, MANIFEST + ".tmp", JOURNAL, *TOKENIZER_FILES}
+    units = 0
+    for f in directory.iterdir():
+        if UNIT_FILE.match(f.name) and f.is_file():
+            try:
+                if "unit" not in stfile.read_header(f).metadata:
+                    return False
+            except ShardError:
+                pass  # a damaged unit file is still one of ours by its name
+            units += 1
+        elif f.name not in known or not f.is_file():
+            return False
+    return units > 0
+
+
+def _recorded_as(directory: Path, fingerprint: str, dtype: str) -> bool | None:
+    """Whether a (possibly damaged) manifest still names this source and dtype; None when it cannot be read."""
+    try:
+        doc = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+        return doc["source"]["fingerprint"] == fingerprint and doc["dtype"] == dtype
+    except Exception:  # noqa: BLE001 - unreadable in any way
+        return None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
