@@ -43,13 +43,14 @@ YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking
 
 
 def ls(json: JsonOpt = False) -> None:
-    from ..shard.cachedir import list_sets, other_usage, profiles_usage, shards_dir
+    from ..shard.cachedir import list_sets, other_usage, profiles_usage
+    from ..shard.target import shards_root
 
     output = Output(as_json=json)
     sets, profiles, other = list_sets(), profiles_usage(), other_usage()
     total = sum(s.bytes for s in sets)
     if json:
-        output.json({"shards_dir": str(shards_dir()), "sets": [s.to_dict() for s in sets], "total_bytes": total,
+        output.json({"shards_dir": str(shards_root()), "sets": [s.to_dict() for s in sets], "total_bytes": total,
                      "profiles": profiles, "other": other})
         return
     rows = [("NAME", "MODEL", "SOURCE", "DTYPE", "UNITS", "LAYERS", "SIZE", "LAST USED", "STATE")]
@@ -62,7 +63,7 @@ def ls(json: JsonOpt = False) -> None:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         output.result("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows))
     noun = "shard set" if len(sets) == 1 else "shard sets"
-    output.result(f"total: {len(sets)} {noun}, {format_bytes(total)} in {shards_dir()}")
+    output.result(f"total: {len(sets)} {noun}, {format_bytes(total)} in {shards_root()}")
     machines = "machine" if profiles["machines"] == 1 else "machines"
     output.result(f"profiles: {profiles['count']} measured ({profiles['machines']} {machines}), {format_bytes(profiles['bytes'])}")
     if other:

@@ -20,16 +20,12 @@ from pathlib import Path
 from ..dtypes import NAMES as DTYPES
 from ..errors import ShardError
 from ..profiles.cache import cache_dir, profile_dir
+from .target import SHARDS, beside, shards_root
 
-SHARDS = "shards"  # sharder.default_out writes <cache>/shards/<name>-<fingerprint>-<dtype>
 LEFTOVERS = ("partial", "old")
 # <name>-<fingerprint>-<dtype>: what a set is of, when no manifest says so (a partial or damaged set).
 _DEFAULT_NAME = re.compile(rf"^(?P<model>.+)-[0-9a-f]+-(?P<dtype>{'|'.join(DTYPES)})$")
 _LAYER_FILE = re.compile(r"^\d{4}-layer\.\d+\.safetensors$")
-
-
-def shards_dir() -> Path:
-    return cache_dir() / SHARDS
 
 
 def cache_origin() -> str:
@@ -69,7 +65,7 @@ def mark_used(directory: Path) -> None:
     """
     try:
         directory = Path(directory)
-        if directory.resolve().parent == shards_dir().resolve() and not directory.name.startswith("."):
+        if directory.resolve().parent == shards_root().resolve() and not directory.name.startswith("."):
             os.utime(directory)
     except OSError:
         pass  # a read-only or shared cache: loading must not fail over a timestamp
@@ -77,13 +73,13 @@ def mark_used(directory: Path) -> None:
 
 def list_sets() -> list[CachedSet]:
     """Every shard set in the cache, leftovers of interrupted runs included, by name."""
-    root = shards_dir()
+    root = shards_root()
     return [_describe(root, name, pieces) for name, pieces in sorted(_scan(root).items())]
 
 
 def find(names: list[str] | None) -> dict[str, list[Path]]:
     """{name: what it has on disk} for NAMES (None: every set); an unknown or path-like name is an error."""
-    root = shards_dir()
+    root = shards_root()
     found = _scan(root)
     if names is None:
         return dict(sorted(found.items()))
@@ -97,7 +93,7 @@ def find(names: list[str] | None) -> dict[str, list[Path]]:
 def remove(names: list[str]) -> dict[str, int]:
     """Delete each named set with its leftovers; {name: bytes freed}. Refuses, deleting nothing, while any
     of them is being sharded: the sharder's own lock is taken first, so the two never meet."""
-    root = shards_dir()
+    root = shards_root()
     for name in names:
         _check_name(root, name)
     freed: dict[str, int] = {}
@@ -162,8 +158,8 @@ def _describe(root: Path, name: str, pieces: list[Path]) -> CachedSet:
                       model=guess and guess["model"], dtype=guess and guess["dtype"], leftovers=[p.name for p in pieces if p != final])
     if final in pieces:
         _read_manifest(entry, final)
-    elif (root / f".{name}.partial") in pieces:
-        files = [f.name for f in (root / f".{name}.partial").iterdir()]
+    elif beside(root / name, "partial") in pieces:
+        files = [f.name for f in beside(root / name, "partial").iterdir()]
         entry.state = "partial"
         entry.units = sum(f.endswith(".safetensors") for f in files)  # finished units: a unit being written ends in .tmp
         entry.layers = sum(_LAYER_FILE.match(f) is not None for f in files)
@@ -218,7 +214,7 @@ def _locked(root: Path, names: list[str]):
     """
     with ExitStack() as stack:
         for name in names:
-            lock = stack.enter_context(open(root / f".{name}.lock", "a"))
+            lock = stack.enter_context(open(beside(root / name, "lock"), "a"))
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -227,7 +223,7 @@ def _locked(root: Path, names: list[str]):
 
 
 def _delete(root: Path, name: str, pieces: list[Path]) -> None:
-    final, old = root / name, root / f".{name}.old"
+    final, old = root / name, beside(root / name, "old")
     for piece in pieces:  # checked once more, resolved: nothing outside the cache is ever deleted
         if piece.is_symlink() or piece.resolve().parent != root.resolve():
             raise ShardError(f"{piece} is not inside {root}; nothing removed from it")
@@ -236,5 +232,5 @@ def _delete(root: Path, name: str, pieces: list[Path]) -> None:
             shutil.rmtree(old)
         os.rename(final, old)  # the set vanishes at once: no load ever sees it half deleted
     for kind in LEFTOVERS:
-        if (root / f".{name}.{kind}").exists():
-            shutil.rmtree(root / f".{name}.{kind}")
+        if beside(root / name, kind).exists():
+            shutil.rmtree(beside(root / name, kind))

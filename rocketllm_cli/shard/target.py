@@ -22,13 +22,20 @@ from .journal import JOURNAL
 from .manifest import MANIFEST, UNIT_FILE, Manifest
 from .source import TOKENIZER_FILES, Located
 
+SHARDS = "shards"  # <cache>/shards/<name>-<fingerprint>-<dtype>
+
+
+def shards_root() -> Path:
+    """Where shard sets go unless --out says otherwise (ROCKETLLM_CACHE moves it)."""
+    from ..profiles.cache import cache_dir
+
+    return cache_dir() / SHARDS
+
 
 def default_out(located: Located, dtype: str) -> Path:
     """Beside the model cache, keyed by the source's fingerprint, so generate finds and reuses it."""
-    from ..profiles import cache_dir
-
     safe = re.sub(r"[^A-Za-z0-9._-]+", "-", located.name)[:64] or "model"
-    return cache_dir() / "shards" / f"{safe}-{located.fingerprint()}-{dtype}"
+    return shards_root() / f"{safe}-{located.fingerprint()}-{dtype}"
 
 
 def find_existing(located: Located, dtype: str) -> tuple[Manifest, Path] | None:
@@ -49,7 +56,7 @@ def find_existing(located: Located, dtype: str) -> tuple[Manifest, Path] | None:
 
 def partial_of(final: Path) -> Path:
     """The hidden directory a set for FINAL is written into before it is renamed into place."""
-    return _beside(final, "partial")
+    return beside(final, "partial")
 
 
 @contextmanager
@@ -59,15 +66,26 @@ def exclusive(final: Path, log):
     The lock file is removed after a successful run only: a waiter still holding the old file then
     re-checks and finds the complete set; after a failure it stays, so no two writers ever meet.
     """
-    lock_path = _beside(final, "lock")
-    with open(lock_path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"another rocketllm is sharding into {lock_path.parent}; waiting for it")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-        lock_path.unlink(missing_ok=True)
+    lock_path = beside(final, "lock")
+    while True:
+        with open(lock_path, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log(f"another rocketllm is sharding into {lock_path.parent}; waiting for it")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _same_file(lock, lock_path):
+                continue  # the holder finished and removed the file we waited on: lock the current one
+            yield
+            lock_path.unlink(missing_ok=True)
+            return
+
+
+def _same_file(opened, path: Path) -> bool:
+    try:
+        return os.fstat(opened.fileno()).st_ino == os.stat(path).st_ino
+    except OSError:
+        return False
 
 
 def reusable(final: Path, fingerprint: str, dtype: str, ours: bool, log) -> Manifest | None:
@@ -104,7 +122,7 @@ def swap_in(partial: Path, final: Path) -> None:
     """Rename the finished set at PARTIAL to FINAL. A set already at FINAL (a damaged one of this source, judged
     ours to replace by reusable) is moved aside first and deleted after: swap, never delete first."""
     _fsync_dir(partial)
-    old = _beside(final, "old")
+    old = beside(final, "old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
@@ -113,13 +131,14 @@ def swap_in(partial: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _beside(final: Path, role: str) -> Path:
+def beside(final: Path, role: str) -> Path:
+    """The hidden sibling of a set: .NAME.partial (being written), .NAME.old (being replaced), .NAME.lock."""
     return final.parent / f".{final.name}.{role}"
 
 
 def _drop_replaced(final: Path) -> None:
     """Remove what is left of a set this one replaced, when a run stopped before deleting it (it can be as big as the set)."""
-    old = _beside(final, "old")
+    old = beside(final, "old")
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
 
