@@ -101,7 +101,8 @@ def on_memory_filesystem(path: Path) -> bool:
     return fstype in ("tmpfs", "ramfs")
 
 
-def test_nothing_resident_streams_every_unit_each_time_it_is_used_and_one_embedding_row(smol, manifest):
+@pytest.mark.parametrize("compute", ["bf16", "fp32"])  # fp32: what a CPU without native bf16 computes in, converting each use
+def test_nothing_resident_streams_every_unit_each_time_it_is_used_and_one_embedding_row(smol, manifest, compute):
     uses = uses_per_pass(manifest)
     assert manifest.aliases and max(uses.values()) == 2  # SmolLM2 ties lm_head to the embedding: that unit serves twice
     # Each use serves the whole unit, except the token lookup in the embedding table, which reads
@@ -109,7 +110,7 @@ def test_nothing_resident_streams_every_unit_each_time_it_is_used_and_one_embedd
     embed = next(u for u in manifest.units if u.kind == "embed")
     row_bytes = embed.tensor_bytes // embed.tensors[0].shape[0]
     expected = sum(u.tensor_bytes * uses[u.name] for u in manifest.units) - embed.tensor_bytes + row_bytes
-    summary = decode_summary(smol, manifest, EngineConfig(compute_dtype="bf16", device_cache_bytes=0, host_cache_bytes=0, prefetch_depth=0))
+    summary = decode_summary(smol, manifest, EngineConfig(compute_dtype=compute, device_cache_bytes=0, host_cache_bytes=0, prefetch_depth=0))
     served = summary["per_token_served"]
     assert served["device"] == 0
     assert served["storage"] + served["host"] == pytest.approx(expected, rel=0.01)

@@ -52,6 +52,7 @@ class WeightStore:
         self._resident: dict[str, dict[str, torch.Tensor]] = {}
         self._host: dict[str, torch.Tensor] = {}  # unit -> its file bytes (mmap on CPU, pinned on CUDA)
         self._host_views: dict[str, dict[str, torch.Tensor]] = {}
+        self._host_raw: dict[str, dict[str, torch.Tensor]] = {}  # the same tensors as stored, never converted
         self._maps: list[mmap.mmap] = []
         self._tables: dict[str, torch.Tensor] = {}  # sparse embedding tables for row gathers
         streamed = [u for u in manifest.units if plan.tier[u.name] != "device"]
@@ -91,6 +92,7 @@ class WeightStore:
         self._maps.append(mm)
         buf = torch.frombuffer(mm, dtype=torch.uint8)
         self._host_views[unit.name] = self._views(unit, buf)
+        self._host_raw[unit.name] = self._views(unit, buf, convert=False)  # row gathers convert only the rows they need
         return buf
 
     def resident(self, name: str) -> dict[str, torch.Tensor]:
@@ -145,8 +147,7 @@ class WeightStore:
     def can_gather_rows(self, name: str) -> bool:
         """Rows of a streamed unit can be served alone on a CPU, where the lookup reads them in place."""
         unit = self.units[name]
-        return (not self.cuda and self.plan.tier[name] != "device" and len(unit.tensors) == 1
-                and DTYPES[unit.tensors[0].dtype] == self.dtype and len(unit.tensors[0].shape) == 2)
+        return not self.cuda and self.plan.tier[name] != "device" and len(unit.tensors) == 1 and len(unit.tensors[0].shape) == 2
 
     def gather_rows(self, name: str, key: str, ids: torch.Tensor) -> torch.Tensor:
         """A full-shaped table in which the rows `ids` name hold their values: the lookup reads nothing else.
@@ -159,8 +160,27 @@ class WeightStore:
         rows = torch.unique(ids.reshape(-1)).tolist()
         row_bytes = record.nbytes // record.shape[0]
         self.ledger.serve(self.plan.tier[name], len(rows) * row_bytes)
+        stored = DTYPES[record.dtype]
+        if stored != self.dtype and stored.is_floating_point:
+            # Convert only the rows asked for, into a sparse table of the compute dtype: converting the whole
+            # table would touch every page of it, and a tied head would then move the table twice per token.
+            source = self._host_raw[name][key] if self.plan.tier[name] == "host" else self._read_rows(name, rows)
+            started = time.perf_counter()
+            table = self._sparse_table(f"{name}:{self.dtype}", record.nbytes // stored.itemsize * self.dtype.itemsize)
+            table = table.view(self.dtype).view(record.shape)
+            index = torch.tensor(rows, dtype=torch.long)
+            table.index_copy_(0, index, source.index_select(0, index).to(self.dtype))
+            self.ledger.add_time("convert", time.perf_counter() - started)
+            return table
         if self.plan.tier[name] == "host":
             return self._host_views[name][key]
+        return self._read_rows(name, rows)
+
+    def _read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
+        """The table of a storage-tier unit with only `rows` read, one pread each, into a sparse anonymous mapping."""
+        unit = self.units[name]
+        record = unit.tensors[0]
+        row_bytes = record.nbytes // record.shape[0]
         started = time.perf_counter()
         table = self._sparse_table(name, record.nbytes)
         view = memoryview(table.numpy())
@@ -270,13 +290,18 @@ class WeightStore:
         finally:
             os.close(fd)
 
-    def _views(self, unit: UnitRecord, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _views(self, unit: UnitRecord, buf: torch.Tensor, convert: bool = True) -> dict[str, torch.Tensor]:
         out = {}
+        converting = 0.0
         for t in unit.tensors:
             view = buf[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
-            if view.is_floating_point() and view.dtype != self.dtype:
+            if convert and view.is_floating_point() and view.dtype != self.dtype:
+                started = time.perf_counter()
                 view = view.to(self.dtype)
+                converting += time.perf_counter() - started
             out[t.name] = view
+        if converting:
+            self.ledger.add_time("convert", converting)  # a cost of computing in another dtype than the shards hold
         return out
 
     def close(self) -> None:
@@ -285,6 +310,7 @@ class WeightStore:
             self._pool = None
         self._pending.clear()
         self._host_views.clear()
+        self._host_raw.clear()
         self._host.clear()
         for mm in self._maps:
             try:
