@@ -228,8 +228,10 @@ def test_generate_stats_report_experts_and_cache(moe, tiny_factory):
 
 
 def test_cost_model_counts_a_token_s_routed_experts_not_every_weight(moe):
-    from rocketllm_cli.shard.facts import facts_from_manifest
-    from rocketllm_cli.shard.modelpath import model_facts_from_path
+    from rocketllm_cli.shard.modelfacts import (
+        facts_from_manifest,
+        model_facts_from_path,
+    )
 
     manifest, directory, _, src = moe("mixtral")
     config = transformers.AutoConfig.from_pretrained(directory)
@@ -240,7 +242,7 @@ def test_cost_model_counts_a_token_s_routed_experts_not_every_weight(moe):
     assert facts.active_bytes == dense + experts * k // count
     assert facts.non_layer_bytes == sum(u.tensor_bytes for u in manifest.units if u.kind not in ("layer", "expert"))
     from_headers = model_facts_from_path(src)  # before sharding, from the checkpoint's own tensor names
-    assert from_headers.active_bytes == int(from_headers.total_bytes - experts * (1 - k / count))
+    assert from_headers.active_bytes == from_headers.total_bytes - experts + experts * k // count
     assert model_facts_from_path(directory).active_bytes == facts.active_bytes
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,52 @@ def test_shard_directory_and_its_source_give_the_same_facts(tiny_checkpoint, tmp
     assert (directory / "manifest.json").is_file()
     source, shards = model_facts_from_path(tiny_checkpoint), model_facts_from_path(directory)
     assert shards == source
+
+
+# every field a checkpoint and its shard set must agree on (the name may differ: a directory's or the manifest's)
+AGREEING = ("total_bytes", "num_layers", "layer_bytes", "largest_unit_bytes", "non_layer_bytes", "kv_bytes_per_token",
+            "max_positions", "dtype", "active_bytes")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_one_builder_agrees_with_itself_across_forms(tiny_factory, tmp_path, arch):
+    from transformers import AutoConfig
+
+    from rocketllm_cli.shard.modelfacts import facts_from_manifest
+    from rocketllm_cli.shard.sharder import shard
+
+    src = tiny_factory(arch)
+    manifest, directory, _ = shard(src, out=tmp_path / "shards", dtype="auto", progress=None, log=lambda m: None)
+    source = model_facts_from_path(src)  # safetensors headers + config.json, before sharding
+    forms = {
+        "shard directory": model_facts_from_path(directory),
+        "manifest + config object": facts_from_manifest(manifest, AutoConfig.from_pretrained(directory)),
+        "manifest + config.json": facts_from_manifest(manifest, json.loads((directory / "config.json").read_text())),
+    }
+    for form, facts in forms.items():
+        for name in AGREEING:
+            assert getattr(facts, name) == getattr(source, name), f"{form}: {name}"
+    assert source.total_bytes == manifest.total_bytes and source.num_layers == len(manifest.layers)
+    assert source.largest_unit_bytes == max(u.tensor_bytes for u in manifest.units)
+    if manifest.experts:  # a decode token reads the dense part and top-k of each layer's experts
+        config = json.loads((src / "config.json").read_text())
+        experts = sum(u.tensor_bytes for u in manifest.experts)
+        k, count = config["num_experts_per_tok"], config["num_local_experts"]
+        assert source.active_bytes == manifest.total_bytes - experts + experts * k // count < source.total_bytes
+    else:
+        assert source.active_bytes is None
+
+
+def test_facts_from_a_path_import_neither_torch_nor_transformers(tiny_checkpoint, tmp_path):
+    from rocketllm_cli.shard.sharder import shard
+
+    _, directory, _ = shard(tiny_checkpoint, out=tmp_path / "shards", progress=None, log=lambda m: None)
+    code = ("import sys; from rocketllm_cli.profiles import model_facts_from_path; "
+            "[model_facts_from_path(p) for p in sys.argv[1:]]; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code, str(tiny_checkpoint), str(directory)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
 
 
 def test_the_decoder_is_the_largest_stack_not_the_vision_tower(tmp_path):

@@ -158,7 +158,7 @@ def _profile_and_facts(shards: Path, manifest):
     from transformers import AutoConfig
 
     from ..profiles import HardwareProfile
-    from ..shard.facts import facts_from_manifest
+    from ..shard.modelfacts import facts_from_manifest
 
     return HardwareProfile.load(storage_path=shards), facts_from_manifest(manifest, AutoConfig.from_pretrained(shards))
 

@@ -3,8 +3,7 @@
 Importing this package is cheap: torch is imported only when something is measured.
 """
 
-from ..shard.modelfacts import ModelFacts, parse_param_count
-from ..shard.modelpath import model_facts_from_path
+from ..shard.modelfacts import ModelFacts, model_facts_from_path, parse_param_count
 from .cache import cache_dir
 from .cost import Projection, TierCost, plan_tier_bytes, project
 from .hardware import HardwareProfile

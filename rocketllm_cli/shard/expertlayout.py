@@ -18,30 +18,13 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import ModelError
+from .modelfacts import expert_count, top_k  # noqa: F401 - one config lookup for sharding, streaming and model facts
 
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
 UNIT_NAME = re.compile(r"^layer\.(\d{3,})\.expert\.(\d{3,})$")
 
 
 def unit_name(layer: int, expert: int) -> str:
     return f"layer.{layer:03d}.expert.{expert:03d}"
-
-
-def expert_count(config) -> int | None:
-    """Experts per MoE layer (None for a dense model)."""
-    return _first_int(config, EXPERT_COUNT_KEYS, minimum=2)
-
-
-def top_k(config) -> int | None:
-    """Experts the router picks per token."""
-    return _first_int(config, TOP_K_KEYS, minimum=1)
-
-
-def _first_int(config, keys: tuple[str, ...], minimum: int) -> int | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    values = (getattr(text, key, None) for key in keys)
-    return next((v for v in values if isinstance(v, int) and v >= minimum), None)
 
 
 @dataclass

@@ -1,8 +1,34 @@
-"""What the knob formulas and the cost model need to know about a model."""
+"""ModelFacts: what the knob formulas and the cost model need to know about a model, built in one place.
+
+Whatever form the model comes in (a Hugging Face directory: safetensors headers + config.json; a .gguf
+file; a shard set: its manifest), its weights are grouped into units (each decoder layer's dense part, its
+routed experts, everything else) and go with its config into one builder (`_build`).
+Reading a path touches only headers and configs, never torch or transformers, so `doctor --model` is fast.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..dtypes import ITEMSIZE, short_name
+from ..errors import ModelError, ShardError
+from .ggufheader import FILE_TYPES, read_gguf
+from .stfile import read_header
+
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len")
+# A config that names no context length sets no limit we can trust. 0 would make max_context (and with it
+# kv_cache_bytes) 0, a model that cannot take a prompt; 4096 is a length today's decoders all handle, and a
+# --max-context override still goes past it.
+DEFAULT_POSITIONS = 4096
+
+# a repeated stack: "<prefix>.<index>.<rest>", e.g. model.layers.3.mlp..., transformer.h.3..., blk.3...
+_STACK = re.compile(r"^(?P<prefix>(?:.*\.)?(?:layers|h|blocks|block|blk))\.(?P<index>\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -12,10 +38,10 @@ class ModelFacts:
     name: str
     total_bytes: int  # all weights, as stored
     num_layers: int  # decoder layers in the repeated stack
-    layer_bytes: int  # the largest decoder layer
-    largest_unit_bytes: int  # the largest unit of any kind (a layer, embed, lm_head ...)
+    layer_bytes: int  # the largest decoder layer, its dense part and all of its experts
+    largest_unit_bytes: int  # the largest unit of any kind (a layer's dense part, one expert, embed, lm_head ...)
     non_layer_bytes: int  # embed, norm, lm_head and extras together
-    kv_bytes_per_token: int  # K and V for every layer, per token, in the compute dtype
+    kv_bytes_per_token: int  # K and V for every layer, per token, in the compute dtype (the stored one when not given)
     max_positions: int  # the context the config allows
     dtype: str = "bf16"
     active_bytes: int | None = None  # mixture-of-experts: what one decode token reads (dense part + routed experts); None = every weight
@@ -67,3 +93,234 @@ def parse_param_count(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"cannot read {text!r} as a parameter count; expected a positive number with an optional K/M/B/T suffix, e.g. 70B, 7.5B, 135M")
     return value
+
+
+# -- what a config says ------------------------------------------------------------------------
+
+
+def config_int(config, keys: tuple[str, ...], minimum: int = 1) -> int | None:
+    """The first of `keys` set to an integer >= minimum, read at the decoder's part of a multimodal config.
+    `config` is a mapping (config.json, `config.to_dict()`) or a transformers config object."""
+    if isinstance(config, Mapping):
+        text = config.get("text_config") or config
+        values = (text.get(key) for key in keys)
+    else:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        values = (getattr(text, key, None) for key in keys)
+    return next((v for v in values if type(v) is int and v >= minimum), None)
+
+
+def expert_count(config) -> int | None:
+    """Experts per MoE layer (None for a dense model)."""
+    return config_int(config, EXPERT_COUNT_KEYS, minimum=2)
+
+
+def top_k(config) -> int | None:
+    """Experts the router picks per token."""
+    return config_int(config, TOP_K_KEYS)
+
+
+# -- the one builder ---------------------------------------------------------------------------
+
+
+@dataclass
+class Units:
+    """A model's weights in bytes, grouped as streaming reads them."""
+
+    layers: dict[int, int] = field(default_factory=dict)  # decoder layer index -> its dense part
+    experts: dict[int, tuple[int, int]] = field(default_factory=dict)  # layer index -> (its routed experts' bytes, how many)
+    others: list[int] = field(default_factory=list)  # embed, norm, lm_head, extras, another stack's layers
+
+
+def _build(name: str, units: Units, config, dtype: str, compute_dtype: str | None = None) -> ModelFacts:
+    """`config`: a mapping or a transformers config object, read only through config_int."""
+    if not units.layers:
+        raise ModelError(f"{name}: no decoder layers found")
+    routed = sum(nbytes for nbytes, _ in units.experts.values())
+    total = sum(units.layers.values()) + routed + sum(units.others)
+    stored = [dense + units.experts.get(i, (0, 0))[0] for i, dense in units.layers.items()]  # what streaming a layer whole reads
+    one_expert = [-(-nbytes // count) for nbytes, count in units.experts.values()]
+    # A decode token reads every dense weight and top-k of each layer's experts. Top-k unknown: every weight
+    # (None), so the cost model never promises a speed the model cannot reach.
+    k, active = top_k(config), None
+    if units.experts and k:
+        active = total - routed + sum(nbytes * min(k, count) // count for nbytes, count in units.experts.values())
+    heads = config_int(config, ("num_attention_heads", "n_head")) or 0
+    kv_heads = config_int(config, ("num_key_value_heads",)) or heads
+    hidden = config_int(config, ("hidden_size", "n_embd")) or 0
+    head_dim = config_int(config, ("head_dim",)) or (hidden // heads if heads else 0)
+    # layers that keep a KV cache: the config's count (the weights may hold more, e.g. a multi-token-prediction layer)
+    kv_layers = config_int(config, ("num_hidden_layers", "n_layer")) or len(units.layers)
+    # K and V in the compute dtype when the caller knows it, else in the stored one (facts are built before the
+    # knobs that pick the compute dtype); 16-bit for quantized weights, which compute in a 16-bit float
+    itemsize = ITEMSIZE.get(compute_dtype or dtype, 2)
+    return ModelFacts(
+        name=name,
+        total_bytes=total,
+        num_layers=len(units.layers),
+        layer_bytes=max(stored),
+        largest_unit_bytes=max([*units.layers.values(), *one_expert, *units.others]),
+        non_layer_bytes=total - sum(stored),
+        kv_bytes_per_token=kv_layers * 2 * kv_heads * head_dim * itemsize,
+        max_positions=config_int(config, POSITION_KEYS) or DEFAULT_POSITIONS,
+        dtype=dtype or "unknown",
+        active_bytes=active,
+    )
+
+
+# -- the forms a model comes in ----------------------------------------------------------------
+
+
+def facts_from_manifest(manifest, config, compute_dtype: str | None = None) -> ModelFacts:
+    """ModelFacts of a loaded shard set (a Manifest); `config` is its config.json as a mapping, or the
+    transformers config object (AutoConfig.from_pretrained(directory))."""
+    units = _manifest_units((u.kind, u.tensor_bytes) for u in manifest.units)
+    return _build(manifest.source.get("name") or "model", units, config, manifest.dtype, compute_dtype)
+
+
+def model_facts_from_path(path: Path) -> ModelFacts:
+    """Sizes of the model at `path`: a shard directory (manifest.json), a HF directory (config.json +
+    *.safetensors), or a .gguf file. Raises ModelError with one line when it is none of these."""
+    from ..profiles.report.redact import redact  # here: profiles imports this module
+
+    try:
+        return _facts_of(Path(path).expanduser())
+    except ModelError as exc:
+        raise ModelError(redact(str(exc))) from None  # messages name paths; keep user and home out of them
+
+
+def _facts_of(path: Path) -> ModelFacts:
+    if not path.exists():
+        raise ModelError(f"model path not found: {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path)
+    if not path.is_dir():
+        raise ModelError(f"{path.name}: expected a model directory or a .gguf file")
+    if (path / "manifest.json").is_file():
+        return _from_shard_dir(path)
+    files = sorted(path.glob("*.safetensors"))
+    if files and (path / "config.json").is_file():
+        return _from_hf_dir(path, files)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _from_gguf(ggufs[0])
+    raise ModelError(f"{path.name}: no manifest.json, no config.json with *.safetensors, and no single .gguf file")
+
+
+def _from_shard_dir(path: Path) -> ModelFacts:
+    # manifest.json as JSON, not Manifest.load: that checks every unit file's header, which a size estimate does not need
+    try:
+        doc = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+        units = _manifest_units((u["kind"], sum(t["nbytes"] for t in u["tensors"])) for u in doc["units"])
+        dtype = short_name(doc.get("dtype", "")) or str(doc.get("dtype", ""))
+        name = (doc.get("source") or {}).get("name") or path.name
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ModelError(f"{path.name}/manifest.json is unreadable; re-run `rocketllm shard`") from None
+    if not units.layers:
+        raise ModelError(f"{path.name}/manifest.json lists no decoder layers")
+    config = _config(path / "config.json") if (path / "config.json").is_file() else {}
+    return _build(name, units, config, dtype)
+
+
+def _manifest_units(rows) -> Units:
+    """(kind, bytes) per unit in manifest order: an expert belongs to the layer before it."""
+    units = Units()
+    for kind, nbytes in rows:
+        if kind == "layer":
+            units.layers[len(units.layers)] = nbytes
+        elif kind == "expert":
+            layer = len(units.layers) - 1
+            total, count = units.experts.get(layer, (0, 0))
+            units.experts[layer] = (total + nbytes, count + 1)
+        else:
+            units.others.append(nbytes)
+    return units
+
+
+def _from_hf_dir(path: Path, files: list[Path]) -> ModelFacts:
+    sizes: dict[str, int] = {}
+    elements: dict[str, int] = {}  # safetensors dtype -> elements stored in it
+    for f in files:
+        try:
+            entries = read_header(f).entries
+        except ShardError as exc:
+            raise ModelError(str(exc)) from None
+        for name, entry in entries.items():
+            sizes[name] = entry.nbytes
+            numel = 1
+            for d in entry.shape:
+                numel *= d
+            elements[entry.stored] = elements.get(entry.stored, 0) + numel
+    config = _config(path / "config.json")
+    # the dtype most weights are stored in, as `shard --dtype auto` picks it; the config's for other dtypes (fp8 ...)
+    floating = {k: n for k, n in elements.items() if k.startswith(("F", "BF"))}
+    dtype = short_name(max(floating, key=floating.get)) if floating else None
+    return _build(path.name, _tensor_units(path.name, sizes, expert_count(config)), config, dtype or short_name(_dtype_of(config)) or "bf16")
+
+
+def _from_gguf(path: Path) -> ModelFacts:
+    meta, sizes = read_gguf(path)
+    arch = str(meta.get("general.architecture", ""))
+
+    def get(key: str, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        return max(value) if isinstance(value, list) and value else value  # per-layer arrays: the largest
+
+    heads = get("attention.head_count", 0) or 0
+    config = {
+        "num_hidden_layers": get("block_count"),
+        "max_position_embeddings": get("context_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length") or (get("embedding_length", 0) // heads if heads else None),
+    }
+    dtype = "gguf-" + FILE_TYPES.get(meta.get("general.file_type"), str(meta.get("general.file_type", "?")))
+    return _build(path.stem, _tensor_units(path.stem, sizes, None), config, dtype)
+
+
+def _tensor_units(name: str, sizes: dict[str, int], experts_per_layer: int | None) -> Units:
+    """Tensors by name into units: each index of the largest repeated stack is a layer (its `.experts.` tensors
+    apart when the config gives their count); every other stack's layer and every other module is a unit."""
+    stacks: dict[str, dict[int, int]] = {}
+    routed: dict[int, int] = {}  # decoder layer index -> its experts' bytes
+    others: dict[str, int] = {}
+    for tensor, nbytes in sizes.items():
+        m = _STACK.match(tensor)
+        if m:
+            stack = stacks.setdefault(m["prefix"], {})
+            stack[int(m["index"])] = stack.get(int(m["index"]), 0) + nbytes
+        else:
+            module = tensor.rsplit(".", 1)[0]
+            others[module] = others.get(module, 0) + nbytes
+    if not stacks:
+        raise ModelError(f"{name}: no repeated layer stack found in the tensor names")
+    decoder = max(stacks, key=lambda p: sum(stacks[p].values()))  # a vision tower is a smaller stack
+    if experts_per_layer:
+        for tensor, nbytes in sizes.items():
+            m = _STACK.match(tensor)
+            if m and m["prefix"] == decoder and ".experts." in tensor:
+                routed[int(m["index"])] = routed.get(int(m["index"]), 0) + nbytes
+    units = Units(others=list(others.values()))
+    for prefix, layers in stacks.items():
+        if prefix != decoder:
+            units.others.extend(layers.values())
+    for index in sorted(stacks[decoder]):
+        units.layers[index] = stacks[decoder][index] - routed.get(index, 0)
+        if routed.get(index):
+            units.experts[index] = (routed[index], experts_per_layer)
+    return units
+
+
+def _config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise ModelError(f"{path.parent.name}/config.json is unreadable") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{path.parent.name}/config.json is not a JSON object")
+    return config
+
+
+def _dtype_of(config: dict) -> str:
+    text = config.get("text_config") or config
+    return str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or config.get("dtype") or "")

@@ -9,35 +9,59 @@ can then be read with O_DIRECT in one sequential request.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import ShardError
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors reference limit
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+# safetensors dtype -> (torch dtype attribute, bytes per element). The torch dtypes are looked up on first
+# use, so parsing a header (doctor --model sizes a model from its headers) does not import torch.
+_KINDS = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
 }
-NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@functools.cache
+def _torch_tables() -> tuple[dict, dict]:
+    import torch
+
+    dtypes = {name: getattr(torch, attr) for name, (attr, _) in _KINDS.items()}
+    return dtypes, {v: k for k, v in dtypes.items()}
+
+
+def __getattr__(name: str):
+    """DTYPES (safetensors name -> torch dtype) and NAMES (torch dtype -> safetensors name), built on first use."""
+    if name in ("DTYPES", "NAMES"):
+        dtypes, names = _torch_tables()
+        return dtypes if name == "DTYPES" else names
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
-    dtype: torch.dtype
+    stored: str  # the safetensors dtype name, e.g. BF16
     shape: tuple[int, ...]
     start: int  # absolute offset in the file
     nbytes: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _torch_tables()[0][self.stored]
 
 
 @dataclass(frozen=True)
@@ -91,9 +115,9 @@ def _entry(path: Path, name: str, spec: object, data_offset: int, size: int) -> 
     if not isinstance(spec, dict):
         raise ShardError(f"{bad} (entry is not an object)")
     name_of_dtype = spec.get("dtype")
-    dtype = DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
+    itemsize = _KINDS[name_of_dtype][1] if isinstance(name_of_dtype, str) and name_of_dtype in _KINDS else None
     shape, offsets = spec.get("shape"), spec.get("data_offsets")
-    if dtype is None:
+    if itemsize is None:
         shown = repr(name_of_dtype[:20]) if isinstance(name_of_dtype, str) else f"of type {type(name_of_dtype).__name__}"
         raise ShardError(f"{bad} (unknown dtype {shown})")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape):
@@ -106,13 +130,15 @@ def _entry(path: Path, name: str, spec: object, data_offset: int, size: int) -> 
     numel = 1
     for d in shape:
         numel *= d
-    if numel * dtype.itemsize != end - begin:
-        raise ShardError(f"{bad} (shape {shape} x {dtype} needs {numel * dtype.itemsize} bytes, header says {end - begin})")
-    return TensorEntry(str(name), dtype, tuple(shape), data_offset + begin, end - begin)
+    if numel * itemsize != end - begin:
+        raise ShardError(f"{bad} (shape {shape} x {name_of_dtype} needs {numel * itemsize} bytes, header says {end - begin})")
+    return TensorEntry(str(name), name_of_dtype, tuple(shape), data_offset + begin, end - begin)
 
 
 def read_tensor(fd: int, entry: TensorEntry) -> torch.Tensor:
     """Read one tensor with a positional read into fresh memory (no mmap, so RSS stays honest)."""
+    import torch
+
     buf = bytearray(entry.nbytes)
     view = memoryview(buf)
     done = 0
@@ -134,7 +160,7 @@ def layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = N
     for name in order:
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        doc[name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        doc[name] = {"dtype": _torch_tables()[1][t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         spans.append((name, offset, nbytes))
         offset += nbytes
     raw = json.dumps(doc, separators=(",", ":")).encode()
@@ -145,6 +171,8 @@ def layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = N
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
+    import torch
+
     t = t.detach().contiguous().cpu()
     if t.numel() == 0:
         return memoryview(b"")

@@ -60,7 +60,7 @@ def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> 
     Only with a profile measured already: a bad input must not leave a new one behind."""
     from ..errors import RocketError
     from ..profiles import HardwareProfile, resolve_knobs
-    from ..shard.modelpath import model_facts_from_path
+    from ..shard.modelfacts import model_facts_from_path
 
     path = Path(str(model)).expanduser()
     if not path.exists() or (path / MANIFEST).is_file():
@@ -86,7 +86,7 @@ class AutoModel:
 
         from ..profiles import HardwareProfile, resolve_knobs
         from ..shard.cachedir import mark_used
-        from ..shard.facts import facts_from_manifest
+        from ..shard.modelfacts import facts_from_manifest
 
         _refuse_before_sharding(model, flags or {}, knob_overrides, refresh_profile)
         manifest, directory = ensure_shards(model, out=out, dtype=shard_dtype, progress=progress, log=log)
