@@ -97,9 +97,10 @@ class AutoModel:
         config, notes = engine_config(profile, knobs, manifest)
         resident = sum(u.tensor_bytes for u in manifest.units if u.kind == "root")
         check_budget(resident, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
-        for note in notes:
-            (log or (lambda m: None))(note)
         streamed = StreamingModel(directory, config, manifest)
+        if any(tier != "device" for tier in streamed.plan.tier.values()):  # resident units convert once, at load
+            for note in notes:
+                (log or (lambda m: None))(note)
         streamed.knobs = knobs
         streamed.profile = profile
         streamed.facts = facts
