@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rocketllm_cli.stream.auto import AutoModel
-from rocketllm_cli.text.engine import Engine, GenerationRequest
+from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.prefix import (
     BLOCK_TOKENS,
     PrefixCache,
@@ -18,7 +18,7 @@ from rocketllm_cli.text.prefix import (
     decide,
     seq_length,
 )
-from rocketllm_cli.text.textgen import SamplingParams
+from rocketllm_cli.text.sampling import SamplingParams
 
 NEW = 10
 PROMPT = [1] + list(range(10, 60))  # 51 tokens: three whole blocks of 16, and three tokens after them
@@ -36,7 +36,7 @@ def llama(tiny_checkpoint):
 
 
 def run(model, ids, cache=None, n=NEW):
-    return Engine(model, cache).run(GenerationRequest(list(ids), SamplingParams(max_new_tokens=n)))
+    return Generator(model, cache).run(GenerationRequest(list(ids), SamplingParams(max_new_tokens=n)))
 
 
 def test_block_hashes_are_cumulative():

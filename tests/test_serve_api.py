@@ -1,5 +1,5 @@
 """rocketllm serve, over HTTP with the real openai and anthropic clients against a live server on 127.0.0.1:
-greedy replies equal `generate_text` token for token (chat, completions, messages; streamed and not), the
+greedy replies equal `Generator.run` token for token (chat, completions, messages; streamed and not), the
 stream formats end as each API specifies, requests queue with their position in a header, a client that
 disconnects frees the model at once, and every bad request is a 400/404 in the API's own error shape
 after which the server keeps serving."""
@@ -16,7 +16,9 @@ import pytest
 from serve_helpers import LiveServer, Script
 
 from rocketllm_cli.stream.auto import AutoModel
-from rocketllm_cli.text.textgen import SamplingParams, encode_prompt, generate_text
+from rocketllm_cli.text.loop import GenerationRequest, Generator
+from rocketllm_cli.text.prompts import encode_prompt
+from rocketllm_cli.text.sampling import SamplingParams
 
 MODEL = "tiny"
 QUESTION = "What is the capital of France?"
@@ -37,8 +39,8 @@ def reference(model):
     """What `generate` gives for the same prompts, computed before the server owns the model."""
     chat_ids = encode_prompt(model.tokenizer, QUESTION, chat=True)
     raw_ids = encode_prompt(model.tokenizer, QUESTION, chat=False)
-    chat = generate_text(model, chat_ids, SamplingParams(max_new_tokens=N))
-    raw = generate_text(model, raw_ids, SamplingParams(max_new_tokens=N))
+    chat = Generator(model).run(GenerationRequest(chat_ids[0].tolist(), SamplingParams(max_new_tokens=N)))
+    raw = Generator(model).run(GenerationRequest(raw_ids[0].tolist(), SamplingParams(max_new_tokens=N)))
     return {"chat": chat, "raw": raw, "chat_ids": chat_ids[0].tolist(), "raw_ids": raw_ids[0].tolist()}
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .naive import pin_cpu
-from .timing import fixed_prompt, timed_generate
+from .timing import fixed_prompt, ms_summary, timed_run
 
 REGIMES_OF = {"transformers": ("resident",), "accelerate": ("host", "storage"), "naive": ("storage",), "airllm": ("storage",)}
 BASELINES = tuple(REGIMES_OF)
@@ -38,7 +38,7 @@ def run_baseline(name: str, regime: str, hf_dir: Path | None, dtype: torch.dtype
         if hf_dir is None:
             raise Skip("no Hugging Face checkpoint to load")
         with contextlib.redirect_stdout(sys.stderr):  # some baselines print progress; stdout is for results
-            timing = _RUNNERS[name](hf_dir, regime, dtype, tokens, prompt_tokens, work, log)
+            stats = _RUNNERS[name](hf_dir, regime, dtype, tokens, prompt_tokens, work, log)
     except Skip as exc:
         row["reason"] = str(exc)
         return row
@@ -47,8 +47,8 @@ def run_baseline(name: str, regime: str, hf_dir: Path | None, dtype: torch.dtype
         return row
     finally:
         gc.collect()
-    row.update(status="measured", ttft_ms=round(1000 * timing.ttft_s, 1), ms_per_token=timing.summary(),
-               storage_witnessed_per_token=timing.storage_bytes, bytes_per_token=None)
+    row.update(status="measured", ttft_ms=round(1000 * stats.ttft_s, 1), ms_per_token=ms_summary(stats.gaps_s),
+               storage_witnessed_per_token=stats.storage_witnessed_per_token, bytes_per_token=None)
     return row
 
 
@@ -56,10 +56,6 @@ def _tokenizer(hf_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(hf_dir)
-
-
-def _pad(tokenizer) -> int | None:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:
@@ -87,8 +83,7 @@ def _run_transformers(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
     from ..compat import dtype_kwargs
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, **dtype_kwargs(dtype)).eval()
-    tok = _tokenizer(hf_dir)
-    return timed_generate(model, fixed_prompt(tok, prompt_tokens), tokens, pad_token_id=_pad(tok))
+    return timed_run(model, fixed_prompt(_tokenizer(hf_dir), prompt_tokens), tokens)
 
 
 def _run_accelerate(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
@@ -107,8 +102,7 @@ def _run_accelerate(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
         pin_cpu(model)
         if regime == "storage":
             model.register_forward_pre_hook(ColdFiles(_weight_files(hf_dir) + sorted(offload.rglob("*.dat"))))
-        tok = _tokenizer(hf_dir)
-        return timed_generate(model, fixed_prompt(tok, prompt_tokens), tokens, pad_token_id=_pad(tok))
+        return timed_run(model, fixed_prompt(_tokenizer(hf_dir), prompt_tokens), tokens)
     finally:
         shutil.rmtree(offload, ignore_errors=True)
 
@@ -121,8 +115,7 @@ def _run_naive(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
         raise Skip("the checkpoint has no .safetensors files (the naive loop uses safe_open)")
     streamer = NaiveStreamer(hf_dir, dtype)
     streamer.model.register_forward_pre_hook(ColdFiles(files))
-    tok = _tokenizer(hf_dir)
-    return timed_generate(streamer.model, fixed_prompt(tok, prompt_tokens), tokens, pad_token_id=_pad(tok))
+    return timed_run(streamer.model, fixed_prompt(_tokenizer(hf_dir), prompt_tokens), tokens)
 
 
 def _run_airllm(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
@@ -130,14 +123,10 @@ def _run_airllm(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
         import airllm
     except Exception as exc:  # noqa: BLE001 - ImportError, or a dependency failing at import
         raise Skip(f"airllm not importable ({type(exc).__name__}: {exc}); pip install 'rocketllm[bench]'") from None
-    version = getattr(airllm, "__version__", None)
     split = work / "airllm" / hf_dir.name
     model = airllm.AutoModel.from_pretrained(str(hf_dir), device="cpu", dtype=dtype, layer_shards_saving_path=str(split))
     model.model.register_forward_pre_hook(ColdFiles(sorted(split.rglob("*.safetensors"))))
-    tok = model.tokenizer
-    timing = timed_generate(model, fixed_prompt(tok, prompt_tokens), tokens, pad_token_id=_pad(tok))
-    timing.extra["version"] = version
-    return timing
+    return timed_run(model, fixed_prompt(model.tokenizer, prompt_tokens), tokens)
 
 
 _RUNNERS = {"transformers": _run_transformers, "accelerate": _run_accelerate, "naive": _run_naive, "airllm": _run_airllm}

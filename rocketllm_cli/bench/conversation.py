@@ -80,9 +80,9 @@ def run_conversation(req: ConversationRequest, log) -> dict:
 def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> tuple[dict, object]:
     from ..shard.manifest import Manifest
     from ..stream.auto import AutoModel
-    from ..text.engine import Engine, GenerationRequest
+    from ..text.loop import GenerationRequest, Generator
     from ..text.prefix import PrefixCache
-    from ..text.textgen import SamplingParams
+    from ..text.sampling import SamplingParams
     from .regimes import regime_overrides
 
     model = AutoModel.from_pretrained(shards, flags=flags, log=log, **regime_overrides(regime, Manifest.load(shards)))
@@ -90,7 +90,7 @@ def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> 
         if not getattr(model.tokenizer, "chat_template", None):
             raise UsageError("--conversation needs a model whose tokenizer has a chat template")
         cache = PrefixCache(int(model.knobs.value("kv_cache_bytes")))
-        fresh, reusing = Engine(model, None), Engine(model, cache)
+        fresh, reusing = Generator(model), Generator(model, cache)
         params, one = SamplingParams(max_new_tokens=req.reply_tokens), SamplingParams(max_new_tokens=1)
         messages: list[dict] = []
         turns = []
@@ -103,14 +103,14 @@ def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> 
             # so every timed run with reuse on restores what the earlier turns left; then the whole replies.
             times: dict[str, list[float]] = {"off": [], "on": []}
             for _ in range(REPEATS):
-                times["off"].append(fresh.run(GenerationRequest(ids, one)).prefill_s)
-                times["on"].append(reusing.run(GenerationRequest(ids, one, keep_prefix=False)).prefill_s)
+                times["off"].append(fresh.run(GenerationRequest(ids, one)).stats.ttft_s)
+                times["on"].append(reusing.run(GenerationRequest(ids, one, keep_prefix=False)).stats.ttft_s)
             off = fresh.run(GenerationRequest(ids, params))
             on = reusing.run(GenerationRequest(ids, params))
             ms = {k: round(1000 * sorted(v)[len(v) // 2], 2) for k, v in times.items()}
             turns.append({"turn": turn + 1, "prompt_tokens": len(ids), "reused_tokens": on.reused_tokens,
                           "prefill_ms_off": ms["off"], "prefill_ms_on": ms["on"], "prefill_ms_samples": times,
-                          "computed_tokens_on": len(ids) - on.reused_tokens, "reply_tokens": off.completion_tokens,
+                          "computed_tokens_on": len(ids) - on.reused_tokens, "reply_tokens": off.new_tokens,
                           "same_reply": on.token_ids == off.token_ids, "first_difference": _first_difference(on.token_ids, off.token_ids)})
             log(f"turn {turn + 1}: {len(ids)} prompt tokens, {on.reused_tokens} reused; prefill median {ms['off']} ms off, "
                 f"{ms['on']} ms on")

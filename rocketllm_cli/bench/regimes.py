@@ -12,8 +12,7 @@ from __future__ import annotations
 import gc
 
 from ..sizes import format_bytes
-from ..tiers import TIERS
-from .timing import WARMUP, fixed_prompt, timed_generate
+from .timing import fixed_prompt, ms_summary, timed_run
 
 REGIMES = ("resident", "host", "storage", "expert-cache")
 DEFAULT_REGIMES = ("resident", "host", "storage")  # plus expert-cache for a mixture-of-experts model
@@ -57,26 +56,21 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
     overrides = regime_overrides(regime, Manifest.load(model_path))
     streamed = AutoModel.from_pretrained(model_path, flags=flags, log=log, **overrides)
     try:
-        ids = fixed_prompt(streamed.tokenizer, prompt_tokens)
-        timing = timed_generate(streamed, ids, tokens, pad_token_id=_pad(streamed))
-        steps = streamed.ledger.steps[1 + WARMUP :]  # steps[0] is the prefill pass
-        n = max(1, len(steps))
-        served = {t: sum(s.served[t] for s in steps) // n for t in TIERS}
-        witnessed = [s.witnessed_storage for s in steps if s.witnessed_storage is not None]
-        phases = sorted({p for s in steps for p in s.phases})
+        stats = timed_run(streamed, fixed_prompt(streamed.tokenizer, prompt_tokens), tokens)
+        served = stats.bytes_per_token
         moe = bool(streamed.manifest.experts)
-        lookups, hits = sum(s.expert_lookups for s in steps), sum(s.expert_hits for s in steps)
+        experts = stats.experts_per_token
         return {
             "name": "rocketllm", "regime": regime, "status": "measured", "reason": "",
-            "ttft_ms": round(1000 * timing.ttft_s, 1), "ms_per_token": timing.summary(),
+            "ttft_ms": round(1000 * stats.ttft_s, 1), "ms_per_token": ms_summary(stats.gaps_s),
             "bytes_per_token": served,
             # the limit's bytes: each weight once (a MoE token: the dense part and its routed experts, as served)
             "unique_bytes_per_tier": served if moe else streamed.plan.bytes_per_tier(streamed.manifest),
-            "experts_per_token": round(sum(s.experts for s in steps) / n, 2) if moe else None,
-            "expert_cache": {"lookups": lookups, "hits": hits, "hit_rate": round(hits / lookups, 4) if lookups else None} if moe else None,
+            "experts_per_token": round(experts, 2) if moe and experts is not None else None,
+            "expert_cache": stats.expert_cache if moe else None,
             "whole_layer_bytes_per_token": streamed.manifest.total_bytes if moe else None,
-            "storage_witnessed_per_token": sum(witnessed) // len(witnessed) if witnessed else timing.storage_bytes,
-            "phase_ms_per_token": {p: round(1000 * sum(s.phases.get(p, 0.0) for s in steps) / n, 2) for p in phases},
+            "storage_witnessed_per_token": stats.storage_witnessed_per_token,
+            "phase_ms_per_token": {p: round(1000 * s, 2) for p, s in (stats.phase_seconds_per_token or {}).items()},
             "read_method": read_method(streamed.knobs) if served["storage"] else None,
             "residency": streamed.plan.to_dict(), "residency_text": streamed.plan.describe(streamed.manifest),
             "knobs": {k: streamed.knobs.value(k) for k in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers",
@@ -88,8 +82,3 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
         del streamed
         gc.collect()
 
-
-def _pad(model) -> int | None:
-    config = model.generation_config
-    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
-    return pad[0] if isinstance(pad, list) else pad

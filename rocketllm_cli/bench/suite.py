@@ -121,27 +121,19 @@ def run_bench(req: BenchRequest, log) -> dict:
 def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log) -> tuple[dict, object, object]:
     """Throughput vs batch size N in one regime: each step of a batch of N is one streaming pass."""
     from ..stream.auto import AutoModel
-    from ..text.textgen import SamplingParams, generate_batch
-    from .timing import percentile
+    from .timing import ms_summary, percentile, timed_batch
 
     streamed = AutoModel.from_pretrained(shards, flags=flags, log=log, **regime_overrides(regime, Manifest.load(shards)))
     rows = []
     try:
         base = fixed_prompt(streamed.tokenizer, req.prompt_tokens + max(req.batch))
-        new = 1 + WARMUP + req.tokens
-        streamed.model.generation_config.min_new_tokens = new  # every sequence runs the full count: no early EOS
         for n in req.batch:
             log(f"batch {n}: measuring ({regime} regime)")
-            prompts = [base[:, i : i + req.prompt_tokens] for i in range(n)]  # distinct prompts of equal length
-            generate_batch(streamed, prompts, SamplingParams(max_new_tokens=new))
-            steps = streamed.ledger.steps[1 + WARMUP :]
-            ms = sorted(1000 * s.seconds for s in steps)
-            witnessed = [s.witnessed_storage for s in steps if s.witnessed_storage is not None]
-            median = percentile(ms, 50)
-            rows.append({"batch": n, "ms_per_step": {"median": round(median, 2), "p10": round(percentile(ms, 10), 2),
-                                                     "p90": round(percentile(ms, 90), 2), "n": len(ms)},
-                         "tokens_per_s": round(1000 * n / median, 3),
-                         "storage_witnessed_per_step": sum(witnessed) // len(witnessed) if witnessed else None})
+            prompts = [base[i : i + req.prompt_tokens] for i in range(n)]  # distinct prompts of equal length
+            stats = timed_batch(streamed, prompts, req.tokens)  # every sequence runs the full count: no early EOS
+            median = 1000 * percentile(sorted(stats.gaps_s), 50)
+            rows.append({"batch": n, "ms_per_step": ms_summary(stats.gaps_s), "tokens_per_s": round(1000 * n / median, 3),
+                         "storage_witnessed_per_step": stats.storage_witnessed_per_token})
         one = next((r for r in rows if r["batch"] == 1), rows[0])
         for r in rows:
             r["speedup_vs_1"] = round(r["tokens_per_s"] / one["tokens_per_s"], 2)

@@ -10,6 +10,7 @@ import typer
 from ..errors import RocketError
 from ..options import JsonOpt, validate_knob_flags, with_knob_options
 from ..output import Output
+from ..text.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 
 NAME = "generate"
 NO_ARGS_IS_HELP = True
@@ -26,10 +27,10 @@ Example: echo "The capital of France is" | rocketllm generate ./SmolLM2.gguf --r
 def run(
     model: Annotated[str, typer.Argument(help="Model directory, .gguf file, hub id, or shard directory.", show_default=False)],
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; read from stdin when absent or '-'.", show_default=False)] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely (0 = off).")] = 0,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = DEFAULT_MAX_NEW_TOKENS,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = SamplingParams.temperature,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = SamplingParams.top_p,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely (0 = off).")] = SamplingParams.top_k,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")] = None,
     chat: Annotated[Optional[bool], typer.Option("--chat/--raw", help="Apply the chat template (default when the tokenizer has one).", show_default=False)] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
@@ -38,14 +39,6 @@ def run(
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
-    from ..text.textgen import (
-        SamplingParams,
-        check_context,
-        encode_prompt,
-        generate_batch,
-        generate_text,
-    )
-
     output = Output(as_json=json)
     params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed)
     validate_knob_flags(knob_flags or {})
@@ -55,35 +48,40 @@ def run(
     prompts = [line for line in text.splitlines() if line.strip()] if batch else [text]
 
     from ..stream.auto import AutoModel
+    from ..text.loop import GenerationRequest, Generator
+    from ..text.prompts import check_context, encode_prompt
 
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
     try:
-        ids = [encode_prompt(streamed.tokenizer, p, chat, system) for p in prompts]
+        ids = [encode_prompt(streamed.tokenizer, p, chat, system)[0].tolist() for p in prompts]
         for one in ids:
-            check_context(one.shape[1], params.max_new_tokens, int(streamed.knobs.value("max_context")))
-        if batch:
-            results = generate_batch(streamed, ids, params)
-        else:
-            result = generate_text(streamed, ids[0], params, on_text=None if json else output.stream)
+            check_context(len(one), params.max_new_tokens, int(streamed.knobs.value("max_context")))
+        on_text = None if json or batch else output.stream
+        results = Generator(streamed).run_batch([GenerationRequest(one, params, on_text=on_text) for one in ids])
+        figures = {**results[0].stats.to_dict(), "residency": streamed.plan.describe(streamed.manifest), "device": str(streamed.device),
+                 "compute_dtype": str(streamed.dtype).replace("torch.", ""), **({"batch": len(results)} if batch else {})}
     finally:
         streamed.close()
     if batch:
         if json:
-            output.json({"model": model, "results": [{k: v for k, v in r.to_dict().items() if k != "stats"} for r in results],
-                         "stats": results[0].stats})
+            output.json({"model": model, "results": [_result(r) for r in results], "stats": figures})
         else:
             for r in results:
                 output.stream(r.text.replace("\\", "\\\\").replace("\n", "\\n") + "\n")
         if stats:
-            total_new = sum(r.new_tokens for r in results)
-            output.log(format_stats(results[0].stats, sum(r.prompt_tokens for r in results), total_new))
+            output.log(format_stats(figures, sum(r.prompt_tokens for r in results), sum(r.new_tokens for r in results)))
         return
+    result = results[0]
     if json:
-        output.json({**result.to_dict(), "model": model})
+        output.json({**_result(result), "stats": figures, "model": model})
         return
     output.stream("\n")
     if stats:
-        output.log(format_stats(result.stats, result.prompt_tokens, result.new_tokens))
+        output.log(format_stats(figures, result.prompt_tokens, result.new_tokens))
+
+
+def _result(outcome) -> dict:
+    return {"text": outcome.text, "prompt_tokens": outcome.prompt_tokens, "new_tokens": outcome.new_tokens}
 
 
 def _read_prompt(prompt: Optional[str]) -> str:

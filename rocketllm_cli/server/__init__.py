@@ -1,12 +1,12 @@
 """rocketllm serve: an OpenAI- and Anthropic-compatible HTTP server over one streaming model.
 
-    engine.py     one generation: transformers' generate with stop strings, cancellation and the prefix cache
-    worker.py     the one thread that owns the model and runs jobs in arrival order
+    worker.py     the one thread that owns the model and runs jobs in arrival order (through text/loop.py, the
+                  generation loop `generate` and `bench` use too: stop strings, cancellation, the prefix cache)
     prompts.py    chat messages (and tools) through the model's own chat template
     tools.py      tool-call parser families, chosen by reading the chat template
     openai_api.py / anthropic_api.py   each API's request checks, responses, stream events and error shape
     metrics.py    Prometheus text
     app.py        the FastAPI app (the only module that imports the server extra)
 
-Nothing here but app.py imports FastAPI, so the engine and the parsers work in a base install.
+Nothing here but app.py imports FastAPI, so the worker and the parsers work in a base install.
 """

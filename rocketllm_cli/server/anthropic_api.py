@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ..text.engine import GenerationRequest
+from ..text.loop import GenerationRequest
 from .common import (
     APIError,
     Prepared,
@@ -206,7 +206,7 @@ def _stop_reason(outcome, calls) -> str:
 
 
 def usage(outcome) -> dict:
-    return {"input_tokens": outcome.prompt_tokens - outcome.reused_tokens, "output_tokens": outcome.completion_tokens,
+    return {"input_tokens": outcome.prompt_tokens - outcome.reused_tokens, "output_tokens": outcome.new_tokens,
             "cache_read_input_tokens": outcome.reused_tokens, "cache_creation_input_tokens": 0}
 
 

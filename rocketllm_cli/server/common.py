@@ -7,8 +7,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..text.engine import GenerationRequest
-from ..text.textgen import SamplingParams
+from ..errors import ParameterError
+from ..text.loop import GenerationRequest
+from ..text.sampling import SamplingParams
 
 
 class APIError(Exception):
@@ -121,7 +122,7 @@ def stop_strings(value: object, name: str) -> tuple[str, ...]:
 def sampling(body: dict, max_tokens: int, temperature_max: float, temperature_default: float = 1.0) -> SamplingParams:
     """Sampling settings from a request body (after max_tokens is known). Temperature 0 is greedy."""
     top_k = number(body, "top_k", -1, integer=True, default=0)
-    return SamplingParams(
+    settings = dict(
         max_new_tokens=max_tokens,
         temperature=number(body, "temperature", 0, temperature_max, default=temperature_default),
         top_p=number(body, "top_p", 0, 1, low_open=True, default=1.0),
@@ -129,6 +130,22 @@ def sampling(body: dict, max_tokens: int, temperature_max: float, temperature_de
         seed=number(body, "seed", integer=True),
         repetition_penalty=number(body, "repetition_penalty", 0, low_open=True, default=1.0),
     )
+    try:
+        return SamplingParams(**settings)
+    except ParameterError as exc:  # the fields are checked above; a check of the library's own still reads in the API's terms
+        raise refused(exc) from None
+
+
+API_FIELDS = {"max_new_tokens": "max_tokens"}  # library keyword -> request field, where they differ
+
+
+def api_field(param: str) -> str:
+    return API_FIELDS.get(param, param)
+
+
+def refused(exc: ParameterError) -> APIError:
+    """A library ParameterError as a 400 that names the request's fields."""
+    return bad(exc.spelled(lambda name: f"'{api_field(name)}'"), api_field(exc.params[0]) if exc.params else None)
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, param: str) -> int:

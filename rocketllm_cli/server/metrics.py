@@ -46,16 +46,17 @@ class Metrics:
     def generation(self, outcome) -> None:
         with self._lock:
             self.tokens["prompt"] += outcome.prompt_tokens
-            self.tokens["generated"] += outcome.completion_tokens
+            self.tokens["generated"] += outcome.new_tokens
             self.tokens["reused"] += outcome.reused_tokens
             if outcome.finish_reason == "cancelled":
                 self.cancelled += 1
-            self.token_latency.observe(outcome.token_gaps_s)
-            if outcome.prefill_s is not None:
-                self.prefill_latency.observe([outcome.prefill_s])
-            for tier, n in outcome.served_bytes.items():
+            stats = outcome.stats
+            self.token_latency.observe(stats.gaps_s)
+            if stats.ttft_s is not None:
+                self.prefill_latency.observe([stats.ttft_s])
+            for tier, n in stats.served_bytes.items():
                 self.bytes_served[tier] += n
-            per = outcome.ledger.get("per_token_served")
+            per = stats.bytes_per_token
             if per:
                 self.bytes_per_token = dict(per)
 

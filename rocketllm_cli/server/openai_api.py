@@ -3,7 +3,7 @@ stream-chunk and error shapes."""
 
 from __future__ import annotations
 
-from ..text.engine import GenerationRequest
+from ..text.loop import GenerationRequest
 from .common import (
     APIError,
     Prepared,
@@ -216,8 +216,8 @@ def prepare_completion(body: dict, state) -> Prepared:
 
 # -- responses -----------------------------------------------------------------------------------------
 def usage(outcome) -> dict:
-    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.new_tokens,
+            "total_tokens": outcome.prompt_tokens + outcome.new_tokens,
             "prompt_tokens_details": {"cached_tokens": outcome.reused_tokens}}
 
 

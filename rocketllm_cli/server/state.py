@@ -1,4 +1,4 @@
-"""Everything the server holds for its one model: the engine and its worker, prompts, tool family, prefix cache, metrics."""
+"""Everything the server holds for its one model: the generator and its worker, prompts, tool family, prefix cache, metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..text.engine import Engine
+from ..text.loop import Generator
 from ..text.prefix import PrefixCache, decide
 from .metrics import Metrics
 from .prompts import PromptBuilder
@@ -43,13 +43,13 @@ class ServerState:
         self.prefix_on, self.prefix_reason = decide(setting, model.plan, model.manifest)
         budget = int(knobs.value("kv_cache_bytes")) if knobs is not None else 1 << 30
         self.prefix_cache = PrefixCache(budget) if self.prefix_on else None
-        self.engine = Engine(model, self.prefix_cache)
+        self.generator = Generator(model, self.prefix_cache)
         self.metrics = Metrics()
         self.multimodal = any(getattr(model.config, key, None) is not None for key in ("vision_config", "audio_config"))
         self.residency = model.plan.describe(model.manifest)
         self._noticed: set[str] = set()
         self._notice_lock = threading.Lock()
-        self.worker = Worker(self.engine, on_finish=self._finished)
+        self.worker = Worker(self.generator, on_finish=self._finished)
 
     # -- what the server says once --------------------------------------------------------------
     def notice_once(self, key: str, message: str) -> bool:

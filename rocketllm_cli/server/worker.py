@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..text.engine import Engine, GenerationOutcome, GenerationRequest
+from ..text.loop import GenerationOutcome, GenerationRequest, Generator
 
 HISTORY = 256  # finished jobs remembered (for /health and tests)
 
@@ -56,7 +56,7 @@ class Job:
         o = self.outcome
         return {
             "id": self.id, "endpoint": self.endpoint, "state": self.state, "position": self.position,
-            "prompt_tokens": len(self.request.prompt_ids), "generated_tokens": o.completion_tokens if o else 0,
+            "prompt_tokens": len(self.request.prompt_ids), "generated_tokens": o.new_tokens if o else 0,
             "reused_tokens": o.reused_tokens if o else 0, "finish_reason": o.finish_reason if o else None,
             "max_new_tokens": self.request.params.max_new_tokens,
             "waited_s": round((self.started_at or self.finished_at or time.monotonic()) - self.enqueued_at, 4),
@@ -74,8 +74,8 @@ class Job:
 
 
 class Worker:
-    def __init__(self, engine: Engine, on_finish=None) -> None:
-        self.engine = engine
+    def __init__(self, generator: Generator, on_finish=None) -> None:
+        self.generator = generator
         self.on_finish = on_finish or (lambda job: None)
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
@@ -147,7 +147,7 @@ class Worker:
                 job.state = "running"
                 job.started_at = time.monotonic()
             try:
-                job.outcome = self.engine.run(job.request)
+                job.outcome = self.generator.run(job.request)
             except BaseException as exc:  # noqa: BLE001 - reported to the request; the worker keeps serving
                 job.error = exc
                 with self._cv:

@@ -1,0 +1,171 @@
+"""The one generation loop: `generate`, `bench` and `serve` all run their prompts through Generator.
+
+Layered as mlx-lm does: transformers' generate yields tokens; the streamer (streamer.py) turns them into text
+pieces, with a timestamp and a read_bytes mark per step; the outcome carries the full text, the ids, why it
+ended and the figures stats.py measures. Any transformers-compatible model works: a StreamingModel's ledger
+adds bytes per tier, a plain model (bench's baselines) reports times and witnessed reads only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import StoppingCriteriaList
+
+from .sampling import SamplingParams
+from .stats import GenerationStats, Record, measure
+from .streamer import Row, StopWhen, Streamer
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    cancel: threading.Event = field(default_factory=threading.Event)
+    on_text: Callable[[str], None] | None = None  # called on the generating thread with each safe piece of text
+    use_prefix_cache: bool = True
+    keep_prefix: bool = True  # store this generation's KV for later prompts (bench times repeats without it)
+
+
+@dataclass
+class GenerationOutcome:
+    text: str  # the reply, trimmed at the stop string
+    token_ids: list[int]  # every generated id (an end-of-sequence id included)
+    prompt_tokens: int
+    finish_reason: str  # stop | length | cancelled
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
+    reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    record: Record = field(default_factory=Record)  # what the generation saw, step by step (shared by a batch's rows)
+    stats: GenerationStats = field(default_factory=GenerationStats)  # measure(record): every step counted
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ledger(self) -> dict:
+        """The ledger's summary of this generation (empty for a model without a ledger)."""
+        return self.stats.ledger
+
+
+def eos_token_ids(model) -> list[int]:
+    """The model's end-of-sequence ids, in the generation config's order."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def pad_token_id(model) -> int:
+    """The one pad rule: generation_config.pad_token_id, else the first end-of-sequence id, else 0."""
+    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if pad is not None:
+        return int(pad)
+    eos = eos_token_ids(model)
+    return eos[0] if eos else 0
+
+
+class Generator:
+    """Runs requests on one model, one generate call at a time (the server's worker thread is its only caller there)."""
+
+    def __init__(self, model, prefix_cache=None, tokenizer=None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        self.prefix_cache = prefix_cache
+        self.pad_id = pad_token_id(model)
+        self.eos_ids = set(eos_token_ids(model))
+        self.device = getattr(model, "device", None) or torch.device("cpu")
+
+    def run(self, request: GenerationRequest) -> GenerationOutcome:
+        """Generate for one prompt; the prefix cache (if any) is looked up and, unless keep_prefix is off, extended."""
+        return self.run_batch([request])[0]
+
+    def run_batch(self, requests: list[GenerationRequest]) -> list[GenerationOutcome]:
+        """Generate for several prompts in one batch: every forward pass serves all of them.
+
+        Prompts are left-padded so new tokens line up; outcomes come back in input order, each row cut at its
+        first end-of-sequence id as a lone run would have stopped there. All rows share one SamplingParams.
+        """
+        if not requests:
+            raise ValueError("no prompts to generate for")
+        params = requests[0].params
+        if any(r.params != params for r in requests):
+            raise ValueError("the prompts of one batch share one SamplingParams")
+        if self.tokenizer is None and any(r.on_text is not None or r.stop for r in requests):
+            raise ValueError("streamed text and stop strings need a tokenizer")
+        if all(r.cancel.is_set() for r in requests):
+            return [GenerationOutcome("", [], len(r.prompt_ids), "cancelled") for r in requests]
+        single = requests[0] if len(requests) == 1 else None
+        record = Record(start=time.perf_counter())  # the prefill time includes restoring a cached prefix
+        hit = self.prefix_cache.lookup(list(single.prompt_ids)) if self._caching(single) else None
+        extra = {}
+        if hit is not None:
+            from .prefix import generate_cache_kwarg
+
+            extra[generate_cache_kwarg(self.model)] = hit.cache
+        keep = self._caching(single) and single.keep_prefix
+        if keep:
+            extra["return_dict_in_generate"] = True  # the output then carries the cache to store
+        ids, mask = self._left_padded([r.prompt_ids for r in requests])
+        rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel) for r in requests]
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        ledger = getattr(self.model, "ledger", None)
+        if ledger is not None:
+            ledger.reset()
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
+                streamer=Streamer(rows, record), stopping_criteria=StoppingCriteriaList([StopWhen(rows)]),
+                pad_token_id=self.pad_id, **params.generate_kwargs(), **extra,
+            )
+        record.end = time.perf_counter()
+        record.steps = list(ledger.steps) if ledger is not None else []
+        sequences = getattr(out, "sequences", out)
+        width = ids.shape[1]
+        if keep:
+            from .prefix import output_cache
+
+            cache = output_cache(out)
+            if cache is not None:  # the last id has no KV yet: store() crops to what the cache holds
+                self.prefix_cache.store(list(single.prompt_ids) + sequences[0, width:].tolist(), cache)
+        stats = measure(record)
+        outcomes = []
+        for i, (request, row) in enumerate(zip(requests, rows)):
+            new = self._cut(sequences[i, width : row.ended_at].tolist())
+            outcomes.append(GenerationOutcome(
+                text=row.finish(new), token_ids=new, prompt_tokens=len(request.prompt_ids),
+                finish_reason=self._finish_reason(row, request, new), stop_sequence=row.stop_sequence,
+                reused_tokens=hit.tokens if hit is not None else 0, record=record, stats=stats,
+            ))
+        del out
+        return outcomes
+
+    def _caching(self, request: GenerationRequest | None) -> bool:
+        return request is not None and self.prefix_cache is not None and request.use_prefix_cache
+
+    def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+        return ids, mask
+
+    def _cut(self, new: list[int]) -> list[int]:
+        """A row's ids up to its first end-of-sequence id: what a lone run would have stopped at."""
+        cut = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
+        return new[: cut + 1] if cut is not None else new
+
+    def _finish_reason(self, row: Row, request: GenerationRequest, new: list[int]) -> str:
+        if row.stop_at is not None:
+            return "stop"
+        if request.cancel.is_set():
+            return "cancelled"
+        if new and new[-1] in self.eos_ids:
+            return "stop"
+        return "length" if len(new) >= request.params.max_new_tokens else "stop"
