@@ -47,12 +47,14 @@ def run(
     text = _read_prompt(prompt)
     prompts = [line for line in text.splitlines() if line.strip()] if batch else [text]
 
+    # cheap: from_pretrained checks MODEL before torch and transformers are imported
     from ..stream.auto import AutoModel
-    from ..text.loop import GenerationRequest, Generator
-    from ..text.prompts import check_context, encode_prompt
 
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
     try:
+        from ..text.loop import GenerationRequest, Generator
+        from ..text.prompts import check_context, encode_prompt
+
         ids = [encode_prompt(streamed.tokenizer, p, chat, system)[0].tolist() for p in prompts]
         for one in ids:
             check_context(len(one), params.max_new_tokens, int(streamed.knobs.value("max_context")))

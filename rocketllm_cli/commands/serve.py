@@ -44,6 +44,9 @@ def run(
     if served_model_name is not None and not served_model_name.strip():
         raise RocketError("--served-model-name is empty; give the name clients should send, or leave it out")
     validate_knob_flags(knob_flags or {})
+    from ..shard.source import check_locatable
+
+    check_locatable(model)  # a mistyped path is refused before the server, torch and transformers are imported
     try:
         import fastapi  # noqa: F401
         import uvicorn

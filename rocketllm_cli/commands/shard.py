@@ -31,12 +31,15 @@ def run(
     json: JsonOpt = False,
 ) -> None:
     from ..dtypes import NAMES as DTYPES
-    from ..shard.checks import verify as verify_dir
-    from ..shard.manifest import MANIFEST, Manifest
-    from ..shard.sharder import shard, summarize
+    from ..shard.source import check_locatable
 
     if dtype != "auto" and dtype not in DTYPES:
         raise ShardError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
+    check_locatable(model)  # a mistyped path is refused before torch and transformers are imported
+
+    from ..shard.checks import verify as verify_dir
+    from ..shard.manifest import MANIFEST, Manifest
+    from ..shard.sharder import shard, summarize
     output = Output(as_json=json)
     path = Path(model).expanduser()
     from_source = not (path.is_dir() and (path / MANIFEST).is_file())

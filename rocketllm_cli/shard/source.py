@@ -11,12 +11,14 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import ModelError, ShardError
 from . import stfile
 from .manifest import MANIFEST, RESHARD, UNIT_FILE
+
+if TYPE_CHECKING:  # torch is imported where tensors are read, so locating a model stays cheap
+    import torch
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TOKENIZER_FILES = (
@@ -93,8 +95,7 @@ def resolve(model: str | os.PathLike) -> Path:
     path = Path(text).expanduser()
     if path.exists():
         return path
-    looks_like_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and not path.suffix
-    if not looks_like_id:
+    if not _looks_like_hub_id(text):
         raise ModelError(f"model path not found: {text} (give a model directory, a .gguf file or a hub id like org/name)")
     try:
         from huggingface_hub import snapshot_download
@@ -104,6 +105,19 @@ def resolve(model: str | os.PathLike) -> Path:
         offline = os.environ.get("HF_HUB_OFFLINE") or "connect" in str(exc).lower() or "resolve" in str(exc).lower()
         why = "the hub is not reachable (offline?)" if offline else f"{type(exc).__name__}"
         raise ModelError(f"cannot download {text}: {why}; download it elsewhere and pass the local directory") from None
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and not Path(text).suffix
+
+
+def check_locatable(model: str | os.PathLike) -> None:
+    """Refuse a local MODEL that cannot be a checkpoint, cheaply (no torch, no transformers, no network)."""
+    path = Path(str(model)).expanduser()
+    if path.exists() and not (path.is_dir() and (path / MANIFEST).is_file()):
+        locate(path)
+    elif not path.exists() and not _looks_like_hub_id(str(model)):
+        resolve(model)  # refused in one line; a hub id is fetched later, when it is sharded
 
 
 def locate(model: str | os.PathLike) -> Located:
@@ -193,6 +207,8 @@ def _open_safetensors(path: Path, config, files: list[Path]) -> Source:
 
 
 def _open_bin(path: Path, config, files: list[Path]) -> Source:
+    import torch
+
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
@@ -226,6 +242,8 @@ def _open_gguf(path: Path) -> Source:
     if lazy is not None:
         return Source("gguf", path, path.stem, config, shapes=dict(lazy.shapes), _lazy=lazy)
     try:
+        import torch
+
         from ..compat import dtype_kwargs
 
         kwargs = {"gguf_file": path.name, **dtype_kwargs(torch.bfloat16)}  # torch_dtype before transformers 4.56

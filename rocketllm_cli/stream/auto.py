@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..shard.manifest import MANIFEST, Manifest
-from .model import EngineConfig, StreamingModel
 from .plan import check_budget
+
+if TYPE_CHECKING:  # torch and transformers load only once the model path has been checked
+    from .model import EngineConfig, StreamingModel
 
 
 def ensure_shards(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=None) -> tuple[Manifest, Path]:
@@ -23,6 +26,8 @@ def ensure_shards(model: str | os.PathLike, out: Path | None = None, dtype: str 
 
 def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, list[str]]:
     """Turn resolved knobs into the engine's config; returns it and the decisions worth logging once."""
+    from .model import EngineConfig
+
     notes = []
     compute = knobs.value("compute_dtype")
     if not knobs["compute_dtype"].overridden:
@@ -82,6 +87,10 @@ class AutoModel:
     @staticmethod
     def from_pretrained(model: str | os.PathLike, *, out: Path | None = None, shard_dtype: str = "auto", flags: dict | None = None,
                         refresh_profile: bool = False, progress=None, log=None, **knob_overrides) -> StreamingModel:
+        from ..shard.source import check_locatable
+
+        check_locatable(model)  # a mistyped path is refused before torch and transformers are imported
+
         from transformers import AutoConfig
 
         from ..profiles import HardwareProfile, resolve_knobs
@@ -97,6 +106,8 @@ class AutoModel:
         config, notes = engine_config(profile, knobs, manifest)
         resident = sum(u.tensor_bytes for u in manifest.units if u.kind == "root")
         check_budget(resident, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
+        from .model import StreamingModel
+
         streamed = StreamingModel(directory, config, manifest)
         if any(tier != "device" for tier in streamed.plan.tier.values()):  # resident units convert once, at load
             for note in notes:
