@@ -15,11 +15,9 @@ from math import ceil, floor
 
 from ...shard.modelfacts import ModelFacts
 from ..hardware import HardwareProfile
-from ..probe.storage import PARALLEL_READS
+from ..probe.storage import IN_FLIGHT, IN_FLIGHT_NOTE, in_flight_inputs
 
 GiB, MiB = 1024**3, 1024**2
-# Parallel reads worth issuing per storage kind: NVMe and network filesystems gain from deep queues,
-# one disk head does not, a virtual disk's medium is unknown (measured: 1 or 2 in flight similar here).
 NAMESPACE = {"min": min, "max": max, "floor": floor, "ceil": ceil, "__builtins__": {}}
 
 
@@ -86,11 +84,7 @@ def max_context(c: Context) -> Derivation:
 
 def io_workers(c: Context) -> Derivation:
     kind = str(c.profile.capability("storage_kind") or "unknown")
-    return Derivation("max(1, min(parallel_reads, cpu_cores // (2 - direct_io)))",
-                      {"storage_kind": kind, "parallel_reads": PARALLEL_READS.get(kind, 2), "cpu_cores": c.profile.cpu_cores,
-                       "direct_io": int(bool(c.values["direct_io"]))},
-                      note="buffered reads copy through the page cache and compete with compute: at most half the cores; "
-                           "O_DIRECT reads are DMA and cost almost no CPU")
+    return Derivation(IN_FLIGHT, in_flight_inputs(kind, c.profile.cpu_cores, c.values["direct_io"]), note=IN_FLIGHT_NOTE)
 
 
 def prefetch_depth(c: Context) -> Derivation:
