@@ -18,6 +18,11 @@ from ..hardware import HardwareProfile
 from ..probe.storage import IN_FLIGHT, IN_FLIGHT_NOTE, in_flight_inputs
 
 GiB, MiB = 1024**3, 1024**2
+# A knob's value where the profile lacks what derives it; EngineConfig's defaults are the same values.
+FALLBACK_COMPUTE_DTYPE = "fp32"  # runs on every device
+FALLBACK_PREFETCH_DEPTH = 2  # double buffering
+FALLBACK_DIRECT_IO = False  # buffered reads work on every filesystem
+DEFAULT_EXPERT_CACHE_POLICY = "lfu"  # why: see expert_cache_policy() below
 NAMESPACE = {"min": min, "max": max, "floor": floor, "ceil": ceil, "__builtins__": {}}
 
 
@@ -58,7 +63,7 @@ def reserve_bytes(c: Context) -> Derivation:
 def compute_dtype(c: Context) -> Derivation:
     cap = c.profile.capabilities.get("compute_dtype")
     if cap is None:
-        return Derivation("'fp32'", {}, "default", "compute dtype capability was not measured")
+        return Derivation(repr(FALLBACK_COMPUTE_DTYPE), {}, "default", "compute dtype capability was not measured")
     return Derivation("decided_dtype", {"decided_dtype": cap.value}, note=cap.reason)
 
 
@@ -91,7 +96,7 @@ def prefetch_depth(c: Context) -> Derivation:
     storage = c.profile.storage_read_bps
     compute = c.profile.matvec_bps(c.values["compute_dtype"]) or c.profile.device_memory_bps
     if not storage or not compute:
-        return Derivation("2", {}, "default", "storage or compute bandwidth unmeasured: double buffering")
+        return Derivation(repr(FALLBACK_PREFETCH_DEPTH), {}, "default", "storage or compute bandwidth unmeasured: double buffering")
     inputs = {"max_depth": 4, "compute_read_bps": round(compute), "storage_read_bps": round(storage)}
     # Units that compute in the time one unit is read: that many reads in flight keep the reader ahead.
     formula = "max(1, min(max_depth, ceil(compute_read_bps / storage_read_bps)))"
@@ -151,7 +156,7 @@ def direct_io(c: Context) -> Derivation:
             note="O_DIRECT wins ties: it skips the page-cache copy and never evicts the resident set",
         )
     cap = c.profile.capabilities.get("direct_io")
-    return Derivation("False", {}, "default", cap.reason if cap else "storage was not measured")
+    return Derivation(repr(FALLBACK_DIRECT_IO), {}, "default", cap.reason if cap else "storage was not measured")
 
 
 def pin_memory(c: Context) -> Derivation:
@@ -165,7 +170,8 @@ def prefix_cache(c: Context) -> Derivation:
 
 
 def expert_cache_policy(c: Context) -> Derivation:
-    return Derivation("'lfu'", {}, "default", "measured: a decode pass walks the layers in a cycle, so LRU with room for fewer experts "
+    return Derivation(repr(DEFAULT_EXPERT_CACHE_POLICY), {}, "default",
+                      "measured: a decode pass walks the layers in a cycle, so LRU with room for fewer experts "
                       "than one pass routes evicts each just before its layer comes round again (docs/ARCHITECTURE.md)")
 
 
