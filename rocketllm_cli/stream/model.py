@@ -81,9 +81,14 @@ class Binding:
 
 
 class StreamingModel:
-    """A causal LM streamed from a shard directory. Attribute access falls through to the transformers model."""
+    """A causal LM streamed from a shard directory. Attribute access falls through to the transformers model.
+
+    Holds the residency plan (`plan`), the weight store (`store`), the byte ledger (`ledger`) and the tokenizer; close()
+    (or a with block) stops its IO threads and unmaps its files. AutoModel.from_pretrained builds one from resolved knobs.
+    """
 
     def __init__(self, directory: Path, config: EngineConfig, manifest: Manifest | None = None) -> None:
+        """Open the shard set in DIRECTORY as `config` says; `manifest` saves loading (and checking) it again."""
         from transformers import AutoConfig
 
         self.directory = Path(directory)
@@ -207,6 +212,7 @@ class StreamingModel:
         return self.model.generate(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        """One forward pass of the transformers model, weights streamed in as each unit runs."""
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -215,6 +221,7 @@ class StreamingModel:
         return getattr(self.model, name)
 
     def close(self) -> None:
+        """Remove the hooks, stop the IO threads and unmap the shard files; the model cannot run afterwards."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
