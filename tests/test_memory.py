@@ -33,6 +33,7 @@ def _probe(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_shard_then_stream_peak_memory(big):
     source, shards = big
     weights = sum(f.stat().st_size for f in source.glob("*.safetensors"))

@@ -66,7 +66,9 @@ RESIDENCIES = {
 @pytest.mark.parametrize("arch", DENSE)
 def test_streamed_equals_transformers(arch, reference, shards):
     expected = reference(arch)
-    assert len(set(expected[0, PROMPT.shape[1]:].tolist())) >= 1
+    new = expected[0, PROMPT.shape[1]:].tolist()
+    # A reference that repeats one token could be matched by a stream that got the weights wrong.
+    assert len(new) == NEW_TOKENS and len(set(new)) > 1, f"{arch}: degenerate reference {new}"
     for layout in ("single", "sharded"):
         manifest, directory = shards(arch, layout)
         for residency, budget in RESIDENCIES.items():

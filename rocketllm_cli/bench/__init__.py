@@ -4,12 +4,21 @@
     print(render(doc))
 
 Modules: regimes (knob overrides and our measured row), baselines (+ naive), timing (one method for all),
-sources (synthetic cache, Hugging Face copy of a GGUF), accounting (projection, limit, efficiency), report.
+sources (synthetic cache, Hugging Face copy of a GGUF), accounting (projection, limit, efficiency), report,
+defaults (what a run measures unless told).
+
+Importing the package is cheap, so the CLI reads `defaults` at start: each name below loads its module
+(and torch) when first used.
 """
 
-from .baselines import BASELINES
-from .regimes import REGIMES
-from .report import render
-from .suite import BenchRequest, run_bench
+from importlib import import_module
+
+_HOME = {"BASELINES": "baselines", "REGIMES": "regimes", "render": "report", "BenchRequest": "suite", "run_bench": "suite"}
 
 __all__ = ["BASELINES", "REGIMES", "BenchRequest", "render", "run_bench"]
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_HOME[name]}", __name__), name)

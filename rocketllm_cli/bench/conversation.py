@@ -13,6 +13,7 @@ import gc
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
+from .defaults import CONVERSATION_REGIME, REPLY_TOKENS
 
 USER_TURNS = (
     "Tell me about the history of computing in a few sentences.",
@@ -21,7 +22,6 @@ USER_TURNS = (
     "What limits how fast such a computer can run?",
     "Sum up our conversation in one sentence.",
 )
-DEFAULT_REGIME = "resident"  # where reuse pays; a streaming regime shows that it does not
 REPEATS = 3  # timed prefills per turn and setting; the median is reported
 
 
@@ -30,7 +30,7 @@ class ConversationRequest:
     model: str | None
     synthetic: str | None
     turns: int
-    reply_tokens: int = 32
+    reply_tokens: int = REPLY_TOKENS
     regimes: tuple[str, ...] = ()
     knob_flags: dict = field(default_factory=dict)
 
@@ -41,7 +41,7 @@ class ConversationRequest:
             raise UsageError(f"--conversation must be between 1 and 20 turns (got {self.turns})")
         if self.reply_tokens < 1:
             raise UsageError(f"--tokens must be at least 1 (got {self.reply_tokens})")
-        self.regimes = tuple(self.regimes) or (DEFAULT_REGIME,)
+        self.regimes = tuple(self.regimes) or (CONVERSATION_REGIME,)
 
 
 def run_conversation(req: ConversationRequest, log) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..shard.manifest import Manifest
 from .baselines import BASELINES, REGIMES_OF, run_baseline
+from .defaults import BATCH_REGIME, DECODE_TOKENS, PROMPT_TOKENS
 from .regimes import (
     DEFAULT_REGIMES,
     REGIME_KNOBS,
@@ -25,9 +26,9 @@ from .timing import WARMUP, fixed_prompt
 class BenchRequest:
     model: str | None = None
     synthetic: str | None = None
-    regimes: tuple[str, ...] = ()  # empty: every regime, or storage alone for a batch sweep
-    tokens: int = 8
-    prompt_tokens: int = 16
+    regimes: tuple[str, ...] = ()  # empty: every regime, or BATCH_REGIME alone for a batch sweep
+    tokens: int = DECODE_TOKENS
+    prompt_tokens: int = PROMPT_TOKENS
     baselines: tuple[str, ...] = ()
     batch: tuple[int, ...] = ()
     knob_flags: dict = field(default_factory=dict)
@@ -41,7 +42,7 @@ class BenchRequest:
             raise UsageError(f"--prompt-tokens must be at least 1 (got {self.prompt_tokens})")
         for regime in self.regimes:
             if regime not in REGIMES:
-                raise UsageError(f"bad --regime {regime!r}: expected resident, host, storage, expert-cache or all")
+                raise UsageError(f"bad --regime {regime!r}: expected {', '.join(REGIMES)} or all")
         for name in self.baselines:
             if name not in BASELINES:
                 raise UsageError(f"bad --baseline {name!r}: expected one of {', '.join(BASELINES)}")
@@ -49,9 +50,9 @@ class BenchRequest:
             if n < 1:
                 raise UsageError(f"--batch sizes must be at least 1 (got {n})")
         if self.batch and len(self.regimes) > 1:
-            raise UsageError("--batch measures one regime: pass --regime resident, host or storage (default storage)")
+            raise UsageError(f"--batch measures one regime: pass --regime resident, host or storage (default {BATCH_REGIME})")
         if not self.regimes:
-            self.regimes = ("storage",) if self.batch else ()  # () = every regime that applies to the model
+            self.regimes = (BATCH_REGIME,) if self.batch else ()  # () = every regime that applies to the model
 
 
 def run_bench(req: BenchRequest, log) -> dict:

@@ -6,6 +6,13 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..bench.defaults import (
+    BATCH_REGIME,
+    CONVERSATION_REGIME,
+    DECODE_TOKENS,
+    PROMPT_TOKENS,
+    REPLY_TOKENS,
+)
 from ..options import JsonOpt, validate_knob_flags, with_knob_options
 from ..output import Output
 
@@ -24,9 +31,9 @@ Examples:
   rocketllm bench ./SmolLM2.gguf --conversation 3
 """
 
-RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help="resident, host, storage, expert-cache (MoE models) or all (repeatable). [default: all that apply; storage with --batch]", show_default=False)]
+RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help=f"resident, host, storage, expert-cache (MoE models) or all (repeatable). [default: all that apply; {BATCH_REGIME} with --batch]", show_default=False)]
 BaselineOpt = Annotated[Optional[list[str]], typer.Option("--baseline", help="transformers, accelerate, naive, airllm or all (repeatable; several names after one flag work too).", show_default=False)]
-ConversationOpt = Annotated[Optional[int], typer.Option("--conversation", help="Replay an N-turn chat with prefix reuse off and on and print each turn's prefill time (resident regime unless --regime; replies of --tokens, default 32).", show_default=False)]
+ConversationOpt = Annotated[Optional[int], typer.Option("--conversation", help=f"Replay an N-turn chat with prefix reuse off and on and print each turn's prefill time ({CONVERSATION_REGIME} regime unless --regime; replies of --tokens, default {REPLY_TOKENS}).", show_default=False)]
 BatchOpt = Annotated[Optional[list[int]], typer.Option("--batch", help="Batch sizes to sweep (e.g. --batch 1 4 8): throughput vs N in one regime.", show_default=False)]
 
 
@@ -35,8 +42,8 @@ def run(
     model: Annotated[Optional[list[str]], typer.Argument(help="Model directory, .gguf file, hub id or shard directory.", show_default=False, metavar="[MODEL]")] = None,
     synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="Bench a random-weight model ARCH:SIZE (e.g. llama:1B), written once into the cache.", show_default=False)] = None,
     regime: RegimeOpt = None,
-    tokens: Annotated[Optional[int], typer.Option("--tokens", help="Decode tokens measured (after one warm-up token). [default: 8]", show_default=False)] = None,
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Length of the fixed prompt in tokens.")] = 16,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", help=f"Decode tokens measured (after one warm-up token). [default: {DECODE_TOKENS}]", show_default=False)] = None,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Length of the fixed prompt in tokens.")] = PROMPT_TOKENS,
     baseline: BaselineOpt = None,
     batch: BatchOpt = None,
     conversation: ConversationOpt = None,
@@ -51,7 +58,7 @@ def run(
     if conversation is not None:
         _conversation(model, synthetic, conversation, tokens, regime, baseline, batch, knob_flags or {}, output)
         return
-    tokens = 8 if tokens is None else tokens
+    tokens = DECODE_TOKENS if tokens is None else tokens
     regimes = () if "all" in regime else tuple(dict.fromkeys(regime))  # () = every regime that applies to the model
     baselines = tuple(BASELINES if b == "all" else (b,) for b in baseline)
     req = BenchRequest(model, synthetic, regimes, tokens, prompt_tokens,
@@ -98,8 +105,8 @@ def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob
     regimes = tuple(dict.fromkeys(r for name in regime for r in (REGIMES if name == "all" else (name,))))
     for name in regimes:
         if name not in REGIMES:
-            raise UsageError(f"bad --regime {name!r}: expected resident, host, storage, expert-cache or all")
-    req = ConversationRequest(model, synthetic, turns, 32 if tokens is None else tokens, regimes, knob_flags)
+            raise UsageError(f"bad --regime {name!r}: expected {', '.join(REGIMES)} or all")
+    req = ConversationRequest(model, synthetic, turns, REPLY_TOKENS if tokens is None else tokens, regimes, knob_flags)
     doc = run_conversation(req, output.log)
     if output.as_json:
         output.json(doc)

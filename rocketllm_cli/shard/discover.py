@@ -81,6 +81,10 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
 
 
 def discover(model: nn.Module) -> Layout:
+    """Split MODEL (a meta-device skeleton is enough) into units: embed, each layer of the stack, norm, lm_head, root and extras.
+
+    Found from the module tree alone, so any causal LM transformers builds works without a class for its architecture;
+    every persistent tensor lands in exactly one unit, tied ones become aliases. ModelError if there is no decoder stack."""
     modules = dict(model.named_modules())
     names = {id(m): n for n, m in modules.items()}
     stack = _find_stack(modules)

@@ -55,6 +55,10 @@ class UnitRecord:
 
 @dataclass
 class Manifest:
+    """What a shard directory holds: the model's identity and dtype, and every unit with its file and tensors.
+
+    The one description the streaming side trusts, so load() checks it and every unit file before returning it."""
+
     source: dict  # kind, name, fingerprint
     model_type: str
     architecture: str
@@ -67,26 +71,32 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every unit's tensors: the model's weights, as the budgets count them."""
         return sum(u.tensor_bytes for u in self.units)
 
     @property
     def layers(self) -> list[UnitRecord]:
+        """The decoder stack's units, in layer order (their experts not included)."""
         return [u for u in self.units if u.kind == "layer"]
 
     @property
     def experts(self) -> list[UnitRecord]:
+        """A mixture-of-experts model's routed experts, one unit each, after their layer; empty for a dense model."""
         return [u for u in self.units if u.kind == "expert"]
 
     def unit(self, name: str) -> UnitRecord:
+        """The unit called NAME; KeyError if there is none."""
         for u in self.units:
             if u.name == name:
                 return u
         raise KeyError(name)
 
     def to_dict(self) -> dict:
+        """The manifest as the JSON document save() writes."""
         return asdict(self)
 
     def save(self, directory: Path) -> None:
+        """Write manifest.json into DIRECTORY atomically (temporary file, fsync, rename): a reader sees all of it or none."""
         tmp = directory / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:
             json.dump(self.to_dict(), f, indent=1)
@@ -96,6 +106,9 @@ class Manifest:
 
     @classmethod
     def load(cls, directory: Path) -> "Manifest":
+        """The manifest of the shard set in DIRECTORY, validated and checked against its unit files (check_files).
+
+        Anything missing, corrupt, of another format or not matching is one ShardError that says to re-run `rocketllm shard`."""
         path = Path(directory) / MANIFEST
         if not path.is_file():
             raise ShardError(f"{directory}: no {MANIFEST} (not a complete shard directory); {RESHARD}")

@@ -87,6 +87,20 @@ class AutoModel:
     @staticmethod
     def from_pretrained(model: str | os.PathLike, *, out: Path | None = None, shard_dtype: str = "auto", flags: dict | None = None,
                         refresh_profile: bool = False, progress=None, log=None, **knob_overrides) -> StreamingModel:
+        """Shard MODEL once (or reuse its shards) and open it streamed, every knob derived from this machine's profile.
+
+        A memory budget that cannot run the model is refused before the model loads, and before sharding where a
+        cached profile and the source's headers can size it.
+
+        model: a Hugging Face model directory, a .gguf file, a hub id, or a shard directory (opened as it is).
+        out: where to write the shards; default a directory under the cache named after the source and the dtype.
+        shard_dtype: the shards' dtype, bf16, fp16 or fp32; "auto" keeps the one most of the source's weights are stored in.
+        flags: knob values as a command line gave them (name -> text); a flag wins over a knob_overrides keyword.
+        refresh_profile: measure this machine again instead of using its cached profile.
+        progress: a factory of context managers, progress(description, total), for the sharding progress (Output.progress).
+        log: called with one line per thing worth telling (sharding steps, shards converted on each use); default silent.
+        knob_overrides: any knob by name (device_cache_bytes="4GiB", io_workers=2, ...); beats ROCKETLLM_<NAME> and the derivation.
+        """
         from ..shard.source import check_locatable
 
         check_locatable(model)  # a mistyped path is refused before torch and transformers are imported

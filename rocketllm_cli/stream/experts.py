@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from ..profiles.knobs.table import EXPERT_CACHE_POLICIES
 from ..shard.expertlayout import Direct, Fused, resolve_pieces, top_k
 from ..shard.manifest import Manifest
 from .ledger import Ledger
@@ -32,15 +33,15 @@ from .store import WeightStore, _aligned_buffer, _round_up
 class ExpertCache:
     """Experts kept in memory, up to `capacity` bytes: unit -> its tensors.
 
-    policy "lfu" (default): keep the experts routed most often so far; a newcomer is admitted only by evicting
+    policy "lfu" (the knob's default): keep the experts routed most often so far; a newcomer is admitted only by evicting
     experts used less often than it. A decode pass walks every layer in order, so recency is a poor guide:
     with room for fewer experts than one pass routes, LRU evicts each expert just before its layer comes
     round again and never hits, while frequency keeps a stable set. policy "lru": least recently used out.
     """
 
-    def __init__(self, capacity: int, policy: str = "lfu") -> None:
-        if policy not in ("lfu", "lru"):
-            raise ValueError(f"expert cache policy {policy!r}: expected lfu or lru")
+    def __init__(self, capacity: int, policy: str) -> None:
+        if policy not in EXPERT_CACHE_POLICIES:
+            raise ValueError(f"expert cache policy {policy!r}: expected {' or '.join(EXPERT_CACHE_POLICIES)}")
         self.capacity = capacity
         self.policy = policy
         self.used = 0
@@ -86,7 +87,7 @@ class ExpertCache:
 
 class ExpertStreamer:
     def __init__(self, model: nn.Module, manifest: Manifest, plan: ResidencyPlan, store: WeightStore, ledger: Ledger, *,
-                 io_workers: int, candidates, cache_policy: str = "lfu") -> None:
+                 io_workers: int, candidates, cache_policy: str) -> None:
         self.store, self.ledger, self.plan = store, ledger, plan
         self.device, self.dtype = store.device, store.dtype
         self.units = {u.name: u for u in manifest.experts}

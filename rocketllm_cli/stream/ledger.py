@@ -34,7 +34,10 @@ class Step:
 
 
 class Ledger:
-    """One Step per forward pass of the whole model."""
+    """One Step per forward pass of the whole model: bytes served per tier, time per phase, expert cache hits.
+
+    The store and the expert streamer record into it as they serve; each pass's storage reads are also witnessed
+    by /proc/self/io, so `--stats` and bench can show what was really read beside what was served."""
 
     def __init__(self, resident_bytes: int) -> None:
         self.resident_bytes = resident_bytes  # served from the device tier every pass

@@ -14,9 +14,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..dtypes import NAMES as DTYPES
 from ..dtypes import torch_dtype
 from ..errors import KnobError
+from ..profiles.knobs.formulas import (
+    DEFAULT_EXPERT_CACHE_POLICY,
+    FALLBACK_COMPUTE_DTYPE,
+    FALLBACK_DIRECT_IO,
+    FALLBACK_PREFETCH_DEPTH,
+)
+from ..profiles.knobs.table import KNOBS_BY_NAME
 from ..shard.discover import build_meta_model
 from ..shard.manifest import Manifest
 from .ledger import Ledger
@@ -26,26 +32,30 @@ from .store import WeightStore
 
 @dataclass
 class EngineConfig:
-    """Everything the streaming model needs; AutoModel fills it from the resolved knobs."""
+    """Everything the streaming model needs; AutoModel fills it from the resolved knobs.
+
+    Built by hand, it defaults to nothing cached, one reader thread, and what each knob is on an unmeasured machine."""
 
     device: str = "cpu"
-    compute_dtype: str = "fp32"
+    compute_dtype: str = FALLBACK_COMPUTE_DTYPE
     device_cache_bytes: int = 0
     host_cache_bytes: int = 0
-    prefetch_depth: int = 1
+    prefetch_depth: int = FALLBACK_PREFETCH_DEPTH
     io_workers: int = 1
-    direct_io: bool = False
+    direct_io: bool = FALLBACK_DIRECT_IO
     pin_memory: bool = False
-    expert_cache_policy: str = "lfu"
+    expert_cache_policy: str = DEFAULT_EXPERT_CACHE_POLICY
 
     def __post_init__(self) -> None:
-        if self.compute_dtype not in DTYPES:
-            raise KnobError(f"bad compute_dtype {self.compute_dtype!r}: expected bf16, fp16 or fp32")
-        for name in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth"):
-            if getattr(self, name) < 0:
-                raise KnobError(f"bad {name} {getattr(self, name)}: must be >= 0")
-        if self.io_workers < 1:
-            raise KnobError(f"bad io_workers {self.io_workers}: must be >= 1")
+        # Ranges and choices are the knob table's.
+        for name in ("compute_dtype", "expert_cache_policy"):
+            spec = KNOBS_BY_NAME[name]
+            if getattr(self, name) not in spec.choices:
+                raise KnobError(f"bad {name} {getattr(self, name)!r}: expected {spec.accepted()}")
+        for name in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers"):
+            minimum = KNOBS_BY_NAME[name].minimum
+            if getattr(self, name) < minimum:
+                raise KnobError(f"bad {name} {getattr(self, name)}: must be >= {minimum}")
 
 
 class Binding:
@@ -80,9 +90,14 @@ class Binding:
 
 
 class StreamingModel:
-    """A causal LM streamed from a shard directory. Attribute access falls through to the transformers model."""
+    """A causal LM streamed from a shard directory. Attribute access falls through to the transformers model.
+
+    Holds the residency plan (`plan`), the weight store (`store`), the byte ledger (`ledger`) and the tokenizer; close()
+    (or a with block) stops its IO threads and unmaps its files. AutoModel.from_pretrained builds one from resolved knobs.
+    """
 
     def __init__(self, directory: Path, config: EngineConfig, manifest: Manifest | None = None) -> None:
+        """Open the shard set in DIRECTORY as `config` says; `manifest` saves loading (and checking) it again."""
         from transformers import AutoConfig
 
         self.directory = Path(directory)
@@ -208,6 +223,7 @@ class StreamingModel:
         return self.model.generate(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        """One forward pass of the transformers model, weights streamed in as each unit runs."""
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -216,6 +232,7 @@ class StreamingModel:
         return getattr(self.model, name)
 
     def close(self) -> None:
+        """Remove the hooks, stop the IO threads and unmap the shard files; the model cannot run afterwards."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

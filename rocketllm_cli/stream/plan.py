@@ -18,6 +18,10 @@ from ..tiers import TIERS
 
 @dataclass
 class ResidencyPlan:
+    """Which tier serves each unit (device, host or storage), with the formula and inputs that placed them.
+
+    What make_plan decided from the two cache budgets; the weight store loads by it and `--stats` prints it (describe)."""
+
     tier: dict[str, str]  # unit name -> device | host | storage
     formula: str
     inputs: dict[str, int] = field(default_factory=dict)
@@ -57,6 +61,11 @@ def spaced(n: int, k: int) -> list[int]:
 
 
 def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int) -> ResidencyPlan:
+    """Place every unit of MANIFEST within the device and host budgets (bytes); what fits neither streams from storage.
+
+    Units hooked on the whole model always on the device, then the other non-layer units, then as many layers as fit,
+    the streamed ones spread evenly through the stack; a MoE model's experts last: all on the device if they fit,
+    else the device budget left over is their cache (expert_cache_bytes)."""
     units = {u.name: u for u in manifest.units}
     tier: dict[str, str] = {}
     budget = {"device": device_cache_bytes, "host": host_cache_bytes}

@@ -36,6 +36,12 @@ class Slot:
 
 
 class WeightStore:
+    """Every unit's bytes in its tier: device units loaded once, host units kept in RAM (mapped page cache on a CPU),
+    storage units read on each use.
+
+    The streaming model asks for a unit's tensors just before its module runs (acquire) and gives them back after (release);
+    meanwhile IO workers read the next units of the schedule learned from the last pass, `prefetch_depth` ahead."""
+
     def __init__(self, directory: Path, manifest: Manifest, plan: ResidencyPlan, ledger: Ledger, *, device: torch.device,
                  compute_dtype: torch.dtype, prefetch_depth: int, io_workers: int, direct_io: bool, pin_memory: bool) -> None:
         self.directory = directory
@@ -96,13 +102,16 @@ class WeightStore:
         return buf
 
     def resident(self, name: str) -> dict[str, torch.Tensor]:
+        """A device-tier unit's tensors (tensor name -> tensor), loaded once at start and bound for good."""
         return self._resident[name]
 
     # -- streaming ------------------------------------------------------------------
     def begin_pass(self) -> None:
+        """A forward pass starts: record the order units are asked for."""
         self._order = []
 
     def end_pass(self) -> None:
+        """A forward pass ended: the order it asked for units is the schedule the next pass prefetches by."""
         if self._order:
             self.schedule = self._order
 
@@ -132,6 +141,7 @@ class WeightStore:
         return views
 
     def release(self, name: str) -> None:
+        """The unit's module is done with it: its buffer is free for the next read once the last holder releases it."""
         slot, count, views = self._held[name]
         if count > 1:
             self._held[name] = (slot, count - 1, views)
@@ -305,6 +315,7 @@ class WeightStore:
         return out
 
     def close(self) -> None:
+        """Stop the IO workers (reads in flight are finished or cancelled) and unmap the host tier's files."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -15,11 +15,14 @@ from math import ceil, floor
 
 from ...shard.modelfacts import ModelFacts
 from ..hardware import HardwareProfile
-from ..probe.storage import PARALLEL_READS
+from ..probe.storage import IN_FLIGHT, IN_FLIGHT_NOTE, in_flight_inputs
 
 GiB, MiB = 1024**3, 1024**2
-# Parallel reads worth issuing per storage kind: NVMe and network filesystems gain from deep queues,
-# one disk head does not, a virtual disk's medium is unknown (measured: 1 or 2 in flight similar here).
+# A knob's value where the profile lacks what derives it; EngineConfig's defaults are the same values.
+FALLBACK_COMPUTE_DTYPE = "fp32"  # runs on every device
+FALLBACK_PREFETCH_DEPTH = 2  # double buffering
+FALLBACK_DIRECT_IO = False  # buffered reads work on every filesystem
+DEFAULT_EXPERT_CACHE_POLICY = "lfu"  # why: see expert_cache_policy() below
 NAMESPACE = {"min": min, "max": max, "floor": floor, "ceil": ceil, "__builtins__": {}}
 
 
@@ -60,7 +63,7 @@ def reserve_bytes(c: Context) -> Derivation:
 def compute_dtype(c: Context) -> Derivation:
     cap = c.profile.capabilities.get("compute_dtype")
     if cap is None:
-        return Derivation("'fp32'", {}, "default", "compute dtype capability was not measured")
+        return Derivation(repr(FALLBACK_COMPUTE_DTYPE), {}, "default", "compute dtype capability was not measured")
     return Derivation("decided_dtype", {"decided_dtype": cap.value}, note=cap.reason)
 
 
@@ -86,18 +89,14 @@ def max_context(c: Context) -> Derivation:
 
 def io_workers(c: Context) -> Derivation:
     kind = str(c.profile.capability("storage_kind") or "unknown")
-    return Derivation("max(1, min(parallel_reads, cpu_cores // (2 - direct_io)))",
-                      {"storage_kind": kind, "parallel_reads": PARALLEL_READS.get(kind, 2), "cpu_cores": c.profile.cpu_cores,
-                       "direct_io": int(bool(c.values["direct_io"]))},
-                      note="buffered reads copy through the page cache and compete with compute: at most half the cores; "
-                           "O_DIRECT reads are DMA and cost almost no CPU")
+    return Derivation(IN_FLIGHT, in_flight_inputs(kind, c.profile.cpu_cores, c.values["direct_io"]), note=IN_FLIGHT_NOTE)
 
 
 def prefetch_depth(c: Context) -> Derivation:
     storage = c.profile.storage_read_bps
     compute = c.profile.matvec_bps(c.values["compute_dtype"]) or c.profile.device_memory_bps
     if not storage or not compute:
-        return Derivation("2", {}, "default", "storage or compute bandwidth unmeasured: double buffering")
+        return Derivation(repr(FALLBACK_PREFETCH_DEPTH), {}, "default", "storage or compute bandwidth unmeasured: double buffering")
     inputs = {"max_depth": 4, "compute_read_bps": round(compute), "storage_read_bps": round(storage)}
     # Units that compute in the time one unit is read: that many reads in flight keep the reader ahead.
     formula = "max(1, min(max_depth, ceil(compute_read_bps / storage_read_bps)))"
@@ -157,7 +156,7 @@ def direct_io(c: Context) -> Derivation:
             note="O_DIRECT wins ties: it skips the page-cache copy and never evicts the resident set",
         )
     cap = c.profile.capabilities.get("direct_io")
-    return Derivation("False", {}, "default", cap.reason if cap else "storage was not measured")
+    return Derivation(repr(FALLBACK_DIRECT_IO), {}, "default", cap.reason if cap else "storage was not measured")
 
 
 def pin_memory(c: Context) -> Derivation:
@@ -171,7 +170,8 @@ def prefix_cache(c: Context) -> Derivation:
 
 
 def expert_cache_policy(c: Context) -> Derivation:
-    return Derivation("'lfu'", {}, "default", "measured: a decode pass walks the layers in a cycle, so LRU with room for fewer experts "
+    return Derivation(repr(DEFAULT_EXPERT_CACHE_POLICY), {}, "default",
+                      "measured: a decode pass walks the layers in a cycle, so LRU with room for fewer experts "
                       "than one pass routes evicts each just before its layer comes round again (docs/ARCHITECTURE.md)")
 
 

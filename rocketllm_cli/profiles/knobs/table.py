@@ -15,6 +15,7 @@ from ...errors import KnobError
 from ...sizes import ACCEPTED as BYTES_ACCEPTED
 from ...sizes import parse_bytes
 
+EXPERT_CACHE_POLICIES = ("lfu", "lru")  # most often routed, most recently routed
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -85,6 +86,6 @@ KNOB_SPECS: tuple[KnobSpec, ...] = (
     KnobSpec("pin_memory", "bool", "Page-locked host buffers for faster host-to-device copies."),
     KnobSpec("prefix_cache", "choice", "Reuse the KV cache of a repeated prompt prefix.", choices=("auto", "on", "off")),
     KnobSpec("expert_cache_policy", "choice", "Which experts a mixture-of-experts model keeps in its expert cache: the most often routed "
-             "(lfu) or the most recently routed (lru).", choices=("lfu", "lru")),
+             "(lfu) or the most recently routed (lru).", choices=EXPERT_CACHE_POLICIES),
 )
 KNOBS_BY_NAME = {spec.name: spec for spec in KNOB_SPECS}

@@ -132,15 +132,27 @@ def _buffered_read(path: Path) -> tuple[int, float]:
 
 
 UNIT = 16 * 1024**2
-# Requests worth keeping in flight per storage kind; the io_workers knob is capped by the same table.
+# Requests worth keeping in flight per storage kind: NVMe and network filesystems gain from deep queues,
+# one disk head does not, a virtual disk's medium is unknown (measured: 1 or 2 in flight similar here).
 PARALLEL_READS = {"nvme": 4, "ssd": 2, "network": 4, "rotational": 1, "tmpfs": 1, "overlay": 2, "unknown": 2}
+# Unit reads in flight: the io_workers knob's formula, and the probe reads the same way.
+IN_FLIGHT = "max(1, min(parallel_reads, cpu_cores // (2 - direct_io)))"
+IN_FLIGHT_NOTE = ("buffered reads copy through the page cache and compete with compute: at most half the cores; "
+                  "O_DIRECT reads are DMA and cost almost no CPU")
+
+
+def in_flight_inputs(kind: str, cpu_cores: int, direct: bool) -> dict:
+    """The inputs of IN_FLIGHT for a storage kind (an unlisted kind counts as unknown)."""
+    return {"storage_kind": kind, "parallel_reads": PARALLEL_READS.get(kind, PARALLEL_READS["unknown"]),
+            "cpu_cores": cpu_cores, "direct_io": int(bool(direct))}
 
 
 def in_flight(kind: str, direct: bool) -> int:
-    """Unit reads the engine keeps in flight with this method (as the io_workers knob derives it): buffered reads
-    copy through the page cache and get at most half the cores; O_DIRECT reads are DMA and may use them all."""
-    cores = usable_cores()
-    return max(1, min(PARALLEL_READS.get(kind, 2), cores if direct else cores // 2))
+    """Unit reads the engine keeps in flight with this method on this machine, as the io_workers knob derives it."""
+    # Imported here, not at the top: the knob formulas import this module.
+    from ..knobs.formulas import evaluate
+
+    return evaluate(IN_FLIGHT, in_flight_inputs(kind, usable_cores(), direct))
 
 
 def unit_reads_method(kind: str, direct: bool) -> str:

@@ -1,0 +1,7 @@
+"""What a bench run measures unless told otherwise: read by the request dataclasses and by the CLI's options and help."""
+
+DECODE_TOKENS = 8  # decode tokens timed per regime (after the warm-up)
+PROMPT_TOKENS = 16  # length of the fixed prompt
+REPLY_TOKENS = 32  # reply length per turn of a conversation replay
+BATCH_REGIME = "storage"  # a batch sweep measures one regime: by default the one where every pass streams every weight
+CONVERSATION_REGIME = "resident"  # where prefix reuse pays; a streaming regime shows that it does not
