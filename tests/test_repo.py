@@ -53,3 +53,16 @@ def test_license_and_notice():
     assert "Apache License" in (ROOT / "LICENSE").read_text()
     notice = (ROOT / "NOTICE").read_text()
     assert "RocketLLM" in notice and "AirLLM" in notice and "Gavin Li" in notice
+
+
+def test_the_code_runs_on_the_oldest_python_the_package_claims():
+    # transformers 5 needs 3.10; vermin finds the oldest Python every construct and library call works on.
+    import subprocess
+    import sys
+
+    claimed = re.search(r'requires-python = ">=(3\.\d+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    vermin = Path(sys.executable).with_name("vermin")  # the console script the dev extra installs beside python
+    done = subprocess.run([str(vermin), "--no-tips", "--eval-annotations", "--violations", f"--target={claimed}-",
+                           str(ROOT / "rocketllm_cli"), str(ROOT / "rocketllm"), str(ROOT / "tests")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
