@@ -97,12 +97,20 @@ def test_a_missing_model_is_one_line(tmp_path):
         f"error: model path not found: {missing} (give a model directory, a .gguf file or a hub id like org/name)")
 
 
+def test_model_as_an_option_reaches_the_loader(tmp_path):
+    """`serve --model M`, as llama-server and vLLM users type it, is `serve M`."""
+    missing = tmp_path / "no-such-model"
+    assert one_error_line(invoke("--model", missing, "--port", "0")) == one_error_line(invoke(missing, "--port", "0"))
+
+
 # -- the real process ------------------------------------------------------------------------------------
 class ServeProcess:
-    """`rocketllm serve MODEL --port 0 --json` as a child process; the JSON document tells where it listens."""
+    """`rocketllm serve MODEL --port 0 --json` (or `serve --model MODEL ...`) as a child process; the JSON document
+    tells where it listens."""
 
-    def __init__(self, model, *args: str) -> None:
-        command = [sys.executable, "-m", "rocketllm_cli", "serve", str(model), "--port", "0", "--json", *args]
+    def __init__(self, model, *args: str, model_as_option: bool = False) -> None:
+        model_words = ["--model", str(model)] if model_as_option else [str(model)]
+        command = [sys.executable, "-m", "rocketllm_cli", "serve", *model_words, "--port", "0", "--json", *args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
         lines = []
@@ -163,6 +171,16 @@ def test_streaming_layers_turn_the_prefix_cache_off_and_say_why(tiny):
         assert server.info["prefix_cache"]["enabled"] is False
         assert "one streaming pass whatever its length" in server.info["prefix_cache"]["reason"]
         assert set(server.info["residency_plan"].values()) >= {"storage"}
+    finally:
+        code, err = server.stop()
+    assert code == 0, err
+
+
+def test_serve_dash_dash_model_serves_the_model(tiny):
+    server = ServeProcess(tiny, "--no-access-log", model_as_option=True)
+    try:
+        assert server.info["model"] == tiny.name
+        assert server.openai().models.list().data[0].id == tiny.name
     finally:
         code, err = server.stop()
     assert code == 0, err

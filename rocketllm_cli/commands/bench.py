@@ -13,7 +13,13 @@ from ..bench.defaults import (
     PROMPT_TOKENS,
     REPLY_TOKENS,
 )
-from ..options import JsonOpt, validate_knob_flags, with_knob_options
+from ..options import (
+    JsonOpt,
+    ModelOpt,
+    pick_model,
+    validate_knob_flags,
+    with_knob_options,
+)
 from ..output import Output
 
 NAME = "bench"
@@ -40,6 +46,7 @@ BatchOpt = Annotated[Optional[list[int]], typer.Option("--batch", help="Batch si
 @with_knob_options
 def run(
     model: Annotated[Optional[list[str]], typer.Argument(help="Model directory, .gguf file, hub id or shard directory.", show_default=False, metavar="[MODEL]")] = None,
+    model_option: ModelOpt = None,
     synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="Bench a random-weight model ARCH:SIZE (e.g. llama:1B), written once into the cache.", show_default=False)] = None,
     regime: RegimeOpt = None,
     tokens: Annotated[Optional[int], typer.Option("--tokens", help=f"Decode tokens measured (after one warm-up token). [default: {DECODE_TOKENS}]", show_default=False)] = None,
@@ -55,6 +62,7 @@ def run(
     output = Output(as_json=json)
     validate_knob_flags(knob_flags or {})
     model, regime, baseline, batch = _spread(model or [], regime or [], baseline or [], batch or [])
+    model = pick_model(model, model_option, required=False)  # no MODEL: --synthetic names one
     if conversation is not None:
         _conversation(model, synthetic, conversation, tokens, regime, baseline, batch, knob_flags or {}, output)
         return

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import RocketError
-from ..options import with_knob_options
+from ..options import ModelArg, ModelOpt, pick_model, with_knob_options
 from ..output import Output
 
 NAME = "serve"
@@ -24,7 +24,8 @@ MISSING_EXTRA = "rocketllm serve needs the server extra: pip install 'rocketllm[
 BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them
 @with_knob_options
 def run(
-    model: Annotated[str, typer.Argument(help="Model directory, .gguf file, hub id, or shard directory.", show_default=False)],
+    model: ModelArg = None,
+    model_option: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.0.0 listens on every interface (no authentication!).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0 picks a free one).")] = 8000,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model id clients send and /v1/models lists. Default: the model directory's or file's name.", show_default=False)] = None,
@@ -37,6 +38,7 @@ def run(
     from ..server.tools import FAMILIES
 
     output = Output(as_json=json)
+    model = pick_model(model, model_option)
     if not 0 <= port <= 65535:
         raise RocketError(f"--port must be between 0 and 65535 (got {port})")
     if tool_parser is not None and tool_parser not in FAMILIES:
