@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -24,10 +23,16 @@ from rocketllm_cli.sizes import format_bytes
 CLI = [sys.executable, "-m", "rocketllm_cli"]
 # What a redrawn bar leaves in a log: a carriage return, tqdm's `%|` and `it/s`, bar glyphs (ours and tqdm's).
 BAR_MARKS = ("\r", "%|", "it/s", "━", "█", "▏", "Loading weights", "Converting and de-quantizing")
+# The switches the CLI sets itself: a parent that set them (an earlier in-process command) must not do its work.
+SWITCHES = ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "TOKENIZERS_PARALLELISM", "ROCKETLLM_DEBUG")
+
+
+def clean_env(**extra: str) -> dict:
+    return {**{k: v for k, v in os.environ.items() if k not in SWITCHES}, **extra}
 
 
 def run_cli(*args, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=clean_env(**(env or {})))
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -68,7 +73,7 @@ def test_on_a_terminal_shard_draws_a_bar_of_units_and_bytes(tiny_checkpoint, tmp
 def run_on_terminal(command: list[str], timeout: float = 300) -> tuple[str, str]:
     """Run with stderr on a pseudo-terminal (stdout a pipe); returns (everything drawn on the terminal, stdout)."""
     master, slave = pty.openpty()
-    env = {**os.environ, "TERM": "xterm", "COLUMNS": "160"}
+    env = clean_env(TERM="xterm", COLUMNS="160")
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, env=env)
     os.close(slave)
     drawn = bytearray()
@@ -122,7 +127,7 @@ logging.get_logger("transformers").warning("transformers' warning")
 @pytest.mark.parametrize("debug", ["", "1"])
 def test_library_bars_are_off_and_their_warnings_only_with_debug(debug):
     done = subprocess.run([sys.executable, "-c", LIBRARY_NOISE], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ROCKETLLM_DEBUG": debug})
+                          env=clean_env(ROCKETLLM_DEBUG=debug))
     assert done.returncode == 0, done.stderr
     assert "a library's bar" not in done.stderr and "\r" not in done.stderr
     shown = "a library's warning" in done.stderr, "transformers' warning" in done.stderr
