@@ -28,7 +28,10 @@ def _guarded(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        from .output import quiet_libraries
+
         try:
+            quiet_libraries()  # before the command imports them: our progress and messages only
             return func(*args, **kwargs)
         except (typer.Exit, typer.Abort, StdoutClosed):  # StdoutClosed: main exits 0
             raise

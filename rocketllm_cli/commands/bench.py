@@ -71,7 +71,7 @@ def run(
     baselines = tuple(BASELINES if b == "all" else (b,) for b in baseline)
     req = BenchRequest(model, synthetic, regimes, tokens, prompt_tokens,
                        tuple(dict.fromkeys(b for group in baselines for b in group)), tuple(batch or ()), knob_flags or {})
-    doc = run_bench(req, output.log)
+    doc = run_bench(req, output.log, output.progress)
     if json:
         output.json(doc)
     else:
@@ -115,7 +115,8 @@ def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob
         if name not in REGIMES:
             raise UsageError(f"bad --regime {name!r}: expected {', '.join(REGIMES)} or all")
     req = ConversationRequest(model, synthetic, turns, REPLY_TOKENS if tokens is None else tokens, regimes, knob_flags)
-    doc = run_conversation(req, output.log)
+    with output.progress(f"conversation: {turns} turns", announce=False):  # a status line beside the bench's own log lines
+        doc = run_conversation(req, output.log)
     if output.as_json:
         output.json(doc)
     else:
