@@ -27,9 +27,10 @@ class BoundWeight:
 
     format: PackedFormat
     dtype: torch.dtype
-    path: str
+    device: torch.device
+    path: str  # one of PATHS
     kernel: dict = field(default_factory=dict)  # the kernel's tensors (path int4/int8)
-    portable: PackedTensor | None = None  # the parts on the device (path scratch)
+    portable: PackedTensor | None = None  # path scratch: the parts on the device (raw GGUF blocks: on the host)
 
     @property
     def nbytes(self) -> int:
@@ -50,12 +51,15 @@ def kernel_path(fmt: PackedFormat, dtype: torch.dtype, device) -> str:
 
 def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16, *, kernel: bool = True) -> BoundWeight:
     """`packed` ready for linear() on `device` in `dtype`; kernel=False always dequantizes into scratch."""
+    device = torch.device(device)
     path = kernel_path(packed.format, dtype, device) if kernel else "scratch"
     if path == "int4":
-        return BoundWeight(packed.format, dtype, path, kernel=layout.int4_for_kernel(packed, dtype, device))
+        return BoundWeight(packed.format, dtype, device, path, kernel=layout.int4_for_kernel(packed, dtype, device))
     if path == "int8":
-        return BoundWeight(packed.format, dtype, path, kernel=layout.int8_for_kernel(packed, dtype, device))
-    return BoundWeight(packed.format, dtype, path, portable=packed.to(device))
+        return BoundWeight(packed.format, dtype, device, path, kernel=layout.int8_for_kernel(packed, dtype, device))
+    # gguf's dequantize runs on the host, so raw blocks stay there; only the float weight goes to the device
+    portable = packed if packed.format.kind == "gguf" else packed.to(device)
+    return BoundWeight(packed.format, dtype, device, path, portable=portable)
 
 
 def linear(x: torch.Tensor, weight: BoundWeight, bias: torch.Tensor | None = None, scratch: Scratch = SCRATCH) -> torch.Tensor:
@@ -64,7 +68,7 @@ def linear(x: torch.Tensor, weight: BoundWeight, bias: torch.Tensor | None = Non
     if x.shape[-1] != k or x.dtype != weight.dtype:
         raise ValueError(f"linear on a packed [{n}, {k}] {weight.dtype} weight got x {tuple(x.shape)} {x.dtype}")
     if weight.path == "scratch":
-        return F.linear(x, dequantize_into(weight.portable, weight.dtype, scratch), bias)
+        return F.linear(x, dequantize_into(weight.portable, weight.dtype, scratch, weight.device), bias)
     rows = x.reshape(-1, k).contiguous()
     if rows.shape[0] == 0:
         out = rows.new_zeros((0, n))

@@ -103,7 +103,8 @@ def _q8_0(split: np.ndarray, shape) -> PackedTensor:
     n = shape[0]
     fmt = PackedFormat("int8", shape, 32, scale_dtype="fp16")
     codes = np.ascontiguousarray(split[..., 2:]).view(np.int8).reshape(n, -1)
-    return PackedTensor(fmt, {"codes": torch.from_numpy(codes), "scale": torch.from_numpy(np.ascontiguousarray(_f16(split[..., 0:2])))})
+    scale = np.ascontiguousarray(_f16(split[..., 0:2]))
+    return PackedTensor(fmt, {"codes": torch.from_numpy(codes), "scale": torch.from_numpy(scale)})
 
 
 _UNPACKERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q8_0": _q8_0}
