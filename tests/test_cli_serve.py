@@ -19,11 +19,13 @@ import time
 import httpx
 import pytest
 from cli_contract import one_error_line
+from serve_helpers import LiveServer, Script
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.commands.serve import MISSING_EXTRA
-from rocketllm_cli.server.worker import SHUTTING_DOWN
+from rocketllm_cli.server.worker import SHUTTING_DOWN, STOP_WAIT_S
+from rocketllm_cli.stream.auto import AutoModel
 
 START_TIMEOUT_S = 240  # SmolLM2 is sharded (dequantized) on first use: ~25 s here, longer on a busy machine
 STOP_TIMEOUT_S = 60  # the helper's patience after a signal; the server stops within ~5 s even with streams in flight
@@ -267,6 +269,35 @@ def test_a_stop_with_streams_in_flight_ends_each_as_its_api_says_and_exits_0_at_
     assert json.loads(anthropic_lines[-3].removeprefix("data: "))["delta"]["stop_reason"] == "end_turn"
     assert any(HAS_TEXT[running](line) for line in streams[running].lines)
     assert answers[0].status_code == 503 and answers[0].json()["error"]["message"] == SHUTTING_DOWN
+
+
+def test_a_stop_does_not_wait_out_a_step_that_does_not_end(tiny):
+    """The running step held at a gate, as a layer read from a slow disk would hold it: the stop still ends the
+    stream, with its final events, STOP_WAIT_S after it began (in process: the CLI's uvicorn server, told to exit
+    as a signal tells it)."""
+    model = AutoModel.from_pretrained(tiny, device_cache_bytes="1GB")
+    script = Script(model)
+    script.gate = threading.Event()
+    server = LiveServer(model, "tiny")
+    try:
+        stream = SSEReader(server.url, PATHS["openai"], LONG_REPLY, lambda line: True)
+        assert stream.ready.wait(30) and stream.ended_at is None
+        deadline = time.monotonic() + 30
+        while not server.state.worker.busy:
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.01)
+        stopped_at = time.monotonic()
+        server.server.should_exit = True
+        stream.thread.join(30)
+        waited = stream.ended_at - stopped_at
+        assert STOP_WAIT_S <= waited < STOP_BUDGET_S, waited
+        assert stream.error is None and stream.lines[-1] == "data: [DONE]"
+        assert json.loads(stream.lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "stop"
+    finally:
+        script.gate.set()
+        server.close()
+        script.remove()
+        model.close()
 
 
 @pytest.mark.parametrize("as_json", [True, False], ids=["json", "plain"])
