@@ -124,15 +124,25 @@ class ServeProcess:
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
         announcing = self.process.stdout if as_json else self.process.stderr
         self.head: list[str] = []  # what was read from `announcing` before the server was known to listen
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:  # the document is indented JSON: it ends at a line holding only "}"
-            line = announcing.readline()
-            assert line or self.process.poll() is None, ("" if as_json else "".join(self.head)) + self.process.stderr.read()
-            self.head.append(line)
-            announced = line.rstrip("\n") == "}" if as_json else line.startswith("listening on ")
-            if announced:
-                break
-            assert time.monotonic() < deadline, "serve did not start"
+        # A server that never announces itself is killed at the deadline (readline then returns), never left running.
+        watchdog = threading.Timer(START_TIMEOUT_S, self.process.kill)
+        watchdog.start()
+        try:
+            while True:  # the document is indented JSON: it ends at a line holding only "}"
+                line = announcing.readline()
+                if not line and watchdog.finished.is_set() and not watchdog.is_alive():
+                    raise AssertionError(f"serve did not start within {START_TIMEOUT_S} s")
+                assert line or self.process.poll() is None, ("" if as_json else "".join(self.head)) + self.process.stderr.read()
+                self.head.append(line)
+                announced = line.rstrip("\n") == "}" if as_json else line.startswith("listening on ")
+                if announced:
+                    break
+        except BaseException:
+            self.process.kill()
+            self.process.wait()
+            raise
+        finally:
+            watchdog.cancel()
         if as_json:
             self.info = json.loads("".join(self.head))
         else:
