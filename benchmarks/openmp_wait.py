@@ -4,7 +4,11 @@
 
 Prints each run as it goes, then the Markdown table docs/HARDWARE.md shows ("OpenMP wait policy").
 """
-import json, os, subprocess, sys, time, statistics
+import json
+import os
+import subprocess
+import sys
+
 SHARDS = sys.argv[1]
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 POLICIES = {
