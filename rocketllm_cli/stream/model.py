@@ -2,8 +2,12 @@
 
 Resident units are bound once. Each streamed unit gets a forward pre-hook on its
 module that binds views of its bytes to (module, name) pairs computed up front,
-and a post-hook that puts the meta placeholders back and frees the buffer.
+and a post-hook that puts the placeholders back and frees the buffer.
 transformers runs the forward pass and generate() unchanged.
+
+An unbound tensor is an `Unbound` placeholder: it answers shape, dtype and device (the compute device, so code that
+routes inputs by a weight's device works) and raises UnboundWeightError from any computation, where a meta tensor
+would let some kernels (F.linear on a CPU input) return uninitialised memory.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 from torch import nn
 
 from ..dtypes import torch_dtype
-from ..errors import KnobError
+from ..errors import KnobError, ModelError
 from ..profiles.knobs.formulas import (
     DEFAULT_EXPERT_CACHE_POLICY,
     FALLBACK_COMPUTE_DTYPE,
@@ -56,6 +60,72 @@ class EngineConfig:
             minimum = KNOBS_BY_NAME[name].minimum
             if getattr(self, name) < minimum:
                 raise KnobError(f"bad {name} {getattr(self, name)}: must be >= {minimum}")
+
+
+class UnboundWeightError(ModelError):
+    """A streamed weight took part in a computation outside the forward of the module it is bound for."""
+
+
+# Queries that read a tensor's metadata, never its values: an unbound placeholder answers them.
+_METADATA = frozenset({
+    "shape", "dtype", "device", "size", "dim", "ndim", "ndimension", "numel", "nelement", "is_floating_point", "is_complex",
+    "element_size", "itemsize", "nbytes", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested",
+    "requires_grad", "requires_grad_", "grad", "grad_fn", "is_leaf", "__len__", "stride", "is_contiguous",
+})
+
+
+class Unbound(torch.Tensor):
+    """The placeholder of a tensor whose unit is not bound: shape, dtype and device of the real one, and no data.
+
+    Any computation with it raises UnboundWeightError naming the tensor (`__torch_function__` catches Python-level
+    calls, `__torch_dispatch__` whatever reaches a kernel). It is a Parameter to nn.Module (`_is_param`), so
+    transformers can tie and register it; bound tensors are ordinary Parameters, so this costs nothing per token.
+    """
+
+    @staticmethod
+    def __new__(cls, name: str, like: torch.Tensor, device: torch.device, where: str = ""):
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=device, requires_grad=False)
+        t.unbound_name, t.unbound_where, t._is_param = name, where, True
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):  # a property: Tensor.shape.__get__ ...
+            name = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise _unbound_error(name, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise _unbound_error(str(func), args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"Unbound({self.unbound_name}, shape={list(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    __str__ = __repr__
+
+
+def _unbound_error(op: str, args, kwargs) -> UnboundWeightError:
+    import torch.utils._pytree as pytree
+
+    held = next((a for a in pytree.tree_leaves((args, kwargs or {})) if isinstance(a, Unbound)), None)
+    name, where = (held.unbound_name, held.unbound_where) if held is not None else ("a weight", "")
+    return UnboundWeightError(
+        f"{name} was used ({op}) while its unit is not bound: streamed weights are bound only inside the forward of "
+        f"{where or 'the module they stream to'}, and this model uses it elsewhere; streaming does not support that yet"
+    )
+
+
+def _unbind_all(model: nn.Module, device: torch.device) -> None:
+    """Every tensor still on the meta device becomes an Unbound placeholder reporting the compute device."""
+    for path, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if t is not None and t.is_meta and not isinstance(t, Unbound):
+                    table[attr] = Unbound(f"{path}.{attr}" if path else attr, t, device)
 
 
 class Binding:
@@ -117,6 +187,7 @@ class StreamingModel:
         )
         self._hooks: list = []
         self.experts = None
+        _unbind_all(model, self.device)
         self._bind(model)
         if self.manifest.experts:
             from ..shard.names import candidate_names
@@ -126,7 +197,6 @@ class StreamingModel:
             self.experts = ExpertStreamer(model, self.manifest, self.plan, self.store, self.ledger, io_workers=config.io_workers,
                                           candidates=lambda n: candidate_names(n, prefix), cache_policy=config.expert_cache_policy)
         _move_buffers(model, self.device)
-        _pin_device(model, self.device)
         _load_generation_config(model, self.directory)
         self.model = model
         self.tokenizer = _load_tokenizer(self.directory)
@@ -144,8 +214,10 @@ class StreamingModel:
             module_path, _, attr = name.rpartition(".")
             module = model.get_submodule(module_path)
             is_buffer = attr in module._buffers
-            placeholder = module._buffers[attr] if is_buffer else module._parameters.get(attr)
+            table = module._buffers if is_buffer else module._parameters
             hook = hook_of[unit] if name == key else module_path
+            # Buffers are real (initial values) and parameters may be tied placeholders: each gets its own, naming its site.
+            placeholder = table[attr] = Unbound(name, table[attr], self.device, f"{hook or 'the model'} (unit {unit})")
             persistent = self.plan.tier[unit] == "host" and self.device.type == "cpu"  # views of the persistent mapping
             bindings.setdefault(unit, {}).setdefault(hook, []).append(Binding(module, attr, key, is_buffer, placeholder, persistent))
 
@@ -260,14 +332,8 @@ def _is_lookup(module: nn.Module, group: list[Binding]) -> bool:
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for name, buf in module._buffers.items():
-            if buf is not None and buf.device.type != "meta" and buf.device != device:
+            if buf is not None and not isinstance(buf, Unbound) and buf.device != device:
                 module._buffers[name] = buf.to(device)
-
-
-def _pin_device(model: nn.Module, device: torch.device) -> None:
-    """Unbound parameters sit on the meta device, so `model.device` must not be read from them."""
-    cls = model.__class__
-    model.__class__ = type(cls.__name__, (cls,), {"device": property(lambda self: device), "__module__": cls.__module__})
 
 
 def _load_generation_config(model: nn.Module, directory: Path) -> None:
