@@ -9,16 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from rocketllm_cli.errors import RocketError, describe
 from rocketllm_cli.shard.sharder import shard
-from rocketllm_cli.stream.model import (
-    EngineConfig,
-    StreamingModel,
-    Unbound,
-    UnboundWeightError,
-)
+from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.unbound import Unbound, UnboundWeightError
 
 PROMPT = torch.tensor([[1, 40, 57, 60, 71]])
 NOTHING_RESIDENT = {"device_cache_bytes": 0, "host_cache_bytes": 0}
@@ -59,12 +56,30 @@ def test_unbound_weight_raises_for_every_use(streamed):
 
 def test_unbound_embedding_lookup_raises(streamed):
     model, _ = streamed
+    weight = model.model.model.layers[1].mlp.down_proj.weight
+    with pytest.raises(UnboundWeightError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        F.embedding(PROMPT, weight)
+    table = nn.Embedding(*weight.shape)
+    table._parameters["weight"] = weight
+    with pytest.raises(UnboundWeightError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        table(PROMPT)  # an nn.Embedding lookup in a table no store can read by rows
+
+
+def test_streamed_table_answers_lookups_with_its_rows_and_nothing_else(streamed, tiny_factory):
+    model, _ = streamed
+    stored = load_file(tiny_factory("llama") / "model.safetensors")["model.embed_tokens.weight"]
     embed = model.model.get_input_embeddings()
-    assert isinstance(embed, nn.Embedding) and isinstance(embed.weight, Unbound)
-    with pytest.raises(UnboundWeightError, match=r"embed_tokens\.weight"):
-        F.embedding(PROMPT, embed.weight)
-    with pytest.raises(UnboundWeightError, match=r"embed_tokens\.weight"):
-        embed.forward(PROMPT)  # the lookup itself, without the hook that binds its rows
+    weight = embed.weight
+    assert isinstance(weight, Unbound) and weight.rows is not None
+    # Lookups read just their rows, from the model's own forward or from outside it (a pad row, a position table).
+    assert torch.equal(embed.forward(PROMPT), stored[PROMPT])
+    assert torch.equal(F.embedding(PROMPT, weight), stored[PROMPT])
+    assert torch.equal(weight[7], stored[7]) and torch.equal(weight[7, :], stored[7]) and torch.equal(weight[2:5], stored[2:5])
+    assert torch.equal(weight[PROMPT[0]], stored[PROMPT[0]])
+    for use in (lambda: torch.randn(2, weight.shape[0]) @ weight, lambda: weight.to("cpu"), lambda: weight.sum(),
+                lambda: weight[None, :, :], lambda: weight[:, 3]):
+        with pytest.raises(UnboundWeightError, match=r"embed_tokens\.weight"):
+            use()
 
 
 def test_unbound_weight_answers_metadata(streamed):
@@ -78,7 +93,7 @@ def test_unbound_weight_answers_metadata(streamed):
         assert list(weight.shape) == list(weight.size()) == shape and weight.dim() == len(shape)
         assert weight.numel() == shape[0] * (shape[1] if len(shape) > 1 else 1)
         assert name in repr(weight)
-    ids = PROMPT.to(model.model.get_input_embeddings().weight.device)  # Llama 4 routes its input ids this way
+    ids = PROMPT.to(model.model.get_input_embeddings().weight.device)  # how Llama 4 routes its input ids
     assert ids.device == torch.device("cpu")
 
 

@@ -5,9 +5,8 @@ module that binds views of its bytes to (module, name) pairs computed up front,
 and a post-hook that puts the placeholders back and frees the buffer.
 transformers runs the forward pass and generate() unchanged.
 
-An unbound tensor is an `Unbound` placeholder: it answers shape, dtype and device (the compute device, so code that
-routes inputs by a weight's device works) and raises UnboundWeightError from any computation, where a meta tensor
-would let some kernels (F.linear on a CPU input) return uninitialised memory.
+An unbound tensor is an `Unbound` placeholder (unbound.py): it answers shape, dtype and the compute device and raises
+UnboundWeightError from any computation. A streamed embedding table's placeholder answers lookups by reading rows.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from ..dtypes import torch_dtype
-from ..errors import KnobError, ModelError
+from ..errors import KnobError
 from ..profiles.knobs.formulas import (
     DEFAULT_EXPERT_CACHE_POLICY,
     FALLBACK_COMPUTE_DTYPE,
@@ -32,6 +31,7 @@ from ..shard.manifest import Manifest
 from .ledger import Ledger
 from .plan import ResidencyPlan, make_plan
 from .store import WeightStore
+from .unbound import Unbound, UnboundWeightError, unbind_all  # noqa: F401 - UnboundWeightError: the error callers catch
 
 
 @dataclass
@@ -60,72 +60,6 @@ class EngineConfig:
             minimum = KNOBS_BY_NAME[name].minimum
             if getattr(self, name) < minimum:
                 raise KnobError(f"bad {name} {getattr(self, name)}: must be >= {minimum}")
-
-
-class UnboundWeightError(ModelError):
-    """A streamed weight took part in a computation outside the forward of the module it is bound for."""
-
-
-# Queries that read a tensor's metadata, never its values: an unbound placeholder answers them.
-_METADATA = frozenset({
-    "shape", "dtype", "device", "size", "dim", "ndim", "ndimension", "numel", "nelement", "is_floating_point", "is_complex",
-    "element_size", "itemsize", "nbytes", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested",
-    "requires_grad", "requires_grad_", "grad", "grad_fn", "is_leaf", "__len__", "stride", "is_contiguous",
-})
-
-
-class Unbound(torch.Tensor):
-    """The placeholder of a tensor whose unit is not bound: shape, dtype and device of the real one, and no data.
-
-    Any computation with it raises UnboundWeightError naming the tensor (`__torch_function__` catches Python-level
-    calls, `__torch_dispatch__` whatever reaches a kernel). It is a Parameter to nn.Module (`_is_param`), so
-    transformers can tie and register it; bound tensors are ordinary Parameters, so this costs nothing per token.
-    """
-
-    @staticmethod
-    def __new__(cls, name: str, like: torch.Tensor, device: torch.device, where: str = ""):
-        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=device, requires_grad=False)
-        t.unbound_name, t.unbound_where, t._is_param = name, where, True
-        return t
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in ("__get__", "__set__"):  # a property: Tensor.shape.__get__ ...
-            name = getattr(getattr(func, "__self__", None), "__name__", "")
-        if name in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        raise _unbound_error(name, args, kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise _unbound_error(str(func), args, kwargs)
-
-    def __repr__(self) -> str:
-        return f"Unbound({self.unbound_name}, shape={list(self.shape)}, dtype={self.dtype}, device={self.device})"
-
-    __str__ = __repr__
-
-
-def _unbound_error(op: str, args, kwargs) -> UnboundWeightError:
-    import torch.utils._pytree as pytree
-
-    held = next((a for a in pytree.tree_leaves((args, kwargs or {})) if isinstance(a, Unbound)), None)
-    name, where = (held.unbound_name, held.unbound_where) if held is not None else ("a weight", "")
-    return UnboundWeightError(
-        f"{name} was used ({op}) while its unit is not bound: streamed weights are bound only inside the forward of "
-        f"{where or 'the module they stream to'}, and this model uses it elsewhere; streaming does not support that yet"
-    )
-
-
-def _unbind_all(model: nn.Module, device: torch.device) -> None:
-    """Every tensor still on the meta device becomes an Unbound placeholder reporting the compute device."""
-    for path, module in model.named_modules():
-        for table in (module._parameters, module._buffers):
-            for attr, t in table.items():
-                if t is not None and t.is_meta and not isinstance(t, Unbound):
-                    table[attr] = Unbound(f"{path}.{attr}" if path else attr, t, device)
 
 
 class Binding:
@@ -187,7 +121,7 @@ class StreamingModel:
         )
         self._hooks: list = []
         self.experts = None
-        _unbind_all(model, self.device)
+        unbind_all(model, self.device)
         self._bind(model)
         if self.manifest.experts:
             from ..shard.names import candidate_names
@@ -215,7 +149,7 @@ class StreamingModel:
             module = model.get_submodule(module_path)
             is_buffer = attr in module._buffers
             table = module._buffers if is_buffer else module._parameters
-            hook = hook_of[unit] if name == key else module_path
+            hook = _called_site(model, hook_of[unit] if name == key else module_path, module_path)
             # Buffers are real (initial values) and parameters may be tied placeholders: each gets its own, naming its site.
             placeholder = table[attr] = Unbound(name, table[attr], self.device, f"{hook or 'the model'} (unit {unit})")
             persistent = self.plan.tier[unit] == "host" and self.device.type == "cpu"  # views of the persistent mapping
@@ -231,9 +165,8 @@ class StreamingModel:
             for hook_path, group in by_hook.items():
                 module = model.get_submodule(hook_path)
                 if self.store.can_gather_rows(unit) and _is_lookup(module, group):
-                    # A token lookup reads a few rows of the table, not the table.
-                    self._hooks.append(module.register_forward_pre_hook(self._rows_hook(unit, group[0])))
-                    self._hooks.append(module.register_forward_hook(self._unbind_hook(group)))
+                    # A token lookup reads a few rows of the table, not the table: the placeholder serves it.
+                    group[0].placeholder.rows = self._rows(unit, group[0].tensor)
                     continue
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook(unit, group)))
                 self._hooks.append(module.register_forward_hook(self._post_hook(unit, group)))
@@ -258,20 +191,9 @@ class StreamingModel:
 
         return hook
 
-    def _rows_hook(self, unit: str, binding: Binding):
+    def _rows(self, unit: str, key: str):
         store = self.store
-
-        def hook(module, args):
-            binding.bind(store.gather_rows(unit, binding.tensor, args[0]))
-
-        return hook
-
-    def _unbind_hook(self, group: list[Binding]):
-        def hook(module, args, output):
-            for b in group:
-                b.unbind()
-
-        return hook
+        return lambda ids: store.gather_rows(unit, key, ids)
 
     def _begin_pass(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -324,8 +246,16 @@ def _assign(group: list[Binding], tensors: dict[str, torch.Tensor]) -> None:
         b.bind(tensors[b.tensor])
 
 
+def _called_site(model: nn.Module, hook: str, module_path: str) -> str:
+    """Where a tensor of MODULE_PATH is bound: HOOK, or the member on its path if HOOK is a container (a ModuleList's
+    forward never runs; the model calls its members directly, so each member binds its own tensors)."""
+    while isinstance(model.get_submodule(hook), (nn.ModuleList, nn.ModuleDict)) and module_path.startswith(hook + "."):
+        hook = f"{hook}.{module_path[len(hook) + 1:].split('.', 1)[0]}"
+    return hook
+
+
 def _is_lookup(module: nn.Module, group: list[Binding]) -> bool:
-    """An embedding table bound alone: its forward gathers rows of `weight` for the token ids it is given."""
+    """An embedding table bound alone: what reads it are lookups, by its forward or its model (F.embedding, w[ids])."""
     return isinstance(module, nn.Embedding) and len(group) == 1 and group[0].attr == "weight" and group[0].module is module
 
 
