@@ -1,7 +1,7 @@
 """Find the layer structure of any causal LM from its module tree: no class per architecture.
 
-The repeated decoder stack is the ModuleList of identical blocks holding the most
-parameters; the input and output embeddings come from transformers' own accessors;
+The repeated decoder stack is the ModuleList of blocks nearest the input embeddings (the largest
+among equals); the input and output embeddings come from transformers' own accessors;
 every other parameter belongs to the outermost module that contains none of those.
 """
 
@@ -41,13 +41,17 @@ def build_meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from ..compat import dtype_kwargs
+
     try:
         with init_empty_weights(include_buffers=False):
-            kwargs = {"dtype": dtype} if dtype is not None else {}
             try:
-                model = AutoModelForCausalLM.from_config(config, **kwargs)
-            except TypeError:  # transformers 4.x spells it torch_dtype
-                model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+                model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(dtype))
+            except ValueError:
+                named = _causal_lm_named_by(config)  # a text config of a composite model (Emu3, Mllama) names its class
+                if named is None:
+                    raise
+                model = named._from_config(config, **dtype_kwargs(dtype))
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc) or "does not recognize this architecture" in str(exc):
             raise ModelError(
@@ -60,24 +64,56 @@ def build_meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
     return model
 
 
+def _causal_lm_named_by(config):
+    """The class in config.architectures that transformers lists as a causal LM and that takes this config, or None."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    listed = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None) if name in listed else None
+        if cls is not None and isinstance(config, cls.config_class):
+            return cls
+    return None
+
+
 def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """Parameters that share storage with another: {alias: source}."""
+    """Parameters that share storage with another: {alias: source}, chains collapsed to the source.
+
+    transformers 5 lists its ties ({target: source}, `all_tied_weights_keys`; BERT's decoder bias, ProphetNet's
+    decoder embeddings) and ties nothing it does not list (CPM-Ant's head is wider than its embeddings); 4.x ties by
+    identity, on the meta model too, and the config's tie_word_embeddings says whether the head is the embeddings."""
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, p in params.items():
         if id(p) in seen:
             aliases[name] = seen[id(p)]
         else:
             seen[id(p)] = name
+    listed = getattr(model, "all_tied_weights_keys", None)
+    if listed is not None:
+        aliases.update({t: s for t, s in listed.items() if t in params and s in params and t != s})
+    else:
+        aliases.update({t: s for t, s in _tied_head(model).items() if t not in aliases and params[t].shape == params[s].shape})
+    for alias in aliases:
+        while aliases[alias] in aliases:
+            aliases[alias] = aliases[aliases[alias]]
+    return aliases
+
+
+def _tied_head(model: nn.Module) -> dict[str, str]:
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
-        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
-        if inp is not None and out is not None and getattr(out, "weight", None) is not None:
-            names = {id(m): n for n, m in model.named_modules()}
-            if id(inp) in names and id(out) in names:
-                aliases.setdefault(_join(names[id(out)], "weight"), _join(names[id(inp)], "weight"))
-    return aliases
+    if not (getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)):
+        return {}
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is None or out is None or getattr(out, "weight", None) is None:
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    if id(inp) not in names or id(out) not in names:
+        return {}
+    return {_join(names[id(out)], "weight"): _join(names[id(inp)], "weight")}
 
 
 def discover(model: nn.Module) -> Layout:
@@ -87,7 +123,8 @@ def discover(model: nn.Module) -> Layout:
     every persistent tensor lands in exactly one unit, tied ones become aliases. ModelError if there is no decoder stack."""
     modules = dict(model.named_modules())
     names = {id(m): n for n, m in modules.items()}
-    stack = _find_stack(modules)
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    stack = _find_stack(modules, names.get(id(inp)))
     aliases = tied_aliases(model)
     persistent = _persistent_tensors(model)
 
@@ -101,7 +138,6 @@ def discover(model: nn.Module) -> Layout:
         if unit.params:
             units.append(unit)
 
-    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if inp is not None and id(inp) in names:
         claim(UnitPlan("embed", "embed", names[id(inp)]))
@@ -133,19 +169,28 @@ def discover(model: nn.Module) -> Layout:
     return Layout(stack, units, aliases)
 
 
-def _find_stack(modules: dict[str, nn.Module]) -> str:
-    best, best_size = None, 0
+def _find_stack(modules: dict[str, nn.Module], embeddings: str | None = None) -> str:
+    """The decoder stack: of the ModuleLists of parameter-holding blocks, the one nearest the input embeddings in the
+    module tree (a vision or audio tower's layers sit further away, however large), the largest among equals.
+
+    Its blocks may be of several classes (attention and linear-attention layers in one list)."""
+    best, best_key = None, None
     for name, m in modules.items():
-        if not isinstance(m, nn.ModuleList) or len(m) == 0:
-            continue
-        if len({type(c) for c in m}) != 1:
+        if not isinstance(m, nn.ModuleList) or len(m) == 0 or not all(any(True for _ in c.parameters()) for c in m):
             continue
         size = sum(p.numel() for p in m.parameters())
-        if size > best_size:
-            best, best_size = name, size
+        key = (_tree_distance(name, embeddings) if embeddings is not None else 0, -size)
+        if best_key is None or key < best_key:
+            best, best_key = name, key
     if best is None:
         raise ModelError("could not find a repeated decoder stack in this model's module tree; architecture not supported for streaming")
     return best
+
+
+def _tree_distance(a: str, b: str) -> int:
+    pa, pb = a.split(".") if a else [], b.split(".") if b else []
+    common = next((i for i, (x, y) in enumerate(zip(pa, pb)) if x != y), min(len(pa), len(pb)))
+    return len(pa) + len(pb) - 2 * common
 
 
 def _persistent_tensors(model: nn.Module) -> list[str]:

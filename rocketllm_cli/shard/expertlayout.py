@@ -114,13 +114,14 @@ def converter_slot(name: str, renamings: list, converters: list) -> FusedSlot | 
     if pattern is None:
         return None
     conv = next((c for c in converters if pattern in c.source_patterns), None)
-    if conv is None:
+    if conv is None or "*" not in pattern:  # sources not indexed by expert: a conversion of other weights (names.py)
         return None
     ops = [type(op).__name__ for op in conv.operations]
     if ops not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]) or getattr(conv.operations[0], "dim", 0) != 0:
         raise ModelError(f"{name}: transformers fuses these experts with {', '.join(ops)}, which expert streaming does not "
                          "reassemble yet; use a per-expert checkpoint with a transformers 4.x install, or a dense model")
-    regex = re.escape(pattern.lstrip("^").rstrip("$")).replace(r"\*", r"(\d+)")
+    # transformers' patterns are regular expressions in which `*` stands for the expert index (`\.experts.*.w1.weight`)
+    regex = pattern.lstrip("^").rstrip("$").replace("*.", r"(\d+)\.").replace("*", r"(\d+)")
     match = re.search(regex, renamed)
     if match is None or not match.groups():
         return None

@@ -1,13 +1,17 @@
 """Which source tensor fills each parameter of the model: checkpoint names against the module tree's names.
 
 A tensor may carry the base-model prefix or not, legacy gamma/beta names, or a name transformers renames on
-load; routed experts get one unit each, cut from fused source tensors where the checkpoint fuses them.
+load; a parameter transformers computes from several source tensors on load (Chunk, Split, Concatenate ... of
+non-expert weights) is computed at shard time by transformers' own converter; routed experts get one unit each,
+cut from fused source tensors where the checkpoint fuses them.
 The runtime resolves stored expert pieces with candidate_names too, so it lives here and not in the writer.
 """
 
 from __future__ import annotations
 
+import copy
 import re
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,8 +37,9 @@ def candidate_names(name: str, prefix: str) -> list[str]:
     return out + [c for c in legacy if c != name]
 
 
-def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[str, str]:
-    """canonical parameter name -> source tensor name; missing parameters are an error."""
+def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> tuple[dict[str, str], dict[str, Conversion]]:
+    """canonical parameter name -> source tensor name (for a converted one: its first source), and the parameters
+    transformers' conversion mapping computes -> their Conversion; missing parameters are an error."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     meta = dict(model.named_parameters(remove_duplicate=False))
     renamed = _renamed_by_transformers(model, list(source.shapes), meta)
@@ -62,12 +67,82 @@ def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> dict[st
                 raise ModelError(f"tensor {found} is stored as {str(stored).removeprefix('torch.')} but the model needs floating-point weights "
                                  "(a quantized or corrupt checkpoint; use an unquantized one)")
             mapping[name] = found
+    converted = find_conversions(source, model, set(missing))
+    for name, conv in converted.items():
+        mapping[name] = conv.members[0][0]
+    missing = [name for name in missing if name not in converted]
     if missing:
         raise ModelError(
             f"checkpoint lacks {len(missing)} tensors this {model.config.model_type} model needs (e.g. {missing[0]}); "
             "the config does not match the weights, or this checkpoint layout is not supported yet"
         )
-    return mapping
+    return mapping, converted
+
+
+@dataclass
+class Conversion:
+    """Parameters transformers computes on load from several source tensors: its own WeightConverter, run here.
+
+    `first` is the key transformers collects the sources under; `members` the (source tensor, matched pattern) pairs
+    in its load order; `targets` parameter -> key in the converter's output; `shapes` parameter -> shape."""
+
+    first: str
+    members: list[tuple[str, str]]
+    converter: object
+    model: object
+    targets: dict[str, str] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def run(self, read) -> dict[str, torch.Tensor]:
+        """The converter's output by its own keys, from read(source tensor name)."""
+        conv = copy.deepcopy(self.converter)  # a converter collects tensors: one fresh copy per run, as transformers does
+        for src, pattern in self.members:
+            conv.add_tensor(self.first, src, pattern, read(src))
+        out = conv.convert(self.first, model=self.model, config=self.model.config)
+        return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+
+    def describe(self) -> str:
+        ops = ", ".join(type(op).__name__ for op in self.converter.operations)
+        return f"{' + '.join(src for src, _ in self.members)} ({ops})"
+
+
+def find_conversions(source: Source, model: torch.nn.Module, wanted: set[str]) -> dict[str, Conversion]:
+    """The WANTED parameters that transformers' conversion mapping computes from source tensors -> their Conversion.
+
+    Sources are grouped as transformers groups them on load; each group runs once on meta tensors to learn the
+    parameters and shapes it makes. Groups that make none of WANTED (experts, handled by split_experts) are left."""
+    renamings, converters = conversion_rules(model)
+    if not converters or not wanted:
+        return {}
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    params = dict(model.named_parameters())
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    groups: dict[str, Conversion] = {}
+    for src in sorted(source.shapes, key=dot_natural_key):
+        try:
+            first, pattern = rename_source_key(src, renamings, converters, prefix, params)
+        except Exception:  # noqa: BLE001 - a key transformers' rules cannot rename is used as it is
+            continue
+        if pattern is not None:
+            groups.setdefault(first, Conversion(first, [], by_pattern[pattern], model)).members.append((src, pattern))
+    found: dict[str, Conversion] = {}
+    for conv in groups.values():
+        try:
+            out = conv.run(lambda s: torch.empty(source.shapes[s][0], dtype=source.shapes[s][1], device="meta"))
+        except Exception:  # noqa: BLE001 - an operation that needs values, or sources that do not fit: not this group
+            continue
+        for key, tensor in out.items():
+            param = next((c for c in candidate_names(key, prefix) if c in wanted), None)
+            if param is None:
+                continue
+            if tuple(tensor.shape) != tuple(params[param].shape):
+                raise ModelError(f"{conv.describe()} makes {param} of shape {list(tensor.shape)} but the config expects "
+                                 f"{list(params[param].shape)} (config and weights disagree)")
+            conv.targets[param], conv.shapes[param] = key, tuple(tensor.shape)
+            found[param] = conv
+    return found
 
 
 def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str], dict[str, int]]:
@@ -109,22 +184,38 @@ def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str]
 
 
 class SourceMap(dict):
-    """{name in the shard set: source tensor}; `sliced` names those that are one expert's slice [e] of a fused source tensor."""
+    """{name in the shard set: source tensor}; `sliced` names those that are one expert's slice [e] of a fused source tensor,
+    `converted` those transformers' converter computes from several source tensors."""
 
-    def __init__(self, mapping: dict[str, str], sliced: dict[str, int]) -> None:
+    def __init__(self, mapping: dict[str, str], sliced: dict[str, int], converted: dict[str, Conversion] | None = None) -> None:
         super().__init__(mapping)
         self.sliced = sliced
+        self.converted = converted or {}
         self._last: tuple[str, torch.Tensor] | None = None  # the fused tensor read last: its experts come one unit at a time
+        self._made: tuple[Conversion, dict] | None = None  # the conversion run last: its parameters share a unit
 
     def read(self, source: Source, name: str) -> torch.Tensor:
         src = self[name]
+        conv = self.converted.get(name)
+        if conv is not None:
+            if self._made is None or self._made[0] is not conv:
+                self._made = (conv, conv.run(source.read))
+            return self._made[1][conv.targets[name]]
         if name not in self.sliced:
             return source.read(src)
         if self._last is None or self._last[0] != src:
             self._last = (src, source.read(src))
         return self._last[1][self.sliced[name]]
 
+    def source_name(self, name: str) -> str:
+        """What the manifest records as NAME's source: the tensor, one expert's slice [e] of it, or a conversion."""
+        if name in self.converted:
+            return self.converted[name].describe()
+        return f"{self[name]}[{self.sliced[name]}]" if name in self.sliced else self[name]
+
     def numel(self, source: Source, name: str) -> int:
+        if name in self.converted:
+            return _numel(self.converted[name].shapes[name])
         n = _numel(source.shapes[self[name]][0])
         return n // source.shapes[self[name]][0][0] if name in self.sliced else n
 

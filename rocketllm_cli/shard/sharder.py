@@ -71,7 +71,8 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     model = build_meta_model(source.config)
     layout = discover(model)
     pieces, sliced = split_experts(source, model, layout)
-    mapping = SourceMap(map_names(source, model, layout), sliced)
+    names, converted = map_names(source, model, layout)
+    mapping = SourceMap(names, sliced, converted)
     mapping.update(pieces)
     need = _bytes_needed(source, mapping, dtype)
     partial = partial_of(final)
@@ -163,7 +164,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
     return manifest, final, {"reused": False, **summarize(manifest, manifest.seconds)}
 
 
-def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tensor], mapping: dict[str, str]) -> UnitRecord:
+def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tensor], mapping: SourceMap) -> UnitRecord:
     header, spans = stfile.layout(tensors, {"format": "pt", "unit": plan.name})
     digest = hashlib.sha256(header)
     tmp = directory / (file + ".tmp")
@@ -181,16 +182,11 @@ def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tenso
         raise
     os.replace(tmp, directory / file)
     records = [
-        TensorRecord(name, _source_name(mapping, name), stfile.NAMES[tensors[name].dtype], list(tensors[name].shape), len(header) + offset, nbytes)
+        TensorRecord(name, mapping.source_name(name), stfile.NAMES[tensors[name].dtype], list(tensors[name].shape), len(header) + offset, nbytes)
         for name, offset, nbytes in spans
     ]
     size = len(header) + sum(n for _, _, n in spans)
     return UnitRecord(plan.name, plan.kind, plan.module, file, size, digest.hexdigest(), records, plan.index)
-
-
-def _source_name(mapping: dict[str, str], name: str) -> str:
-    sliced = getattr(mapping, "sliced", {})
-    return f"{mapping[name]}[{sliced[name]}]" if name in sliced else mapping[name]
 
 
 def _bytes_needed(source: Source, mapping: SourceMap, dtype: str) -> int:

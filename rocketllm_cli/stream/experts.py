@@ -219,16 +219,18 @@ class ExpertStreamer:
             self._arenas[key] = arena
         return arena
 
-    def _place(self, unit: str, tensors: dict[str, torch.Tensor], arenas: dict[str, torch.Tensor]) -> None:
+    def _place(self, unit: str, module: nn.Module, tensors: dict[str, torch.Tensor], arenas: dict[str, torch.Tensor]) -> None:
+        """Copy UNIT's pieces that belong to MODULE into its slices of ARENAS (one expert may span several batched
+        modules: JetMoE's MLP experts and attention experts)."""
         for name, t in self.targets[unit]:
-            if isinstance(t, Fused):
+            if isinstance(t, Fused) and t.module is module:
                 arenas[t.attr][t.expert].narrow(t.dim, t.offset, t.size).copy_(tensors[name])
 
     def _bind_fused_resident(self, module: nn.Module, experts: dict[int, str]) -> None:
-        attrs = {t.attr for u in experts.values() for _, t in self.targets[u]}
+        attrs = {t.attr for u in experts.values() for _, t in self.targets[u] if isinstance(t, Fused) and t.module is module}
         full = {a: torch.empty(module._parameters[a].shape, dtype=self.dtype, device=self.device) for a in attrs}
         for unit in experts.values():
-            self._place(unit, self.store.resident(unit), full)
+            self._place(unit, module, self.store.resident(unit), full)
         for a, tensor in full.items():
             module._parameters[a] = nn.Parameter(tensor, requires_grad=False)
 
@@ -237,7 +239,10 @@ class ExpertStreamer:
 
         def hook(mod, args, kwargs):
             index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
-            routed = sorted(int(e) for e in torch.unique(index).tolist() if int(e) in experts) if index is not None else sorted(experts)
+            if torch.is_tensor(index) and not index.is_floating_point():
+                routed = sorted(int(e) for e in torch.unique(index).tolist() if int(e) in experts)
+            else:  # a forward that is not given the routing (JetMoE's takes counts per expert): every expert
+                routed = sorted(experts)
             units = [experts[e] for e in routed]
             if resident:
                 for unit in units:
@@ -247,7 +252,7 @@ class ExpertStreamer:
             arenas = {a: self._arena(mod, a) for a in placeholders}
             for unit in units:
                 tensors, buf = self._fetch(unit)
-                self._place(unit, tensors, arenas)
+                self._place(unit, mod, tensors, arenas)
                 self._give_back(buf)
             for a, arena in arenas.items():
                 mod._parameters[a] = self._parameter(arena)

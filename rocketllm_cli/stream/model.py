@@ -2,8 +2,11 @@
 
 Resident units are bound once. Each streamed unit gets a forward pre-hook on its
 module that binds views of its bytes to (module, name) pairs computed up front,
-and a post-hook that puts the meta placeholders back and frees the buffer.
+and a post-hook that puts the placeholders back and frees the buffer.
 transformers runs the forward pass and generate() unchanged.
+
+An unbound tensor is an `Unbound` placeholder (unbound.py): it answers shape, dtype and the compute device and raises
+UnboundWeightError from any computation. A streamed embedding table's placeholder answers lookups by reading rows.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ..shard.manifest import Manifest
 from .ledger import Ledger
 from .plan import ResidencyPlan, make_plan
 from .store import WeightStore
+from .unbound import Unbound, UnboundWeightError, unbind_all  # noqa: F401 - UnboundWeightError: the error callers catch
 
 
 @dataclass
@@ -117,6 +121,7 @@ class StreamingModel:
         )
         self._hooks: list = []
         self.experts = None
+        unbind_all(model, self.device)
         self._bind(model)
         if self.manifest.experts:
             from ..shard.names import candidate_names
@@ -126,7 +131,6 @@ class StreamingModel:
             self.experts = ExpertStreamer(model, self.manifest, self.plan, self.store, self.ledger, io_workers=config.io_workers,
                                           candidates=lambda n: candidate_names(n, prefix), cache_policy=config.expert_cache_policy)
         _move_buffers(model, self.device)
-        _pin_device(model, self.device)
         _load_generation_config(model, self.directory)
         self.model = model
         self.tokenizer = _load_tokenizer(self.directory)
@@ -144,8 +148,10 @@ class StreamingModel:
             module_path, _, attr = name.rpartition(".")
             module = model.get_submodule(module_path)
             is_buffer = attr in module._buffers
-            placeholder = module._buffers[attr] if is_buffer else module._parameters.get(attr)
-            hook = hook_of[unit] if name == key else module_path
+            table = module._buffers if is_buffer else module._parameters
+            hook = _called_site(model, hook_of[unit] if name == key else module_path, module_path)
+            # Buffers are real (initial values) and parameters may be tied placeholders: each gets its own, naming its site.
+            placeholder = table[attr] = Unbound(name, table[attr], self.device, f"{hook or 'the model'} (unit {unit})")
             persistent = self.plan.tier[unit] == "host" and self.device.type == "cpu"  # views of the persistent mapping
             bindings.setdefault(unit, {}).setdefault(hook, []).append(Binding(module, attr, key, is_buffer, placeholder, persistent))
 
@@ -159,9 +165,8 @@ class StreamingModel:
             for hook_path, group in by_hook.items():
                 module = model.get_submodule(hook_path)
                 if self.store.can_gather_rows(unit) and _is_lookup(module, group):
-                    # A token lookup reads a few rows of the table, not the table.
-                    self._hooks.append(module.register_forward_pre_hook(self._rows_hook(unit, group[0])))
-                    self._hooks.append(module.register_forward_hook(self._unbind_hook(group)))
+                    # A token lookup reads a few rows of the table, not the table: the placeholder serves it.
+                    group[0].placeholder.rows = self._rows(unit, group[0].tensor)
                     continue
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook(unit, group)))
                 self._hooks.append(module.register_forward_hook(self._post_hook(unit, group)))
@@ -186,20 +191,9 @@ class StreamingModel:
 
         return hook
 
-    def _rows_hook(self, unit: str, binding: Binding):
+    def _rows(self, unit: str, key: str):
         store = self.store
-
-        def hook(module, args):
-            binding.bind(store.gather_rows(unit, binding.tensor, args[0]))
-
-        return hook
-
-    def _unbind_hook(self, group: list[Binding]):
-        def hook(module, args, output):
-            for b in group:
-                b.unbind()
-
-        return hook
+        return lambda ids: store.gather_rows(unit, key, ids)
 
     def _begin_pass(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -252,22 +246,24 @@ def _assign(group: list[Binding], tensors: dict[str, torch.Tensor]) -> None:
         b.bind(tensors[b.tensor])
 
 
+def _called_site(model: nn.Module, hook: str, module_path: str) -> str:
+    """Where a tensor of MODULE_PATH is bound: HOOK, or the member on its path if HOOK is a container (a ModuleList's
+    forward never runs; the model calls its members directly, so each member binds its own tensors)."""
+    while isinstance(model.get_submodule(hook), (nn.ModuleList, nn.ModuleDict)) and module_path.startswith(hook + "."):
+        hook = f"{hook}.{module_path[len(hook) + 1:].split('.', 1)[0]}"
+    return hook
+
+
 def _is_lookup(module: nn.Module, group: list[Binding]) -> bool:
-    """An embedding table bound alone: its forward gathers rows of `weight` for the token ids it is given."""
+    """An embedding table bound alone: what reads it are lookups, by its forward or its model (F.embedding, w[ids])."""
     return isinstance(module, nn.Embedding) and len(group) == 1 and group[0].attr == "weight" and group[0].module is module
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for name, buf in module._buffers.items():
-            if buf is not None and buf.device.type != "meta" and buf.device != device:
+            if buf is not None and not isinstance(buf, Unbound) and buf.device != device:
                 module._buffers[name] = buf.to(device)
-
-
-def _pin_device(model: nn.Module, device: torch.device) -> None:
-    """Unbound parameters sit on the meta device, so `model.device` must not be read from them."""
-    cls = model.__class__
-    model.__class__ = type(cls.__name__, (cls,), {"device": property(lambda self: device), "__module__": cls.__module__})
 
 
 def _load_generation_config(model: nn.Module, directory: Path) -> None:
