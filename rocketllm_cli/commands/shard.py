@@ -19,6 +19,9 @@ HELP = """Split MODEL into one file per layer (plus embed, norm, lm_head, extras
 MODEL is a Hugging Face model directory, a .gguf file, a hub id, or (with --verify) a shard directory.
 Shards go beside the model cache unless --out is given; `generate` finds and reuses them.
 
+A GGUF keeps its 4-bit blocks (Q4_0, Q4_1, Q4_K; Q8_0 as int8) where a low-bit kernel computes on them;
+--quantize int4|int8 quantizes a float model's linear layers (lossy), --quantize none stores everything as floats.
+
 Example: rocketllm shard ./Llama-3.1-8B --dtype bf16 --verify
 """
 
@@ -29,6 +32,7 @@ def run(
     out: Annotated[Optional[Path], typer.Option("--out", help="Shard directory to write (default: under the cache dir, keyed by the source).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Dtype of the shards: auto (as stored), bf16, fp16 or fp32.")] = "auto",
     verify: Annotated[bool, typer.Option("--verify", help="Re-check every shard file against the manifest (sizes and sha256).")] = False,
+    quantize: Annotated[str, typer.Option("--quantize", help="Low-bit weights: auto (keep a GGUF's packed blocks), int4 or int8 (round-to-nearest, lossy), none (all floats).")] = "auto",
     json: JsonOpt = False,
 ) -> None:
     from ..dtypes import NAMES as DTYPES
@@ -37,6 +41,8 @@ def run(
     model = pick_model(model, model_option)
     if dtype != "auto" and dtype not in DTYPES:
         raise ShardError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
+    if quantize not in ("auto", "none", "int4", "int8"):
+        raise ShardError(f"bad --quantize {quantize!r}: expected auto, int4, int8 or none")
     check_locatable(model)  # a mistyped path is refused before torch and transformers are imported
 
     from ..shard.checks import verify as verify_dir
@@ -49,11 +55,11 @@ def run(
         manifest, directory = Manifest.load(path), path
         summary = {"reused": True, **summarize(manifest, 0.0)}  # the same fields as a fresh or reused run from a source
     else:
-        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log)
+        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log, packing=quantize)
     problems = verify_dir(directory) if verify else []
     if problems and from_source:  # the source is at hand: write the set again rather than report a damaged one
         output.log(f"{_count(problems)} not match the manifest ({problems[0]}); sharding again")
-        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log, rebuild=True)
+        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log, rebuild=True, packing=quantize)
         problems = verify_dir(directory)
     document = {"directory": str(directory), **summary, "verified": verify and not problems, "problems": problems,
                 "source": manifest.source, "model_type": manifest.model_type}
@@ -64,12 +70,17 @@ def run(
         state = "reused existing shards" if summary.get("reused") else f"sharded in {summary.get('seconds')} s{rate}"
         output.result(f"{directory}\n{manifest.model_type}: {summary['units']} units ({summary['layers']} layers"
                       f"{', ' + str(summary['experts']) + ' experts' if summary.get('experts') else ''}), "
-                      f"{format_bytes(summary['bytes'])} {manifest.dtype}; {state}")
+                      f"{format_bytes(summary['bytes'])} {manifest.dtype}{_packed(summary)}; {state}")
         if verify:
             output.result("verify: ok, every file matches the manifest" if not problems else "verify: FAILED")
     if problems:
         raise ShardError(f"{_count(problems)} not match the manifest ({problems[0]}); "
                          "re-run `rocketllm shard` on the source model with --verify to write them again")
+
+
+def _packed(summary: dict) -> str:
+    count = summary.get("packed_tensors", 0)
+    return f" ({count} weights packed: {summary['packing']})" if count else ""
 
 
 def _count(problems: list[str]) -> str:

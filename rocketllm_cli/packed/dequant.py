@@ -13,6 +13,7 @@ import torch
 
 from ..shard.ggufsource import CHUNK_BYTES
 from .format import PackedTensor
+from .kernelform import to_portable
 from .scratch import SCRATCH, Scratch
 
 CPU_BLOCK = 1 << 18  # fp32 values (1 MiB) dequantized at a time on a CPU
@@ -26,6 +27,8 @@ def dequantize(packed: PackedTensor, dtype: torch.dtype = torch.float32) -> torc
 def dequantize_into(packed: PackedTensor, dtype: torch.dtype, scratch: Scratch = SCRATCH, device=None) -> torch.Tensor:
     """The [N, K] weight as a view of `scratch`'s buffer on `device` (default: the parts'), valid until its next
     take. int4/int8 parts must be on that device; raw GGUF blocks may stay on the host (they are read there)."""
+    if packed.format.kind == "int4" and packed.format.layout != "rows":
+        packed = to_portable(packed)  # the kernel's form (only where no kernel runs it: the slow path anyway)
     fmt, parts = packed.format, packed.parts
     n, k = fmt.shape
     device = next(iter(parts.values())).device if device is None else torch.device(device)
@@ -33,6 +36,7 @@ def dequantize_into(packed: PackedTensor, dtype: torch.dtype, scratch: Scratch =
         (flat,) = scratch.take(device, (n * k, dtype))
         _gguf_into(flat.view(n, k), parts["blocks"], fmt.gguf_type)
         return flat.view(n, k)
+    codes_part = parts["codes"]
     # row blocks of about CPU_BLOCK fp32 values stay in cache; elsewhere one block (each op is a launch)
     rows = max(1, min(n, CPU_BLOCK // k)) if device.type == "cpu" else n
     wide, int4 = dtype == torch.float32, fmt.kind == "int4"
@@ -45,7 +49,7 @@ def dequantize_into(packed: PackedTensor, dtype: torch.dtype, scratch: Scratch =
         stop = min(n, start + rows)
         count = stop - start
         block = out[start:stop] if wide else work[: count * k].view(count, k)
-        _codes_into(block, codes[: count * k].view(count, k) if int4 else None, parts["codes"][start:stop])
+        _codes_into(block, codes[: count * k].view(count, k) if int4 else None, codes_part[start:stop])
         grouped = block.view(count, fmt.groups, fmt.group)
         grouped.mul_(scale[: count * fmt.groups].view(count, fmt.groups, 1).copy_(parts["scale"][start:stop].unsqueeze(-1)))
         if int4:

@@ -6,7 +6,8 @@ Found by running the ops (torch 2.13, see docs/ARCHITECTURE.md "Packed weights")
   [..., 1] zero) in the activation dtype (fp32, bf16 and fp16 all run on a CPU; a mixed pair is refused);
   group 32, 64, 128 or 256; N a multiple of 16; x 2-D and contiguous.
 - The CPU packed layout (`_convert_weight_to_int4pack_for_cpu`, int32 codes [N, K] in) differs between AVX512
-  and AVX2 builds of the same kernel, so it is made here at bind time, never stored. The other devices' op
+  and AVX2 builds of the same kernel: cpulayout.py finds which one runs and makes it with tensor ops, so a
+  shard can store it and a bind uses the stored codes as they are. The other devices' op
   takes uint8 [N, K/2] with column 2j in the high nibble.
 - int8 (`_weight_int8pack_mm`): codes int8 [N, K], one scale per output row [N] in the activation dtype:
   w = q·scale.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import nibbles
+from . import cpulayout, kernelform, nibbles
 from .format import PackedFormat, PackedTensor
 
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes the int4 kernels accept
@@ -36,21 +37,24 @@ def int8_fits(fmt: PackedFormat) -> bool:
 
 
 def int4_for_kernel(packed: PackedTensor, dtype: torch.dtype, device) -> dict:
-    """{"weight", "scales_and_zeros", "tiles"} for int4_mm on `device` computing in `dtype`."""
+    """{"weight", "scales_and_zeros", "tiles"} for int4_mm on `device` computing in `dtype`. A weight stored in the
+    kernel's form (kernelform.py, the layout this CPU's kernel reads) is used as it is: no copy, no conversion."""
     fmt, parts = packed.format, packed.parts
     device = torch.device(device)
     codes = parts["codes"].to(device)
     k = fmt.shape[1]
     tiles = next((t for t in INNER_K_TILES if k % (16 * t) == 0), INNER_K_TILES[-1])
-    if device.type == "cpu":
-        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.unpack(codes).to(torch.int32), tiles)
+    kernel_layout = cpulayout.cpu_layout() if device.type == "cpu" else None
+    if kernel_layout is not None:
+        weight = codes if fmt.layout == kernel_layout else cpulayout.to_layout(cpulayout.from_layout(codes, fmt.layout), kernel_layout)
+    elif device.type == "cpu":
+        rows = cpulayout.from_layout(codes, fmt.layout)
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.unpack(rows).to(torch.int32), tiles)
     else:
-        high_first = (codes << 4) | (codes >> 4)  # swap nibbles: this op wants column 2j in the high one
+        rows = cpulayout.from_layout(codes, fmt.layout)
+        high_first = (rows << 4) | (rows >> 4)  # swap nibbles: this op wants column 2j in the high one
         weight = torch.ops.aten._convert_weight_to_int4pack(high_first, tiles)
-    scale = parts["scale"].to(device, torch.float32)
-    zero = parts["min"].to(device, torch.float32) + INT4_MIDPOINT * scale
-    scales_and_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).to(dtype).contiguous()
-    return {"weight": weight, "scales_and_zeros": scales_and_zeros, "tiles": tiles}
+    return {"weight": weight, "scales_and_zeros": kernelform.scales_and_zeros(packed, dtype, device), "tiles": tiles}
 
 
 def int4_mm(x: torch.Tensor, kernel: dict, group: int) -> torch.Tensor:

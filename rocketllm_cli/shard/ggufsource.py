@@ -50,6 +50,70 @@ class LazyGGUF:
         out = torch.from_numpy(np.ascontiguousarray(result.weights))
         return out.reshape(shape) if tuple(out.shape) != tuple(shape) else out
 
+    # -- packed: the blocks kept as they are -------------------------------------------
+    def holds_kept_types(self) -> bool:
+        """Whether any tensor is of a type kept packed."""
+        from ..shard.packing import KEPT
+
+        return any(t.tensor_type.name in KEPT for t in self._tensors.values())
+
+    def packable(self, name: str, shape: tuple[int, int], int4_rows: int) -> bool:
+        """Whether `name` can be stored packed: a kept type, rows = N of `shape`, only rows reordered by the processor."""
+        from ..shard.packing import KEPT
+
+        tensor = self._tensors[self.mapping[name]]
+        if tensor.tensor_type.name not in KEPT or tensor.data.ndim != 2 or int(tensor.data.shape[0]) != shape[0]:
+            return False
+        if int(tensor.n_elements) != shape[0] * shape[1]:
+            return False
+        if tensor.tensor_type.name != "Q8_0" and shape[0] % int4_rows:
+            return False
+        return self._row_order(tensor) is not False
+
+    def packed_format(self, name: str):
+        """The PackedFormat read_packed will give (Q8_0: as re-scaled per row)."""
+        from ..packed.format import PackedFormat
+
+        tensor = self._tensors[self.mapping[name]]
+        shape = self.shapes[name][0]
+        kind = tensor.tensor_type.name
+        if kind == "Q8_0":
+            return PackedFormat("int8", shape, shape[1], scale_dtype="fp32")
+        return PackedFormat("int4", shape, 32, scale_dtype="fp32" if kind == "Q4_K" else "fp16")
+
+    def read_packed(self, name: str):
+        """The tensor's blocks in the portable packed layout (exact), rows in transformers' order."""
+        from ..packed import from_gguf
+        from ..packed.format import PackedTensor
+
+        tensor = self._tensors[self.mapping[name]]
+        packed = from_gguf(tensor.data, tensor.tensor_type)
+        order = self._row_order(tensor)
+        if order is not None:
+            index = torch.from_numpy(order)
+            packed = PackedTensor(packed.format, {part: t.index_select(0, index) for part, t in packed.parts.items()})
+        return packed
+
+    def _row_order(self, tensor):
+        """None: the processor leaves the rows alone; an index array: it only reorders them; False: it does more."""
+        import numpy as np
+
+        rows = int(tensor.data.shape[0])
+        probe = np.arange(rows, dtype=np.float32).reshape(rows, 1)
+        try:
+            result = self.processor.process(weights=probe.copy(), name=tensor.name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
+        except Exception:  # noqa: BLE001 - it needs the real tensor: not a pure reordering
+            return False
+        got = np.asarray(result.weights)
+        if result.name != tensor.name or got.shape != probe.shape:
+            return False
+        order = got.reshape(-1)
+        if np.array_equal(order, probe.reshape(-1)):
+            return None
+        if not np.array_equal(np.sort(order), probe.reshape(-1)):
+            return False
+        return order.astype(np.int64)
+
     def _leaves_alone(self, tensor, rows: int) -> bool:
         """Whether the processor returns this tensor unchanged: asked with a read-only stand-in that costs no memory."""
         import numpy as np

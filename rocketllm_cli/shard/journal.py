@@ -25,7 +25,7 @@ def append(partial: Path, fingerprint: str, dtype: str, record: UnitRecord) -> N
 
 
 def resumable(partial: Path, fingerprint: str, dtype: str) -> dict[str, UnitRecord]:
-    """Units an interrupted run finished, whose files are intact: from its journal, or from its manifest when it
+    """`dtype`: the set's key (its dtype and packing, Manifest.key). Units an interrupted run finished, whose files are intact: from its journal, or from its manifest when it
     stopped between writing that and the rename."""
     if not partial.is_dir():
         return {}
@@ -35,7 +35,7 @@ def resumable(partial: Path, fingerprint: str, dtype: str) -> dict[str, UnitReco
             manifest = Manifest.load(partial)
         except ShardError:
             manifest = None
-        if manifest is not None and manifest.source.get("fingerprint") == fingerprint and manifest.dtype == dtype:
+        if manifest is not None and manifest.source.get("fingerprint") == fingerprint and manifest.key == dtype:
             done = {u.name: u for u in manifest.units}
     return {name: r for name, r in done.items() if _file_ok(partial / r.file, r.bytes)}
 

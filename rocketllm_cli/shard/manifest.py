@@ -20,7 +20,8 @@ from ..errors import ShardError
 from . import stfile
 
 FORMAT_VERSION = 2  # 2: mixture-of-experts models have one unit per expert (kind "expert")
-READABLE_VERSIONS = (1, 2)  # a dense set is the same in both
+PACKED_VERSION = 3  # 3: some tensors are packed low-bit weights (a `packed` format on their record)
+READABLE_VERSIONS = (1, 2, 3)  # a dense float set is the same in 1 and 2; only a set with packed weights is 3
 MANIFEST = "manifest.json"
 RESHARD = "re-run `rocketllm shard` on the source model"
 UNIT_FILE = re.compile(r"^\d{4}-.+\.safetensors$")
@@ -35,6 +36,7 @@ class TensorRecord:
     shape: list[int]
     offset: int  # absolute offset in the unit file
     nbytes: int
+    packed: dict | None = None  # a packed weight (dtype U8, shape [nbytes]): its PackedFormat.to_dict()
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Manifest:
     aliases: dict[str, str] = field(default_factory=dict)  # tied parameter -> the parameter it shares storage with
     format_version: int = FORMAT_VERSION
     seconds: float = 0.0
+    packing: str = ""  # "" (all float), "packed" (a source's low-bit encoding kept), "int4" or "int8" (quantized)
 
     @property
     def total_bytes(self) -> int:
@@ -91,9 +94,21 @@ class Manifest:
                 return u
         raise KeyError(name)
 
+    @property
+    def key(self) -> str:
+        """The set's dtype and packing, as its default directory and journal name them ("bf16", "bf16-packed")."""
+        return f"{self.dtype}-{self.packing}" if self.packing else self.dtype
+
     def to_dict(self) -> dict:
-        """The manifest as the JSON document save() writes."""
-        return asdict(self)
+        """The manifest as the JSON document save() writes (a float set's has no packing fields)."""
+        doc = asdict(self)
+        if not doc["packing"]:
+            del doc["packing"]
+        for unit in doc["units"]:
+            for t in unit["tensors"]:
+                if t["packed"] is None:
+                    del t["packed"]
+        return doc
 
     def save(self, directory: Path) -> None:
         """Write manifest.json into DIRECTORY atomically (temporary file, fsync, rename): a reader sees all of it or none."""
@@ -159,6 +174,10 @@ class Manifest:
             raise ShardError(f"shard file {extra[0]} is not in the manifest (a unit removed from it?); {RESHARD}")
 
 
+OPTIONAL = {"packed", "packing"}  # fields a float set's manifest leaves out
+PACKINGS = ("", "packed", "int4", "int8")
+
+
 class _Corrupt(Exception):
     """What is wrong with a parsed manifest, for the one-line message."""
 
@@ -186,7 +205,8 @@ def _fields(cls) -> set[str]:
 def _validate(doc) -> None:
     """Types and cross-field consistency, before any field is trusted: a manifest that passes describes
     units whose names, files, modules and tensors agree with one another."""
-    _require(isinstance(doc, dict) and set(doc) == _fields(Manifest), "fields missing or unknown")
+    _require(isinstance(doc, dict) and _fields(Manifest) - OPTIONAL <= set(doc) <= _fields(Manifest), "fields missing or unknown")
+    _require(doc.get("packing", "") in PACKINGS, "bad packing")
     _require(type(doc["format_version"]) is int, "bad format_version")
     source = doc["source"]
     _require(isinstance(source, dict) and isinstance(source.get("fingerprint"), str), "bad source")
@@ -220,8 +240,11 @@ def _validate(doc) -> None:
         _require(isinstance(u["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", u["sha256"]) is not None, f"unit {name[:40]!r}: bad sha256")
         _require(isinstance(u["tensors"], list), f"unit {name[:40]!r}: bad tensors")
         for t in u["tensors"]:
-            _require(isinstance(t, dict) and set(t) == _fields(TensorRecord), f"unit {name[:40]!r}: a tensor's fields missing or unknown")
+            _require(isinstance(t, dict) and _fields(TensorRecord) - OPTIONAL <= set(t) <= _fields(TensorRecord),
+                     f"unit {name[:40]!r}: a tensor's fields missing or unknown")
             _validate_tensor(t, module, doc["dtype"], tensors)
+            _require(t.get("packed") is None or (doc["format_version"] >= PACKED_VERSION and bool(doc.get("packing"))),
+                     f"tensor {_show(t['name'])}: packed in a set that does not say so")
     _require(layers > 0, "no layer units")
     aliases = doc["aliases"]
     _require(isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors and k not in tensors for k, v in aliases.items()),
@@ -242,3 +265,11 @@ def _validate_tensor(t: dict, module: str, dtype: str, seen: set[str]) -> None:
     for d in shape:
         numel *= d
     _require(_count(t["offset"]) and _count(t["nbytes"]) and t["nbytes"] == numel * stored.itemsize, f"tensor {name[:60]!r}: bad offset or size")
+    if t.get("packed") is not None:
+        from ..packed.format import PackedFormat
+
+        try:
+            fmt = PackedFormat.from_dict(t["packed"])
+        except (ValueError, TypeError) as exc:
+            raise _Corrupt(f"tensor {name[:60]!r}: bad packed format ({str(exc)[:120]})") from None
+        _require(t["dtype"] == "U8" and shape == [fmt.offsets()[1]], f"tensor {name[:60]!r}: packed bytes do not match its format")

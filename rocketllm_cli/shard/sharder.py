@@ -28,40 +28,45 @@ from . import journal, stfile
 from .checks import DISK_FULL, check_space, free_bytes
 from .discover import Layout, build_meta_model, discover
 from .journal import JOURNAL
-from .manifest import Manifest, TensorRecord, UnitRecord
+from .manifest import FORMAT_VERSION, PACKED_VERSION, Manifest, TensorRecord, UnitRecord
 from .names import SourceMap, map_names, split_experts
+from .packing import PackPlan, check_packing, packed_nbytes, plan_packing, predicted_mode, read_packed, set_key
 from .source import Source, locate, open_source, save_tokenizer
 from .target import default_out, exclusive, find_existing, partial_of, reusable, swap_in
 
 
 def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=print,
-          rebuild: bool = False) -> tuple[Manifest, Path, dict]:
+          rebuild: bool = False, packing: str = "auto") -> tuple[Manifest, Path, dict]:
     """Shard MODEL (or reuse a complete shard set). Returns (manifest, directory, summary).
 
     rebuild: write the set again even if one of this source exists (after `--verify` found changed bytes).
+    packing: auto (keep a GGUF's low-bit blocks where a kernel computes on them), none, int4 or int8 (packing.py).
     """
+    check_packing(packing)
     started = time.perf_counter()
     phase = progress or no_progress
     with phase(f"fetching {model}", after=BLINK_S):  # slow only for a hub id, whose download it is
         located = locate(model)
     if out is None and not rebuild:
-        found = find_existing(located, dtype)
+        found = find_existing(located, dtype, packing)
         if found is not None:
             return found[0], found[1], {"reused": True, **summarize(found[0], 0.0)}
     # Reading a GGUF's metadata can take long; off a terminal it stays silent, so a bad input's error stays one line.
     with phase(f"reading {located.name}", after=BLINK_S, announce=False):
         source = open_source(located)
     try:
-        return _shard(source, out, dtype, progress, log, started, rebuild)
+        return _shard(source, out, dtype, progress, log, started, rebuild, packing)
     finally:
         source.close()
 
 
-def _shard(source: Source, out: Path | None, dtype: str, progress, log, started: float, rebuild: bool = False) -> tuple[Manifest, Path, dict]:
+def _shard(source: Source, out: Path | None, dtype: str, progress, log, started: float, rebuild: bool = False,
+           packing: str = "auto") -> tuple[Manifest, Path, dict]:
     dtype = resolve_dtype(source, dtype)
-    final = Path(out) if out else default_out(source.located, dtype)
+    key = set_key(dtype, predicted_mode(source, packing))  # names the set: its dtype, and how it is packed
+    final = Path(out) if out else default_out(source.located, key)
     fingerprint = source.fingerprint()
-    existing = reusable(final, fingerprint, dtype, ours=out is None, log=log)
+    existing = reusable(final, fingerprint, key, ours=out is None, log=log)
     if existing is not None and rebuild:
         log(f"{final}: writing every unit again")
         existing = None
@@ -74,16 +79,17 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     names, converted = map_names(source, model, layout)
     mapping = SourceMap(names, sliced, converted)
     mapping.update(pieces)
-    need = _bytes_needed(source, mapping, dtype)
+    packs = plan_packing(source, model, mapping, layout.aliases, packing)
+    need = _bytes_needed(source, mapping, dtype, packs)
     partial = partial_of(final)
-    check_space(final.parent, need - sum(r.tensor_bytes for r in journal.resumable(partial, fingerprint, dtype).values()))
+    check_space(final.parent, need - sum(r.tensor_bytes for r in journal.resumable(partial, fingerprint, key).values()))
     final.parent.mkdir(parents=True, exist_ok=True)
     with exclusive(final, log):
         # Another process may have finished it while we waited.
-        existing = reusable(final, fingerprint, dtype, ours=out is None, log=lambda m: None)
+        existing = reusable(final, fingerprint, key, ours=out is None, log=lambda m: None)
         if existing is not None and not rebuild:
             return existing, final, {"reused": True, **summarize(existing, 0.0)}
-        return _write(source, final, dtype, model, layout, mapping, progress, log, started)
+        return _write(source, final, dtype, model, layout, mapping, progress, log, started, packs)
 
 
 def resolve_dtype(source: Source, dtype: str) -> str:
@@ -103,15 +109,15 @@ def resolve_dtype(source: Source, dtype: str) -> str:
 
 
 def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mapping: dict[str, str], progress, log,
-           started: float) -> tuple[Manifest, Path, dict]:
-    need = _bytes_needed(source, mapping, dtype)
+           started: float, packs: PackPlan) -> tuple[Manifest, Path, dict]:
+    need = _bytes_needed(source, mapping, dtype, packs)
     partial = partial_of(final)
     try:
-        return _write_units(source, final, partial, dtype, model, layout, mapping, need, progress, log, started)
+        return _write_units(source, final, partial, dtype, model, layout, mapping, need, progress, log, started, packs)
     except OSError as exc:
         if exc.errno not in DISK_FULL:
             raise
-        done = sum(r.tensor_bytes for r in journal.resumable(partial, source.fingerprint(), dtype).values())
+        done = sum(r.tensor_bytes for r in journal.resumable(partial, source.fingerprint(), packs.key(dtype)).values())
         raise ShardError(
             f"cannot write shards ({os.strerror(exc.errno)}): need {format_bytes(max(0, need - done))} more, "
             f"{format_bytes(free_bytes(final.parent))} free at {final.parent}; free space or pass --out on another disk, "
@@ -120,30 +126,40 @@ def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mappi
 
 
 def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, layout: Layout, mapping: dict[str, str], need: int,
-                 progress, log, started: float) -> tuple[Manifest, Path, dict]:
+                 progress, log, started: float, packs: PackPlan) -> tuple[Manifest, Path, dict]:
     fingerprint = source.fingerprint()
+    key = packs.key(dtype)
     target = torch_dtype(dtype)
     expected = {n: _out_dtype(source.shapes[s][1], target) for n, s in mapping.items()}
     partial.mkdir(parents=True, exist_ok=True)
 
-    done = journal.resumable(partial, fingerprint, dtype)
+    done = journal.resumable(partial, fingerprint, key)
     units: list[UnitRecord] = []
     with (progress or no_progress)(f"sharding {source.name}", need, units=len(layout.units)) as bar:
         for index, plan in enumerate(layout.units):
             file = f"{index:04d}-{plan.name}.safetensors"
             record = done.get(plan.name)
             if record is None or record.file != file:
-                tensors = {n: mapping.read(source, n).to(expected[n]) for n in plan.params}
-                record = _write_unit(partial, file, plan, tensors, mapping)
+                tensors, formats = {}, {}
+                for n in plan.params:
+                    if n in packs.params:
+                        packed = read_packed(source, mapping, n, packs)
+                        tensors[n], formats[n] = packed.to_bytes(), packed.format.to_dict()
+                    else:
+                        tensors[n] = mapping.read(source, n).to(expected[n])
+                record = _write_unit(partial, file, plan, tensors, mapping, formats)
                 del tensors
-                journal.append(partial, fingerprint, dtype, record)
+                journal.append(partial, fingerprint, key, record)
             units.append(record)
             bar.advance(record.tensor_bytes, units=1)
 
     written = sum(len(u.tensors) for u in units)
     written_bytes = sum(u.tensor_bytes for u in units)
-    if written != len(mapping) or written_bytes != need:
-        raise ShardError(f"shard set incomplete: wrote {written} tensors / {written_bytes} bytes, source has {len(mapping)} / {need}; not marked complete")
+    # packed sizes are known exactly only once written (a scale may need fp32): only float bytes must add up
+    float_written = sum(t.nbytes for u in units for t in u.tensors if t.packed is None)
+    float_need = _bytes_needed(source, mapping, dtype, packs, packed=False)
+    if written != len(mapping) or float_written != float_need:
+        raise ShardError(f"shard set incomplete: wrote {written} tensors / {float_written} bytes, source has {len(mapping)} / {float_need}; not marked complete")
     manifest = Manifest(
         source={"kind": source.kind, "name": source.name, "fingerprint": fingerprint},
         model_type=source.config.model_type,
@@ -153,6 +169,8 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
         units=units,
         aliases=layout.aliases,
         seconds=round(time.perf_counter() - started, 3),
+        packing=packs.mode,
+        format_version=PACKED_VERSION if packs.params else FORMAT_VERSION,
     )
     with (progress or no_progress)(f"saving the config and tokenizer of {source.name}", after=BLINK_S, announce=False):
         source.config.save_pretrained(partial)
@@ -164,7 +182,8 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
     return manifest, final, {"reused": False, **summarize(manifest, manifest.seconds)}
 
 
-def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tensor], mapping: SourceMap) -> UnitRecord:
+def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tensor], mapping: SourceMap,
+                formats: dict[str, dict] | None = None) -> UnitRecord:
     header, spans = stfile.layout(tensors, {"format": "pt", "unit": plan.name})
     digest = hashlib.sha256(header)
     tmp = directory / (file + ".tmp")
@@ -182,17 +201,31 @@ def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tenso
         raise
     os.replace(tmp, directory / file)
     records = [
-        TensorRecord(name, mapping.source_name(name), stfile.NAMES[tensors[name].dtype], list(tensors[name].shape), len(header) + offset, nbytes)
+        TensorRecord(name, mapping.source_name(name), stfile.NAMES[tensors[name].dtype], list(tensors[name].shape), len(header) + offset, nbytes,
+                     (formats or {}).get(name))
         for name, offset, nbytes in spans
     ]
     size = len(header) + sum(n for _, _, n in spans)
     return UnitRecord(plan.name, plan.kind, plan.module, file, size, digest.hexdigest(), records, plan.index)
 
 
-def _bytes_needed(source: Source, mapping: SourceMap, dtype: str) -> int:
-    """Tensor bytes of the whole shard set (headers and the manifest are small next to them)."""
+def _bytes_needed(source: Source, mapping: SourceMap, dtype: str, packs: PackPlan | None = None, packed: bool = True) -> int:
+    """Tensor bytes of the whole shard set (headers and the manifest are small next to them); packed=False: of its
+    float tensors only."""
     target = torch_dtype(dtype)
-    return sum(mapping.numel(source, n) * _out_dtype(source.shapes[s][1], target).itemsize for n, s in mapping.items())
+    packs = packs or PackPlan()
+    total = 0
+    for n, s in mapping.items():
+        if n in packs.params:
+            total += packed_nbytes(source, mapping, n, packs, _shape2(mapping, source, n)) if packed else 0
+        else:
+            total += mapping.numel(source, n) * _out_dtype(source.shapes[s][1], target).itemsize
+    return total
+
+
+def _shape2(mapping: SourceMap, source: Source, name: str) -> tuple[int, int]:
+    shape = source.shapes[mapping[name]][0]
+    return int(shape[0]), int(mapping.numel(source, name) // shape[0])
 
 
 def _out_dtype(stored: torch.dtype, target: torch.dtype) -> torch.dtype:
@@ -209,4 +242,6 @@ def summarize(manifest: Manifest, seconds: float) -> dict:
         "seconds": round(seconds, 3),
         "mb_per_s": round(total / seconds / 1e6, 1) if seconds > 0 else None,
         "dtype": manifest.dtype,
+        "packing": manifest.packing,
+        "packed_tensors": sum(1 for u in manifest.units for t in u.tensors if t.packed is not None),
     }

@@ -38,11 +38,16 @@ def default_out(located: Located, dtype: str) -> Path:
     return shards_root() / f"{safe}-{located.fingerprint()}-{dtype}"
 
 
-def find_existing(located: Located, dtype: str) -> tuple[Manifest, Path] | None:
-    """A complete shard set of this source in the default place (any dtype for 'auto'), without reading weights."""
+def find_existing(located: Located, dtype: str, packing: str = "auto") -> tuple[Manifest, Path] | None:
+    """A complete shard set of this source in the default place (any dtype for 'auto'), without reading weights.
+
+    packing auto finds a set that kept a GGUF's low-bit blocks ("-packed"), or a float set of any other source."""
     dtypes = list(DTYPES) if dtype == "auto" else [dtype]
-    for dt in dtypes:
-        final = default_out(located, dt)
+    if packing == "auto":
+        modes = ["packed"] if located.path.suffix == ".gguf" else [""]
+    else:
+        modes = ["" if packing == "none" else packing]
+    for final in (default_out(located, f"{dt}-{mode}" if mode else dt) for dt in dtypes for mode in modes):
         if (final / MANIFEST).is_file():
             try:
                 manifest = Manifest.load(final)
@@ -91,6 +96,7 @@ def _same_file(opened, path: Path) -> bool:
 def reusable(final: Path, fingerprint: str, dtype: str, ours: bool, log) -> Manifest | None:
     """The complete set at FINAL, or None when there is none or it is a damaged set of this source to write again.
 
+    `dtype`: the set's key, its dtype and packing (Manifest.key).
     `ours`: FINAL is the default location, named after this source's fingerprint and dtype.
     """
     if not final.exists():
@@ -112,7 +118,7 @@ def reusable(final: Path, fingerprint: str, dtype: str, ours: bool, log) -> Mani
             raise ShardError(f"{final} holds a damaged shard set {what}; choose another --out or remove it") from None
         log(f"{final}: {str(exc).split('; re-run')[0]}; sharding it again")
         return None
-    if manifest.source.get("fingerprint") != fingerprint or manifest.dtype != dtype:
+    if manifest.source.get("fingerprint") != fingerprint or manifest.key != dtype:
         raise ShardError(f"{final} holds shards of another source or dtype; choose another --out or remove it")
     _drop_replaced(final)
     return manifest
@@ -164,7 +170,8 @@ def _recorded_as(directory: Path, fingerprint: str, dtype: str) -> bool | None:
     """Whether a (possibly damaged) manifest still names this source and dtype; None when it cannot be read."""
     try:
         doc = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
-        return doc["source"]["fingerprint"] == fingerprint and doc["dtype"] == dtype
+        key = f"{doc['dtype']}-{doc['packing']}" if doc.get("packing") else doc["dtype"]
+        return doc["source"]["fingerprint"] == fingerprint and key == dtype
     except Exception:  # noqa: BLE001 - unreadable in any way
         return None
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..dtypes import torch_dtype
-from ..errors import KnobError
+from ..errors import KnobError, ShardError
 from ..profiles.knobs.formulas import (
     DEFAULT_EXPERT_CACHE_POLICY,
     FALLBACK_COMPUTE_DTYPE,
@@ -27,8 +27,10 @@ from ..profiles.knobs.formulas import (
 )
 from ..profiles.knobs.table import KNOBS_BY_NAME
 from ..shard.discover import build_meta_model
-from ..shard.manifest import Manifest
+from ..packed.format import PackedFormat
+from ..shard.manifest import RESHARD, Manifest
 from .ledger import Ledger
+from .packedbind import PackedBinding, make_packed
 from .plan import ResidencyPlan, make_plan
 from .store import WeightStore
 from .unbound import Unbound, UnboundWeightError, unbind_all  # noqa: F401 - UnboundWeightError: the error callers catch
@@ -142,6 +144,7 @@ class StreamingModel:
         units = [u for u in self.manifest.units if u.kind != "expert"]  # experts: see expertstream.py
         owner = {t.name: u.name for u in units for t in u.tensors}
         hook_of = {u.name: u.module for u in units}
+        records = {t.name: t for u in units for t in u.tensors}
         targets = [(t.name, t.name, u.name) for u in units for t in u.tensors]
         targets += [(alias, src, owner[src]) for alias, src in self.manifest.aliases.items() if src in owner]
         for name, key, unit in targets:
@@ -151,9 +154,17 @@ class StreamingModel:
             table = module._buffers if is_buffer else module._parameters
             hook = _called_site(model, hook_of[unit] if name == key else module_path, module_path)
             # Buffers are real (initial values) and parameters may be tied placeholders: each gets its own, naming its site.
-            placeholder = table[attr] = Unbound(name, table[attr], self.device, f"{hook or 'the model'} (unit {unit})")
+            where = f"{hook or 'the model'} (unit {unit})"
+            placeholder = table[attr] = Unbound(name, table[attr], self.device, where)
             persistent = self.plan.tier[unit] == "host" and self.device.type == "cpu"  # views of the persistent mapping
-            bindings.setdefault(unit, {}).setdefault(hook, []).append(Binding(module, attr, key, is_buffer, placeholder, persistent))
+            fmt = records[key].packed
+            if fmt is not None:
+                binding = self._packed_binding(module, name, key, unit, PackedFormat.from_dict(fmt), placeholder, where, persistent)
+                if binding is None:
+                    continue  # a table read by rows: its placeholder answers lookups
+            else:
+                binding = Binding(module, attr, key, is_buffer, placeholder, persistent)
+            bindings.setdefault(unit, {}).setdefault(hook, []).append(binding)
 
         self.bindings = bindings  # kept for inspection: which module each unit's tensors are bound to
         for unit, by_hook in bindings.items():
@@ -172,6 +183,18 @@ class StreamingModel:
                 self._hooks.append(module.register_forward_hook(self._post_hook(unit, group)))
         self._hooks.append(model.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._end_pass))
+
+    def _packed_binding(self, module: nn.Module, name: str, key: str, unit: str, fmt: PackedFormat, placeholder, where: str,
+                        persistent: bool) -> PackedBinding | None:
+        """A Linear computes on its packed weight; an embedding table's placeholder dequantizes the rows looked up."""
+        if isinstance(module, nn.Linear) and name.endswith(".weight"):
+            make_packed(module, name, where)
+            return PackedBinding(module, key, fmt, self.device, self.dtype, placeholder, persistent)
+        if isinstance(module, nn.Embedding) and name.endswith(".weight") and fmt.kind == "int8" and fmt.group == fmt.shape[1]:
+            store = self.store
+            placeholder.rows = lambda ids: store.gather_packed_rows(unit, key, fmt, ids)
+            return None
+        raise ShardError(f"{name} is stored packed ({fmt.kind}) but its module is a {type(module).__name__}, which cannot compute on it; {RESHARD}")
 
     def _pre_hook(self, unit: str, group: list[Binding]):
         store = self.store

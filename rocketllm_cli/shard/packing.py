@@ -1,0 +1,158 @@
+"""Which weights a shard set stores packed (low-bit), and their packed form.
+
+A packed weight is stored as one byte tensor holding its parts (packed/format.py), with the format in the manifest.
+Only weights a low-bit kernel can compute on are packed: the weight of an `nn.Linear` (or an embedding table tied
+to one, the output head), [N out, K in] as the module holds it. Everything else stays in the set's float dtype.
+
+    auto  keep the source's own low-bit encoding where it maps onto a kernel's format (GGUF Q4_0, Q4_1 and Q4_K
+          exactly as int4 at group 32; Q8_0 re-scaled per row as int8, see below); a float source is not packed
+    none  dequantize everything (the float set of earlier versions)
+    int4  round-to-nearest int4, group 32, of every Linear weight of a float source (lossy; said so)
+    int8  round-to-nearest int8, one scale per row (lossy)
+
+GGUF Q8_0 has one scale per 32 values; torch's int8 kernel takes one per output row, so Q8_0 is dequantized and
+quantized again per row (relative RMS error 1.2% on SmolLM2's embedding; bf16 rounding alone is 0.3%). Other
+GGUF types (Q5_K, Q6_K, IQ ...) have no kernel here and are stored dequantized. Llama's Q/K row permutation
+(transformers' GGUF processor) is applied to every part of a packed weight: rows are independent.
+int4 codes are written in the order this machine's CPU kernel reads (packed/cpulayout.py), so binding them costs
+nothing; a CPU whose kernel reads another order converts them when bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import ParameterError
+
+PACKINGS = ("auto", "none", "int4", "int8")
+KEPT = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # GGUF types kept packed under auto
+RTN_GROUP = 32  # int4 group of --quantize int4: GGUF's own block size
+INT4_ROWS = 16  # the int4 kernels want N a multiple of this; other weights stay float
+REQUANT_ROWS = 4096  # rows dequantized at once when Q8_0 is re-scaled per row
+
+
+@dataclass
+class PackPlan:
+    """mode: "" (a float set), "packed" (the source's encoding kept), "int4" or "int8"; params: {shard name: how}."""
+
+    mode: str = ""
+    params: dict[str, str] = field(default_factory=dict)  # name -> "gguf" (from the source's blocks) | "rtn"
+    layout: str = "rows"  # the order int4 codes are written in
+
+    def key(self, dtype: str) -> str:
+        """What names this set beside its dtype: the cache directory, the journal, reuse."""
+        return set_key(dtype, self.mode)
+
+
+def set_key(dtype: str, mode: str) -> str:
+    return f"{dtype}-{mode}" if mode else dtype
+
+
+def predicted_mode(source, packing: str) -> str:
+    """The PackPlan mode `packing` gives for this source, known without the model: what names its set."""
+    check_packing(packing)
+    if packing == "none":
+        return ""
+    if packing == "auto":
+        lazy = getattr(source, "_lazy", None)
+        return "packed" if lazy is not None and lazy.holds_kept_types() else ""
+    return packing
+
+
+def check_packing(packing: str) -> str:
+    if packing not in PACKINGS:
+        raise ParameterError(f"bad {{quantize}} {packing!r}: expected {', '.join(PACKINGS[2:])}", "quantize")
+    return packing
+
+
+def plan_packing(source, model: nn.Module, mapping, aliases: dict[str, str], packing: str = "auto") -> PackPlan:
+    """The weights to store packed, decided from the module each belongs to and what the source holds."""
+    from ..packed.cpulayout import cpu_layout
+
+    mode = predicted_mode(source, packing)
+    if not mode:
+        return PackPlan()
+    linear = _linear_weights(model, aliases)
+    params: dict[str, str] = {}
+    lazy = getattr(source, "_lazy", None)
+    for name, shape in linear.items():
+        if name not in mapping or name in mapping.sliced or name in mapping.converted:
+            continue
+        if mode == "packed":
+            if lazy is not None and lazy.packable(mapping[name], shape, INT4_ROWS):
+                params[name] = "gguf"
+        elif shape[1] % RTN_GROUP == 0 and (packing == "int8" or shape[0] % INT4_ROWS == 0) and not _tied_table(name, aliases):
+            params[name] = "rtn"
+    return PackPlan(mode, params, cpu_layout() or "rows")
+
+
+def read_packed(source, mapping, name: str, plan: PackPlan):
+    """The PackedTensor stored for `name` (a PackPlan.params entry)."""
+    from ..packed import quantize_rtn
+
+    if plan.params[name] == "gguf":
+        packed = source._lazy.read_packed(mapping[name])
+        if packed.format.kind == "int8" and packed.format.group != packed.format.shape[1]:
+            packed = _per_row_int8(packed)
+    else:
+        weight = mapping.read(source, name)
+        bits = 4 if plan.mode == "int4" else 8
+        packed = quantize_rtn(weight, bits=bits, group=RTN_GROUP if bits == 4 else None, scale_dtype=_scale_dtype(weight))
+    if packed.format.kind == "int4" and plan.layout != packed.format.layout:
+        from ..packed.kernelform import to_kernel_form
+
+        packed = to_kernel_form(packed, plan.layout)
+    return packed
+
+
+def packed_nbytes(source, mapping, name: str, plan: PackPlan, shape: tuple[int, int]) -> int:
+    """Bytes the packed weight will take, known before it is read (the disk-space check; a scale that needs fp32
+    where fp16 was expected can make the real size a little larger)."""
+    from ..packed.format import PackedFormat
+
+    if plan.params[name] == "gguf":
+        fmt = source._lazy.packed_format(mapping[name])
+    elif plan.mode == "int4":
+        fmt = PackedFormat("int4", shape, RTN_GROUP, scale_dtype="fp16")
+    else:
+        fmt = PackedFormat("int8", shape, shape[1], scale_dtype="fp16")
+    if fmt.kind == "int4" and plan.layout != "rows":
+        fmt = fmt.with_layout(plan.layout)
+    return fmt.offsets()[1]
+
+
+def _linear_weights(model: nn.Module, aliases: dict[str, str]) -> dict[str, tuple[int, int]]:
+    """{parameter: (N, K)} of every nn.Linear weight, and of each table tied to one (the name holding the data)."""
+    out: dict[str, tuple[int, int]] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module.weight is not None and module.weight.dim() == 2:
+            name = f"{path}.weight" if path else "weight"
+            out[aliases.get(name, name)] = tuple(module.weight.shape)
+    return out
+
+
+def _tied_table(name: str, aliases: dict[str, str]) -> bool:
+    return name in aliases.values()
+
+
+def _scale_dtype(weight: torch.Tensor) -> str:
+    return "fp16" if float(weight.detach().abs().max()) < 6e4 else "fp32"
+
+
+def _per_row_int8(packed):
+    """Q8_0 (a scale per 32 values) -> int8 with one fp32 scale per row, a block of rows at a time."""
+    from ..packed import dequantize, quantize_rtn
+    from ..packed.format import PackedFormat, PackedTensor
+
+    n, k = packed.format.shape
+    codes, scales = [], []
+    for start in range(0, n, REQUANT_ROWS):
+        block = PackedTensor(PackedFormat("int8", (min(REQUANT_ROWS, n - start), k), packed.format.group, scale_dtype=packed.format.scale_dtype),
+                             {name: part[start : start + REQUANT_ROWS] for name, part in packed.parts.items()})
+        again = quantize_rtn(dequantize(block), bits=8, group=None, scale_dtype="fp32")
+        codes.append(again.parts["codes"])
+        scales.append(again.parts["scale"])
+    return PackedTensor(PackedFormat("int8", (n, k), k, scale_dtype="fp32"), {"codes": torch.cat(codes), "scale": torch.cat(scales)})

@@ -1,0 +1,89 @@
+"""Packed weights in a transformers model: a Linear computes on the low-bit bytes it is bound to.
+
+A Linear whose weight a shard stores packed gets a subclass of its own class whose forward calls packed.linear on
+the bound weight (the int4/int8 kernel where the device has one, else dequantize into the scratch buffer). Its
+`weight` stays the Unbound placeholder: shape, dtype and device answer as for a float weight, and any other use
+raises. A table tied to such a head (SmolLM2's embedding, stored int8) answers lookups through the placeholder's
+row reader (store.gather_rows), like any streamed table.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ShardError
+from ..packed.format import PackedFormat, PackedTensor
+from ..shard.manifest import RESHARD
+from .unbound import UnboundWeightError
+
+_CLASSES: dict[type, type] = {}
+
+
+class _PackedForward:
+    """Mixed in before a Linear class: forward on `packed_weight` (a packed.BoundWeight while the unit is bound)."""
+
+    packed_weight = None
+    packed_where = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..packed import linear
+
+        bound = self.packed_weight
+        if bound is None:
+            raise UnboundWeightError(f"{self.packed_where} was used while its unit is not bound")
+        if x.dtype != bound.dtype:
+            x = x.to(bound.dtype)
+        return linear(x, bound, self.bias)
+
+
+def make_packed(module: nn.Linear, name: str, where: str) -> None:
+    """Turn `module` (an nn.Linear or a subclass) into its packed-computing subclass, in place; `name` is its
+    weight's, `where` the module whose forward binds it."""
+    cls = type(module)
+    if issubclass(cls, _PackedForward):
+        return
+    packed_cls = _CLASSES.get(cls)
+    if packed_cls is None:
+        packed_cls = _CLASSES[cls] = type(f"Packed{cls.__name__}", (_PackedForward, cls), {"__module__": __name__})
+    module.__class__ = packed_cls
+    module.packed_where = f"{name} (packed) is bound only inside the forward of {where}, and"
+
+
+class PackedBinding:
+    """A packed weight bound to a Linear: bind(bytes) makes the kernel's form and hands it to the module's forward.
+
+    `persistent`: the unit's bytes are the same objects on every use (host tier on a CPU), so the kernel form made
+    for them is kept; otherwise it is made at each bind (for int4 in the kernel's own code order, only the
+    scales are converted) and dropped on unbind."""
+
+    __slots__ = ("module", "attr", "tensor", "format", "device", "dtype", "persistent", "is_buffer", "placeholder", "_source", "_bound")
+
+    def __init__(self, module: nn.Linear, tensor: str, fmt: PackedFormat, device: torch.device, dtype: torch.dtype, placeholder,
+                 persistent: bool = False) -> None:
+        shape = tuple(module.weight.shape)
+        if shape != fmt.shape:
+            raise ShardError(f"packed weight {tensor} is {list(fmt.shape)}, the model's is {list(shape)}; {RESHARD}")
+        self.module, self.attr, self.tensor, self.format = module, "weight", tensor, fmt
+        self.device, self.dtype, self.persistent = device, dtype, persistent
+        self.is_buffer, self.placeholder = False, placeholder
+        self._source = self._bound = None
+
+    def bind(self, data: torch.Tensor) -> None:
+        from ..packed import bind
+
+        if data is not self._source or self._bound is None:
+            self._source, self._bound = data, bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype)
+        self.module.packed_weight = self._bound
+
+    def unbind(self) -> None:
+        self.module.packed_weight = None
+        if not self.persistent:
+            self._source = self._bound = None
+
+    @property
+    def path(self) -> str:
+        """Which way the weight computes on this device: int4, int8 (a kernel) or scratch (dequantized per use)."""
+        from ..packed import kernel_path
+
+        return kernel_path(self.format, self.dtype, self.device)
