@@ -169,11 +169,11 @@ def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_by
     real_write = sharder._write_unit
     calls: list[str] = []
 
-    def interrupted_after_three(directory, file, plan, tensors, mapping):
+    def interrupted_after_three(directory, file, plan, tensors, mapping, formats=None):
         if len(calls) == 3:
             raise KeyboardInterrupt
         calls.append(file)
-        return real_write(directory, file, plan, tensors, mapping)
+        return real_write(directory, file, plan, tensors, mapping, formats)
 
     monkeypatch.setattr(sharder, "_write_unit", interrupted_after_three)
     result = invoke("shard", source, "--out", out)
@@ -189,9 +189,9 @@ def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_by
 
     rewritten: list[str] = []
 
-    def counting(directory, file, plan, tensors, mapping):
+    def counting(directory, file, plan, tensors, mapping, formats=None):
         rewritten.append(file)
-        return real_write(directory, file, plan, tensors, mapping)
+        return real_write(directory, file, plan, tensors, mapping, formats)
 
     monkeypatch.setattr(sharder, "_write_unit", counting)
     doc = shard_json(source, out)
