@@ -270,10 +270,13 @@ def test_probe_runs_once_per_device(monkeypatch):
     assert calls == ["cpu"] and len(answers) == 1
 
 
-def test_linear_refuses_a_mismatched_activation():
-    bound = bind(quantize_rtn(torch.randn(32, 64), bits=4, group=32), "cpu", torch.bfloat16)
-    with pytest.raises(ValueError, match="got x"):
-        linear(torch.randn(2, 64), bound)  # fp32 x for a bf16 binding
+def test_linear_converts_another_activation_dtype_and_refuses_a_wrong_width():
+    weight = torch.randn(32, 64)
+    bound = bind(quantize_rtn(weight, bits=4, group=32), "cpu", torch.bfloat16)
+    x = torch.randn(2, 64)
+    got = linear(x, bound, torch.ones(32))  # fp32 x for a bf16 binding: the kernel's dtype in, fp32 back out
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, linear(x.to(torch.bfloat16), bound, torch.ones(32, dtype=torch.bfloat16)).float())
     with pytest.raises(ValueError, match="got x"):
         linear(torch.randn(2, 32, dtype=torch.bfloat16), bound)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .. import dtypes
 from . import layout
 from .dequant import dequantize_into
 from .format import PackedFormat, PackedTensor
@@ -49,8 +50,20 @@ def kernel_path(fmt: PackedFormat, dtype: torch.dtype, device) -> str:
     return "scratch"
 
 
+def kernel_dtype(fmt: PackedFormat, dtype: torch.dtype, device) -> torch.dtype:
+    """The activation dtype this weight's kernel runs fastest in on `device` (measured by the probe), else `dtype`.
+
+    A CPU without native bf16 computes the model in fp32, but torch's int4 kernel is several times faster with
+    bf16 activations on every x86 CPU measured: a packed Linear then converts its input and output."""
+    caps = capabilities(device)
+    kind = "int4" if layout.int4_fits(fmt) else "int8" if layout.int8_fits(fmt) else None
+    fastest = caps.fastest(kind) if kind else None
+    return dtypes.torch_dtype(fastest) if fastest else dtype
+
+
 def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16, *, kernel: bool = True) -> BoundWeight:
-    """`packed` ready for linear() on `device` in `dtype`; kernel=False always dequantizes into scratch."""
+    """`packed` ready for linear() on `device` with activations in `dtype` (the kernel's own, see kernel_dtype);
+    kernel=False always dequantizes into scratch."""
     device = torch.device(device)
     path = kernel_path(packed.format, dtype, device) if kernel else "scratch"
     if path == "int4":
@@ -65,8 +78,12 @@ def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16
 def linear(x: torch.Tensor, weight: BoundWeight, bias: torch.Tensor | None = None, scratch: Scratch = SCRATCH) -> torch.Tensor:
     """x [*, K] in the weight's dtype -> [*, N]."""
     n, k = weight.format.shape
-    if x.shape[-1] != k or x.dtype != weight.dtype:
+    if x.shape[-1] != k or not x.is_floating_point():
         raise ValueError(f"linear on a packed [{n}, {k}] {weight.dtype} weight got x {tuple(x.shape)} {x.dtype}")
+    if x.dtype != weight.dtype:  # the kernel runs in its own fastest dtype: convert in, and back out
+        out_dtype = x.dtype
+        bias = None if bias is None else bias.to(weight.dtype)
+        return linear(x.to(weight.dtype), weight, bias, scratch).to(out_dtype)
     if weight.path == "scratch":
         return F.linear(x, dequantize_into(weight.portable, weight.dtype, scratch, weight.device), bias)
     rows = x.reshape(-1, k).contiguous()

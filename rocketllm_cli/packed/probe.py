@@ -20,6 +20,8 @@ from .rtn import quantize_rtn
 TRIAL_SHAPE = (32, 256)  # (N, K): fits every kernel's multiples (N % 16, K % (16·8 tiles), group 32)
 TRIAL_ROWS = 3  # activation rows
 TRIAL_TOLERANCE = 0.05  # of the reference's largest magnitude: bf16 rounding is ~0.01, a wrong layout ~1
+TIMING_SHAPE = (1024, 1024)  # (N, K) a decode-shaped call is timed at to find each kernel's fastest dtype
+TIMING_CALLS = 3  # best of this many after a warm-up (one, for a dtype already 4x slower than the best)
 
 _CACHE: dict[str, Capabilities] = {}
 
@@ -31,9 +33,15 @@ class Capabilities:
     device: str
     int4: tuple[str, ...]
     int8: tuple[str, ...]
+    seconds: tuple[tuple[str, str, float], ...] = ()  # (kind, dtype, best seconds of a decode-shaped call)
 
     def supports(self, kind: str, dtype: torch.dtype) -> bool:
         return dtypes.short_name(dtype) in getattr(self, kind, ())
+
+    def fastest(self, kind: str) -> str | None:
+        """The activation dtype in which `kind`'s kernel ran a decode-shaped call fastest here."""
+        timed = [(t, d) for k, d, t in self.seconds if k == kind]
+        return min(timed)[1] if timed else None
 
 
 def capabilities(device="cpu") -> Capabilities:
@@ -51,6 +59,7 @@ def probe(device) -> Capabilities:
     weight = torch.randn(TRIAL_SHAPE, generator=generator)
     x = torch.randn(TRIAL_ROWS, TRIAL_SHAPE[1], generator=generator)
     found: dict[str, list[str]] = {"int4": [], "int8": []}
+    timed: list[tuple[str, str, float]] = []
     for kind, bits, group in (("int4", 4, 32), ("int8", 8, None)):
         packed = quantize_rtn(weight, bits=bits, group=group)
         reference = torch.nn.functional.linear(x, dequantize(packed))
@@ -62,7 +71,33 @@ def probe(device) -> Capabilities:
                 continue  # op missing on this torch, or refused on this device or dtype
             if got.shape == reference.shape and bool(((got - reference).abs().max() <= TRIAL_TOLERANCE * reference.abs().max())):
                 found[kind].append(name)
-    return Capabilities(str(device), tuple(found["int4"]), tuple(found["int8"]))
+                best = min((t for k, _, t in timed if k == kind), default=None)
+                timed.append((kind, name, _time(kind, bits, group, dtype, device, best)))
+    return Capabilities(str(device), tuple(found["int4"]), tuple(found["int8"]), tuple(timed))
+
+
+def _time(kind: str, bits: int, group, dtype: torch.dtype, device, best_so_far: float | None = None) -> float:
+    """Best seconds of one [1, K] x [K, N] call at TIMING_SHAPE: what a decode step asks of the kernel."""
+    import time
+
+    weight = torch.randn(TIMING_SHAPE, generator=torch.Generator().manual_seed(1))
+    packed = quantize_rtn(weight, bits=bits, group=group)
+    kernel = layout.int4_for_kernel(packed, dtype, device) if kind == "int4" else layout.int8_for_kernel(packed, dtype, device)
+    x = torch.randn(1, TIMING_SHAPE[1]).to(device, dtype)
+    run = (lambda: layout.int4_mm(x, kernel, group)) if kind == "int4" else (lambda: layout.int8_mm(x, kernel))
+    run()
+    best = float("inf")
+    for _ in range(TIMING_CALLS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+        if best_so_far is not None and best > 4 * best_so_far:
+            break  # clearly slower: not worth more calls
+    return best
 
 
 def _run(kind: str, packed, x: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:

@@ -44,10 +44,12 @@ class LazyGGUF:
             for start in range(0, rows, step):
                 block = dequantize(tensor.data[start : start + step], tensor.tensor_type)
                 out[start : start + step] = torch.from_numpy(np.ascontiguousarray(block)).reshape(-1, out.shape[1])
+            self._release(tensor)
             return out.reshape(shape)
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = self.processor.process(weights=weights, name=tensor.name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
-        out = torch.from_numpy(np.ascontiguousarray(result.weights))
+        out = torch.from_numpy(np.array(result.weights))  # a copy: a float tensor may be a view of the mapping
+        self._release(tensor)
         return out.reshape(shape) if tuple(out.shape) != tuple(shape) else out
 
     # -- packed: the blocks kept as they are -------------------------------------------
@@ -92,7 +94,24 @@ class LazyGGUF:
         if order is not None:
             index = torch.from_numpy(order)
             packed = PackedTensor(packed.format, {part: t.index_select(0, index) for part, t in packed.parts.items()})
+        self._release(tensor)  # the parts are copies: dropping the mapped pages loses nothing
         return packed
+
+    def _release(self, tensor) -> None:
+        """Drop the file's pages this tensor was read from out of the process: the mapping would otherwise keep
+        every tensor read so far resident (its RSS growing to the whole file). The page cache keeps them."""
+        import mmap
+
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = int(tensor.data_offset) // page * page
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
 
     def _row_order(self, tensor):
         """None: the processor leaves the rows alone; an index array: it only reorders them; False: it does more."""

@@ -48,6 +48,8 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         direct_io=bool(knobs.value("direct_io")),
         pin_memory=bool(knobs.value("pin_memory")),
         expert_cache_policy=str(knobs.value("expert_cache_policy")),
+        # packed Linears run their kernel in the dtype it measured fastest in, unless --dtype was given
+        packed_dtype="" if knobs["compute_dtype"].overridden else "fastest",
     )
     return config, notes
 

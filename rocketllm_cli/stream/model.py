@@ -51,6 +51,7 @@ class EngineConfig:
     direct_io: bool = FALLBACK_DIRECT_IO
     pin_memory: bool = False
     expert_cache_policy: str = DEFAULT_EXPERT_CACHE_POLICY
+    packed_dtype: str = ""  # activations of packed Linears: "" the compute dtype, "fastest" the kernel's measured best
 
     def __post_init__(self) -> None:
         # Ranges and choices are the knob table's.
@@ -189,7 +190,14 @@ class StreamingModel:
         """A Linear computes on its packed weight; an embedding table's placeholder dequantizes the rows looked up."""
         if isinstance(module, nn.Linear) and name.endswith(".weight"):
             make_packed(module, name, where)
-            return PackedBinding(module, key, fmt, self.device, self.dtype, placeholder, persistent)
+            dtype = self.dtype
+            if self.config_engine.packed_dtype == "fastest":
+                from ..packed.compute import kernel_dtype
+
+                dtype = kernel_dtype(fmt, self.dtype, self.device)
+            elif self.config_engine.packed_dtype:
+                dtype = torch_dtype(self.config_engine.packed_dtype)
+            return PackedBinding(module, key, fmt, self.device, dtype, placeholder, persistent)
         if isinstance(module, nn.Embedding) and name.endswith(".weight") and fmt.kind == "int8" and fmt.group == fmt.shape[1]:
             store = self.store
             placeholder.rows = lambda ids: store.gather_packed_rows(unit, key, fmt, ids)

@@ -32,8 +32,6 @@ class _PackedForward:
         bound = self.packed_weight
         if bound is None:
             raise UnboundWeightError(f"{self.packed_where} was used while its unit is not bound")
-        if x.dtype != bound.dtype:
-            x = x.to(bound.dtype)
         return linear(x, bound, self.bias)
 
 
