@@ -7,7 +7,7 @@ layout a shard stores (the kernels' own layouts are made from it at bind time, s
     int4  codes uint8 [N, K/2]: byte j holds column 2j in its low nibble, 2j+1 in its high nibble (q in 0..15);
           scale, min [N, K/group]:  w = q·scale + min   (GGUF Q4_1/Q4_K's own form; Q4_0 has min = −8·scale)
           `layout` says how the codes are ordered: "rows" as above, or the CPU kernel's own shuffle (cpulayout.py);
-          in a kernel layout the scales are stored as the kernel takes them, fp32:
+          in a kernel layout the scales are stored as the kernel takes them, in scale_dtype (the set's dtype):
           sz [K/group, 2·N] = per group and row (scale, zero), w = (q − 8)·scale + zero, zero = min + 8·scale
     int8  codes int8 [N, K]; scale [N, K/group]:  w = q·scale   (group == K: one scale per output channel)
     gguf  blocks uint8 [N, K/block·block_bytes]: a GGUF type's raw blocks, dequantized by the gguf package
@@ -77,10 +77,9 @@ class PackedFormat:
             at += _part_bytes(shape, dtype)
         return out, at
 
-    def with_layout(self, layout: str) -> PackedFormat:
-        """The same weight with its codes in another order (a kernel order: its scales in fp32, the kernel's form)."""
-        scale_dtype = "fp32" if layout != "rows" else self.scale_dtype
-        return PackedFormat(self.kind, self.shape, self.group, scale_dtype, self.gguf_type, self.block_bytes, layout)
+    def with_layout(self, layout: str, scale_dtype: str | None = None) -> PackedFormat:
+        """The same weight with its codes in another order (and its scales in another dtype)."""
+        return PackedFormat(self.kind, self.shape, self.group, scale_dtype or self.scale_dtype, self.gguf_type, self.block_bytes, layout)
 
     def to_dict(self) -> dict:
         """The manifest form: the fields plus every part's shape and dtype (checked again on reading)."""
@@ -125,8 +124,8 @@ def _check(fmt: PackedFormat) -> None:
             raise ValueError("a gguf packed format needs gguf_type and block_bytes")
     elif fmt.scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"packed scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {fmt.scale_dtype!r}")
-    if fmt.layout not in CODE_LAYOUTS or (fmt.layout != "rows" and (fmt.kind != "int4" or fmt.scale_dtype != "fp32")):
-        raise ValueError(f"packed layout must be one of {', '.join(CODE_LAYOUTS)} (not rows only for int4, fp32 scales), got {fmt.layout!r}")
+    if fmt.layout not in CODE_LAYOUTS or (fmt.layout != "rows" and fmt.kind != "int4"):
+        raise ValueError(f"packed layout must be one of {', '.join(CODE_LAYOUTS)} (not rows only for int4), got {fmt.layout!r}")
     if fmt.kind == "int4" and fmt.group % 2:
         raise ValueError(f"int4 groups pack two codes a byte: group must be even, got {fmt.group}")
 

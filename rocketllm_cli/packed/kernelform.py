@@ -1,10 +1,12 @@
 """int4 weights in the CPU kernel's own form and back: the form a shard stores, so a bind on a CPU costs nothing.
 
-    to_kernel_form(packed, "lanes64")   # codes shuffled as the kernel reads them; sz [K/group, 2N] fp32 (scale, zero)
-    to_portable(packed)                  # codes in rows order, scale and min [N, K/group] fp32
+    to_kernel_form(packed, "lanes64", "bf16")  # codes shuffled as the kernel reads them; sz [K/group, 2N] (scale, zero)
+    to_portable(packed)                         # codes in rows order, scale and min [N, K/group] fp32
 
-zero = min + 8·scale is computed in fp32: exact for GGUF Q4_0/Q4_1 (fp16 scales: the sum of two fp16 values
-fits fp32 exactly unless their exponents are more than 13 apart), one fp32 rounding (2⁻²⁴ relative) for Q4_K.
+zero = min + 8·scale is computed in fp32 and stored in the dtype asked for. In fp32 that is exact for GGUF Q4_0/Q4_1
+(the sum of two fp16 values fits fp32 unless their exponents are more than 13 apart) and one fp32 rounding
+(2⁻²⁴ relative) for Q4_K. In bf16 each is rounded once, as the bf16 kernel would round them anyway: a bf16 set
+stores what its kernel computes with, in half the bytes, and binds without converting.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from .format import PackedTensor
 MIDPOINT = 8  # the kernels compute (q − 8)·scale + zero
 
 
-def to_kernel_form(packed: PackedTensor, layout: str) -> PackedTensor:
-    """A portable int4 weight with its codes in `layout` and its scales as the kernel takes them."""
+def to_kernel_form(packed: PackedTensor, layout: str, scale_dtype: str = "fp32") -> PackedTensor:
+    """A portable int4 weight with its codes in `layout` and its scales as the kernel takes them, in `scale_dtype`."""
+    from .. import dtypes
+
     fmt = packed.format
     if fmt.kind != "int4" or layout == "rows":
         return packed
@@ -27,9 +31,9 @@ def to_kernel_form(packed: PackedTensor, layout: str) -> PackedTensor:
     n = fmt.shape[0]
     scale = packed.parts["scale"].float()
     zero = packed.parts["min"].float() + MIDPOINT * scale
-    sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).reshape(fmt.groups, 2 * n).contiguous()
+    sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).reshape(fmt.groups, 2 * n).to(dtypes.torch_dtype(scale_dtype)).contiguous()
     codes = cpulayout.to_layout(packed.parts["codes"], layout)
-    return PackedTensor(fmt.with_layout(layout), {"codes": codes, "sz": sz})
+    return PackedTensor(fmt.with_layout(layout, scale_dtype), {"codes": codes, "sz": sz})
 
 
 def to_portable(packed: PackedTensor) -> PackedTensor:
@@ -42,7 +46,7 @@ def to_portable(packed: PackedTensor) -> PackedTensor:
     scale = sz[..., 0].contiguous()
     minimum = (sz[..., 1] - MIDPOINT * sz[..., 0]).contiguous()
     codes = cpulayout.from_layout(packed.parts["codes"], fmt.layout)
-    return PackedTensor(fmt.with_layout("rows"), {"codes": codes, "scale": scale, "min": minimum})
+    return PackedTensor(fmt.with_layout("rows", "fp32"), {"codes": codes, "scale": scale, "min": minimum})
 
 
 def scales_and_zeros(packed: PackedTensor, dtype: torch.dtype, device) -> torch.Tensor:

@@ -14,8 +14,9 @@ GGUF Q8_0 has one scale per 32 values; torch's int8 kernel takes one per output 
 quantized again per row (relative RMS error 1.2% on SmolLM2's embedding; bf16 rounding alone is 0.3%). Other
 GGUF types (Q5_K, Q6_K, IQ ...) have no kernel here and are stored dequantized. Llama's Q/K row permutation
 (transformers' GGUF processor) is applied to every part of a packed weight: rows are independent.
-int4 codes are written in the order this machine's CPU kernel reads (packed/cpulayout.py), so binding them costs
-nothing; a CPU whose kernel reads another order converts them when bound.
+int4 codes are written in the order this machine's CPU kernel reads (packed/cpulayout.py) with their scales and
+zeros in the set's dtype as the kernel takes them, so binding them is a view; a CPU whose kernel reads another
+order converts them when bound.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class PackPlan:
     mode: str = ""
     params: dict[str, str] = field(default_factory=dict)  # name -> "gguf" (from the source's blocks) | "rtn"
     layout: str = "rows"  # the order int4 codes are written in
+    scale_dtype: str = "fp32"  # int4 in a kernel order: the dtype of its scales and zeros (the set's dtype)
 
     def key(self, dtype: str) -> str:
         """What names this set beside its dtype: the cache directory, the journal, reuse."""
@@ -68,7 +70,7 @@ def check_packing(packing: str) -> str:
     return packing
 
 
-def plan_packing(source, model: nn.Module, mapping, aliases: dict[str, str], packing: str = "auto") -> PackPlan:
+def plan_packing(source, model: nn.Module, mapping, aliases: dict[str, str], packing: str = "auto", dtype: str = "fp32") -> PackPlan:
     """The weights to store packed, decided from the module each belongs to and what the source holds."""
     from ..packed.cpulayout import cpu_layout
 
@@ -86,7 +88,7 @@ def plan_packing(source, model: nn.Module, mapping, aliases: dict[str, str], pac
                 params[name] = "gguf"
         elif shape[1] % RTN_GROUP == 0 and (packing == "int8" or shape[0] % INT4_ROWS == 0) and not _tied_table(name, aliases):
             params[name] = "rtn"
-    return PackPlan(mode, params, cpu_layout() or "rows")
+    return PackPlan(mode, params, cpu_layout() or "rows", dtype)
 
 
 def read_packed(source, mapping, name: str, plan: PackPlan):
@@ -104,7 +106,7 @@ def read_packed(source, mapping, name: str, plan: PackPlan):
     if packed.format.kind == "int4" and plan.layout != packed.format.layout:
         from ..packed.kernelform import to_kernel_form
 
-        packed = to_kernel_form(packed, plan.layout)
+        packed = to_kernel_form(packed, plan.layout, plan.scale_dtype)
     return packed
 
 
@@ -120,7 +122,7 @@ def packed_nbytes(source, mapping, name: str, plan: PackPlan, shape: tuple[int, 
     else:
         fmt = PackedFormat("int8", shape, shape[1], scale_dtype="fp16")
     if fmt.kind == "int4" and plan.layout != "rows":
-        fmt = fmt.with_layout(plan.layout)
+        fmt = fmt.with_layout(plan.layout, plan.scale_dtype)
     return fmt.offsets()[1]
 
 

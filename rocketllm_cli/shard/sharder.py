@@ -79,7 +79,7 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     names, converted = map_names(source, model, layout)
     mapping = SourceMap(names, sliced, converted)
     mapping.update(pieces)
-    packs = plan_packing(source, model, mapping, layout.aliases, packing)
+    packs = plan_packing(source, model, mapping, layout.aliases, packing, dtype)
     need = _bytes_needed(source, mapping, dtype, packs)
     partial = partial_of(final)
     check_space(final.parent, need - sum(r.tensor_bytes for r in journal.resumable(partial, fingerprint, key).values()))

@@ -55,7 +55,8 @@ class PackedBinding:
     for them is kept; otherwise it is made at each bind (for int4 in the kernel's own code order, only the
     scales are converted) and dropped on unbind."""
 
-    __slots__ = ("module", "attr", "tensor", "format", "device", "dtype", "persistent", "is_buffer", "placeholder", "_source", "_bound")
+    __slots__ = ("module", "attr", "tensor", "format", "device", "dtype", "persistent", "is_buffer", "placeholder", "_source", "_bound",
+                 "_direct")
 
     def __init__(self, module: nn.Linear, tensor: str, fmt: PackedFormat, device: torch.device, dtype: torch.dtype, placeholder,
                  persistent: bool = False) -> None:
@@ -66,12 +67,17 @@ class PackedBinding:
         self.device, self.dtype, self.persistent = device, dtype, persistent
         self.is_buffer, self.placeholder = False, placeholder
         self._source = self._bound = None
+        self._direct = _direct_int4(fmt, device, dtype)
 
     def bind(self, data: torch.Tensor) -> None:
         from ..packed import bind
 
         if data is not self._source or self._bound is None:
-            self._source, self._bound = data, bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype)
+            if self._direct is not None:
+                self._bound = self._direct(data)  # a view of the bytes: the kernel's own form, no checks per token
+            else:
+                self._bound = bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype)
+            self._source = data
         self.module.packed_weight = self._bound
 
     def unbind(self) -> None:
@@ -85,3 +91,29 @@ class PackedBinding:
         from ..packed import kernel_path
 
         return kernel_path(self.format, self.dtype, self.device)
+
+
+def _direct_int4(fmt: PackedFormat, device: torch.device, dtype: torch.dtype):
+    """For an int4 weight stored in the order this device's kernel reads: bytes -> BoundWeight with two views (and
+    the scales' conversion when the set's dtype is not the kernel's). None where the general bind is needed."""
+    from .. import dtypes
+    from ..packed import compute, layout
+    from ..packed.cpulayout import cpu_layout
+
+    if fmt.kind != "int4" or device.type != "cpu" or fmt.layout == "rows" or fmt.layout != cpu_layout():
+        return None
+    if compute.kernel_path(fmt, dtype, device) != "int4":
+        return None
+    offsets, _ = fmt.offsets()
+    n, k = fmt.shape
+    codes_at, sz_at = offsets["codes"], offsets["sz"]
+    stored = dtypes.torch_dtype(fmt.scale_dtype)
+    codes_end, sz_end = codes_at + n * k // 2, sz_at + fmt.groups * 2 * n * stored.itemsize
+    tiles = next((t for t in layout.INNER_K_TILES if k % (16 * t) == 0), layout.INNER_K_TILES[-1])
+
+    def bound(data: torch.Tensor):
+        sz = data[sz_at:sz_end].view(stored).view(fmt.groups, n, 2)
+        kernel = {"weight": data[codes_at:codes_end].view(n, k // 2), "scales_and_zeros": sz if stored == dtype else sz.to(dtype), "tiles": tiles}
+        return compute.BoundWeight(fmt, dtype, device, "int4", kernel=kernel)
+
+    return bound
