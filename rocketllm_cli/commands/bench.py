@@ -41,7 +41,7 @@ Examples:
 """
 
 RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help=f"resident, host, storage, expert-cache (MoE models) or all (repeatable). [default: all that apply; {BATCH_REGIME} with --batch]", show_default=False)]
-BaselineOpt = Annotated[Optional[list[str]], typer.Option("--baseline", help="transformers, accelerate, naive, airllm or all (repeatable; several names after one flag work too).", show_default=False)]
+BaselineOpt = Annotated[Optional[list[str]], typer.Option("--baseline", help="transformers, accelerate, naive, airllm, llamacpp (a GGUF MODEL, llama-cpp-python installed) or all (repeatable; several names after one flag work too).", show_default=False)]
 ConversationOpt = Annotated[Optional[int], typer.Option("--conversation", help=f"Replay an N-turn chat with prefix reuse off and on and print each turn's prefill time ({CONVERSATION_REGIME} regime unless --regime; replies of --tokens, default {REPLY_TOKENS}).", show_default=False)]
 PerplexityOpt = Annotated[Optional[str], typer.Option("--perplexity", metavar="FILE", help=f"Teacher-forced perplexity of MODEL on the UTF-8 text FILE (tests/fixtures/perplexity.txt is a 4.7 KB one): windows of --window tokens, one streaming pass each ({PERPLEXITY_REGIME} regime unless --regime).", show_default=False)]
 ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", metavar="REF", help="With --perplexity: score REF (same tokenizer) too, and print both perplexities, their difference in % and top-1 agreement.", show_default=False)]
