@@ -9,6 +9,7 @@ import sys
 import time
 import types
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 from typer.testing import CliRunner
@@ -61,7 +62,7 @@ class _FakeLlama:
     """Stands in for llama_cpp.Llama: records its arguments; each token takes STEP_S."""
 
     STEP_S = 0.01
-    made: list[dict] = []
+    made: ClassVar[list[dict]] = []
 
     def __init__(self, **kwargs) -> None:
         self.kwargs = kwargs
