@@ -5,11 +5,10 @@ only where llama-cpp-python is installed and the SmolLM2 GGUF is present)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
-import time
 import types
 from types import SimpleNamespace
-from typing import ClassVar
 
 import pytest
 from typer.testing import CliRunner
@@ -58,44 +57,74 @@ def test_gguf_source_of_each_kind_of_model(tmp_path):
     assert path is None and "no GGUF file" in why
 
 
-class _FakeLlama:
-    """Stands in for llama_cpp.Llama: records its arguments; each token takes STEP_S."""
+FAKE = """
+import json, os, signal, time
+__version__ = "0.0-test"
+STEP_S = 0.01
 
-    STEP_S = 0.01
-    made: ClassVar[list[dict]] = []
+class Llama:
+    def __init__(self, **kwargs):
+        with open(os.environ["FAKE_LLAMA_LOG"], "w") as f:
+            json.dump({**kwargs, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT")}, f)
+        if os.environ.get("FAKE_LLAMA_CRASH"):
+            os.kill(os.getpid(), signal.SIGSEGV)
 
-    def __init__(self, **kwargs) -> None:
-        self.kwargs = kwargs
-        _FakeLlama.made.append(kwargs)
-
-    def tokenize(self, text: bytes, add_bos: bool = True) -> list[int]:
+    def tokenize(self, text, add_bos=True):
         return list(text[:5])
 
     def generate(self, tokens, **sampling):
-        self.prompt, self.sampling = list(tokens), sampling
         while True:
-            time.sleep(self.STEP_S)
+            time.sleep(STEP_S)
             yield 7
+"""
 
 
-def test_llamacpp_row_is_timed_like_every_row(tmp_path, monkeypatch):
-    fake = types.ModuleType("llama_cpp")
-    fake.Llama, fake.__version__ = _FakeLlama, "0.0-test"
-    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+@pytest.fixture
+def fake_llama_cpp(tmp_path, monkeypatch):
+    """A stand-in llama_cpp package on the path of this process and of the worker it starts; returns its log file."""
+    package = tmp_path / "fake" / "llama_cpp"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE)
+    monkeypatch.syspath_prepend(str(package.parent))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(package.parent), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "llama-args.json"))
+    return tmp_path / "llama-args.json"
+
+
+def test_llamacpp_row_is_timed_like_every_row_in_a_process_of_its_own(fake_llama_cpp, tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     profile = SimpleNamespace(cpu_cores=3, compute_device="cpu")
     row = run_llamacpp(gguf, "", "resident", 4, 6, profile, log=lambda m: None)
     assert row["status"] == "measured", row
-    kwargs = _FakeLlama.made[-1]
+    kwargs = json.loads(fake_llama_cpp.read_text())
     assert kwargs["n_threads"] == 3 and kwargs["n_gpu_layers"] == 0 and kwargs["use_mmap"] is True
     assert kwargs["n_ctx"] >= 6 + 1 + WARMUP + 4 and kwargs["model_path"] == str(gguf)
-    assert row["ms_per_token"]["n"] == 4 and row["ms_per_token"]["median"] >= 1000 * _FakeLlama.STEP_S * 0.9
-    assert row["ttft_ms"] >= 1000 * _FakeLlama.STEP_S * 0.9
+    assert row["ms_per_token"]["n"] == 4 and row["ms_per_token"]["median"] >= 9  # each fake step sleeps 10 ms
+    assert row["ttft_ms"] >= 9
     assert row["llamacpp"] == {"version": "0.0-test", "n_threads": 3, "n_gpu_layers": 0, "use_mmap": True, "gguf": "m.gguf",
                                "gguf_bytes": 64}
     gpu = run_llamacpp(gguf, "", "resident", 1, 2, SimpleNamespace(cpu_cores=2, compute_device="cuda"), log=lambda m: None)
-    assert gpu["status"] == "measured" and _FakeLlama.made[-1]["n_gpu_layers"] == -1
+    assert gpu["status"] == "measured" and json.loads(fake_llama_cpp.read_text())["n_gpu_layers"] == -1
+
+
+def test_llama_cpp_threads_wait_as_the_user_chose_not_as_rocketllm_chose_for_torch(monkeypatch):
+    from rocketllm_cli import threads
+    from rocketllm_cli.bench.llamacpp import _worker_env
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", str(threads.SPIN_COUNT))
+    monkeypatch.setattr(threads, "_decision", f"GOMP_SPINCOUNT={threads.SPIN_COUNT}, set by rocketllm: spin briefly")
+    assert "GOMP_SPINCOUNT" not in _worker_env()
+    monkeypatch.setattr(threads, "_decision", "GOMP_SPINCOUNT=5, set by the user")
+    assert _worker_env()["GOMP_SPINCOUNT"] == str(threads.SPIN_COUNT)
+
+
+def test_a_crash_in_llama_cpp_is_a_skipped_row(fake_llama_cpp, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_LLAMA_CRASH", "1")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    row = run_llamacpp(gguf, "", "resident", 2, 4, SimpleNamespace(cpu_cores=2, compute_device="cpu"), log=lambda m: None)
+    assert row["status"] == "skipped" and row["reason"].startswith("llama.cpp crashed (signal SIGSEGV)")
 
 
 @pytest.mark.realmodel

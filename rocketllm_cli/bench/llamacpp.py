@@ -4,19 +4,26 @@ Measured like every other row (timing.py): the fixed prompt of --prompt-tokens t
 + --tokens tokens, the warm-up left out; each step is timed from one yielded token to the next, as the streamer does.
 The file is mapped (use_mmap, llama.cpp's default), so its weights sit in the page cache as our host tier's do on a
 CPU; n_threads is the profile's usable cores; every layer goes to the GPU when the compute device is one, none on a CPU.
+It runs in a process of its own (llamacpp_worker.py): a crash in native code is a skipped row saying so.
 llama-cpp-python is not a dependency: without it the row is a skip with the install command.
 """
 
 from __future__ import annotations
 
-import time
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
 from itertools import pairwise
 from pathlib import Path
 
-from .timing import WARMUP, fixed_prompt, ms_summary
+from .timing import PROMPT_TEXT, WARMUP, ms_summary
 
 NOT_INSTALLED = "llama-cpp-python is not installed (pip install llama-cpp-python)"
 CONTEXT_SLACK = 16  # tokens of n_ctx beyond prompt + generated ones
+WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
 
 def gguf_file(model: str | None, manifest) -> tuple[Path | None, str]:
@@ -35,71 +42,74 @@ def gguf_file(model: str | None, manifest) -> tuple[Path | None, str]:
     return None, "the model has no GGUF file (llama.cpp runs GGUF files; MODEL was not sharded from one)"
 
 
+def installed() -> bool:
+    """llama_cpp importable, judged without importing it (its native libraries stay out of this process)."""
+    try:
+        return importlib.util.find_spec("llama_cpp") is not None
+    except ValueError:  # in sys.modules without a spec: imported somehow, so present
+        return True
+
+
 def run_llamacpp(gguf: Path | None, no_gguf: str, regime: str, tokens: int, prompt_tokens: int, profile, log) -> dict:
     """One baseline row: measured, or skipped with the reason (never an exception)."""
     row = {"name": "llamacpp", "regime": regime, "status": "skipped", "reason": ""}
-    try:
-        import llama_cpp
-    except ImportError:
+    if not installed():
         row["reason"] = NOT_INSTALLED
-        return row
-    except Exception as exc:  # noqa: BLE001 - installed but broken (a missing shared library): say which
-        row["reason"] = " ".join(f"llama-cpp-python not importable ({type(exc).__name__}: {exc})".split())[:300]
         return row
     if gguf is None:
         row["reason"] = no_gguf
         return row
     threads = int(profile.cpu_cores)
     gpu_layers = 0 if profile.compute_device == "cpu" else -1
-    try:
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=prompt_tokens + 1 + WARMUP + tokens + CONTEXT_SLACK, n_threads=threads,
-                              n_threads_batch=threads, n_gpu_layers=gpu_layers, use_mmap=True, verbose=False)
-        try:
-            ttft_s, gaps_s, witnessed = _timed(llm, fixed_prompt(_Tokenizer(llm), prompt_tokens), tokens)
-        finally:
-            if hasattr(llm, "close"):  # older releases free the model only when it is collected
-                llm.close()
-    except Exception as exc:  # noqa: BLE001 - a baseline failing is a finding, not our error
-        row["reason"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    new = 1 + WARMUP + tokens
+    request = {"gguf": str(gguf), "n_ctx": prompt_tokens + new + CONTEXT_SLACK, "n_threads": threads, "n_gpu_layers": gpu_layers,
+               "prompt_text": PROMPT_TEXT, "prompt_tokens": prompt_tokens, "new_tokens": new}
+    answer, why = _run_worker(request)
+    if answer is None or "skip" in answer:
+        row["reason"] = why or answer["skip"]
         return row
+    times, marks = answer["times"], answer["marks"]
+    if len(times) < new:
+        row["reason"] = f"llama.cpp stopped after {len(times)} tokens; expected {new}"
+        return row
+    gaps = [b - a for a, b in pairwise(times)][WARMUP:]
+    first, last = marks[WARMUP], marks[-1]
     where = "no GPU layers" if gpu_layers == 0 else "every layer on the GPU"
-    log(f"{regime}: llama.cpp {getattr(llama_cpp, '__version__', '?')} on {gguf.name}, {threads} threads, {where}")
-    row.update(status="measured", ttft_ms=round(1000 * ttft_s, 1), ms_per_token=ms_summary(gaps_s),
-               storage_witnessed_per_token=witnessed, bytes_per_token=None,
-               llamacpp={"version": getattr(llama_cpp, "__version__", None), "n_threads": threads, "n_gpu_layers": gpu_layers,
-                         "use_mmap": True, "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size})
+    log(f"{regime}: llama.cpp {answer['version']} on {gguf.name}, {threads} threads, {where}")
+    row.update(status="measured", ttft_ms=round(1000 * (times[0] - answer["start"]), 1), ms_per_token=ms_summary(gaps),
+               storage_witnessed_per_token=(last - first) // len(gaps) if first is not None and last is not None else None,
+               bytes_per_token=None,
+               llamacpp={"version": answer["version"], "n_threads": threads, "n_gpu_layers": gpu_layers, "use_mmap": True,
+                         "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size})
     return row
 
 
-class _Tokenizer:
-    """The one call fixed_prompt makes of a tokenizer, answered by llama.cpp's own (the GGUF's vocabulary)."""
+def _run_worker(request: dict) -> tuple[dict | None, str]:
+    """(the worker's answer, "") or (None, why it gave none)."""
+    run = subprocess.run([sys.executable, str(WORKER)], input=json.dumps(request), capture_output=True, text=True,
+                         env=_worker_env(), check=False)
+    last_err = next((line.strip() for line in reversed(run.stderr.splitlines()) if line.strip()), "")
+    if run.returncode != 0:
+        how = f"signal {_signal_name(-run.returncode)}" if run.returncode < 0 else f"exit status {run.returncode}"
+        return None, " ".join(f"llama.cpp crashed ({how}){': ' + last_err if last_err else ''}".split())[:300]
+    try:
+        return json.loads(run.stdout.strip().splitlines()[-1]), ""
+    except (ValueError, IndexError):
+        return None, " ".join(f"llama.cpp gave no answer: {last_err or run.stdout[-200:]}".split())[:300]
 
-    def __init__(self, llm) -> None:
-        self.llm = llm
 
-    def __call__(self, text: str, add_special_tokens: bool = False):
-        from types import SimpleNamespace
+def _worker_env() -> dict:
+    """This process's environment, less the OpenMP wait policy rocketllm chose for torch (a user's own choice stays)."""
+    from ..threads import apply_wait_policy
 
-        return SimpleNamespace(input_ids=self.llm.tokenize(text.encode("utf-8"), add_bos=add_special_tokens))
+    env = dict(os.environ)
+    if "set by rocketllm" in apply_wait_policy():
+        env.pop("GOMP_SPINCOUNT", None)
+    return env
 
 
-def _timed(llm, prompt: list[int], tokens: int) -> tuple[float, list[float], int | None]:
-    """(time to first token, gaps between the measured tokens, storage bytes read per measured token)."""
-    from ..stream.ledger import storage_read_bytes
-
-    new = 1 + WARMUP + tokens
-    times, marks = [], []
-    start = time.perf_counter()
-    steps = llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)  # greedy; never stops at EOS itself
-    for _ in steps:
-        times.append(time.perf_counter())
-        marks.append(storage_read_bytes())
-        if len(times) == new:
-            break
-    steps.close()
-    if len(times) < new:
-        raise RuntimeError(f"llama.cpp stopped after {len(times)} tokens; expected {new}")
-    gaps = [b - a for a, b in pairwise(times)][WARMUP:]
-    first, last = marks[WARMUP], marks[-1]
-    witnessed = (last - first) // len(gaps) if first is not None and last is not None else None
-    return times[0] - start, gaps, witnessed
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
