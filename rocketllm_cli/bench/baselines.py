@@ -4,6 +4,7 @@ transformers - plain AutoModelForCausalLM, every weight resident (regime residen
 accelerate   - transformers + accelerate disk offload, device_map {"": "disk"} (budget 0, as our host/storage regimes)
 naive        - per-layer loop: safe_open + set_module_tensor_to_device for each tensor before a module runs (storage)
 airllm       - AirLLM 4.0.0's AutoModel with device="cpu" (storage)
+llamacpp     - llama-cpp-python on the GGUF file itself, quantized as stored (resident; llamacpp.py)
 
 In the storage regime every baseline's weight files are dropped from the page cache
 (POSIX_FADV_DONTNEED) at the start of each forward pass, as our engine does after each read,
@@ -23,7 +24,9 @@ import torch
 from .naive import pin_cpu
 from .timing import fixed_prompt, ms_summary, timed_run
 
-REGIMES_OF = {"transformers": ("resident",), "accelerate": ("host", "storage"), "naive": ("storage",), "airllm": ("storage",)}
+REGIMES_OF = {"transformers": ("resident",), "accelerate": ("host", "storage"), "naive": ("storage",), "airllm": ("storage",),
+              "llamacpp": ("resident",)}
+ON_GGUF = ("llamacpp",)  # baselines that run the GGUF file, not the Hugging Face copy
 BASELINES = tuple(REGIMES_OF)
 
 

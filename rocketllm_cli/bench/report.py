@@ -6,7 +6,7 @@ import os
 
 from ..sizes import format_bytes, format_rate
 
-COLUMNS = ("run", "regime", "ms/token median [p10–p90]", "TTFT ms", "bytes/token device / host / storage",
+COLUMNS = ("run", "regime", "ms/token median [p10–p90]", "tokens/s", "TTFT ms", "bytes/token device / host / storage",
            "storage read/token (witnessed)", "projected ms", "limit ms", "efficiency", "speed-up")
 
 
@@ -70,7 +70,7 @@ def _cells(row: dict) -> list[str]:
     tiers = " / ".join(format_bytes(per[t]) for t in ("device", "host", "storage")) if per else "-"
     witnessed = row.get("storage_witnessed_per_token")
     speed = ", ".join(f"{x:.2f}× vs {name}" for name, x in (row.get("speedup") or {}).items()) or "-"
-    return [run, row["regime"], f"{ms['median']:.1f} [{ms['p10']:.1f}–{ms['p90']:.1f}]", f"{row['ttft_ms']:.0f}", tiers,
+    return [run, row["regime"], f"{ms['median']:.1f} [{ms['p10']:.1f}–{ms['p90']:.1f}]", _num(1000 / ms["median"]), f"{row['ttft_ms']:.0f}", tiers,
             format_bytes(witnessed) if witnessed is not None else "n/a", _num(row.get("projected_ms")), _num(row.get("limit_ms")),
             f"{row['efficiency']:.2f}" if row.get("efficiency") is not None else "n/a", speed]
 
@@ -88,6 +88,11 @@ def _notes(rows: list[dict]) -> list[str]:
                 experts = (f"experts: {row['experts_per_token']:.1f} routed uses per token, expert cache hit rate {rate}, "
                            f"{format_bytes(served)} per token vs {format_bytes(row['whole_layer_bytes_per_token'])} streaming whole layers; ")
             out.append(f"- {row['regime']}: limit {row.get('limit_basis')}; per-token phases {phases}; {experts}{row.get('residency_text', '')}")
+        elif row["status"] == "measured" and row.get("llamacpp"):
+            lc = row["llamacpp"]
+            gpu = "no GPU layers" if lc["n_gpu_layers"] == 0 else "every layer on the GPU"
+            out.append(f"- {row['regime']}: llamacpp (llama-cpp-python {lc['version']}) computes on {lc['gguf']} as stored "
+                       f"({format_bytes(lc['gguf_bytes'])}, mapped), {lc['n_threads']} threads, {gpu}")
     return out
 
 
@@ -101,11 +106,11 @@ def _bps(profile, name: str) -> float | None:
 
 
 def community_rows(doc: dict, profile_cell: str | None = None) -> list[str]:
-    """The rows of docs/HARDWARE.md's community table: the bench row plus model and hardware profile columns."""
+    """The rows of docs/HARDWARE.md's community table: the bench row (without tokens/s) plus model and hardware profile columns."""
     model = doc["model"]["name"]
     cell = profile_cell or doc["hardware"]
     out = []
     for row in doc["rows"]:
         c = _cells(row)
-        out.append("| " + " | ".join([model, c[1], c[0], *c[2:9], cell]) + " |")
+        out.append("| " + " | ".join([model, c[1], c[0], c[2], *c[4:10], cell]) + " |")
     return out

@@ -9,8 +9,9 @@ from pathlib import Path
 from ..errors import UsageError
 from ..output import no_progress
 from ..shard.manifest import Manifest
-from .baselines import BASELINES, REGIMES_OF, run_baseline
+from .baselines import BASELINES, ON_GGUF, REGIMES_OF, run_baseline
 from .defaults import BATCH_REGIME, DECODE_TOKENS, PROMPT_TOKENS
+from .llamacpp import gguf_file, run_llamacpp
 from .regimes import (
     DEFAULT_REGIMES,
     REGIME_KNOBS,
@@ -77,8 +78,9 @@ def run_bench(req: BenchRequest, log, progress=None) -> dict:
     profile = facts = None
     ram = _ram_available()
     hf_dir, no_hf = (None, "")
-    if req.baselines:
+    if set(req.baselines) - set(ON_GGUF):  # a GGUF is dequantized into a copy only for the baselines that load one
         hf_dir, no_hf = hf_checkpoint(source, manifest, log)
+    gguf, no_gguf = gguf_file(None if req.synthetic else req.model, manifest)
     work = cache_dir() / "bench" / "work"
     dtype = None
     regimes = req.regimes or DEFAULT_REGIMES + (("expert-cache",) if manifest.experts else ())
@@ -97,6 +99,11 @@ def run_bench(req: BenchRequest, log, progress=None) -> dict:
         rows.append(row)
         for name in req.baselines:
             if regime not in REGIMES_OF[name]:
+                continue
+            if name in ON_GGUF:
+                log(f"{regime}: measuring baseline {name}")
+                with phase(f"{regime}: baseline {name}", announce=False):
+                    rows.append(run_llamacpp(gguf, no_gguf, regime, req.tokens, req.prompt_tokens, profile, log))
                 continue
             if hf_dir is None:
                 rows.append({"name": name, "regime": regime, "status": "skipped", "reason": no_hf})

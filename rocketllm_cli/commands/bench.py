@@ -10,6 +10,8 @@ from ..bench.defaults import (
     BATCH_REGIME,
     CONVERSATION_REGIME,
     DECODE_TOKENS,
+    PERPLEXITY_REGIME,
+    PERPLEXITY_WINDOW,
     PROMPT_TOKENS,
     REPLY_TOKENS,
 )
@@ -35,11 +37,16 @@ Examples:
   rocketllm bench --synthetic llama:1B --tokens 4
   rocketllm bench ./SmolLM2.gguf --batch 1 4 8
   rocketllm bench ./SmolLM2.gguf --conversation 3
+  rocketllm bench ./SmolLM2-Q4.gguf --perplexity tests/fixtures/perplexity.txt --reference ./SmolLM2-bf16
 """
 
 RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help=f"resident, host, storage, expert-cache (MoE models) or all (repeatable). [default: all that apply; {BATCH_REGIME} with --batch]", show_default=False)]
-BaselineOpt = Annotated[Optional[list[str]], typer.Option("--baseline", help="transformers, accelerate, naive, airllm or all (repeatable; several names after one flag work too).", show_default=False)]
+BaselineOpt = Annotated[Optional[list[str]], typer.Option("--baseline", help="transformers, accelerate, naive, airllm, llamacpp (a GGUF MODEL, llama-cpp-python installed) or all (repeatable; several names after one flag work too).", show_default=False)]
 ConversationOpt = Annotated[Optional[int], typer.Option("--conversation", help=f"Replay an N-turn chat with prefix reuse off and on and print each turn's prefill time ({CONVERSATION_REGIME} regime unless --regime; replies of --tokens, default {REPLY_TOKENS}).", show_default=False)]
+PerplexityOpt = Annotated[Optional[str], typer.Option("--perplexity", metavar="FILE", help=f"Teacher-forced perplexity of MODEL on the UTF-8 text FILE (tests/fixtures/perplexity.txt is a 4.7 KB one): windows of --window tokens, one streaming pass each ({PERPLEXITY_REGIME} regime unless --regime).", show_default=False)]
+ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", metavar="REF", help="With --perplexity: score REF (same tokenizer) too, and print both perplexities, their difference in % and top-1 agreement.", show_default=False)]
+WindowOpt = Annotated[Optional[int], typer.Option("--window", help=f"With --perplexity: tokens per pass. [default: {PERPLEXITY_WINDOW}, or the model's context if shorter]", show_default=False)]
+StrideOpt = Annotated[Optional[int], typer.Option("--stride", help="With --perplexity: tokens between window starts; each token is scored once. [default: half the window]", show_default=False)]
 BatchOpt = Annotated[Optional[list[int]], typer.Option("--batch", help="Batch sizes to sweep (e.g. --batch 1 4 8): throughput vs N in one regime.", show_default=False)]
 
 
@@ -54,6 +61,10 @@ def run(
     baseline: BaselineOpt = None,
     batch: BatchOpt = None,
     conversation: ConversationOpt = None,
+    perplexity: PerplexityOpt = None,
+    reference: ReferenceOpt = None,
+    window: WindowOpt = None,
+    stride: StrideOpt = None,
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
@@ -63,6 +74,13 @@ def run(
     validate_knob_flags(knob_flags or {})
     model, regime, baseline, batch = _spread(model or [], regime or [], baseline or [], batch or [])
     model = pick_model(model, model_option, required=False)  # no MODEL: --synthetic names one
+    if perplexity is not None:
+        _perplexity(model, synthetic, perplexity, reference, window, stride, regime, baseline, batch, conversation, knob_flags or {}, output)
+        return
+    if reference is not None or window is not None or stride is not None:
+        from ..errors import UsageError
+
+        raise UsageError("--reference, --window and --stride go with --perplexity FILE")
     if conversation is not None:
         _conversation(model, synthetic, conversation, tokens, regime, baseline, batch, knob_flags or {}, output)
         return
@@ -121,3 +139,33 @@ def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob
         output.json(doc)
     else:
         output.result(render_conversation(doc))
+
+
+def _perplexity(model, synthetic, text_file, reference, window, stride, regime, baseline, batch, conversation, knob_flags, output) -> None:
+    from ..bench.perplexity import (
+        PerplexityRequest,
+        read_text,
+        render_perplexity,
+        run_perplexity,
+    )
+    from ..errors import UsageError
+
+    if baseline or batch or conversation is not None:
+        raise UsageError("--perplexity scores RocketLLM (and --reference): drop --baseline, --batch and --conversation")
+    if len(regime) > 1 or "all" in regime:
+        raise UsageError("--perplexity runs one regime: pass --regime resident, host or storage")
+    req = PerplexityRequest(model, text_file, reference, window, stride, regime[0] if regime else PERPLEXITY_REGIME, synthetic, knob_flags)
+    read_text(text_file)  # a bad FILE is refused before any model is sharded or loaded
+    if reference is not None:
+        from ..errors import ModelError
+        from ..shard.source import check_locatable
+
+        try:
+            check_locatable(reference)
+        except ModelError as exc:
+            raise ModelError(f"--reference: {exc}") from None
+    doc = run_perplexity(req, output.log, output.progress)
+    if output.as_json:
+        output.json(doc)
+    else:
+        output.result(render_perplexity(doc))
