@@ -314,6 +314,12 @@ def markdown(results: list[Result], transformers_version: str, torch_version: st
         f"**{len(results)} model types: " + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES) + f"** — {share} of the {runnable} "
         f"that plain transformers runs on CPU stream equal. Sweep wall time: {seconds / 60:.0f} min.",
         "",
+    ]
+    for outcome in OUTCOMES[1:]:
+        rows = [r for r in results if r.outcome == outcome]
+        if rows:
+            lines += [f"{outcome.capitalize()}:", ""] + [f"- `{r.model_type}`: {r.detail}" for r in rows] + [""]
+    lines += [
         "| model type | outcome | detail |",
         "|---|---|---|",
     ]

@@ -31,7 +31,7 @@ from ..shard.manifest import Manifest
 from .ledger import Ledger
 from .plan import ResidencyPlan, make_plan
 from .store import WeightStore
-from .unbound import Unbound, UnboundWeightError, unbind_all  # noqa: F401 - UnboundWeightError: the error callers catch
+from .unbound import Unbound, unbind_all
 
 
 @dataclass
