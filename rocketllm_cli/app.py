@@ -9,8 +9,11 @@ import typer
 
 from . import __version__
 from .errors import ParameterError, RocketError, report
+from .options import KnobHelpCommand, PlainCommand, PlainGroup
+from .output import StdoutClosed, write_stderr, write_stdout
 
 app = typer.Typer(
+    cls=PlainGroup,
     name="rocketllm",
     help="Run language models larger than memory by streaming them layer by layer.",
     no_args_is_help=True,
@@ -25,9 +28,12 @@ def _guarded(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        from .output import quiet_libraries
+
         try:
+            quiet_libraries()  # before the command imports them: our progress and messages only
             return func(*args, **kwargs)
-        except (typer.Exit, typer.Abort):
+        except (typer.Exit, typer.Abort, StdoutClosed):  # StdoutClosed: main exits 0
             raise
         except ParameterError as exc:  # the library names its keywords; a CLI user typed flags
             raise typer.Exit(report(RocketError(exc.spelled(flag_of)))) from None
@@ -47,7 +53,7 @@ def flag_of(param: str) -> str:
 
 def _version(value: bool) -> None:
     if value:
-        print(f"rocketllm {__version__}")
+        write_stdout(f"rocketllm {__version__}\n")
         raise typer.Exit()
 
 
@@ -64,17 +70,16 @@ def _root(
 
 def _register() -> None:
     from .commands import bench, cache, doctor, generate, profile, serve, shard
-    from .options import KnobHelpCommand
 
     for module in (doctor, profile, shard, generate, serve, bench):
         # Commands with knob flags show each knob's value derived on this machine in their help.
-        cls = KnobHelpCommand if getattr(module.run, "knob_options", False) else None
+        cls = KnobHelpCommand if getattr(module.run, "knob_options", False) else PlainCommand
         app.command(name=module.NAME, help=module.HELP, no_args_is_help=getattr(module, "NO_ARGS_IS_HELP", False),
                     cls=cls)(_guarded(module.run))
     # A command of subcommands: a Typer app of its own, each subcommand guarded like a command.
-    group = typer.Typer(name=cache.NAME, help=cache.HELP, no_args_is_help=True)
+    group = typer.Typer(cls=PlainGroup, name=cache.NAME, help=cache.HELP, no_args_is_help=True)
     for name, (run, text) in cache.SUBCOMMANDS.items():
-        group.command(name=name, help=text)(_guarded(run))
+        group.command(name=name, help=text, cls=PlainCommand)(_guarded(run))
     app.add_typer(group)
 
 
@@ -82,19 +87,22 @@ _register()
 
 
 def main() -> None:
-    """Console entry point: usage errors become one line too (exit 2), like every other error."""
+    """Console entry point: usage errors become one line too (exit 2), like every other error; a reader of
+    stdout that goes away (`| head`) ends the command quietly with exit 0."""
     import sys
 
     try:
         code = app(standalone_mode=False)
+    except StdoutClosed:
+        code = 0
     except typer.Abort:
-        print("error: interrupted", file=sys.stderr)
+        write_stderr("error: interrupted")
         code = 130
     except typer.TyperException as exc:  # Typer's usage errors: bad option, missing argument, unknown command
         if type(exc).__name__ == "NoArgsIsHelpError":
             exc.show()  # a bare command asks for its help
         else:
             where = f"; see '{exc.ctx.command_path} --help'" if getattr(exc, "ctx", None) else ""
-            print(f"error: {' '.join(exc.format_message().split()).rstrip('.')}{where}", file=sys.stderr)
+            write_stderr(f"error: {' '.join(exc.format_message().split()).rstrip('.')}{where}")
         code = getattr(exc, "exit_code", 2)
     sys.exit(code if isinstance(code, int) else 0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 
 class RocketError(Exception):
@@ -73,10 +72,12 @@ def _one_line(message: str) -> str:
 
 def report(exc: BaseException) -> int:
     """Print the exception the way the CLI does and return the exit code."""
+    from .output import write_stderr
+
     message, code = describe(exc)
     if debug_enabled():
         import traceback
 
         traceback.print_exception(exc)
-    print(f"error: {message}", file=sys.stderr)
+    write_stderr(f"error: {message}")  # a closed stderr loses the line, not the exit code
     return code

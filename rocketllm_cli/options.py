@@ -1,4 +1,4 @@
-"""CLI options defined once: shared Annotated aliases and the knob flags every command can take."""
+"""CLI options defined once: shared Annotated aliases, the knob flags every command can take, and how help shows them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
+from .errors import UsageError
+from .output import StdoutClosed, stdout_closed
 from .profiles.knobs.table import KNOB_SPECS
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of text.")]
@@ -20,7 +22,22 @@ ModelPathOpt = Annotated[
     typer.Option("--model", help="Model or shard directory (or .gguf file); storage is measured where it lives."),
 ]
 
-KNOB_PANEL = "Knobs (derived from the measured hardware unless set; ROCKETLLM_<NAME> also sets them)"
+ModelArg = Annotated[Optional[str], typer.Argument(help="Model directory, .gguf file, hub id, or shard directory (or give it as --model).", show_default=False)]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", metavar="MODEL", help="MODEL as an option, as llama-server and vLLM spell it; give it once, here or as the argument.", show_default=False)]
+
+# Short enough for an 80-column panel title; the variables get the help's last paragraph (KNOB_ENV_HINT).
+KNOB_PANEL = "Knobs (derived from the measured hardware unless set)"
+KNOB_ENV_HINT = "Every knob can also be set as ROCKETLLM_<NAME> in the environment (e.g. ROCKETLLM_PREFETCH_DEPTH=2); a flag wins over the variable."
+_KNOB_METAVARS = {"bytes": "BYTES", "int": "INTEGER", "bool": "BOOLEAN", "choice": "CHOICE"}  # the help lists the choices
+
+
+def pick_model(positional: str | None, option: str | None, required: bool = True) -> str | None:
+    """MODEL given once: as the argument, or as --model (the spelling llama-server and vLLM users type)."""
+    if positional is not None and option is not None:
+        raise UsageError(f"MODEL given twice ({positional} and --model {option}); give it once, as the argument or as --model")
+    if required and positional is None and option is None:
+        raise UsageError("no MODEL: give it as the first argument or as --model")
+    return option if positional is None else positional
 
 
 def with_knob_options(func):
@@ -30,7 +47,8 @@ def with_knob_options(func):
     params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != "knob_flags"]
     for spec in KNOB_SPECS:
         # No square brackets: help is rich markup, which takes them for tags and drops them.
-        option = typer.Option(spec.flag, *spec.flags, help=f"{spec.help} Accepts {spec.accepted()}.", rich_help_panel=KNOB_PANEL, show_default=False)
+        option = typer.Option(spec.flag, *spec.flags, help=f"{spec.help} Accepts {spec.accepted()}.", rich_help_panel=KNOB_PANEL,
+                              show_default=False, metavar=_KNOB_METAVARS[spec.kind])
         params.append(
             inspect.Parameter(f"knob_{spec.name}", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], option])
         )
@@ -65,8 +83,68 @@ def validate_knob_flags(flags: dict) -> None:
 DERIVED_AT_START = "Default: derived at start from the measured hardware profile (none is cached yet)"
 
 
-class KnobHelpCommand(TyperCommand):
+class _PlainHelp:
+    """Help as a person reads it: MODEL [PROMPT] and TEXT, INTEGER, BYTES (or nothing for a flag) where Typer
+    writes {model} and <str>, <bool>; a reader of stdout that goes away ends the help quietly."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            # Typer builds its parameter objects from the signature and has no hook for their class.
+            if type(param) is TyperArgument:
+                param.metavar = param.metavar or (param.name or "").upper()
+                param.__class__ = _PlainArgument
+            elif type(param) is TyperOption:
+                param.__class__ = _PlainOption
+        return params
+
+    def format_help(self, ctx, formatter) -> None:
+        try:
+            super().format_help(ctx, formatter)
+        except BrokenPipeError:
+            raise stdout_closed() from None
+        except SystemExit:  # rich's own answer to a broken pipe: stdout already at /dev/null, then exit 1
+            raise StdoutClosed() from None
+
+
+_TYPE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "Path": "PATH"}  # click's names for them
+
+
+class _PlainArgument(TyperArgument):
+    def display_type_rich(self, ctx) -> None:
+        return None  # the name says it
+
+    def get_usage_pieces(self, ctx) -> list[str]:
+        name = self.metavar or ""
+        if name.startswith("[") and name.endswith("]"):  # spelled out by the command
+            return [name]
+        return [(name if self.required else f"[{name}]") + ("..." if self.nargs != 1 else "")]
+
+
+class _PlainOption(TyperOption):
+    def display_type_rich(self, ctx) -> str | None:
+        if self.metavar is not None:
+            return self.metavar
+        if self.is_flag:
+            return None
+        bare = self.bare_type().removeprefix("list[").removesuffix("]")  # a repeatable option names one value
+        return _TYPE_NAMES.get(bare, bare.upper())
+
+
+class PlainCommand(_PlainHelp, TyperCommand):
+    """A command whose help shows plain metavars."""
+
+
+class PlainGroup(_PlainHelp, TyperGroup):
+    """A group (the root, `cache`) whose help shows plain metavars."""
+
+
+class KnobHelpCommand(PlainCommand):
     """Fills each knob's help with the value derived on this machine, only when help is shown (never measures)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.epilog = self.epilog or KNOB_ENV_HINT
 
     def format_help(self, ctx, formatter) -> None:
         derived = derived_defaults()

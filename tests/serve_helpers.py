@@ -18,10 +18,8 @@ GATE_TIMEOUT_S = 30
 
 class LiveServer:
     def __init__(self, model, model_id: str = "tiny", tool_parser: str | None = None) -> None:
-        import uvicorn
-
         from rocketllm_cli.commands.serve import bind
-        from rocketllm_cli.server.app import create_app
+        from rocketllm_cli.server.serving import make_server
         from rocketllm_cli.server.state import ServerState
 
         self.logs: list[str] = []
@@ -29,8 +27,7 @@ class LiveServer:
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(self.state), log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = make_server(self.state, access_log=False, grace_s=2)  # the CLI's server, its stop included
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20

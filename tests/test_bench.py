@@ -120,6 +120,7 @@ def test_synthetic_checkpoint_loads_in_transformers_and_streams_equal_to_residen
     ["--synthetic", "llama:tiny", "--tokens", "0"],
     ["--synthetic", "llama:tiny", "--baseline", "nosuch"],
     ["--synthetic", "llama:tiny", "--batch", "0"],
+    ["./a", "--model", "./b"],  # MODEL given twice
     [],  # neither MODEL nor --synthetic: help
 ])
 def test_bad_input_is_one_error_line(args, tmp_path):

@@ -58,7 +58,7 @@ class _StopAfter:
     def __init__(self, units: int):
         self.left = units
 
-    def __call__(self, *_):
+    def __call__(self, *_, **__):
         return self
 
     def __enter__(self):
@@ -67,8 +67,8 @@ class _StopAfter:
     def __exit__(self, *exc):
         return False
 
-    def advance(self, n):
-        self.left -= n
+    def advance(self, nbytes, units=0):
+        self.left -= units
         if self.left == 0:
             raise KeyboardInterrupt
 

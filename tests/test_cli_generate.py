@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,15 @@ def test_stats_go_to_stderr_only(shards, resident):
     assert result.stdout == resident["text"] + "\n"
     assert "bytes per token:" in result.stderr and "tokens:" in result.stderr and "residency:" in result.stderr
     assert "bytes per token" not in result.stdout
+
+
+def test_load_time_is_reported_beside_generation_time(shards, resident):
+    """total_s is generation alone; load_s is finding the shards and loading them, measured around the load."""
+    assert resident["stats"]["load_s"] > 0 and resident["stats"]["total_s"] > 0
+    result = invoke(shards, PROMPT, "--raw", "-n", NEW, "--stats")
+    assert result.exit_code == 0, result.stderr
+    line = next(line for line in result.stderr.splitlines() if line.startswith("time: "))
+    assert re.fullmatch(r"time: \d+\.\d+ s to find or write the shards and load them, then \d+\.\d+ s to generate", line), line
 
 
 @pytest.mark.parametrize("knobs", [

@@ -1,7 +1,8 @@
 """rocketllm serve as a command: --help shows each knob's derived default without measuring anything, every bad
 input (the server extra missing, a taken port, a bad flag) is one `error:` line before any model loads, and the
-real process serves, logs its plan, tool parser and prefix-cache decision, and stops cleanly on Ctrl-C — on the
-tiny model always, and on SmolLM2 where its file is at hand."""
+real process serves, logs its plan, tool parser and prefix-cache decision (every log line on stderr), and stops
+cleanly and at once on Ctrl-C or SIGTERM, open streams ending as their API says — on the tiny model always, and
+on SmolLM2 where its file is at hand."""
 
 from __future__ import annotations
 
@@ -12,16 +13,23 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import pytest
 from cli_contract import one_error_line
+from serve_helpers import LiveServer, Script
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.commands.serve import MISSING_EXTRA
+from rocketllm_cli.server.worker import SHUTTING_DOWN, STOP_WAIT_S
+from rocketllm_cli.stream.auto import AutoModel
 
 START_TIMEOUT_S = 240  # SmolLM2 is sharded (dequantized) on first use: ~25 s here, longer on a busy machine
+STOP_TIMEOUT_S = 60  # the helper's patience after a signal; the server stops within ~5 s even with streams in flight
+STOP_BUDGET_S = 15  # what a test accepts for that stop: three times the target, for a loaded CI machine
 
 
 def invoke(*args, env: dict | None = None):
@@ -97,24 +105,51 @@ def test_a_missing_model_is_one_line(tmp_path):
         f"error: model path not found: {missing} (give a model directory, a .gguf file or a hub id like org/name)")
 
 
+def test_model_as_an_option_reaches_the_loader(tmp_path):
+    """`serve --model M`, as llama-server and vLLM users type it, is `serve M`."""
+    missing = tmp_path / "no-such-model"
+    assert one_error_line(invoke("--model", missing, "--port", "0")) == one_error_line(invoke(missing, "--port", "0"))
+
+
 # -- the real process ------------------------------------------------------------------------------------
 class ServeProcess:
-    """`rocketllm serve MODEL --port 0 --json` as a child process; the JSON document tells where it listens."""
+    """`rocketllm serve MODEL --port 0` (or `serve --model MODEL ...`) as a child process. With --json (`as_json`)
+    the JSON document on stdout tells where it listens; without, the `listening on URL` line on stderr does."""
 
-    def __init__(self, model, *args: str) -> None:
-        command = [sys.executable, "-m", "rocketllm_cli", "serve", str(model), "--port", "0", "--json", *args]
+    def __init__(self, model, *args: str, as_json: bool = True, model_as_option: bool = False) -> None:
+        model_words = ["--model", str(model)] if model_as_option else [str(model)]
+        command = [sys.executable, "-m", "rocketllm_cli", "serve", *model_words, "--port", "0", *(["--json"] if as_json else []), *args]
+        self.as_json = as_json
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        lines = []
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:  # the document is indented JSON: it ends at a line holding only "}"
-            line = self.process.stdout.readline()
-            assert line or self.process.poll() is None, self.process.stderr.read()
-            lines.append(line)
-            if line.rstrip("\n") == "}":
-                break
-            assert time.monotonic() < deadline, "serve did not start"
-        self.info = json.loads("".join(lines))
+        announcing = self.process.stdout if as_json else self.process.stderr
+        self.head: list[str] = []  # what was read from `announcing` before the server was known to listen
+        # A server that never announces itself is killed at the deadline (readline then returns), never left running.
+        watchdog = threading.Timer(START_TIMEOUT_S, self.process.kill)
+        watchdog.start()
+        try:
+            while True:  # the document is indented JSON: it ends at a line holding only "}"
+                line = announcing.readline()
+                if not line and watchdog.finished.is_set() and not watchdog.is_alive():
+                    raise AssertionError(f"serve did not start within {START_TIMEOUT_S} s")
+                assert line or self.process.poll() is None, ("" if as_json else "".join(self.head)) + self.process.stderr.read()
+                self.head.append(line)
+                announced = line.rstrip("\n") == "}" if as_json else line.startswith("listening on ")
+                if announced:
+                    break
+        except BaseException:
+            self.process.kill()
+            self.process.wait()
+            raise
+        finally:
+            watchdog.cancel()
+        if as_json:
+            self.info = json.loads("".join(self.head))
+        else:
+            url = line.split()[2]
+            self.info = {"url": url, "openai_base_url": f"{url}/v1", "anthropic_base_url": url}
+        self.stdout = self.stderr = ""
+        self.stop_s = float("nan")
 
     def openai(self):
         import openai
@@ -126,15 +161,20 @@ class ServeProcess:
 
         return anthropic.Anthropic(base_url=self.info["anthropic_base_url"], api_key="unused", max_retries=0)
 
-    def stop(self) -> tuple[int, str]:
-        """Ctrl-C, as a person would press it; returns the exit code and everything it logged."""
-        self.process.send_signal(signal.SIGINT)
+    def stop(self, signum: int = signal.SIGINT) -> tuple[int, str]:
+        """Ctrl-C (or `signum`), as a person or a service manager would send it; returns the exit code and all of
+        stderr. Sets stdout (all of it), stderr and stop_s, the seconds from the signal to the exit."""
+        self.process.send_signal(signum)
+        start = time.monotonic()
         try:
-            _, err = self.process.communicate(timeout=60)
+            out, err = self.process.communicate(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            _, err = self.process.communicate()
-        return self.process.returncode, err
+            out, err = self.process.communicate()
+        self.stop_s = time.monotonic() - start
+        head = "".join(self.head)
+        self.stdout, self.stderr = (head + out, err) if self.as_json else (out, head + err)
+        return self.process.returncode, self.stderr
 
 
 def test_serve_runs_logs_its_decisions_and_stops_on_ctrl_c(tiny):
@@ -148,6 +188,8 @@ def test_serve_runs_logs_its_decisions_and_stops_on_ctrl_c(tiny):
         code, err = server.stop()
     assert code == 0, err
     lines = err.splitlines()
+    if lines and lines[0].startswith("sharded "):  # the first test to serve this model shards it first
+        lines = lines[1:]
     assert lines[0].startswith("model: tiny-cli (llama, 4 layers, fp32), context ")
     assert lines[1].startswith("residency: ") and "[DDDD]" in lines[1]
     assert lines[2] == ("tool parser: hermes (the chat template names no tool-call format; hermes by default); "
@@ -163,6 +205,141 @@ def test_streaming_layers_turn_the_prefix_cache_off_and_say_why(tiny):
         assert server.info["prefix_cache"]["enabled"] is False
         assert "one streaming pass whatever its length" in server.info["prefix_cache"]["reason"]
         assert set(server.info["residency_plan"].values()) >= {"storage"}
+    finally:
+        code, err = server.stop()
+    print(f"idle, every layer streamed: stopped {server.stop_s:.2f} s after Ctrl-C")
+    assert code == 0, err
+    assert server.stop_s < STOP_BUDGET_S and err.splitlines()[-1] == "stopped"
+
+
+class SSEReader:
+    """One streamed POST read on its own thread: its lines as they come, `ready` set at the first line for which
+    `is_ready(line)` holds (or when the stream ends), `ended_at` the time it ended, `error` how, if not cleanly."""
+
+    def __init__(self, url: str, path: str, body: dict, is_ready) -> None:
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.ended_at: float | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._read, args=(url, path, body, is_ready), daemon=True)
+        self.thread.start()
+
+    def _read(self, url: str, path: str, body: dict, is_ready) -> None:
+        try:
+            with httpx.Client(base_url=url, timeout=60) as client, client.stream("POST", path, json=body) as response:
+                for line in response.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        if is_ready(line):
+                            self.ready.set()
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self.ready.set()
+
+
+# Greedy, the tiny model counts on past 300 tokens without an end-of-sequence: the stream is surely in flight.
+LONG_REPLY = {"model": "tiny", "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 1000,
+              "temperature": 0, "stream": True}
+PATHS = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages"}
+HAS_TEXT = {"openai": lambda line: '"content":"' in line and '"content":""' not in line,
+            "anthropic": lambda line: '"type":"content_block_delta"' in line}
+
+
+@pytest.mark.parametrize("signum, running, queued", [(signal.SIGINT, "openai", "anthropic"), (signal.SIGTERM, "anthropic", "openai")],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_stop_with_streams_in_flight_ends_each_as_its_api_says_and_exits_0_at_once(tiny, signum, running, queued):
+    """One stream is generating (every layer streamed from storage), the other waits in the queue behind it, and a
+    request that is not streamed waits behind both: it gets a 503 saying why."""
+    answers: list = []
+    server = ServeProcess(tiny, "--served-model-name", "tiny", "--device-cache-bytes", "0", "--host-cache-bytes", "0",
+                          "--no-access-log")
+    streams: dict[str, SSEReader] = {}
+    try:
+        streams[running] = SSEReader(server.info["url"], PATHS[running], LONG_REPLY, HAS_TEXT[running])
+        assert streams[running].ready.wait(60)
+        streams[queued] = SSEReader(server.info["url"], PATHS[queued], LONG_REPLY, lambda line: True)
+        assert streams[queued].ready.wait(60)
+        plain = threading.Thread(target=lambda: answers.append(httpx.post(server.info["url"] + PATHS[queued], timeout=60,
+                                                                          json={**LONG_REPLY, "stream": False})))
+        plain.start()  # a request that is not streamed, queued third
+        deadline = time.monotonic() + 60
+        while httpx.get(server.info["url"] + "/health").json()["queue_length"] < 2:
+            assert time.monotonic() < deadline, "the third request never queued"
+            time.sleep(0.05)
+        assert all(s.ended_at is None for s in streams.values()), {api: s.lines[-3:] for api, s in streams.items()}
+        signalled = time.monotonic()
+    finally:
+        code, err = server.stop(signum)
+    print(f"{signal.Signals(signum).name} with two streams in flight: stopped in {server.stop_s:.2f} s")
+    for stream in streams.values():
+        stream.thread.join(30)
+    plain.join(30)
+    assert code == 0, err
+    assert server.stop_s < STOP_BUDGET_S
+    assert err.splitlines()[-1] == "stopped" and "Traceback" not in err and "CancelledError" not in err, err
+    for api, stream in streams.items():
+        assert stream.error is None and stream.ended_at >= signalled, (api, stream.error, stream.lines[-3:])
+    openai_lines, anthropic_lines = streams["openai"].lines, streams["anthropic"].lines
+    assert openai_lines[-1] == "data: [DONE]"
+    assert json.loads(openai_lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "stop"
+    assert [line for line in anthropic_lines if line.startswith("event: ")][-2:] == ["event: message_delta", "event: message_stop"]
+    assert json.loads(anthropic_lines[-3].removeprefix("data: "))["delta"]["stop_reason"] == "end_turn"
+    assert any(HAS_TEXT[running](line) for line in streams[running].lines)
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["message"] == SHUTTING_DOWN
+
+
+def test_a_stop_does_not_wait_out_a_step_that_does_not_end(tiny):
+    """The running step held at a gate, as a layer read from a slow disk would hold it: the stop still ends the
+    stream, with its final events, STOP_WAIT_S after it began (in process: the CLI's uvicorn server, told to exit
+    as a signal tells it)."""
+    model = AutoModel.from_pretrained(tiny, device_cache_bytes="1GB")
+    script = Script(model)
+    script.gate = threading.Event()
+    server = LiveServer(model, "tiny")
+    try:
+        stream = SSEReader(server.url, PATHS["openai"], LONG_REPLY, lambda line: True)
+        assert stream.ready.wait(30) and stream.ended_at is None
+        deadline = time.monotonic() + 30
+        while not server.state.worker.busy:
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.01)
+        stopped_at = time.monotonic()
+        server.server.should_exit = True
+        stream.thread.join(30)
+        waited = stream.ended_at - stopped_at
+        assert STOP_WAIT_S <= waited < STOP_BUDGET_S, waited
+        assert stream.error is None and stream.lines[-1] == "data: [DONE]"
+        assert json.loads(stream.lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "stop"
+    finally:
+        script.gate.set()
+        server.close()
+        script.remove()
+        model.close()
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "plain"])
+def test_every_log_line_is_on_stderr_and_stdout_carries_only_the_json_document(tiny, as_json):
+    server = ServeProcess(tiny, "--served-model-name", "tiny", as_json=as_json)  # the access log is on by default
+    try:
+        server.openai().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    finally:
+        code, err = server.stop()
+    assert code == 0, err
+    assert re.search(r'^INFO: +127\.0\.0\.1:\d+ - "POST /v1/chat/completions HTTP/1\.1" 200', err, re.MULTILINE), err
+    assert "listening on " in err and err.splitlines()[-1] == "stopped"
+    if as_json:
+        assert json.loads(server.stdout) == server.info  # one document, and nothing after it
+    else:
+        assert server.stdout == ""
+
+
+def test_serve_dash_dash_model_serves_the_model(tiny):
+    server = ServeProcess(tiny, "--no-access-log", model_as_option=True)
+    try:
+        assert server.info["model"] == tiny.name
+        assert server.openai().models.list().data[0].id == tiny.name
     finally:
         code, err = server.stop()
     assert code == 0, err

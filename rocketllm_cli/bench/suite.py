@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
+from ..output import no_progress
 from ..shard.manifest import Manifest
 from .baselines import BASELINES, REGIMES_OF, run_baseline
 from .defaults import BATCH_REGIME, DECODE_TOKENS, PROMPT_TOKENS
@@ -55,7 +56,8 @@ class BenchRequest:
             self.regimes = (BATCH_REGIME,) if self.batch else ()  # () = every regime that applies to the model
 
 
-def run_bench(req: BenchRequest, log) -> dict:
+def run_bench(req: BenchRequest, log, progress=None) -> dict:
+    """progress: Output.progress or alike; first-use sharding gets its bar, and each phase a status line beside its log line."""
     from ..profiles import cache_dir
     from ..stream.auto import ensure_shards
     from .report import hardware_line, load_average
@@ -63,7 +65,8 @@ def run_bench(req: BenchRequest, log) -> dict:
 
     load = {"before": load_average()}
     source = str(synthetic_checkpoint(req.synthetic, log)) if req.synthetic else req.model
-    manifest, shards = ensure_shards(source, log=log)
+    manifest, shards = ensure_shards(source, log=log, progress=progress)
+    phase = progress or no_progress
     flags = dict(req.knob_flags)
     for name in REGIME_KNOBS:
         if flags.pop(name, None) is not None:
@@ -86,7 +89,8 @@ def run_bench(req: BenchRequest, log) -> dict:
             rows.append({"name": "rocketllm", "regime": regime, "status": "skipped", "reason": why})
             continue
         log(f"{regime}: measuring RocketLLM ({req.tokens} tokens after {WARMUP} warm-up)")
-        row = run_regime(shards, regime, req.tokens, req.prompt_tokens, flags, log)
+        with phase(f"{regime}: RocketLLM", announce=False):
+            row = run_regime(shards, regime, req.tokens, req.prompt_tokens, flags, log)
         profile, facts = row.pop("_profile"), row.pop("_facts")
         dtype = row["knobs"]["compute_dtype"]
         residency[regime] = row["residency"]
@@ -98,11 +102,12 @@ def run_bench(req: BenchRequest, log) -> dict:
                 rows.append({"name": name, "regime": regime, "status": "skipped", "reason": no_hf})
                 continue
             log(f"{regime}: measuring baseline {name}")
-            rows.append(run_baseline(name, regime, hf_dir, _torch_dtype(dtype), req.tokens, req.prompt_tokens, work, log))
+            with phase(f"{regime}: baseline {name}", announce=False):
+                rows.append(run_baseline(name, regime, hf_dir, _torch_dtype(dtype), req.tokens, req.prompt_tokens, work, log))
     batch = None
     if req.batch:
         regime = req.regimes[0]
-        batch, profile, facts = run_batch(shards, regime, req, flags, log)
+        batch, profile, facts = run_batch(shards, regime, req, flags, log, phase)
     if profile is None:
         profile, facts = _profile_and_facts(shards, manifest)
     from .accounting import finish_rows
@@ -119,7 +124,7 @@ def run_bench(req: BenchRequest, log) -> dict:
     }
 
 
-def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log) -> tuple[dict, object, object]:
+def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log, phase=no_progress) -> tuple[dict, object, object]:
     """Throughput vs batch size N in one regime: each step of a batch of N is one streaming pass."""
     from ..stream.auto import AutoModel
     from .timing import ms_summary, percentile, timed_batch
@@ -131,7 +136,8 @@ def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log) ->
         for n in req.batch:
             log(f"batch {n}: measuring ({regime} regime)")
             prompts = [base[i : i + req.prompt_tokens] for i in range(n)]  # distinct prompts of equal length
-            stats = timed_batch(streamed, prompts, req.tokens)  # every sequence runs the full count: no early EOS
+            with phase(f"batch {n}: RocketLLM", announce=False):
+                stats = timed_batch(streamed, prompts, req.tokens)  # every sequence runs the full count: no early EOS
             median = 1000 * percentile(sorted(stats.gaps_s), 50)
             rows.append({"batch": n, "ms_per_step": ms_summary(stats.gaps_s), "tokens_per_s": round(1000 * n / median, 3),
                          "storage_witnessed_per_step": stats.storage_witnessed_per_token})

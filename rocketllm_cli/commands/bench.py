@@ -13,7 +13,13 @@ from ..bench.defaults import (
     PROMPT_TOKENS,
     REPLY_TOKENS,
 )
-from ..options import JsonOpt, validate_knob_flags, with_knob_options
+from ..options import (
+    JsonOpt,
+    ModelOpt,
+    pick_model,
+    validate_knob_flags,
+    with_knob_options,
+)
 from ..output import Output
 
 NAME = "bench"
@@ -40,6 +46,7 @@ BatchOpt = Annotated[Optional[list[int]], typer.Option("--batch", help="Batch si
 @with_knob_options
 def run(
     model: Annotated[Optional[list[str]], typer.Argument(help="Model directory, .gguf file, hub id or shard directory.", show_default=False, metavar="[MODEL]")] = None,
+    model_option: ModelOpt = None,
     synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="Bench a random-weight model ARCH:SIZE (e.g. llama:1B), written once into the cache.", show_default=False)] = None,
     regime: RegimeOpt = None,
     tokens: Annotated[Optional[int], typer.Option("--tokens", help=f"Decode tokens measured (after one warm-up token). [default: {DECODE_TOKENS}]", show_default=False)] = None,
@@ -55,6 +62,7 @@ def run(
     output = Output(as_json=json)
     validate_knob_flags(knob_flags or {})
     model, regime, baseline, batch = _spread(model or [], regime or [], baseline or [], batch or [])
+    model = pick_model(model, model_option, required=False)  # no MODEL: --synthetic names one
     if conversation is not None:
         _conversation(model, synthetic, conversation, tokens, regime, baseline, batch, knob_flags or {}, output)
         return
@@ -63,7 +71,7 @@ def run(
     baselines = tuple(BASELINES if b == "all" else (b,) for b in baseline)
     req = BenchRequest(model, synthetic, regimes, tokens, prompt_tokens,
                        tuple(dict.fromkeys(b for group in baselines for b in group)), tuple(batch or ()), knob_flags or {})
-    doc = run_bench(req, output.log)
+    doc = run_bench(req, output.log, output.progress)
     if json:
         output.json(doc)
     else:
@@ -107,7 +115,8 @@ def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob
         if name not in REGIMES:
             raise UsageError(f"bad --regime {name!r}: expected {', '.join(REGIMES)} or all")
     req = ConversationRequest(model, synthetic, turns, REPLY_TOKENS if tokens is None else tokens, regimes, knob_flags)
-    doc = run_conversation(req, output.log)
+    with output.progress(f"conversation: {turns} turns", announce=False):  # a status line beside the bench's own log lines
+        doc = run_conversation(req, output.log)
     if output.as_json:
         output.json(doc)
     else:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from typing import Annotated, Optional
 
 import typer
 
 from ..errors import RocketError
-from ..options import JsonOpt, validate_knob_flags, with_knob_options
+from ..options import (
+    JsonOpt,
+    ModelArg,
+    ModelOpt,
+    pick_model,
+    validate_knob_flags,
+    with_knob_options,
+)
 from ..output import Output
 from ..text.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 
@@ -18,6 +27,8 @@ HELP = """Generate text from PROMPT (or stdin) with MODEL streamed layer by laye
 
 Shards MODEL on first use and reuses the shards afterwards. Only the generated text goes
 to stdout, so it composes in pipelines; --stats reports speed and bytes per tier on stderr.
+In --json and --stats, load_s is finding or writing the shards plus loading them, and total_s is generation alone.
+A prompt byte that is not valid UTF-8 (the locale's encoding) becomes U+FFFD, with a warning saying where.
 
 Example: echo "The capital of France is" | rocketllm generate ./SmolLM2.gguf --raw --max-new-tokens 8
 """
@@ -25,8 +36,9 @@ Example: echo "The capital of France is" | rocketllm generate ./SmolLM2.gguf --r
 
 @with_knob_options
 def run(
-    model: Annotated[str, typer.Argument(help="Model directory, .gguf file, hub id, or shard directory.", show_default=False)],
+    model: ModelArg = None,
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; read from stdin when absent or '-'.", show_default=False)] = None,
+    model_option: ModelOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = DEFAULT_MAX_NEW_TOKENS,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = SamplingParams.temperature,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = SamplingParams.top_p,
@@ -40,17 +52,23 @@ def run(
     knob_flags: dict | None = None,
 ) -> None:
     output = Output(as_json=json)
+    if model_option is not None and prompt is None:  # `generate --model M PROMPT`: the one word is the prompt
+        model, prompt = None, model
+    model = pick_model(model, model_option)
     params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed)
     validate_knob_flags(knob_flags or {})
     if batch and prompt not in (None, "-"):
         raise RocketError("--batch reads one prompt per line from stdin; do not pass PROMPT as well")
-    text = _read_prompt(prompt)
+    text = _read_prompt(prompt, output)
+    system = None if system is None else _argument_text(system, "--system", output)
     prompts = [line for line in text.splitlines() if line.strip()] if batch else [text]
 
     # cheap: from_pretrained checks MODEL before torch and transformers are imported
     from ..stream.auto import AutoModel
 
+    started = time.perf_counter()
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
+    load_s = round(time.perf_counter() - started, 3)  # sharding or finding the shards, plus loading
     try:
         from ..text.loop import GenerationRequest, Generator
         from ..text.prompts import check_context, encode_prompt
@@ -61,7 +79,8 @@ def run(
         on_text = None if json or batch else output.stream
         results = Generator(streamed).run_batch([GenerationRequest(one, params, on_text=on_text) for one in ids])
         figures = {**results[0].stats.to_dict(), "residency": streamed.plan.describe(streamed.manifest), "device": str(streamed.device),
-                 "compute_dtype": str(streamed.dtype).replace("torch.", ""), **({"batch": len(results)} if batch else {})}
+                 "compute_dtype": str(streamed.dtype).replace("torch.", ""), **({"batch": len(results)} if batch else {}),
+                 "load_s": load_s}  # total_s stays generation alone
     finally:
         streamed.close()
     if batch:
@@ -86,14 +105,40 @@ def _result(outcome) -> dict:
     return {"text": outcome.text, "prompt_tokens": outcome.prompt_tokens, "new_tokens": outcome.new_tokens}
 
 
-def _read_prompt(prompt: Optional[str]) -> str:
+def _read_prompt(prompt: Optional[str], output: Output) -> str:
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise RocketError("no prompt: pass PROMPT or pipe it on stdin")
-        prompt = sys.stdin.read()
+        stream = getattr(sys.stdin, "buffer", None)
+        prompt = _decode(stream.read(), sys.stdin.encoding, "stdin", output) if stream is not None else sys.stdin.read()
+    else:
+        prompt = _argument_text(prompt, "PROMPT", output)
     if not prompt.strip():
         raise RocketError("empty prompt: pass PROMPT or pipe non-empty text on stdin")
     return prompt.rstrip("\n")
+
+
+def _argument_text(value: str, where: str, output: Output) -> str:
+    """An argument as text: bytes the locale could not decode arrive as surrogate escapes; os.fsencode gives them back."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        return _decode(os.fsencode(value), sys.getfilesystemencoding(), where, output)
+
+
+def _decode(raw: bytes, encoding: str | None, where: str, output: Output) -> str:
+    """The one policy for prompt bytes (docs/ERRORS.md): the locale's encoding (UTF-8 nearly everywhere); a byte
+    it cannot decode becomes U+FFFD, with one warning, never an error."""
+    import codecs
+
+    encoding = codecs.lookup(encoding or "utf-8").name
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        output.warn(f"{where} is not valid {encoding.upper()} (first bad byte at offset {exc.start}); "
+                    "undecodable bytes were replaced with U+FFFD")
+        return raw.decode(encoding, errors="replace")
 
 
 def format_stats(stats: dict, prompt_tokens: int, new_tokens: int) -> str:
@@ -104,6 +149,7 @@ def format_stats(stats: dict, prompt_tokens: int, new_tokens: int) -> str:
     witnessed = stats.get("storage_bytes_per_token_witnessed")
     return "\n".join([
         f"tokens: {prompt_tokens} prompt, {new_tokens} generated; time to first token {stats.get('time_to_first_token_s')} s",
+        f"time: {stats.get('load_s')} s to find or write the shards and load them, then {stats.get('total_s')} s to generate",
         (f"decode: {stats.get('per_token_ms')} ms per step of a batch of {stats['batch']} "
          f"({stats['batch'] * (stats.get('decode_tokens_per_s') or 0):.2f} tok/s) on {stats.get('device')} in {stats.get('compute_dtype')}"
          if stats.get("batch") else

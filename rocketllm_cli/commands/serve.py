@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import errno
+import gc
 import socket
 from typing import Annotated, Optional
 
 import typer
 
 from ..errors import RocketError
-from ..options import with_knob_options
+from ..options import ModelArg, ModelOpt, pick_model, with_knob_options
 from ..output import Output
 
 NAME = "serve"
@@ -24,7 +25,8 @@ MISSING_EXTRA = "rocketllm serve needs the server extra: pip install 'rocketllm[
 BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them
 @with_knob_options
 def run(
-    model: Annotated[str, typer.Argument(help="Model directory, .gguf file, hub id, or shard directory.", show_default=False)],
+    model: ModelArg = None,
+    model_option: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.0.0 listens on every interface (no authentication!).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0 picks a free one).")] = 8000,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model id clients send and /v1/models lists. Default: the model directory's or file's name.", show_default=False)] = None,
@@ -37,6 +39,7 @@ def run(
     from ..server.tools import FAMILIES
 
     output = Output(as_json=json)
+    model = pick_model(model, model_option)
     if not 0 <= port <= 65535:
         raise RocketError(f"--port must be between 0 and 65535 (got {port})")
     if tool_parser is not None and tool_parser not in FAMILIES:
@@ -49,50 +52,50 @@ def run(
     check_locatable(model)  # a mistyped path is refused before the server, torch and transformers are imported
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         raise RocketError(MISSING_EXTRA) from None
     sock = bind(host, port)
     try:
-        _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags or {}, output, uvicorn)
+        _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags or {}, output)
     finally:
         sock.close()
 
 
-def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output, uvicorn) -> None:
-    import logging
-
-    from ..server.app import create_app
+def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output) -> None:
+    from ..server.serving import make_server, sigterm_as_ctrl_c
     from ..server.state import ServerState, default_model_id
+    from ..server.worker import STOP_WAIT_S
     from ..stream.auto import AutoModel
 
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
     state = None
     try:
         state = ServerState(streamed, served_model_name or default_model_id(model), tool_parser, log=output.log)
-        app = create_app(state)
+        server = make_server(state, access_log)
         bound_host, bound_port = sock.getsockname()[:2]
         url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=access_log, timeout_graceful_shutdown=5)
-        if access_log:
-            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-        server = uvicorn.Server(config)
         sock.listen(BACKLOG)  # from here a client that connects waits in the backlog until uvicorn accepts it
-        try:
-            for line in state.startup_lines(url):
-                output.log(line)
-            if not _is_loopback(host):
-                output.warn(f"listening on {host}: anyone who can reach this machine can use the model (there is no authentication)")
-            if output.as_json:
-                output.json({"url": url, "openai_base_url": f"{url}/v1", "anthropic_base_url": url, **state.health()})
-            server.run(sockets=[sock])
-        except KeyboardInterrupt:
-            pass  # Ctrl-C: uvicorn shut down gracefully and re-raised it, or it came before uvicorn took the signal over
-        output.log("stopped")
+        with sigterm_as_ctrl_c():
+            try:
+                for line in state.startup_lines(url):
+                    output.log(line)
+                if not _is_loopback(host):
+                    output.warn(f"listening on {host}: anyone who can reach this machine can use the model (there is no authentication)")
+                if output.as_json:
+                    output.json({"url": url, "openai_base_url": f"{url}/v1", "anthropic_base_url": url, **state.health()})
+                server.run(sockets=[sock])
+            except KeyboardInterrupt:
+                pass  # Ctrl-C or SIGTERM: uvicorn stopped and raised it again, or it came before uvicorn took the signals
     finally:
-        if state is not None:
-            state.close()
-        streamed.close()
+        if state is None or state.close(STOP_WAIT_S):
+            streamed.close()
+        else:  # closing the weights under a running forward pass is not safe, and the process ends anyway
+            output.log(f"note: the running generation step did not end within {STOP_WAIT_S:g} s of the stop; not waiting for it")
+    output.log("stopped")
+    # Nothing is left to collect: spare the interpreter's exit a pass over every object torch and transformers
+    # made (seconds of a loaded CPU, for a server that has already stopped).
+    gc.freeze()
 
 
 def bind(host: str, port: int) -> socket.socket:

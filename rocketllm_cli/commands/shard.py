@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import ShardError
-from ..options import JsonOpt
+from ..options import JsonOpt, ModelArg, ModelOpt, pick_model
 from ..output import Output
 from ..sizes import format_bytes
 
@@ -24,7 +24,8 @@ Example: rocketllm shard ./Llama-3.1-8B --dtype bf16 --verify
 
 
 def run(
-    model: Annotated[str, typer.Argument(help="Model directory, .gguf file, hub id, or shard directory.", show_default=False)],
+    model: ModelArg = None,
+    model_option: ModelOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Shard directory to write (default: under the cache dir, keyed by the source).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Dtype of the shards: auto (as stored), bf16, fp16 or fp32.")] = "auto",
     verify: Annotated[bool, typer.Option("--verify", help="Re-check every shard file against the manifest (sizes and sha256).")] = False,
@@ -33,6 +34,7 @@ def run(
     from ..dtypes import NAMES as DTYPES
     from ..shard.source import check_locatable
 
+    model = pick_model(model, model_option)
     if dtype != "auto" and dtype not in DTYPES:
         raise ShardError(f"bad --dtype {dtype!r}: expected auto, bf16, fp16 or fp32")
     check_locatable(model)  # a mistyped path is refused before torch and transformers are imported

@@ -261,7 +261,7 @@ async def message_stream(job, prepared: Prepared, state):
                 yield text_delta(text)
         elif kind == "failed":
             yield sse({"type": "error", "error": {"type": "api_error", "message": f"generation failed: {payload}"}}, "error")
-        elif kind == "done":
+        elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             calls = []
             if splitter:
                 rest, calls = splitter.finish()

@@ -23,7 +23,7 @@ from .. import __version__
 from . import anthropic_api, openai_api
 from .common import APIError, parse_body, unknown_model
 from .state import ServerState
-from .worker import Job
+from .worker import SHUTTING_DOWN, Job
 
 QUEUE_HEADER = "x-rocketllm-queue-position"
 DISCONNECT_POLL_S = 0.2  # how often a waiting non-streaming request checks that its client is still there
@@ -141,6 +141,9 @@ def create_app(state: ServerState) -> FastAPI:
             return StreamingResponse(_streamed(job, stream(job, prepared, state), endpoint), media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
         kind, payload = await _wait(job, request)
+        if state.stopping and kind in ("cancelled", "stopping"):
+            state.metrics.request(endpoint, 503)
+            return _error(api, APIError(503, SHUTTING_DOWN), headers)
         if kind == "cancelled":
             state.metrics.request(endpoint, 499)
             return Response(status_code=499, headers=headers)
@@ -151,7 +154,7 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(respond(payload, prepared, state), headers=headers)
 
     async def _wait(job: Job, request: Request):
-        """The job's final event; a client that disconnects meanwhile has its job cancelled."""
+        """The job's final event, or "stopping" (the server stops); a client that disconnects meanwhile has its job cancelled."""
         while True:
             try:
                 kind, payload = await job.next_event(DISCONNECT_POLL_S)

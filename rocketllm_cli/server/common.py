@@ -8,8 +8,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import ParameterError
-from ..text.loop import GenerationRequest
+from ..text.loop import GenerationOutcome, GenerationRequest
 from ..text.sampling import SamplingParams
+from .worker import STOP_WAIT_S
 
 
 class APIError(Exception):
@@ -180,15 +181,33 @@ HEARTBEAT_S = 5.0  # a stream quiet this long (waiting in the queue, a slow pref
 
 async def job_events(job, heartbeat: float = HEARTBEAT_S):
     """A job's events as they come: ("text", piece), ("heartbeat", None), then one of ("done", outcome),
-    ("cancelled", outcome) or ("failed", exception)."""
+    ("cancelled", outcome) or ("failed", exception). A stream sees "cancelled" only when the server stops (a client
+    that left reads no more): once told "stopping", this waits at most STOP_WAIT_S for the running step's outcome,
+    so a long step cannot hold the stream open."""
     import asyncio
 
+    deadline = None
     while True:
+        wait = heartbeat if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            kind, payload = await job.next_event(heartbeat)
+            kind, payload = await job.next_event(wait)
         except (asyncio.TimeoutError, TimeoutError):
+            if deadline is not None:
+                yield "cancelled", _nothing_more(job)
+                return
             yield "heartbeat", None
             continue
+        if kind == "stopping":
+            deadline = time.monotonic() + STOP_WAIT_S
+            continue
+        if kind == "cancelled" and payload is None:  # cancelled before it ran
+            payload = _nothing_more(job)
         yield kind, payload
         if kind != "text":
             return
+
+
+def _nothing_more(job) -> GenerationOutcome:
+    """The outcome a stream reports when the job never ran, or the server stopped before its step ended:
+    the prompt, and no generated tokens counted (the text already streamed stands)."""
+    return GenerationOutcome(text="", token_ids=[], prompt_tokens=len(job.request.prompt_ids), finish_reason="cancelled")

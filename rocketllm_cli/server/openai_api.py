@@ -269,7 +269,7 @@ async def chat_stream(job, prepared: Prepared, state):
         elif kind == "failed":
             yield sse({"error": {"message": f"generation failed: {payload}", "type": "server_error", "param": None, "code": None}})
             yield sse("[DONE]")
-        elif kind == "done":
+        elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             calls = []
             if splitter:
                 rest, calls = splitter.finish()
@@ -302,7 +302,7 @@ async def completion_stream(job, prepared: Prepared, state):
         elif kind == "failed":
             yield sse({"error": {"message": f"generation failed: {payload}", "type": "server_error", "param": None, "code": None}})
             yield sse("[DONE]")
-        elif kind == "done":
+        elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             if prepared.include_usage:
                 yield chunk("", FINISH[payload.finish_reason])
                 yield sse({**base, "choices": [], "usage": usage(payload)})

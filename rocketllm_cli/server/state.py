@@ -12,7 +12,7 @@ from ..text.prefix import PrefixCache, decide
 from .metrics import Metrics
 from .prompts import PromptBuilder
 from .tools import FAMILIES, choose
-from .worker import Job, Worker
+from .worker import STOP_TIMEOUT_S, Job, Worker
 
 
 def default_model_id(model: str) -> str:
@@ -96,8 +96,17 @@ class ServerState:
         return self.metrics.render(self.worker.queue_length, self.worker.busy, self.model_id,
                                    self.prefix_cache.to_dict() if self.prefix_cache is not None else None)
 
-    def close(self) -> None:
-        self.worker.stop()
+    @property
+    def stopping(self) -> bool:
+        return self.worker.stopping
+
+    def stop(self) -> None:
+        """The server is stopping: no new generations; queued and running ones end (see Worker.halt)."""
+        self.worker.halt()
+
+    def close(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Stop, and wait up to `timeout` s from the stop for the worker thread; False if a step still runs."""
+        return self.worker.stop(timeout)
 
     def _finished(self, job: Job) -> None:
         if job.outcome is not None:

@@ -3,7 +3,9 @@
 A job's queue position is the number of jobs ahead of it when it arrived, the running one included, so
 the first of two concurrent requests is 0 and the second 1. The request side waits on the job's events
 (text pieces, then done or failed) delivered into its asyncio loop; cancelling a job removes it from the
-queue, or sets its cancel event so the running generation stops after its current step.
+queue, or sets its cancel event so the running generation stops after its current step. When the server
+stops, `halt()` refuses new jobs, cancels the queued ones and tells the running one's stream ("stopping"),
+which then waits at most STOP_WAIT_S for the step to end rather than as long as a streamed step takes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from dataclasses import dataclass, field
 from ..text.loop import GenerationOutcome, GenerationRequest, Generator
 
 HISTORY = 256  # finished jobs remembered (for /health and tests)
+STOP_WAIT_S = 2.0  # a stopping server waits this long for the running generation step to end
+STOP_TIMEOUT_S = 10.0  # how long stop() waits for the worker thread unless told otherwise
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass
@@ -81,6 +86,7 @@ class Worker:
         self._cv = threading.Condition()
         self._ids = itertools.count(1)
         self._stopping = False
+        self._halted_at: float | None = None
         self.current: Job | None = None
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
         self._thread = threading.Thread(target=self._loop, name="rocketllm-worker", daemon=True)
@@ -91,7 +97,7 @@ class Worker:
         """Queue the job; returns its position (jobs ahead of it, the running one included)."""
         with self._cv:
             if self._stopping:
-                raise RuntimeError("the server is shutting down")
+                raise RuntimeError(SHUTTING_DOWN)
             job.id = next(self._ids)
             job.position = len(self._queue) + (1 if self.current is not None else 0)
             job.state = "queued"
@@ -118,18 +124,34 @@ class Worker:
     def busy(self) -> bool:
         return self.current is not None
 
-    def stop(self, timeout: float = 10.0) -> None:
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def halt(self) -> None:
+        """Take no more jobs; cancel the queued ones now and the running one after its current step. Does not
+        block (the server's event loop calls it), and the running job's stream hears "stopping" at once."""
         with self._cv:
+            if self._halted_at is None:
+                self._halted_at = time.monotonic()
             self._stopping = True
             waiting = list(self._queue)
             self._queue.clear()
-            if self.current is not None:
-                self.current.request.cancel.set()
+            running = self.current
+            if running is not None:
+                running.request.cancel.set()
             self._cv.notify_all()
         for job in waiting:
             job.request.cancel.set()
             self._finish(job, "cancelled")
-        self._thread.join(timeout)
+        if running is not None:
+            running._emit("stopping", None)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """halt(), then wait for the worker thread until `timeout` s after the halt; False if it still runs."""
+        self.halt()
+        self._thread.join(max(0.0, self._halted_at + timeout - time.monotonic()))
+        return not self._thread.is_alive()
 
     # -- worker thread ----------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -83,8 +83,10 @@ def open_lazy(path: Path, config, meta_model) -> LazyGGUF | None:
     if _rewrites_tensor_set(processor_class):
         return None
     processor = processor_class(config=config.to_dict())
+    # transformers 5 takes the processor; 4.x derives the names from the model type alone
+    takes_processor = "processor" in inspect.signature(get_gguf_hf_weights_map).parameters
     try:
-        gguf_to_hf = get_gguf_hf_weights_map(meta_model, processor)
+        gguf_to_hf = get_gguf_hf_weights_map(meta_model, processor) if takes_processor else get_gguf_hf_weights_map(meta_model)
     except (NotImplementedError, ValueError, KeyError):
         return None
     params = dict(meta_model.named_parameters(remove_duplicate=False))

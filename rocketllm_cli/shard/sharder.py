@@ -22,6 +22,7 @@ import torch
 from ..dtypes import NAMES as DTYPES
 from ..dtypes import short_name, torch_dtype
 from ..errors import ParameterError, ShardError
+from ..output import BLINK_S, no_progress
 from ..sizes import format_bytes
 from . import journal, stfile
 from .checks import DISK_FULL, check_space, free_bytes
@@ -40,12 +41,16 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
     rebuild: write the set again even if one of this source exists (after `--verify` found changed bytes).
     """
     started = time.perf_counter()
-    located = locate(model)
+    phase = progress or no_progress
+    with phase(f"fetching {model}", after=BLINK_S):  # slow only for a hub id, whose download it is
+        located = locate(model)
     if out is None and not rebuild:
         found = find_existing(located, dtype)
         if found is not None:
             return found[0], found[1], {"reused": True, **summarize(found[0], 0.0)}
-    source = open_source(located)
+    # Reading a GGUF's metadata can take long; off a terminal it stays silent, so a bad input's error stays one line.
+    with phase(f"reading {located.name}", after=BLINK_S, announce=False):
+        source = open_source(located)
     try:
         return _shard(source, out, dtype, progress, log, started, rebuild)
     finally:
@@ -123,7 +128,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
 
     done = journal.resumable(partial, fingerprint, dtype)
     units: list[UnitRecord] = []
-    with (progress or _NoProgress)("sharding", len(layout.units)) as bar:
+    with (progress or no_progress)(f"sharding {source.name}", need, units=len(layout.units)) as bar:
         for index, plan in enumerate(layout.units):
             file = f"{index:04d}-{plan.name}.safetensors"
             record = done.get(plan.name)
@@ -133,7 +138,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
                 del tensors
                 journal.append(partial, fingerprint, dtype, record)
             units.append(record)
-            bar.advance(1)
+            bar.advance(record.tensor_bytes, units=1)
 
     written = sum(len(u.tensors) for u in units)
     written_bytes = sum(u.tensor_bytes for u in units)
@@ -149,8 +154,9 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
         aliases=layout.aliases,
         seconds=round(time.perf_counter() - started, 3),
     )
-    source.config.save_pretrained(partial)
-    save_tokenizer(source, partial)
+    with (progress or no_progress)(f"saving the config and tokenizer of {source.name}", after=BLINK_S, announce=False):
+        source.config.save_pretrained(partial)
+        save_tokenizer(source, partial)
     manifest.save(partial)  # before the journal goes, so a run killed in between still resumes every unit
     (partial / JOURNAL).unlink(missing_ok=True)
     swap_in(partial, final)
@@ -204,17 +210,3 @@ def summarize(manifest: Manifest, seconds: float) -> dict:
         "mb_per_s": round(total / seconds / 1e6, 1) if seconds > 0 else None,
         "dtype": manifest.dtype,
     }
-
-
-class _NoProgress:
-    def __init__(self, *_):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def advance(self, n):
-        pass

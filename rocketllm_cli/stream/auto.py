@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..output import BLINK_S, no_progress
 from ..shard.manifest import MANIFEST, Manifest
 from .plan import check_budget
 
@@ -114,15 +115,22 @@ class AutoModel:
         _refuse_before_sharding(model, flags or {}, knob_overrides, refresh_profile)
         manifest, directory = ensure_shards(model, out=out, dtype=shard_dtype, progress=progress, log=log)
         mark_used(directory)  # for `rocketllm cache ls`; a set outside the cache is left untouched
-        profile = HardwareProfile.load(storage_path=directory, refresh=refresh_profile)
+        # A status on a terminal when it is slow (measuring); off one silent as before, so a first run's error stays one line.
+        with (progress or no_progress)("measuring this machine once (cached afterwards)", after=BLINK_S, announce=False):
+            profile = HardwareProfile.load(storage_path=directory, refresh=refresh_profile)
         facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))
         knobs = resolve_knobs(profile, facts, flags=flags or {}, kwargs=knob_overrides)
         config, notes = engine_config(profile, knobs, manifest)
         resident = sum(u.tensor_bytes for u in manifest.units if u.kind == "root")
         check_budget(resident, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
         from .model import StreamingModel
+        from .store import LOAD_PROGRESS
 
-        streamed = StreamingModel(directory, config, manifest)
+        loading = LOAD_PROGRESS.set(progress)  # the store's resident load gets the same kind of bar as sharding
+        try:
+            streamed = StreamingModel(directory, config, manifest)
+        finally:
+            LOAD_PROGRESS.reset(loading)
         if any(tier != "device" for tier in streamed.plan.tier.values()):  # resident units convert once, at load
             for note in notes:
                 (log or (lambda m: None))(note)

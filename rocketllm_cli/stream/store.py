@@ -15,16 +15,21 @@ import mmap
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import ShardError
+from ..output import BLINK_S, no_progress
 from ..shard.manifest import RESHARD, Manifest, UnitRecord
 from ..shard.stfile import ALIGN, DTYPES
 from .ledger import Ledger
 from .plan import ResidencyPlan
+
+# Where AutoModel puts its progress for the resident load: StreamingModel builds the store without carrying it.
+LOAD_PROGRESS: ContextVar = ContextVar("rocketllm_load_progress", default=None)
 
 
 @dataclass
@@ -76,11 +81,17 @@ class WeightStore:
         self.schedule: list[str] = [u.name for u in streamed if u.kind != "expert"]  # experts go by routing, not order
         self._order: list[str] = []
         self._pos = -1
-        for u in manifest.units:
-            if plan.tier[u.name] == "device":
-                self._resident[u.name] = self._load_resident(u)
-            elif plan.tier[u.name] == "host":
-                self._host[u.name] = self._load_host(u)
+        # Read now: the device tier, and the host tier on CUDA (a CPU maps its host tier: nothing to read).
+        loads = {u.name: u.bytes for u in manifest.units if plan.tier[u.name] == "device" or (plan.tier[u.name] == "host" and self.cuda)}
+        with (LOAD_PROGRESS.get() or no_progress)(f"loading {manifest.source.get('name') or directory.name}",
+                                                  sum(loads.values()), units=len(loads), after=BLINK_S) as bar:
+            for u in manifest.units:
+                if plan.tier[u.name] == "device":
+                    self._resident[u.name] = self._load_resident(u)
+                elif plan.tier[u.name] == "host":
+                    self._host[u.name] = self._load_host(u)
+                if u.name in loads:
+                    bar.advance(u.bytes, units=1)
 
     # -- loading the resident tiers -------------------------------------------------
     def _load_resident(self, unit: UnitRecord) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ import os
 
 from ... import __version__
 from ...shard.modelfacts import ModelFacts
+from ...threads import apply_wait_policy
 from ..cost import plan_tier_bytes, project
 from ..hardware import BUSY_SHARE, HardwareProfile
 from ..knobs.resolve import resolve_knobs
@@ -88,12 +89,13 @@ def _package(dist: str, module: str, cost: str) -> dict:
 
 
 def _environment(profile: HardwareProfile) -> dict:
-    names = sorted(n for n in os.environ if n.startswith("ROCKETLLM_")) + ["PYTORCH_CUDA_ALLOC_CONF", "OMP_WAIT_POLICY", "OMP_NUM_THREADS"]
+    names = sorted(n for n in os.environ if n.startswith("ROCKETLLM_")) + ["PYTORCH_CUDA_ALLOC_CONF", "OMP_WAIT_POLICY",
+                                                                           "GOMP_SPINCOUNT", "OMP_NUM_THREADS"]
     variables = {n: (redact_env_value(n, os.environ[n]) if n in os.environ else None) for n in names}
     warnings = []
     if profile.compute_device.startswith("cuda") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         warnings.append("PYTORCH_CUDA_ALLOC_CONF is unset: set expandable_segments:True so reused layer buffers do not fragment VRAM")
-    return {"variables": variables, "warnings": warnings}
+    return {"variables": variables, "openmp_wait": apply_wait_policy(), "warnings": warnings}
 
 
 def _redacted(value):

@@ -92,7 +92,7 @@ def _projection(p: dict | None) -> list[str]:
 
 def _environment(e: dict) -> list[str]:
     lines = [f"- {name}={value}" if value is not None else f"- {name}: unset" for name, value in e["variables"].items()]
-    return lines + [f"- warning: {w}" for w in e["warnings"]]
+    return lines + [f"- OpenMP wait: {e['openmp_wait']}"] + [f"- warning: {w}" for w in e["warnings"]]
 
 
 def _profile(p: dict) -> list[str]:

@@ -1,0 +1,30 @@
+"""Packed low-bit weights: formats, exact GGUF conversion, RTN quantization and the kernels that compute on them.
+
+    packed = from_gguf(reader.tensors[i].data, reader.tensors[i].tensor_type)   # or quantize_rtn(weight, bits=4)
+    manifest_entry = packed.format.to_dict()
+    bound = bind(packed, "cpu", torch.bfloat16)     # kernel layout where a kernel runs, else the portable parts
+    y = linear(x, bound)                            # the kernel, or dequantize into the scratch buffer + F.linear
+
+Modules: format (descriptors and PackedTensor), nibbles (4-bit code order), fromgguf (GGUF blocks -> portable),
+rtn (round-to-nearest quantization), dequant (portable -> float), scratch (the one reusable buffer), layout
+(portable -> torch's kernel layouts, the op calls), probe (which kernels work on a device), compute (bind, linear).
+
+Importing the package is cheap: each name below loads its module (and torch) when first used.
+"""
+
+from importlib import import_module
+
+_HOME = {
+    "PackedFormat": "format", "PackedTensor": "format", "from_gguf": "fromgguf", "quantize_rtn": "rtn",
+    "dequantize": "dequant", "dequantize_into": "dequant", "Scratch": "scratch", "SCRATCH": "scratch",
+    "Capabilities": "probe", "capabilities": "probe", "BoundWeight": "compute", "bind": "compute",
+    "kernel_path": "compute", "linear": "compute",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_HOME[name]}", __name__), name)

@@ -1,0 +1,73 @@
+"""The portable layout -> what torch's low-bit matmul ops take, and the calls themselves.
+
+Found by running the ops (torch 2.13, see docs/ARCHITECTURE.md "Packed weights"):
+- int4 (`_weight_int4pack_mm_for_cpu` on a CPU, `_weight_int4pack_mm` elsewhere) computes with
+  w = (q − 8)·scale + zero, so zero = min + 8·scale. scales_and_zeros is [K/group, N, 2] ([..., 0] scale,
+  [..., 1] zero) in the activation dtype (fp32, bf16 and fp16 all run on a CPU; a mixed pair is refused);
+  group 32, 64, 128 or 256; N a multiple of 16; x 2-D and contiguous.
+- The CPU packed layout (`_convert_weight_to_int4pack_for_cpu`, int32 codes [N, K] in) differs between AVX512
+  and AVX2 builds of the same kernel, so it is made here at bind time, never stored. The other devices' op
+  takes uint8 [N, K/2] with column 2j in the high nibble.
+- int8 (`_weight_int8pack_mm`): codes int8 [N, K], one scale per output row [N] in the activation dtype:
+  w = q·scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import nibbles
+from .format import PackedFormat, PackedTensor
+
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes the int4 kernels accept
+INT4_ROW_MULTIPLE = 16  # N must be a multiple of this for the CPU op (8 elsewhere: 16 serves both)
+INT4_MIDPOINT = 8  # the kernels subtract it from every code
+INNER_K_TILES = (8, 4, 2)  # the non-CPU op's tiling choices, largest first (K must be a multiple of 16·tiles)
+
+
+def int4_fits(fmt: PackedFormat) -> bool:
+    """Whether the int4 kernels take a weight of this shape and group."""
+    return fmt.kind == "int4" and fmt.group in INT4_GROUPS and fmt.shape[0] % INT4_ROW_MULTIPLE == 0
+
+
+def int8_fits(fmt: PackedFormat) -> bool:
+    """Whether the int8 kernel takes it: one scale per output row."""
+    return fmt.kind == "int8" and fmt.group == fmt.shape[1]
+
+
+def int4_for_kernel(packed: PackedTensor, dtype: torch.dtype, device) -> dict:
+    """{"weight", "scales_and_zeros", "tiles"} for int4_mm on `device` computing in `dtype`."""
+    fmt, parts = packed.format, packed.parts
+    device = torch.device(device)
+    codes = parts["codes"].to(device)
+    k = fmt.shape[1]
+    tiles = next((t for t in INNER_K_TILES if k % (16 * t) == 0), INNER_K_TILES[-1])
+    if device.type == "cpu":
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.unpack(codes).to(torch.int32), tiles)
+    else:
+        high_first = (codes << 4) | (codes >> 4)  # swap nibbles: this op wants column 2j in the high one
+        weight = torch.ops.aten._convert_weight_to_int4pack(high_first, tiles)
+    scale = parts["scale"].to(device, torch.float32)
+    zero = parts["min"].to(device, torch.float32) + INT4_MIDPOINT * scale
+    scales_and_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).to(dtype).contiguous()
+    return {"weight": weight, "scales_and_zeros": scales_and_zeros, "tiles": tiles}
+
+
+def int4_mm(x: torch.Tensor, kernel: dict, group: int) -> torch.Tensor:
+    """x [M, K] contiguous -> [M, N]."""
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, kernel["weight"], group, kernel["scales_and_zeros"])
+    return torch.ops.aten._weight_int4pack_mm(x, kernel["weight"], group, kernel["scales_and_zeros"])
+
+
+def int8_for_kernel(packed: PackedTensor, dtype: torch.dtype, device) -> dict:
+    """{"weight", "scales"} for int8_mm on `device` computing in `dtype`."""
+    return {
+        "weight": packed.parts["codes"].to(device).contiguous(),
+        "scales": packed.parts["scale"].to(device).reshape(-1).to(dtype),
+    }
+
+
+def int8_mm(x: torch.Tensor, kernel: dict) -> torch.Tensor:
+    """x [M, K] contiguous -> [M, N]."""
+    return torch.ops.aten._weight_int8pack_mm(x, kernel["weight"], kernel["scales"])

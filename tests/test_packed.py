@@ -1,0 +1,314 @@
+"""Packed low-bit weights: GGUF blocks convert exactly (dequantized in fp32 they are gguf's own values bit for bit,
+real SmolLM2 Q4_1/Q8_0 and synthetic Q4_0/Q4_K), the kernels agree with F.linear on the dequantized weight (bit
+for bit in fp32 for the int4 kernel's weights), the scratch fallback is F.linear on the dequantized weight
+exactly and reuses one buffer, RTN stays within its stated bound, and the kernel probe runs once per device."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import dequantize as gguf_dequantize
+from gguf import quantize as gguf_quantize
+
+from rocketllm_cli.errors import ParameterError
+from rocketllm_cli.packed import (
+    PackedFormat,
+    PackedTensor,
+    Scratch,
+    bind,
+    capabilities,
+    dequantize,
+    from_gguf,
+    kernel_path,
+    linear,
+    quantize_rtn,
+)
+from rocketllm_cli.packed import probe as probe_module
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The kernels' output vs F.linear in fp32 on the same weight, as a fraction of the largest |y|. Measured on
+# SmolLM2's layers: fp32 ~1e-6 (summation order), fp16 ~5e-4, bf16 ~5e-3 (bf16 scales and zeros round, ~2x a
+# bf16 weight's own rounding).
+KERNEL_TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def smol_tensors(smollm2_gguf):
+    return {t.name: t for t in GGUFReader(smollm2_gguf).tensors}
+
+
+def reference(blocks: np.ndarray, qtype) -> torch.Tensor:
+    return torch.from_numpy(gguf_dequantize(blocks, qtype))
+
+
+def q4_k_blocks(rows: int, super_blocks: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K bytes (codes, 6-bit scales and mins all random) with finite, varied fp16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, super_blocks, 144), dtype=np.uint8)
+    magnitude = 10.0 ** rng.uniform(-4, -1, (rows, super_blocks, 1))
+    d_dmin = (rng.uniform(0.5, 2, (rows, super_blocks, 2)) * magnitude).astype(np.float16)
+    raw[..., 0:4] = d_dmin.view(np.uint8).reshape(rows, super_blocks, 4)
+    return raw.reshape(rows, -1)
+
+
+def q6_k_blocks(rows: int, super_blocks: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, super_blocks, 210), dtype=np.uint8)
+    raw[..., 208:] = rng.uniform(1e-4, 1e-2, (rows, super_blocks, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def weight_seen_by_kernel(bound, k: int) -> torch.Tensor:
+    """The [N, K] weight the kernel computes with: its output for the identity is Wᵀ (one product per entry)."""
+    return linear(torch.eye(k, dtype=bound.dtype), bound).t()
+
+
+# --- conversion: exact ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"])
+def test_real_q4_1_blocks_convert_exactly(smol_tensors, name):
+    tensor = smol_tensors[name]
+    packed = from_gguf(tensor.data, tensor.tensor_type)
+    want = reference(tensor.data, tensor.tensor_type)
+    assert (packed.format.kind, packed.format.group, packed.format.scale_dtype) == ("int4", 32, "fp16")
+    assert packed.format.shape == tuple(want.shape)
+    assert packed.format.nbytes == tensor.data.nbytes  # the same 5 bits a weight as the file
+    assert torch.equal(dequantize(packed), want)
+    assert torch.equal(dequantize(packed, torch.bfloat16), want.to(torch.bfloat16))  # rounded once
+
+
+def test_real_q8_0_embedding_converts_exactly(smol_tensors):
+    tensor = smol_tensors["token_embd.weight"]
+    blocks = np.asarray(tensor.data[:512])
+    packed = from_gguf(blocks, tensor.tensor_type)
+    assert (packed.format.kind, packed.format.group, packed.format.scale_dtype) == ("int8", 32, "fp16")
+    assert torch.equal(dequantize(packed), reference(blocks, tensor.tensor_type))
+    # RTN int8 with Q8_0's group gives back the file's own codes and scales
+    again = quantize_rtn(dequantize(packed), bits=8, group=32)
+    assert torch.equal(again.parts["codes"], packed.parts["codes"]) and torch.equal(again.parts["scale"], packed.parts["scale"])
+
+
+@pytest.mark.parametrize("magnitude, scale_dtype", [(1.0, "fp16"), (1e5, "fp32")])  # −8·d overflows fp16 at 1e5
+def test_q4_0_blocks_convert_exactly(magnitude, scale_dtype):
+    weight = (np.random.default_rng(1).standard_normal((32, 256)) * magnitude).astype(np.float32)
+    blocks = gguf_quantize(weight, GGMLQuantizationType.Q4_0)
+    packed = from_gguf(blocks, "Q4_0")
+    assert (packed.format.kind, packed.format.scale_dtype) == ("int4", scale_dtype)
+    assert torch.equal(dequantize(packed), reference(blocks, GGMLQuantizationType.Q4_0))
+
+
+def test_q4_k_blocks_convert_exactly():
+    blocks = q4_k_blocks(32, 2)
+    packed = from_gguf(blocks, GGMLQuantizationType.Q4_K)
+    fmt = packed.format
+    assert (fmt.kind, fmt.shape, fmt.group, fmt.scale_dtype) == ("int4", (32, 512), 32, "fp32")
+    assert torch.equal(dequantize(packed), reference(blocks, GGMLQuantizationType.Q4_K))
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_0"])
+def test_other_types_stay_raw_blocks(qtype):
+    gtype = GGMLQuantizationType[qtype]
+    if qtype == "Q6_K":
+        blocks = q6_k_blocks(16, 2)
+    else:
+        blocks = gguf_quantize(np.random.default_rng(2).standard_normal((16, 128)).astype(np.float32), gtype)
+    packed = from_gguf(blocks, gtype)
+    assert packed.format.kind == "gguf" and packed.format.gguf_type == qtype
+    assert packed.format.block_bytes == GGML_QUANT_SIZES[gtype][1]
+    assert torch.equal(dequantize(packed), reference(blocks, gtype))
+
+
+def test_float_types_are_refused():
+    with pytest.raises(ValueError, match="not a quantized type"):
+        from_gguf(np.zeros((4, 16), dtype=np.uint8), "F32")
+
+
+# --- format descriptors ------------------------------------------------------------------------------------
+
+
+def test_formats_round_trip_through_json():
+    formats = [
+        from_gguf(q4_k_blocks(16, 1), "Q4_K").format,
+        quantize_rtn(torch.randn(16, 64), bits=8, group=None, scale_dtype="bf16").format,
+        from_gguf(q6_k_blocks(16, 1), "Q6_K").format,
+    ]
+    for fmt in formats:
+        assert PackedFormat.from_dict(json.loads(json.dumps(fmt.to_dict()))) == fmt
+    stated = formats[0].to_dict()
+    assert stated["parts"] == {
+        "codes": {"shape": [16, 128], "dtype": "uint8"},
+        "scale": {"shape": [16, 8], "dtype": "fp32"},
+        "min": {"shape": [16, 8], "dtype": "fp32"},
+    }
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"kind": "int3"}, "kind must be one of"),
+        ({"group": 48}, "must divide K"),
+        ({"scale_dtype": "fp8"}, "scale_dtype must be one of"),
+        ({"parts": {"codes": {"shape": [16, 256], "dtype": "uint8"}}}, "do not match"),
+    ],
+)
+def test_malformed_formats_are_refused(change, message):
+    data = {**quantize_rtn(torch.randn(16, 256), bits=4, group=32).format.to_dict(), **change}
+    with pytest.raises(ValueError, match=message):
+        PackedFormat.from_dict(data)
+
+
+def test_parts_must_match_their_format():
+    packed = quantize_rtn(torch.randn(16, 64), bits=4, group=32)
+    with pytest.raises(ValueError, match="packed part scale"):
+        PackedTensor(packed.format, {**packed.parts, "scale": packed.parts["scale"].float()})
+
+
+# --- kernels -----------------------------------------------------------------------------------------------
+
+
+def kernel_dtypes(kind: str):
+    caps = capabilities("cpu")
+    missing = [(d, not caps.supports(kind, d)) for d in DTYPES]
+    return [pytest.param(d, marks=pytest.mark.skipif(skip, reason=f"no {kind} kernel for {d}")) for d, skip in missing]
+
+
+@pytest.mark.parametrize("source", ["q4_1", "q4_k"])
+def test_int4_kernel_weights_are_exact_in_fp32(smol_tensors, source):
+    if not capabilities("cpu").supports("int4", torch.float32):
+        pytest.skip("no fp32 int4 kernel on this CPU")
+    if source == "q4_1":
+        tensor = smol_tensors["blk.0.attn_q.weight"]
+        blocks, qtype = tensor.data, tensor.tensor_type
+    else:
+        blocks, qtype = q4_k_blocks(32, 2, seed=3), GGMLQuantizationType.Q4_K
+    packed = from_gguf(blocks, qtype)
+    bound = bind(packed, "cpu", torch.float32)
+    assert bound.path == "int4"
+    assert torch.equal(weight_seen_by_kernel(bound, packed.format.shape[1]), reference(blocks, qtype))
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes("int4"))
+def test_int4_kernel_linear_matches_f_linear(smol_tensors, dtype):
+    tensor = smol_tensors["blk.0.ffn_down.weight"]  # [576, 1536]
+    packed = from_gguf(tensor.data, tensor.tensor_type)
+    want_weight = reference(tensor.data, tensor.tensor_type)
+    generator = torch.Generator().manual_seed(0)
+    x, bias = torch.randn(2, 3, 1536, generator=generator), torch.randn(576, generator=generator)
+    bound = bind(packed, "cpu", dtype)
+    assert bound.path == "int4"
+    got = linear(x.to(dtype), bound, bias.to(dtype))
+    want = F.linear(x, want_weight, bias)
+    assert got.shape == (2, 3, 576) and got.dtype == dtype
+    assert (got.float() - want).abs().max() <= KERNEL_TOLERANCE[dtype] * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes("int8"))
+def test_int8_kernel_linear_matches_f_linear(dtype):
+    generator = torch.Generator().manual_seed(1)
+    packed = quantize_rtn(torch.randn(48, 96, generator=generator), bits=8, group=None)
+    x = torch.randn(5, 96, generator=generator)
+    bound = bind(packed, "cpu", dtype)
+    assert bound.path == "int8"
+    want = F.linear(x, dequantize(packed))
+    got = linear(x.to(dtype), bound).float()
+    assert (got - want).abs().max() <= KERNEL_TOLERANCE[dtype] * want.abs().max()
+
+
+def test_formats_without_a_kernel_take_the_scratch_path(smol_tensors):
+    q8_0 = from_gguf(np.asarray(smol_tensors["token_embd.weight"].data[:64]), "Q8_0")  # int8 group 32
+    assert kernel_path(q8_0.format, torch.float32, "cpu") == "scratch"
+    assert kernel_path(from_gguf(q6_k_blocks(16, 1), "Q6_K").format, torch.float32, "cpu") == "scratch"
+    odd_rows = quantize_rtn(torch.randn(24, 64), bits=4, group=32)  # the int4 kernels want N % 16 == 0
+    assert kernel_path(odd_rows.format, torch.float32, "cpu") == "scratch"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("source", ["q4_1", "q8_0", "q6_k"])
+def test_scratch_fallback_is_f_linear_on_the_dequantized_weight(smol_tensors, source, dtype):
+    if source == "q6_k":
+        blocks, qtype = q6_k_blocks(32, 1), GGMLQuantizationType.Q6_K
+    else:
+        tensor = smol_tensors["blk.0.attn_k.weight" if source == "q4_1" else "token_embd.weight"]
+        blocks, qtype = np.asarray(tensor.data[:192]), tensor.tensor_type
+    packed = from_gguf(blocks, qtype)
+    generator = torch.Generator().manual_seed(2)
+    n, k = packed.format.shape
+    x, bias = torch.randn(3, k, generator=generator).to(dtype), torch.randn(n, generator=generator).to(dtype)
+    bound = bind(packed, "cpu", dtype, kernel=False)
+    assert bound.path == "scratch"
+    assert torch.equal(linear(x, bound, bias, Scratch()), F.linear(x, reference(blocks, qtype).to(dtype), bias))
+
+
+def test_scratch_buffer_is_one_buffer_grown_only_when_needed():
+    scratch = Scratch()
+    small = bind(quantize_rtn(torch.randn(32, 64), bits=4, group=32), kernel=False)
+    large = bind(quantize_rtn(torch.randn(64, 128), bits=8, group=32), kernel=False)
+    x_small, x_large = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(2, 128, dtype=torch.bfloat16)
+    first = linear(x_small, small, scratch=scratch)
+    held = scratch.nbytes("cpu")
+    assert torch.equal(linear(x_small, small, scratch=scratch), first) and (scratch.grown, scratch.nbytes("cpu")) == (1, held)
+    linear(x_large, large, scratch=scratch)
+    assert scratch.grown == 2 and scratch.nbytes("cpu") > held
+    assert torch.equal(linear(x_small, small, scratch=scratch), first) and scratch.grown == 2  # the larger one serves
+
+
+def test_probe_runs_once_per_device(monkeypatch):
+    calls = []
+    real_probe = probe_module.probe
+    monkeypatch.setattr(probe_module, "_CACHE", {})
+    monkeypatch.setattr(probe_module, "probe", lambda device: calls.append(device) or real_probe(device))
+    packed = quantize_rtn(torch.randn(32, 64), bits=4, group=32)
+    answers = {capabilities("cpu"), capabilities(torch.device("cpu"))}
+    for dtype in DTYPES:
+        bind(packed, "cpu", dtype)
+    assert calls == ["cpu"] and len(answers) == 1
+
+
+def test_linear_refuses_a_mismatched_activation():
+    bound = bind(quantize_rtn(torch.randn(32, 64), bits=4, group=32), "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="got x"):
+        linear(torch.randn(2, 64), bound)  # fp32 x for a bf16 binding
+    with pytest.raises(ValueError, match="got x"):
+        linear(torch.randn(2, 32, dtype=torch.bfloat16), bound)
+
+
+# --- RTN quantization --------------------------------------------------------------------------------------
+
+
+def rtn_error_bound(packed: PackedTensor) -> torch.Tensor:
+    """Per group: half a step (with the fp16 scale's rounding) plus the fp16 rounding of the min."""
+    half_step = packed.parts["scale"].float().abs() / 2 * (1 + 2**-8)
+    if packed.format.kind == "int4":
+        half_step = half_step + packed.parts["min"].float().abs() * 2**-11
+    return half_step
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 64), (4, 128), (8, 32), (8, None)])
+@pytest.mark.parametrize("source", ["random", "real"])
+def test_rtn_error_stays_within_half_a_step(smol_tensors, source, bits, group):
+    if source == "random":
+        weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)) * 0.02
+    else:  # real weights: the embedding's first rows and 512 of its 576 columns, so groups of 128 fit
+        weight = dequantize(from_gguf(np.asarray(smol_tensors["token_embd.weight"].data[:256]), "Q8_0"))[:, :512].contiguous()
+    packed = quantize_rtn(weight, bits=bits, group=group)
+    n, k = weight.shape
+    g = packed.format.group
+    error = (dequantize(packed) - weight).abs().reshape(n, k // g, g).amax(dim=-1)
+    assert bool((error <= rtn_error_bound(packed)).all())
+    # measured: int4 ~0.08-0.11 and int8 ~0.005-0.012 of the weight's norm (0 for int8 group 32 of a Q8_0 weight)
+    assert float((dequantize(packed) - weight).norm() / weight.norm()) < (0.15 if bits == 4 else 0.015)
+
+
+def test_rtn_refuses_unusable_settings():
+    with pytest.raises(ParameterError, match="bits must be one of 4, 8"):
+        quantize_rtn(torch.randn(4, 64), bits=3)
+    with pytest.raises(ParameterError, match="group must divide K = 64"):
+        quantize_rtn(torch.randn(4, 64), bits=4, group=48)
+    with pytest.raises(ParameterError, match="use fp32"):
+        quantize_rtn(torch.full((4, 64), 1e9).tril(), bits=8, group=None, scale_dtype="fp16")
