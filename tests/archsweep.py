@@ -13,6 +13,7 @@ sharded, streamed with nothing resident and all resident, and compared with plai
 
     python tests/archsweep.py                      # every type, ARCHITECTURES.md written to docs/
     python tests/archsweep.py llama gemma3n_text   # some types, the table printed
+    python tests/archsweep.py --only dbrx xlstm    # re-run some types, their rows and the counts updated in the document
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "ARCHITECTURES.md"
 # Size fields by name: shrunk to these wherever they are larger (or unset), in the config and every sub-config.
 _SIZES = {
     64: ("hidden_size", "n_embd", "d_model", "embed_dim", "n_embed", "model_dim", "dim", "word_embed_proj_dim", "embedding_size",
-         "d_embed", "hidden_dim", "projection_dim", "text_hidden_size", "vision_hidden_size", "audio_hidden_size", "embedding_dim",
+         "d_embed", "hidden_dim", "hidden_size_global", "adapter_in_dim", "adapter_out_dim", "adapter_input_size", "projection_dim", "text_hidden_size", "vision_hidden_size", "audio_hidden_size", "embedding_dim",
          "emb_dim"),
     128: ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim", "encoder_ffn_dim",
           "dense_intermediate_size", "mlp_dim", "inner_hidden_size"),
@@ -59,24 +60,54 @@ _SIZES = {
 }
 SHRINK = {name: size for size, names in _SIZES.items() for name in names}
 LAYERS = 4  # every layer count (decoder, encoder, hidden): they must agree where a model builds one cache for both
-_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_decoder_layers", "encoder_layers",
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_blocks", "decoder_layers", "num_decoder_layers", "encoder_layers",
                  "num_encoder_layers")
 
+# Qwen4-Exp's indexed-attention layers need the token indexer's settings, which its default config leaves unset.
+_QSA = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8, "indexer_compress_ratio": 4}
+# dots3's sliding-window layers take their own attention sizes from swa_* arguments, which no config field shows:
+# as many KV heads as heads, and a head of nope + rope dimensions.
+_DOTS3 = {"num_key_value_heads": 4, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 32,
+          "swa_kv_lora_rank": 32, "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 16}
 # Only where the generic shrink leaves a config transformers refuses: model type -> config kwargs.
 OVERRIDES: dict[str, dict] = {
     "bamba": {"mamba_d_head": 32, "attn_layer_indices": [1, 3]},  # mamba heads x head size = expand x hidden
     "granitemoehybrid": {"mamba_d_head": 32, "layer_types": ["linear_attention", "attention"] * (LAYERS // 2)},  # default: no attention
     "mamba2": {"head_dim": 32},
-    "dots3_note": {"text_config": {"num_key_value_heads": 4, "swa_head_dim": 24}},  # kv heads = heads; swa = nope + rope dims
-    "dots3_note_text": {"num_key_value_heads": 4, "swa_head_dim": 24},
+    # Rotary settings per layer type, as its checkpoints' configs give them (the default's one setting is not read).
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 50000.0}}},
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8}},  # read there unconditionally; DBRX's config.json sets both
+    "dots3_note": {"text_config": _DOTS3, "vision_config": {"mlp_layer_types": ["dense", "sparse"] * (LAYERS // 2)}},  # else 42 layers' pyramid
+    "dots3_note_text": _DOTS3,
+    # One codebook, so a prompt is one row of ids; generation starts from a token of its own, as MusicGen's config sets.
+    "musicgen": {"decoder": {"num_codebooks": 1, "decoder_start_token_id": VOCAB - 2}},
+    "musicgen_melody": {"decoder": {"num_codebooks": 1, "decoder_start_token_id": VOCAB - 2}},
     "gpt_neo": {"attention_types": [[["global", "local"], LAYERS // 2]]},  # one entry per layer
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
-                                         "num_kv_shared_layers": LAYERS}},
+                                         "num_kv_shared_layers": 0}},  # 0: the config shares every layer, as it must
+    "gemma4_unified_assistant": {"text_config": {"num_kv_shared_layers": 0}},  # 0: the config shares every layer
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    "qwen4_exp": {"text_config": _QSA},
+    "qwen4_exp_text": _QSA,
     "reformer": {"is_decoder": True, "axial_pos_shape": [16, 32], "axial_pos_embds_dim": [32, 32]},
+    "xlstm": {"qk_dim_factor": 1.0},  # the cache rounds hidden x factor up to a multiple of 64, the projections do not
     "xmod": {"default_language": "en_XX"},
     "zamba": {"layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"]},  # a shared block used twice
+}
+
+
+# Why plain transformers cannot run a type, where its error alone does not say: put before that error in the row.
+# Each was checked with a config consistent by the model's own rules (see OVERRIDES).
+CANNOT_RUN = {
+    "blt": "generate builds its cache from BltConfig, which has no num_hidden_layers (the layer counts live in its "
+           "patcher, encoder, decoder and global sub-configs), with the default config too",
+    "gemma3n": "its vision tower is a TimmWrapperModel, which needs the timm and Pillow packages (not installed here); "
+               "gemma3n_text, the same text model, streams equal",
+    "gemma4_assistant": "a speculative-decoding drafter: its forward needs the target model's embeddings and shared KV "
+                        "states, so it does not run as a causal LM of its own",
+    "gemma4_unified_assistant": "a speculative-decoding drafter: its forward needs the target model's embeddings and "
+                                "shared KV states, so it does not run as a causal LM of its own",
 }
 
 
@@ -124,7 +155,37 @@ def tiny_configs(model_type: str) -> list:
             except Exception as exc:  # noqa: BLE001 - this way of cutting the layers does not validate
                 if picks == "sampled" and not configs:
                     raise exc from None
-    return configs
+    return configs + [sub for config in configs if (sub := _declared_sub_config(config)) is not None]
+
+
+def _declared_sub_config(config):
+    """The sub-config of CONFIG that the type's causal-LM class declares it takes, where that is not CONFIG's own class
+    (MusicGen's decoder); tried after CONFIG, for the classes that build only from it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if isinstance(config, causal_lm.config_class):
+        return None
+    sub = next((sub for sub in vars(config).values() if isinstance(sub, causal_lm.config_class)), None)
+    if sub is not None:
+        sub.architectures = [causal_lm.__name__]  # what its checkpoint names, and _plain builds
+    return sub
+
+
+def _plain(config):
+    """The causal LM of CONFIG in plain transformers, fp32; a sub-config by the class its architectures name."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from rocketllm_cli.compat import dtype_kwargs
+
+    try:
+        return AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch.float32))
+    except ValueError:
+        if not getattr(config, "architectures", None):
+            raise
+        return getattr(transformers, config.architectures[0])._from_config(config, **dtype_kwargs(torch.float32))
 
 
 def tiny_config(model_type: str):
@@ -169,6 +230,8 @@ def _shrunk(config, full: bool, picks: str | None) -> dict:
                 out[key] = cut
             elif full:
                 out[key] = value
+        elif full and layers and isinstance(value, (list, dict)) and value and _per_layer(value, layers, [0]) is not None:
+            del out[key]  # a sub-config's per-layer settings, left to it (as its own defaults are) rather than kept too long
         elif full:
             out[key] = value
     return out
@@ -210,36 +273,41 @@ def run_type(model_type: str, workdir: Path) -> Result:
         outcome, detail = _run(model_type, Path(workdir))
     except Exception as exc:  # noqa: BLE001 - the sweep records every failure as a row
         outcome, detail = "error", _short(exc, traceback.extract_tb(exc.__traceback__))
+    if outcome == "cannot run" and model_type in CANNOT_RUN:
+        detail = f"{CANNOT_RUN[model_type]} ({detail})"
     return Result(model_type, outcome, detail, round(time.perf_counter() - started, 1))
 
 
 def _run(model_type: str, workdir: Path) -> tuple[str, str]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from rocketllm_cli.compat import dtype_kwargs
     from rocketllm_cli.errors import RocketError
     from rocketllm_cli.shard.sharder import shard
     from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 
-    first_failure = None
     try:
         configs = tiny_configs(model_type)
     except Exception as exc:  # noqa: BLE001 - no tiny config validates: not the project's to fix
         return "cannot run", _short(exc)
-    for config in configs:
+    failures = []  # (how far the config got, a missing package, -its place, the exception)
+    for place, config in enumerate(configs):
         torch.manual_seed(0)
+        stage = 0
         try:
-            plain = AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch.float32)).eval()
-            vocab = plain.get_output_embeddings().weight.shape[0] if plain.get_output_embeddings() is not None else VOCAB
+            plain = _plain(config).eval()
+            stage = 1
+            head = plain.get_output_embeddings()
+            head = head[0] if isinstance(head, torch.nn.ModuleList) else head  # one head per codebook (MusicGen)
+            vocab = head.weight.shape[0] if head is not None else VOCAB
             prompt = torch.randint(3, min(vocab, VOCAB) - 16, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(1))
             expected_logits, expected = _outputs(plain, prompt)
+            stage = 2
             plain.save_pretrained(workdir / "source")
             break
         except Exception as exc:  # noqa: BLE001 - plain transformers cannot: not the project's to fix
-            first_failure = first_failure or exc
-    else:
-        return "cannot run", _short(first_failure)
+            failures.append((stage, isinstance(exc, ImportError), -place, exc))
+    else:  # the reason given: the config that got furthest, a missing package first, else the earliest tried
+        return "cannot run", _short(max(failures, key=lambda f: f[:3])[3])
     del plain
     runs = {"nothing resident": {"device_cache_bytes": 0, "host_cache_bytes": 0}, "resident": {"device_cache_bytes": 1 << 40}}
     try:
@@ -263,7 +331,7 @@ def _outputs(model, prompt):
     with torch.inference_mode():
         logits = model(input_ids=prompt, attention_mask=mask).logits[0, -1].float()
         tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                pad_token_id=0)
+                                pad_token_id=0, num_return_sequences=1)  # the default, which MusicGen's own generate needs said
     return logits, tokens
 
 
@@ -300,7 +368,7 @@ def sweep(types: list[str], seconds: int = TYPE_SECONDS, log=print) -> list[Resu
     return results
 
 
-def markdown(results: list[Result], transformers_version: str, torch_version: str, seconds: float) -> str:
+def markdown(results: list[Result], transformers_version: str, torch_version: str, seconds: float, rerun: list[str] = ()) -> str:
     counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
     runnable = len(results) - counts["cannot run"]
     share = f"{100 * counts['equal'] / runnable:.0f}%" if runnable else "n/a"
@@ -312,7 +380,8 @@ def markdown(results: list[Result], transformers_version: str, torch_version: st
         "token for token. Written by `tests/archsweep.py`; `pytest -m archsweep` runs the same sweep as tests.",
         "",
         f"**{len(results)} model types: " + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES) + f"** — {share} of the {runnable} "
-        f"that plain transformers runs on CPU stream equal. Sweep wall time: {seconds / 60:.0f} min.",
+        f"that plain transformers runs on CPU stream equal. Sweep wall time: {seconds / 60:.0f} min"
+        + (f"; {len(rerun)} types re-run since with `--only`: {', '.join(f'`{t}`' for t in rerun)}." if rerun else "."),
         "",
     ]
     for outcome in OUTCOMES[1:]:
@@ -335,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=int, default=TYPE_SECONDS, help="limit per type")
     parser.add_argument("--out", type=Path, default=DOC, help="where the document goes")
+    parser.add_argument("--only", nargs="+", metavar="TYPE", help="re-run these types and update their rows (and the counts) "
+                                                                 "in the document --out holds")
     args = parser.parse_args(argv)
     if args.one:
         import torch
@@ -345,11 +416,36 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers
 
+    versions = transformers.__version__, torch.__version__.split("+")[0]
+    if args.only:
+        rows, seconds, rerun = read_document(args.out)
+        unknown = sorted(set(args.only) - set(rows) - set(causal_lm_types()))
+        if unknown:
+            raise SystemExit(f"not a causal-LM model type of transformers {versions[0]}: {', '.join(unknown)}")
+        for result in sweep(args.only, args.seconds):
+            rows[result.model_type] = result
+        rerun = [*rerun, *(t for t in args.only if t not in rerun)]
+        args.out.write_text(markdown([rows[t] for t in sorted(rows)], *versions, seconds, rerun))
+        return
     started = time.perf_counter()
     types = args.types or causal_lm_types()
     results = sweep(types, args.seconds)
     if not args.types:
-        args.out.write_text(markdown(results, transformers.__version__, torch.__version__.split("+")[0], time.perf_counter() - started))
+        args.out.write_text(markdown(results, *versions, time.perf_counter() - started))
+
+
+_ROW = re.compile(r"^\| `(?P<type>[^`]+)` \| (?P<outcome>[a-z ]+) \| (?P<detail>.*) \|$")
+_WALL = re.compile(r"Sweep wall time: (?P<minutes>\d+) min(?:; \d+ types re-run since with `--only`: (?P<rerun>[^.]*))?")
+
+
+def read_document(path: Path) -> tuple[dict[str, Result], float, list[str]]:
+    """The rows of a document markdown() wrote, its sweep's wall time in seconds and the types re-run since."""
+    text = path.read_text()
+    rows = {m["type"]: Result(m["type"], m["outcome"], m["detail"].strip())
+            for m in map(_ROW.match, text.splitlines()) if m and m["outcome"] in OUTCOMES}
+    wall = _WALL.search(text)
+    rerun = re.findall(r"`([^`]+)`", wall["rerun"]) if wall and wall["rerun"] else []
+    return rows, 60.0 * float(wall["minutes"]) if wall else 0.0, rerun
 
 
 if __name__ == "__main__":
