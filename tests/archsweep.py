@@ -102,7 +102,7 @@ OVERRIDES: dict[str, dict] = {
 CANNOT_RUN = {
     "blt": "generate builds its cache from BltConfig, which has no num_hidden_layers (the layer counts live in its "
            "patcher, encoder, decoder and global sub-configs), with the default config too",
-    "gemma3n": "its vision tower is a TimmWrapperModel, which needs the timm and Pillow packages (not installed here); "
+    "gemma3n": "its vision tower is a TimmWrapperModel, which needs the timm and Pillow packages (absent where this record was made); "
                "gemma3n_text, the same text model, streams equal",
     "gemma4_assistant": "a speculative-decoding drafter: its forward needs the target model's embeddings and shared KV "
                         "states, so it does not run as a causal LM of its own",

@@ -9,8 +9,17 @@ from __future__ import annotations
 import datetime
 import json
 
+import archsweep
 import pytest
-from archsweep import BUGS, causal_lm_types, run_type, sample
+from archsweep import (
+    BUGS,
+    Result,
+    causal_lm_types,
+    markdown,
+    read_document,
+    run_type,
+    sample,
+)
 
 from rocketllm_cli.errors import ModelError
 from rocketllm_cli.shard.source import _load_config
@@ -42,6 +51,20 @@ def test_sample_rotates_through_every_type():
     days = -(-len(TYPES) // ARCHSWEEP_SAMPLE)
     seen = {t for day in range(days) for t in sample(TYPES, day, ARCHSWEEP_SAMPLE)}
     assert seen == set(TYPES) and len(TODAY) == min(ARCHSWEEP_SAMPLE, len(TYPES))
+
+
+def test_only_reruns_some_types_and_updates_their_rows_and_the_counts(tmp_path, monkeypatch):
+    doc = tmp_path / "ARCHITECTURES.md"
+    before = [Result("dbrx", "cannot run", "AttributeError: no rope_theta"), Result("gpt2", "equal"), Result("llama", "equal")]
+    doc.write_text(markdown(before, "5.0", "2.0", 1860.0))
+    monkeypatch.setattr(archsweep, "sweep", lambda types, seconds: [Result(t, "equal", "", 1.0) for t in types])
+    archsweep.main(["--only", "dbrx", "--out", str(doc)])
+    rows, seconds, rerun = read_document(doc)
+    assert [(r.model_type, r.outcome) for r in rows.values()] == [("dbrx", "equal"), ("gpt2", "equal"), ("llama", "equal")]
+    assert seconds == 1860.0 and rerun == ["dbrx"]
+    assert "**3 model types: 3 equal, 0 refused, 0 cannot run, 0 differs, 0 error**" in doc.read_text()
+    with pytest.raises(SystemExit, match="no_such_type"):
+        archsweep.main(["--only", "no_such_type", "--out", str(doc)])
 
 
 LATER = {  # what a later transformers writes and this one cannot read: an unknown model type, or an unknown sub-config
