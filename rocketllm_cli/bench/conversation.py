@@ -81,7 +81,7 @@ def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> 
     from ..shard.manifest import Manifest
     from ..stream.auto import AutoModel
     from ..text.loop import GenerationRequest, Generator
-    from ..text.prefix import PrefixCache
+    from ..text.reuse import prefix_cache_for
     from ..text.sampling import SamplingParams
     from .regimes import regime_overrides
 
@@ -89,7 +89,9 @@ def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> 
     try:
         if not getattr(model.tokenizer, "chat_template", None):
             raise UsageError("--conversation needs a model whose tokenizer has a chat template")
-        cache = PrefixCache(int(model.knobs.value("kv_cache_bytes")))
+        cache = prefix_cache_for(model, int(model.knobs.value("kv_cache_bytes")))
+        if cache.disabled_reason:
+            log(f"{regime}: prefix reuse stays off: {cache.disabled_reason}")
         fresh, reusing = Generator(model), Generator(model, cache)
         params, one = SamplingParams(max_new_tokens=req.reply_tokens), SamplingParams(max_new_tokens=1)
         messages: list[dict] = []

@@ -9,6 +9,7 @@ from typing import Callable
 
 from ..text.loop import Generator
 from ..text.prefix import PrefixCache, decide
+from ..text.reuse import reuse_for
 from .metrics import Metrics
 from .prompts import PromptBuilder
 from .tools import FAMILIES, choose
@@ -41,8 +42,16 @@ class ServerState:
             int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
         setting = str(knobs.value("prefix_cache")) if knobs is not None else "auto"
         self.prefix_on, self.prefix_reason = decide(setting, model.plan, model.manifest)
+        self.prefix_mode = None  # blocks | extend: what the model's cache allows (text/reuse.py)
+        if self.prefix_on:
+            reuse = reuse_for(model)
+            if reuse.mode is None:
+                self.prefix_on, self.prefix_reason = False, f"off: {reuse.reason}"
+            else:
+                self.prefix_mode = reuse.mode
+                self.prefix_reason += f"; {reuse.reason}" if reuse.reason else ""
         budget = int(knobs.value("kv_cache_bytes")) if knobs is not None else 1 << 30
-        self.prefix_cache = PrefixCache(budget) if self.prefix_on else None
+        self.prefix_cache = PrefixCache(budget, mode=self.prefix_mode) if self.prefix_on else None
         self.generator = Generator(model, self.prefix_cache)
         self.metrics = Metrics()
         self.multimodal = any(getattr(model.config, key, None) is not None for key in ("vision_config", "audio_config"))
@@ -88,7 +97,7 @@ class ServerState:
             "queue_length": self.worker.queue_length,
             "busy": self.worker.busy,
             "max_context": self.max_context,
-            "prefix_cache": {"enabled": self.prefix_on, "reason": self.prefix_reason,
+            "prefix_cache": {"enabled": self.prefix_on, "reason": self.prefix_reason, "mode": self.prefix_mode,
                              **(self.prefix_cache.to_dict() if self.prefix_cache is not None else {})},
         }
 

@@ -178,6 +178,8 @@ def _find_stack(modules: dict[str, nn.Module], embeddings: str | None = None) ->
     for name, m in modules.items():
         if not isinstance(m, nn.ModuleList) or len(m) == 0 or not all(any(True for _ in c.parameters()) for c in m):
             continue
+        if name == embeddings:  # the embeddings themselves may be a list (MusicGen: one table per codebook)
+            continue
         size = sum(p.numel() for p in m.parameters())
         key = (_tree_distance(name, embeddings) if embeddings is not None else 0, -size)
         if best_key is None or key < best_key:

@@ -65,6 +65,7 @@ class Piece:
     source: str  # source checkpoint tensor
     expert: int
     sliced: bool = False  # the source is fused [E, ...]: take [expert]
+    made: str = ""  # the fused parameter a conversion of the source makes (Inkling's interleaved w13), sliced [expert]
 
 
 @dataclass
@@ -133,9 +134,11 @@ _INDEXED = re.compile(r"^(.*)\.(\d+)\.([^.]+)$")
 
 
 def plan_expert_pieces(model: nn.Module, containers: list[Container], source_shapes: dict, resolve, candidates, renamings: list,
-                       converters: list) -> ExpertShardPlan:
+                       converters: list, made: dict[str, str] | None = None) -> ExpertShardPlan:
     """Per (layer, expert): the source tensors that make it. `resolve(param)` -> the source name of a module-tree
-    parameter (candidates and renamings applied) or None; `candidates(name)` -> the names it may carry in the tree."""
+    parameter (candidates and renamings applied) or None; `candidates(name)` -> the names it may carry in the tree;
+    `made`: fused parameters a conversion of fused sources makes -> one of those sources."""
+    made = made or {}
     plan = ExpertShardPlan()
     params = dict(model.named_parameters())
     by_target: dict[str, list[tuple[str, FusedSlot]]] = {}
@@ -159,10 +162,11 @@ def plan_expert_pieces(model: nn.Module, containers: list[Container], source_sha
         for p in owned:
             shape = tuple(params[p].shape)
             src = resolve(p)
-            if src is not None and tuple(source_shapes[src][0]) == shape:  # stored fused: slice it
+            if (src is not None and tuple(source_shapes[src][0]) == shape) or p in made:  # stored fused: slice it
                 leaf = p[len(prefix):]
                 for e in range(c.num_experts):
-                    plan.units.setdefault((c.layer, e), []).append(Piece(f"{c.path}.{e}.{leaf}", src, e, sliced=True))
+                    piece = Piece(f"{c.path}.{e}.{leaf}", src or made[p], e, sliced=True, made="" if src else p)
+                    plan.units.setdefault((c.layer, e), []).append(piece)
                 plan.claimed.add(p)
                 continue
             parts = by_target.get(p, [])

@@ -145,13 +145,13 @@ def find_conversions(source: Source, model: torch.nn.Module, wanted: set[str]) -
     return found
 
 
-def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str], dict[str, int]]:
+def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str], dict[str, int], dict[str, Conversion]]:
     """Give every expert of every layer a unit of its own, after its layer's unit (which keeps attention,
-    norms, router and shared experts). Returns {piece: source tensor} and {piece: expert} for pieces sliced
-    from a fused source tensor."""
+    norms, router and shared experts). Returns {piece: source tensor}, {piece: expert} for pieces sliced
+    from a fused source tensor, and {piece: Conversion} for pieces sliced from what a conversion makes."""
     containers = find_containers(model, layout.stack)
     if not containers:
-        return {}, {}
+        return {}, {}, {}
     prefix = getattr(model, "base_model_prefix", "") or ""
     meta = dict(model.named_parameters(remove_duplicate=False))
     renamed = _renamed_by_transformers(model, list(source.shapes), meta)
@@ -161,7 +161,10 @@ def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str]
         return renamed[found] if found is not None else None
 
     renamings, converters = conversion_rules(model)
-    plan = plan_expert_pieces(model, containers, source.shapes, resolve, lambda n: candidate_names(n, prefix), renamings, converters)
+    fused = {p for c in containers if c.layout == "fused" for p in meta if p.startswith(c.path + ".") and resolve(p) is None}
+    conversions = find_conversions(source, model, fused)
+    plan = plan_expert_pieces(model, containers, source.shapes, resolve, lambda n: candidate_names(n, prefix), renamings, converters,
+                              {p: conv.members[0][0] for p, conv in conversions.items()})
     units: list[UnitPlan] = []
     for unit in layout.units:
         unit.params = [p for p in unit.params if p not in plan.claimed]
@@ -180,7 +183,11 @@ def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str]
             if not got[1].is_floating_point:
                 raise ModelError(f"tensor {p.source} is stored as {str(got[1]).removeprefix('torch.')} but experts need floating-point "
                                  "weights (a quantized or corrupt checkpoint; use an unquantized one)")
-    return mapping, {p.name: p.expert for pieces in plan.units.values() for p in pieces if p.sliced}
+    converted: dict[str, Conversion] = {}
+    for p in (p for pieces in plan.units.values() for p in pieces if p.made):
+        conv = converted[p.name] = conversions[p.made]
+        conv.targets[p.name], conv.shapes[p.name] = conv.targets[p.made], conv.shapes[p.made][1:]
+    return mapping, {p.name: p.expert for pieces in plan.units.values() for p in pieces if p.sliced}, converted
 
 
 class SourceMap(dict):
@@ -200,7 +207,8 @@ class SourceMap(dict):
         if conv is not None:
             if self._made is None or self._made[0] is not conv:
                 self._made = (conv, conv.run(source.read))
-            return self._made[1][conv.targets[name]]
+            made = self._made[1][conv.targets[name]]
+            return made[self.sliced[name]] if name in self.sliced else made
         if name not in self.sliced:
             return source.read(src)
         if self._last is None or self._last[0] != src:
@@ -210,7 +218,7 @@ class SourceMap(dict):
     def source_name(self, name: str) -> str:
         """What the manifest records as NAME's source: the tensor, one expert's slice [e] of it, or a conversion."""
         if name in self.converted:
-            return self.converted[name].describe()
+            return self.converted[name].describe() + (f"[{self.sliced[name]}]" if name in self.sliced else "")
         return f"{self[name]}[{self.sliced[name]}]" if name in self.sliced else self[name]
 
     def numel(self, source: Source, name: str) -> int:

@@ -75,9 +75,9 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     # Everything that can refuse the input does so before anything is written, the disk space check included.
     model = build_meta_model(source.config)
     layout = discover(model)
-    pieces, sliced = split_experts(source, model, layout)
+    pieces, sliced, made = split_experts(source, model, layout)
     names, converted = map_names(source, model, layout)
-    mapping = SourceMap(names, sliced, converted)
+    mapping = SourceMap(names, sliced, {**converted, **made})
     mapping.update(pieces)
     packs = plan_packing(source, model, mapping, layout.aliases, packing, dtype)
     need = _bytes_needed(source, mapping, dtype, packs)

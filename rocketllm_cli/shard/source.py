@@ -181,10 +181,27 @@ def _load_config(path: Path):
     try:
         return AutoConfig.from_pretrained(path)
     except (ValueError, KeyError) as exc:
-        if "does not recognize this architecture" in str(exc):  # transformers' advice is a paragraph: name the type instead
-            import transformers
+        import re
 
-            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        import transformers
+
+        try:
+            doc = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            doc = {}
+        doc = doc if isinstance(doc, dict) else {}
+        model_type, written = doc.get("model_type"), str(doc.get("transformers_version") or "")
+
+        def line(version: str) -> tuple[int, ...]:  # major.minor; dev and rc suffixes aside
+            return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+
+        if written and line(written) > line(transformers.__version__):
+            # A model type (or a sub-config's) that only a later transformers knows: name the version to install.
+            raise ModelError(
+                f"{path}/config.json ({model_type!r}) was written by transformers {written}, which this transformers "
+                f"{transformers.__version__} cannot read; upgrade transformers to {written} or later"
+            ) from None
+        if "does not recognize this architecture" in str(exc):  # transformers' advice is a paragraph: name the type instead
             raise ModelError(
                 f"unsupported architecture {model_type!r}: transformers {transformers.__version__} does not know this model_type; "
                 "upgrade transformers or use a supported model"

@@ -33,7 +33,7 @@ from .ledger import Ledger
 from .packedbind import PackedBinding, make_packed
 from .plan import ResidencyPlan, make_plan
 from .store import WeightStore
-from .unbound import Unbound, UnboundWeightError, unbind_all  # noqa: F401 - UnboundWeightError: the error callers catch
+from .unbound import Unbound, unbind_all
 
 
 @dataclass

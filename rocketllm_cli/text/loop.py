@@ -109,7 +109,8 @@ class Generator:
         keep = self._caching(single) and single.keep_prefix
         if keep:
             extra["return_dict_in_generate"] = True  # the output then carries the cache to store
-        ids, mask = self._left_padded([r.prompt_ids for r in requests])
+        feed_from = hit.feed_from if hit is not None else 0  # a cache generate cannot count is given only the new tokens
+        ids, mask = self._left_padded([r.prompt_ids[feed_from:] for r in requests])
         rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel) for r in requests]
         if params.seed is not None:
             torch.manual_seed(params.seed)

@@ -16,7 +16,9 @@ the plan keeps every unit on the device.
 
 Works with transformers' DynamicCache (4.5x and 5.x): full-attention layers always, sliding-window layers
 while the sequence still fits their window (after that they have dropped tokens and cannot be cropped back).
-A cache of another kind (recurrent states, static caches) is not kept at all (`supported()` says why).
+A cache that keeps recurrent or convolution states (Mamba, linear attention) cannot be cropped at all: in mode
+"extend" (reuse.py decides per model) a checkpoint is the whole cache a generation left, reused only by a prompt
+that extends its tokens exactly, the next turn of that conversation. Any other cache is not kept (`supported()`).
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def output_cache(output):
     return None
 
 
+_CROPPABLE = {"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"}  # a DummyLayer holds nothing
+MODES = ("blocks", "extend")
+
+
 def _layers(cache) -> list[tuple[object, str, str]] | None:
     """(holder, keys attribute, values attribute) per layer, or None for a cache of another kind."""
     layers = getattr(cache, "layers", None)
@@ -107,7 +113,7 @@ def supported(cache) -> tuple[bool, str]:
         return False, f"the model's cache is a {type(cache).__name__}, not a DynamicCache"
     layers = getattr(cache, "layers", None)
     if layers is not None:
-        other = {type(layer).__name__ for layer in layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}
+        other = {type(layer).__name__ for layer in layers} - _CROPPABLE
         if other:
             return False, f"the model has {', '.join(sorted(other))} cache layers, which cannot be cropped back"
         return True, ""
@@ -148,12 +154,24 @@ def crop(cache, length: int) -> None:
 
 
 def nbytes(cache) -> int:
+    """Bytes of every tensor the cache holds: keys and values, and the states of layers that keep them."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # a pre-4.56 DynamicCache: its key and value lists
+        return sum(_size(t) for name in ("key_cache", "value_cache") for t in getattr(cache, name, ()))
+    seen: set[int] = set()
     total = 0
-    for holder, k_attr, v_attr in _layers(cache) or ():
-        for t in (getattr(holder, k_attr), getattr(holder, v_attr)):
-            if t is not None and hasattr(t, "numel"):
-                total += t.numel() * t.element_size()
+    for owner in (*layers, cache):
+        for name, value in vars(owner).items():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) and name != "layers" else (value,)
+            for t in items:
+                if hasattr(t, "element_size") and id(t) not in seen:  # one tensor may be a layer's keys and its values
+                    seen.add(id(t))
+                    total += _size(t)
     return total
+
+
+def _size(t) -> int:
+    return t.numel() * t.element_size() if hasattr(t, "element_size") else 0
 
 
 def block_hashes(ids: list[int], block_tokens: int, blocks: int | None = None) -> list[bytes]:
@@ -170,7 +188,8 @@ def block_hashes(ids: list[int], block_tokens: int, blocks: int | None = None) -
 @dataclass
 class Hit:
     cache: object  # a private copy, cropped to `tokens`, for generate to extend
-    tokens: int  # prompt tokens whose KV it holds
+    tokens: int  # prompt tokens whose KV (or state) it holds
+    feed_from: int = 0  # prompt tokens generate is given from: 0, or `tokens` where it cannot count a cache's tokens
 
 
 @dataclass
@@ -179,6 +198,7 @@ class _Entry:
     cache: object
     nbytes: int
     hashes: list[bytes] = field(default_factory=list)
+    feed_from: int = 0  # Hit.feed_from of this entry (mode "extend": its length when its layers are all stateful)
 
 
 @dataclass
@@ -191,11 +211,17 @@ class PrefixStats:
 
 
 class PrefixCache:
-    """KV checkpoints keyed on token blocks, least recently used dropped first beyond `max_bytes`."""
+    """KV checkpoints keyed on token blocks, least recently used dropped first beyond `max_bytes`.
 
-    def __init__(self, max_bytes: int, block_tokens: int = BLOCK_TOKENS) -> None:
+    MODE "blocks" crops checkpoints to block boundaries and restores any block prefix; "extend" keeps whole caches
+    that cannot be cropped and restores one only for a prompt that extends its tokens exactly."""
+
+    def __init__(self, max_bytes: int, block_tokens: int = BLOCK_TOKENS, mode: str = "blocks") -> None:
         if block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
+        if mode not in MODES:
+            raise ValueError(f"unknown prefix cache mode {mode!r}; expected one of {', '.join(MODES)}")
+        self.mode = mode
         self.max_bytes = int(max_bytes)
         self.block_tokens = block_tokens
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order, oldest first
@@ -210,11 +236,14 @@ class PrefixCache:
         return len(self._entries)
 
     def lookup(self, ids: list[int]) -> Hit | None:
-        """The longest cached block prefix of `ids` leaving at least one token to compute, as a private copy."""
+        """The longest cached block prefix of `ids` (in mode "extend": kept cache whose tokens `ids` starts with)
+        leaving at least one token to compute, as a private copy."""
         with self._lock:
             self.stats.lookups += 1
             if self.disabled_reason:
                 return None
+            if self.mode == "extend":
+                return self._lookup_extended(ids)
             usable = (len(ids) - 1) // self.block_tokens
             for i, h in reversed(list(enumerate(block_hashes(ids, self.block_tokens, usable)))):
                 found = self._index.get(h)
@@ -234,12 +263,15 @@ class PrefixCache:
             return None
 
     def store(self, ids: list[int], cache) -> int:
-        """Keep `cache` (which holds the KV of `ids`, and is handed over) cropped to its last block boundary.
+        """Keep `cache` (which holds the KV of `ids`, and is handed over) cropped to its last block boundary; in mode
+        "extend", whole (it holds every id but the last, which generate sampled and never fed).
 
         Returns the tokens stored (0 when nothing was: too short, already cached, too large or unsupported)."""
         with self._lock:
             if self.disabled_reason:
                 return 0
+            if self.mode == "extend":
+                return self._store_whole(ids, cache)
             ok, why = supported(cache)
             if not ok:
                 self.disabled_reason = why
@@ -271,8 +303,42 @@ class PrefixCache:
                 self._evict(next(iter(self._entries)))
             return length
 
+    def _lookup_extended(self, ids: list[int]) -> Hit | None:
+        """The longest kept cache whose tokens `ids` starts with, leaving at least one token to compute."""
+        found = max(((n, e) for e in self._entries.items() if (n := len(e[1].ids)) < len(ids) and ids[:n] == e[1].ids),
+                    default=None, key=lambda pair: pair[0])
+        if found is None:
+            return None
+        length, (entry_id, entry) = found
+        self._entries.move_to_end(entry_id)
+        self.stats.hits += 1
+        self.stats.reused_tokens += length
+        return Hit(copy.deepcopy(entry.cache), length, entry.feed_from)
+
+    def _store_whole(self, ids: list[int], cache) -> int:
+        """Keep CACHE whole: it holds the state after every id but the last, which generate sampled and never fed."""
+        from .reuse import linear_only
+
+        ids, whole_prompt = list(ids[:-1]), not linear_only(cache)
+        if not ids or (whole_prompt and seq_length(cache) != len(ids)):
+            return 0  # a cache that does not hold exactly these tokens is not kept
+        held = next((entry_id for entry_id, e in self._entries.items() if e.ids == ids), None)
+        if held is not None:
+            self._entries.move_to_end(held)
+            return 0
+        size = nbytes(cache)
+        if size > self.max_bytes:
+            return 0
+        entry_id, self._next = self._next, self._next + 1
+        self._entries[entry_id] = _Entry(ids, cache, size, feed_from=0 if whole_prompt else len(ids))
+        self.bytes += size
+        self.stats.stored += 1
+        while self.bytes > self.max_bytes and self._entries:
+            self._evict(next(iter(self._entries)))
+        return len(ids)
+
     def to_dict(self) -> dict:
-        return {"entries": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes, "block_tokens": self.block_tokens,
+        return {"mode": self.mode, "entries": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes, "block_tokens": self.block_tokens,
                 "lookups": self.stats.lookups, "hits": self.stats.hits, "reused_tokens": self.stats.reused_tokens,
                 "stored": self.stats.stored, "evicted": self.stats.evicted, "disabled_reason": self.disabled_reason}
 
