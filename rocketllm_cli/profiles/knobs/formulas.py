@@ -56,8 +56,9 @@ class Context:
 
 
 def reserve_bytes(c: Context) -> Derivation:
-    return Derivation("max(min_reserve_bytes, floor(reserve_fraction * ram_total))",
-                      {"min_reserve_bytes": GiB, "reserve_fraction": 0.10, "ram_total": c.profile.ram_total})
+    # The floor is a quarter of a small machine (a 1 GiB container would otherwise reserve all of itself).
+    return Derivation("max(min(min_reserve_bytes, floor(small_machine_fraction * ram_total)), floor(reserve_fraction * ram_total))",
+                      {"min_reserve_bytes": GiB, "small_machine_fraction": 0.25, "reserve_fraction": 0.10, "ram_total": c.profile.ram_total})
 
 
 def compute_dtype(c: Context) -> Derivation:
