@@ -122,7 +122,17 @@ def device_cache_bytes(c: Context) -> Derivation:
     if c.model is None:
         return Derivation(f"max(0, {free})", inputs, note="no model: not capped at its size, no streaming buffers (missing total_bytes, largest_unit_bytes)")
     inputs.update(total_bytes=c.model.total_bytes, prefetch_depth=v["prefetch_depth"], largest_unit_bytes=c.model.largest_unit_bytes)
-    return Derivation(f"max(0, min(total_bytes, {free} - (prefetch_depth + 2) * largest_unit_bytes))", inputs)
+    whole = f"max(0, min(total_bytes, {free} - (prefetch_depth + 2) * largest_unit_bytes))"
+    layer = c.model.layer_bytes
+    if 0 < layer < c.model.largest_unit_bytes:
+        # The largest unit is not a layer (a tied embedding and head): kept resident, the streaming buffers only
+        # need to fit a layer, which frees (prefetch_depth + 2) * (largest - layer) bytes for the caches.
+        inputs.update(layer_bytes=layer)
+        by_layer = f"{free} - (prefetch_depth + 2) * layer_bytes"
+        by_largest = f"{free} - (prefetch_depth + 2) * largest_unit_bytes"
+        return Derivation(f"max(0, min(total_bytes, ({by_layer}) if {by_layer} >= largest_unit_bytes else {by_largest}))", inputs,
+                          note="streaming buffers sized for a layer where the largest unit (not a layer) fits resident")
+    return Derivation(whole, inputs)
 
 
 def host_cache_bytes(c: Context) -> Derivation:
