@@ -36,6 +36,11 @@ def int8_fits(fmt: PackedFormat) -> bool:
     return fmt.kind == "int8" and fmt.group == fmt.shape[1]
 
 
+def inner_k_tiles(k: int) -> int:
+    """The non-CPU op's tiling for K: the largest choice K is a multiple of 16 times."""
+    return next((t for t in INNER_K_TILES if k % (16 * t) == 0), INNER_K_TILES[-1])
+
+
 def int4_for_kernel(packed: PackedTensor, dtype: torch.dtype, device) -> dict:
     """{"weight", "scales_and_zeros", "tiles"} for int4_mm on `device` computing in `dtype`. A weight stored in the
     kernel's form (kernelform.py, the layout this CPU's kernel reads) is used as it is: no copy, no conversion."""
@@ -43,7 +48,7 @@ def int4_for_kernel(packed: PackedTensor, dtype: torch.dtype, device) -> dict:
     device = torch.device(device)
     codes = parts["codes"].to(device)
     k = fmt.shape[1]
-    tiles = next((t for t in INNER_K_TILES if k % (16 * t) == 0), INNER_K_TILES[-1])
+    tiles = inner_k_tiles(k)
     kernel_layout = cpulayout.cpu_layout() if device.type == "cpu" else None
     if kernel_layout is not None:
         weight = codes if fmt.layout == kernel_layout else cpulayout.to_layout(cpulayout.from_layout(codes, fmt.layout), kernel_layout)

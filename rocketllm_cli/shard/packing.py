@@ -66,7 +66,7 @@ def predicted_mode(source, packing: str) -> str:
 
 def check_packing(packing: str) -> str:
     if packing not in PACKINGS:
-        raise ParameterError(f"bad {{quantize}} {packing!r}: expected {', '.join(PACKINGS[2:])}", "quantize")
+        raise ParameterError(f"bad {{quantize}} {packing!r}: expected {', '.join(PACKINGS)}", "quantize")
     return packing
 
 

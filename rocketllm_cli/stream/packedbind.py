@@ -109,7 +109,7 @@ def _direct_int4(fmt: PackedFormat, device: torch.device, dtype: torch.dtype):
     codes_at, sz_at = offsets["codes"], offsets["sz"]
     stored = dtypes.torch_dtype(fmt.scale_dtype)
     codes_end, sz_end = codes_at + n * k // 2, sz_at + fmt.groups * 2 * n * stored.itemsize
-    tiles = next((t for t in layout.INNER_K_TILES if k % (16 * t) == 0), layout.INNER_K_TILES[-1])
+    tiles = layout.inner_k_tiles(k)
 
     def bound(data: torch.Tensor):
         sz = data[sz_at:sz_end].view(stored).view(fmt.groups, n, 2)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .. import dtypes
 from ..errors import ShardError
 from ..output import BLINK_S, no_progress
 from ..shard.manifest import RESHARD, Manifest, UnitRecord
@@ -209,7 +210,7 @@ class WeightStore:
         if rows and not (0 <= rows[0] and rows[-1] < n):
             raise IndexError(f"token id {rows[-1] if rows[-1] >= n else rows[0]} outside the embedding table of {n} rows")
         offsets, _ = fmt.offsets()
-        scale_bytes = fmt.parts()["scale"][0][1] * (4 if fmt.scale_dtype == "fp32" else 2)
+        scale_bytes = fmt.parts()["scale"][0][1] * dtypes.ITEMSIZE[fmt.scale_dtype]
         tier = self.plan.tier[name]
         if tier != "device":  # a resident unit is counted once per pass already
             self.ledger.serve(tier, len(rows) * (k + scale_bytes))
@@ -248,7 +249,7 @@ class WeightStore:
         finally:
             os.close(fd)
         self.ledger.add_time("read", time.perf_counter() - started)
-        return {"codes": codes, "scale": scale.view(torch.float32 if fmt.scale_dtype == "fp32" else torch.float16 if fmt.scale_dtype == "fp16" else torch.bfloat16)}
+        return {"codes": codes, "scale": scale.view(dtypes.torch_dtype(fmt.scale_dtype))}
 
     def _read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
         """The table of a storage-tier unit with only `rows` read, one pread each, into a sparse anonymous mapping."""
