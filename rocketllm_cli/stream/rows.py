@@ -1,0 +1,139 @@
+"""Embedding lookups on a streamed table: only the rows a batch of token ids names are read and converted.
+
+A tied or untied embedding table is the largest unit of a small model; streaming it whole once per token would
+move it twice per token when it is also the head. These methods of WeightStore serve just the looked-up rows:
+the host tier through the persistent mapping, the storage tier with one pread per row into a sparse anonymous
+mapping (pages never touched take no memory), packed int8 tables by reading each row's codes and scale.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import torch
+
+from .. import dtypes
+from ..errors import ShardError
+from ..shard.manifest import RESHARD, UnitRecord
+from ..shard.stfile import DTYPES
+
+
+class RowGathers:
+    """The row-gathering half of WeightStore (which supplies units, plan, ledger, dtype, directory, cuda and the
+    host mappings)."""
+
+    def can_gather_rows(self, name: str) -> bool:
+        """Rows of a streamed unit can be served alone on a CPU, where the lookup reads them in place."""
+        unit = self.units[name]
+        return not self.cuda and self.plan.tier[name] != "device" and len(unit.tensors) == 1 and len(unit.tensors[0].shape) == 2
+
+    def gather_rows(self, name: str, key: str, ids: torch.Tensor) -> torch.Tensor:
+        """A full-shaped table in which the rows `ids` name hold their values: the lookup reads nothing else.
+
+        Host tier: the persistent mapping itself. Storage tier: the rows are read one by one into a sparse
+        anonymous mapping (pages never touched take no memory), with readahead off so nothing else is read.
+        """
+        unit = self.units[name]
+        record = unit.tensors[0]
+        rows = torch.unique(ids.reshape(-1)).tolist()
+        row_bytes = record.nbytes // record.shape[0]
+        self.ledger.serve(self.plan.tier[name], len(rows) * row_bytes)
+        stored = DTYPES[record.dtype]
+        if stored != self.dtype and stored.is_floating_point:
+            # Convert only the rows asked for, into a sparse table of the compute dtype: converting the whole
+            # table would touch every page of it, and a tied head would then move the table twice per token.
+            source = self._host_raw[name][key] if self.plan.tier[name] == "host" else self._read_rows(name, rows)
+            started = time.perf_counter()
+            table = self._sparse_table(f"{name}:{self.dtype}", record.nbytes // stored.itemsize * self.dtype.itemsize)
+            table = table.view(self.dtype).view(record.shape)
+            index = torch.tensor(rows, dtype=torch.long)
+            table.index_copy_(0, index, source.index_select(0, index).to(self.dtype))
+            self.ledger.add_time("convert", time.perf_counter() - started)
+            return table
+        if self.plan.tier[name] == "host":
+            return self._host_views[name][key]
+        return self._read_rows(name, rows)
+
+    def gather_packed_rows(self, name: str, key: str, fmt, ids: torch.Tensor) -> torch.Tensor:
+        """gather_rows for a table stored packed as int8 with one scale per row: only the rows looked up are read
+        (their codes and scales) and dequantized, into a sparse full-shaped table of the compute dtype."""
+        from ..packed.format import PackedTensor
+
+        unit = self.units[name]
+        record = next(t for t in unit.tensors if t.name == key)
+        rows = torch.unique(ids.reshape(-1)).tolist()
+        n, k = fmt.shape
+        if rows and not (0 <= rows[0] and rows[-1] < n):
+            raise IndexError(f"token id {rows[-1] if rows[-1] >= n else rows[0]} outside the embedding table of {n} rows")
+        offsets, _ = fmt.offsets()
+        scale_bytes = fmt.parts()["scale"][0][1] * dtypes.ITEMSIZE[fmt.scale_dtype]
+        tier = self.plan.tier[name]
+        if tier != "device":  # a resident unit is counted once per pass already
+            self.ledger.serve(tier, len(rows) * (k + scale_bytes))
+        index = torch.tensor(rows, dtype=torch.long)
+        if tier == "device":
+            parts = PackedTensor.from_bytes(fmt, self._resident[name][key]).parts
+        elif tier == "host" and not self.cuda:
+            parts = PackedTensor.from_bytes(fmt, self._host_raw[name][key]).parts
+        else:
+            parts = self._read_packed_rows(unit, record, fmt, rows, offsets, k, scale_bytes)
+            index = torch.arange(len(rows))
+        started = time.perf_counter()
+        codes = parts["codes"].index_select(0, index.to(parts["codes"].device))
+        scale = parts["scale"].index_select(0, index.to(parts["scale"].device))
+        values = (codes.float() * scale.float()).to(self.dtype)
+        table = self._sparse_table(f"{name}:{key}:{self.dtype}", n * k * self.dtype.itemsize).view(self.dtype).view(n, k)
+        if table.device != values.device:
+            values = values.to(table.device)
+        table.index_copy_(0, torch.tensor(rows, dtype=torch.long), values)
+        self.ledger.add_time("convert", time.perf_counter() - started)
+        return table.to(self.device) if self.cuda else table
+
+    def _read_packed_rows(self, unit: UnitRecord, record, fmt, rows: list[int], offsets: dict, k: int, scale_bytes: int) -> dict:
+        """{"codes": int8 [len(rows), K], "scale": [len(rows), 1]} read with one pread per row and part."""
+        codes = torch.empty((len(rows), k), dtype=torch.int8)
+        scale = torch.empty((len(rows), scale_bytes), dtype=torch.uint8)
+        started = time.perf_counter()
+        fd = os.open(self.directory / unit.file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for i, row in enumerate(rows):
+                for buf, at, size in ((codes[i].view(torch.uint8), offsets["codes"] + row * k, k), (scale[i], offsets["scale"] + row * scale_bytes, scale_bytes)):
+                    if os.preadv(fd, [memoryview(buf.numpy())], record.offset + at) != size:
+                        raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        self.ledger.add_time("read", time.perf_counter() - started)
+        return {"codes": codes, "scale": scale.view(dtypes.torch_dtype(fmt.scale_dtype))}
+
+    def _read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
+        """The table of a storage-tier unit with only `rows` read, one pread each, into a sparse anonymous mapping."""
+        unit = self.units[name]
+        record = unit.tensors[0]
+        row_bytes = record.nbytes // record.shape[0]
+        started = time.perf_counter()
+        table = self._sparse_table(name, record.nbytes)
+        view = memoryview(table.numpy())
+        fd = os.open(self.directory / unit.file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for row in rows:
+                if not 0 <= row < record.shape[0]:
+                    raise IndexError(f"token id {row} outside the embedding table of {record.shape[0]} rows")
+                start = row * row_bytes
+                if os.preadv(fd, [view[start : start + row_bytes]], record.offset + start) != row_bytes:
+                    raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        self.ledger.add_time("read", time.perf_counter() - started)
+        return table.view(DTYPES[record.dtype]).view(record.shape)
+
+    def _sparse_table(self, name: str, nbytes: int) -> torch.Tensor:
+        table = self._tables.get(name)
+        if table is None:
+            table = self._tables[name] = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        return table
