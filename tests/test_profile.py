@@ -202,3 +202,28 @@ def test_contention_while_measuring_is_recorded_and_reported(profile):
     doc = report.build(busy, None, None)
     assert any("60%" in w and "--refresh" in w for w in doc["profile"]["warnings"])
     assert "- warning: other processes used 60%" in markdown.render(doc)
+
+
+def test_an_isa_ceiling_hides_the_flags_kernels_are_told_not_to_use(monkeypatch):
+    """ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA cap what torch's kernels use: the decisions see the capped ISA,
+    and the capped machine gets its own profile fingerprint."""
+    from rocketllm_cli.profiles.probe.capabilities import compute_dtype
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    full_flags, _ = facts.cpu_flags()
+    plain = facts.fingerprint(facts.fingerprint_facts())
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    flags, source = facts.cpu_flags()
+    assert not [f for f in flags if f.startswith(("avx512", "amx"))]
+    assert set(flags) <= set(full_flags)
+    assert compute_dtype("cpu", flags, {}).value == "fp32"
+    assert facts.fingerprint(facts.fingerprint_facts()) != plain
+    if any(f.startswith(("avx512", "amx")) for f in full_flags):
+        assert "left out by ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2" in source
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")  # not a ceiling this table knows: nothing is hidden by it
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    flags, _ = facts.cpu_flags()
+    assert "avx512_bf16" not in flags and not [f for f in flags if f.startswith("amx")]
+    assert [f for f in flags if f not in ("avx512_bf16", "avx512_fp16")] == [f for f in full_flags if f not in ("avx512_bf16", "avx512_fp16") and not f.startswith("amx")]

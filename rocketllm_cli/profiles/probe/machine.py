@@ -23,6 +23,18 @@ RELEVANT_ISA = (
 )
 GIB = 1024**3
 
+# The ISA torch and oneDNN are told to stop at (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA): flags above the lower of
+# the two are not used by any kernel, so the decisions must not count them. Each ceiling names the flags it hides.
+_AVX512 = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16")
+_AMX = ("amx_tile", "amx_bf16", "amx_int8")
+_ATEN_HIDES = {"default": ("avx", "avx2", "fma", *_AVX512, *_AMX), "avx2": (*_AVX512, *_AMX)}
+_ONEDNN_HIDES = {
+    "sse41": ("avx", "avx2", "fma", *_AVX512, *_AMX), "avx": ("avx2", *_AVX512, *_AMX), "avx2": (*_AVX512, *_AMX),
+    "avx2_vnni": (*_AVX512, *_AMX), "avx2_vnni_2": (*_AVX512, *_AMX), "avx512_core": ("avx512_bf16", "avx512_fp16", *_AMX),
+    "avx512_core_vnni": ("avx512_bf16", "avx512_fp16", *_AMX), "avx512_core_bf16": ("avx512_fp16", *_AMX),
+    "avx512_core_fp16": _AMX,
+}
+
 
 def package_version(dist: str) -> str | None:
     """Installed version from package metadata, without importing the package (transformers costs seconds)."""
@@ -60,7 +72,22 @@ def cpu_flags() -> tuple[list[str], str]:
                 break
         what = "missing" if isinstance(exc, ImportError) else f"failed ({type(exc).__name__})"
         source = f"/proc/cpuinfo (py-cpuinfo {what})" if flags else f"unavailable: py-cpuinfo {what} and no /proc/cpuinfo flags"
-    return [f for f in RELEVANT_ISA if f in flags], source
+    hidden, ceiling = isa_ceiling()
+    if hidden & flags:
+        source += f"; {', '.join(f for f in RELEVANT_ISA if f in hidden & flags)} left out by {ceiling}"
+    return [f for f in RELEVANT_ISA if f in flags and f not in hidden], source
+
+
+def isa_ceiling() -> tuple[set[str], str]:
+    """(flags the kernels are told not to use, the settings that say so); empty when nothing caps the ISA."""
+    hidden: set[str] = set()
+    said = []
+    for var, table in (("ATEN_CPU_CAPABILITY", _ATEN_HIDES), ("ONEDNN_MAX_CPU_ISA", _ONEDNN_HIDES)):
+        value = os.environ.get(var, "").strip()
+        if value.lower() in table:
+            hidden.update(table[value.lower()])
+            said.append(f"{var}={value}")
+    return hidden, " and ".join(said)
 
 
 def usable_cores() -> int:
@@ -103,7 +130,7 @@ def pci_accelerators() -> list[str]:
 def fingerprint_facts() -> dict:
     """The stable facts the cache is keyed on; cheap to gather (no torch import, no py-cpuinfo)."""
     gpus, _ = nvml_gpus()
-    return {
+    facts = {
         "cpu_model": cpu_model(),
         "cpu_cores": usable_cores(),
         "ram_total_gib": round(memory()[0] / GIB),
@@ -112,6 +139,10 @@ def fingerprint_facts() -> dict:
         "os": f"{platform.system()} {platform.release().split('.')[0]}",
         "torch": package_version("torch"),
     }
+    ceiling = isa_ceiling()[1]
+    if ceiling:  # a capped ISA decides differently: its own profile (an uncapped machine keeps its fingerprint)
+        facts["isa_ceiling"] = ceiling
+    return facts
 
 
 def fingerprint(facts: dict) -> str:
