@@ -378,3 +378,54 @@ def test_smollm2_answers_paris_through_both_apis(smollm2_gguf):
     finally:
         code, err = server.stop()
     assert code == 0, err
+
+
+# -- generate --server -----------------------------------------------------------------------------------
+REMOTE_CLI = ("import sys\nfrom rocketllm_cli.app import main\ntry:\n    main()\nfinally:\n"
+              "    print('imported torch:', 'torch' in sys.modules, file=sys.stderr)\n")
+
+
+def remote_generate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`rocketllm generate ARGS` in a fresh process that says at exit whether it imported torch."""
+    return subprocess.run([sys.executable, "-c", REMOTE_CLI, "generate", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_generate_through_a_running_server_prints_what_a_local_run_prints(tiny, tmp_path):
+    """generate --server sends the prompt to the server and loads nothing: no torch import, the same greedy text,
+    the same --json fields; a wrong model, a bad URL, a knob flag and --batch each get one line."""
+    local = CliRunner().invoke(app, ["generate", str(tiny), "The capital of France is", "--raw", "-n", "8"])
+    assert local.exit_code == 0, local.stderr
+    server = ServeProcess(tiny, "--device-cache-bytes", "1GB", "--no-access-log")
+    try:
+        url = server.info["url"]
+        remote = remote_generate("--server", url, "The capital of France is", "--raw", "-n", "8")
+        assert remote.returncode == 0, remote.stderr
+        assert remote.stdout == local.stdout
+        assert remote.stderr.strip().splitlines()[-1] == "imported torch: False"
+        by_env = subprocess.run([sys.executable, "-m", "rocketllm_cli", "generate", str(tiny), "--raw", "-n", "8", "--json"],
+                                input="The capital of France is", capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "ROCKETLLM_SERVER": url})
+        assert by_env.returncode == 0, by_env.stderr
+        doc = json.loads(by_env.stdout)
+        assert doc["text"] + "\n" == local.stdout and doc["new_tokens"] == 8 and doc["stats"]["server"] == url
+        assert doc["stats"]["time_to_first_token_s"] is not None and doc["model"] == server.info["model"]
+        alone = remote_generate("--server", url, "--raw", "-n", "8", server.info["model"], "The capital of France is")
+        assert alone.returncode == 0 and alone.stdout == local.stdout, alone.stderr
+        wrong = remote_generate(str(tmp_path / "other-model"), "hi", "--server", url)
+        assert wrong.returncode == 1 and wrong.stderr.splitlines()[0] == (
+            f"error: the server at {url} serves '{server.info['model']}', not '{tmp_path / 'other-model'}'; "
+            "start a server for that model, or drop MODEL to use the one it serves")
+        knob = remote_generate("--server", url, "hi", "--prefetch-depth", "2")
+        assert knob.returncode == 1 and knob.stderr.splitlines()[0] == (
+            "error: --prefetch-depth tunes the engine of this process, but --server uses the server's; "
+            "set it on `rocketllm serve`, or drop --server")
+    finally:
+        code, err = server.stop()
+    assert code == 0, err
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gone = remote_generate("--server", f"http://127.0.0.1:{port}", "hi")
+    assert gone.returncode == 1 and gone.stderr.splitlines()[0].startswith(f"error: no server answers at http://127.0.0.1:{port} (")
+    assert "Traceback" not in gone.stderr and gone.stdout == ""

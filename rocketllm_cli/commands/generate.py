@@ -29,6 +29,9 @@ Shards MODEL on first use and reuses the shards afterwards. Only the generated t
 to stdout, so it composes in pipelines; --stats reports speed and bytes per tier on stderr.
 In --json and --stats, load_s is finding or writing the shards plus loading them, and total_s is generation alone.
 A prompt byte that is not valid UTF-8 (the locale's encoding) becomes U+FFFD, with a warning saying where.
+With --server URL (or ROCKETLLM_SERVER) the prompt goes to a running `rocketllm serve` and nothing is loaded here:
+a lone argument is then the PROMPT unless it is the served model's id or an existing path; MODEL, when given,
+must be what that server serves.
 
 Example: echo "The capital of France is" | rocketllm generate ./SmolLM2.gguf --raw --max-new-tokens 8
 """
@@ -48,10 +51,14 @@ def run(
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print speed, bytes per tier, peak RSS and the residency plan to stderr.")] = False,
     batch: Annotated[bool, typer.Option("--batch", help="One prompt per stdin line, generated as one batch; one output line per prompt, in order (newlines in outputs written as \\n).")] = False,
+    server: Annotated[Optional[str], typer.Option("--server", envvar="ROCKETLLM_SERVER", metavar="URL", help="Send the prompt to the rocketllm serve at URL instead of loading MODEL here: no start-up cost.", show_default=False)] = None,
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
     output = Output(as_json=json)
+    if server:
+        return _through_server(server, model, prompt, model_option, SamplingParams(max_new_tokens, temperature, top_p, top_k, seed),
+                               chat, system, stats, batch, json, knob_flags or {}, output)
     if model_option is not None and prompt is None:  # `generate --model M PROMPT`: the one word is the prompt
         model, prompt = None, model
     model = pick_model(model, model_option)
@@ -99,6 +106,48 @@ def run(
     output.stream("\n")
     if stats:
         output.log(format_stats(figures, result.prompt_tokens, result.new_tokens))
+
+
+def _through_server(url, model, prompt, model_option, params, chat, system, stats, batch, json, knob_flags, output) -> None:
+    """generate --server: the same prompt rules and output, the generation done by a running server."""
+    from ..server.client import default_model_id, remote_generate, served_model
+
+    if batch:
+        raise RocketError("--batch runs the prompts as one batch in this process; with --server send them one by one, or drop --server")
+    if knob_flags:
+        from ..profiles.knobs.table import KNOBS_BY_NAME
+
+        flag = KNOBS_BY_NAME[sorted(knob_flags)[0]].flag
+        raise RocketError(f"{flag} tunes the engine of this process, but --server uses the server's; "
+                          "set it on `rocketllm serve`, or drop --server")
+    served = served_model(url)
+    if model_option is None and prompt is None and model is not None and not _names_model(model, served):
+        model, prompt = None, model  # one argument with --server, not a model: the server has the model, this is the prompt
+    model = pick_model(model, model_option, required=False)
+    text = _read_prompt(prompt, output)
+    system = None if system is None else _argument_text(system, "--system", output)
+    if model is not None and default_model_id(model) != served:
+        raise RocketError(f"the server at {url} serves '{served}', not '{default_model_id(model)}'; "
+                          "start a server for that model, or drop MODEL to use the one it serves")
+    result = remote_generate(url, served, text, chat=chat, system=system, params=params,
+                             on_text=None if json else output.stream)
+    if json:
+        output.json({k: result[k] for k in ("text", "prompt_tokens", "new_tokens")} | {"stats": result["stats"], "model": served})
+        return
+    output.stream("\n")
+    if stats:
+        figures = result["stats"]
+        output.log(f"tokens: {result['prompt_tokens']} prompt ({figures['cached_prompt_tokens'] or 0} from the server's prefix cache), "
+                   f"{result['new_tokens']} generated; time to first token {figures['time_to_first_token_s']} s\n"
+                   f"time: {figures['total_s']} s through {url}; decode {figures['decode_tokens_per_s']} tok/s "
+                   "(bytes per tier: the server's /metrics)")
+
+
+def _names_model(word: str, served: str) -> bool:
+    """A lone argument with --server is MODEL when it is the served model's id or an existing path, else the PROMPT."""
+    from pathlib import Path
+
+    return word == served or Path(word).expanduser().exists()
 
 
 def _result(outcome) -> dict:

@@ -63,8 +63,9 @@ def run(
 
 
 def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output) -> None:
+    from ..server.client import default_model_id
     from ..server.serving import make_server, sigterm_as_ctrl_c
-    from ..server.state import ServerState, default_model_id
+    from ..server.state import ServerState
     from ..server.worker import STOP_WAIT_S
     from ..stream.auto import AutoModel
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from ..text.loop import Generator
@@ -14,15 +13,6 @@ from .metrics import Metrics
 from .prompts import PromptBuilder
 from .tools import FAMILIES, choose
 from .worker import STOP_TIMEOUT_S, Job, Worker
-
-
-def default_model_id(model: str) -> str:
-    """The name clients use: the model directory's name, a .gguf file's name without the suffix, or the hub id."""
-    path = Path(str(model)).expanduser()
-    if path.exists():
-        path = path.resolve()
-        return path.stem if path.is_file() else path.name
-    return str(model)
 
 
 class ServerState:
