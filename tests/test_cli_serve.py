@@ -405,7 +405,7 @@ def test_generate_through_a_running_server_prints_what_a_local_run_prints(tiny, 
         assert remote.stderr.strip().splitlines()[-1] == "imported torch: False"
         by_env = subprocess.run([sys.executable, "-m", "rocketllm_cli", "generate", str(tiny), "--raw", "-n", "8", "--json"],
                                 input="The capital of France is", capture_output=True, text=True, timeout=120,
-                                env={**os.environ, "ROCKETLLM_SERVER": url})
+                                env={**os.environ, "ROCKETLLM_SERVER": url}, check=False)
         assert by_env.returncode == 0, by_env.stderr
         doc = json.loads(by_env.stdout)
         assert doc["text"] + "\n" == local.stdout and doc["new_tokens"] == 8 and doc["stats"]["server"] == url
