@@ -132,6 +132,15 @@ def test_the_gguf_keeps_its_packed_blocks_and_the_set_is_about_its_size(smol, ma
     assert manifest.total_bytes <= 1.2 * smollm2_gguf.stat().st_size
 
 
+def test_doctor_sizes_the_gguf_as_the_set_shard_writes(smol, manifest, smollm2_gguf):
+    """`doctor --model FILE.gguf` predicts, from the header alone, the bytes the packed set really holds."""
+    from rocketllm_cli.shard.modelfacts import model_facts_from_path
+
+    predicted, written = model_facts_from_path(smollm2_gguf), model_facts_from_path(smol)
+    assert predicted.total_bytes == written.total_bytes == manifest.total_bytes
+    assert (predicted.num_layers, predicted.layer_bytes) == (written.num_layers, written.layer_bytes)
+
+
 def test_packed_logits_agree_with_transformers_dequantized_gguf(smol, manifest, smollm2_gguf):
     from transformers import AutoModelForCausalLM
 

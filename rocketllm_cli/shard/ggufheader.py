@@ -1,4 +1,4 @@
-"""Just enough of a GGUF header to size a model: metadata values and tensor byte extents.
+"""Just enough of a GGUF header to size a model: metadata values, tensor byte extents, and what shards will hold.
 
 Parsed by hand (no gguf import: its reader decodes the whole vocabulary, seconds on a small model).
 """
@@ -23,8 +23,19 @@ _BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 
            24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
 
 
+# ggml type ids `shard --quantize auto` keeps packed (shard/packing.py KEPT): int4 at group 32, and Q8_0 as int8 per row
+_INT4_KEPT = {2: "Q4_0", 3: "Q4_1", 12: "Q4_K"}
+_INT8_KEPT = {8: "Q8_0"}
+
+
 def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, int]]:
     """(metadata without arrays of strings, tensor name -> bytes as stored). ModelError on a foreign or truncated file."""
+    meta, sizes, _ = read_gguf_tensors(path)
+    return meta, sizes
+
+
+def read_gguf_tensors(path: Path) -> tuple[dict[str, object], dict[str, int], dict[str, tuple[int, tuple[int, ...]]]]:
+    """read_gguf plus each tensor's (ggml type id, dims as GGUF lists them, innermost first)."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             return _parse(mm, len(mm))
@@ -33,7 +44,29 @@ def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, int]]:
         raise ModelError(f"{path.name}: not a readable GGUF file ({why})") from None
 
 
-def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int]]:
+def shard_sizes(infos: dict[str, tuple[int, tuple[int, ...]]], itemsize: int = 2) -> dict[str, int]:
+    """Bytes each tensor will take in a `shard --quantize auto` set of `itemsize`-byte floats, from the header alone.
+
+    A matrix the model computes with (every 2-D tensor but an untied token embedding) stays packed when its
+    type is kept: int4 codes at group 32 with a scale and a zero per group in the set's dtype, or Q8_0 as int8
+    with one fp32 scale per row. Everything else is dequantized to the set's dtype."""
+    tied = "output.weight" not in infos
+    out = {}
+    for name, (ggml_type, dims) in infos.items():
+        numel = 1
+        for d in dims:
+            numel *= d
+        matrix = len(dims) == 2 and (name != "token_embd.weight" or tied)
+        if matrix and ggml_type in _INT4_KEPT and dims[0] % 32 == 0:
+            out[name] = numel // 2 + numel // 32 * 2 * itemsize
+        elif matrix and ggml_type in _INT8_KEPT:
+            out[name] = numel + dims[1] * 4
+        else:
+            out[name] = numel * itemsize
+    return out
+
+
+def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int], dict[str, tuple[int, tuple[int, ...]]]]:
     if mm[:4] != b"GGUF":
         raise ValueError("bad magic")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
@@ -46,6 +79,7 @@ def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int]]:
         (vtype,) = struct.unpack_from("<I", mm, pos)
         meta[key], pos = _value(mm, pos + 4, vtype)
     offsets: list[tuple[int, str]] = []
+    infos: dict[str, tuple[int, tuple[int, ...]]] = {}
     exact: dict[str, int] = {}  # stored bytes, where the type's block size is known
     for _ in range(n_tensors):
         name, pos = _string(mm, pos)
@@ -58,6 +92,7 @@ def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int]]:
         (offset,) = struct.unpack_from("<Q", mm, pos)
         pos += 8
         offsets.append((offset, name))
+        infos[name] = (ggml_type, tuple(dims))
         if ggml_type in _BLOCKS:
             per, nbytes = _BLOCKS[ggml_type]
             numel = 1
@@ -72,7 +107,7 @@ def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int]]:
     offsets.sort()
     ends = [o for o, _ in offsets[1:]] + [size - data_start]
     # Each tensor runs to the next one's start (alignment padding of < 32 bytes included).
-    return meta, {name: end - start for (start, name), end in zip(offsets, ends)}
+    return meta, {name: end - start for (start, name), end in zip(offsets, ends)}, infos
 
 
 def _string(mm, pos: int) -> tuple[str, int]:

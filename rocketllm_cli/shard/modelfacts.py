@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..dtypes import ITEMSIZE, short_name
 from ..errors import ModelError, ShardError
-from .ggufheader import FILE_TYPES, read_gguf
+from .ggufheader import FILE_TYPES, read_gguf_tensors, shard_sizes
 from .stfile import read_header
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -259,7 +259,8 @@ def _from_hf_dir(path: Path, files: list[Path]) -> ModelFacts:
 
 
 def _from_gguf(path: Path) -> ModelFacts:
-    meta, sizes = read_gguf(path)
+    meta, _, infos = read_gguf_tensors(path)
+    sizes = shard_sizes(infos)  # what streams is the shard set `shard` writes, not the GGUF's own blocks
     arch = str(meta.get("general.architecture", ""))
 
     def get(key: str, default=None):

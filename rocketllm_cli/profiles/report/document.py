@@ -58,7 +58,8 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
 def _model_note(model: ModelFacts) -> str:
     notes = ["bytes only: per-layer framework overhead is not in the projection (`bench` shows measured next to projected)"]
     if model.dtype.startswith("gguf"):
-        notes.insert(0, "sizes as stored in the GGUF; shards dequantized to 16 bits are larger: run doctor on the shard directory for streamed sizes")
+        notes.insert(0, "sizes of the bf16 shard set `shard` writes by default, predicted from the GGUF header (Q4_0, Q4_1 and "
+                        "Q4_K matrices stay int4, Q8_0 int8, the rest bf16); run doctor on the shard directory for the set itself")
     return "; ".join(notes)
 
 
