@@ -111,7 +111,11 @@ class Generator:
             return [GenerationOutcome("", [], len(r.prompt_ids), "cancelled") for r in requests]
         single = requests[0] if len(requests) == 1 else None
         record = Record(start=time.perf_counter())  # the prefill time includes restoring a cached prefix
-        hit = self.prefix_cache.lookup(list(single.prompt_ids)) if self._caching(single) else None
+        spec = self.speculation if single is not None else self.speculation.off(
+            "off: a batch of several prompts (transformers verifies the drafts of one sequence at a time)")
+        # transformers' assisted generation feeds its first pass the whole prompt even over a restored cache, so a
+        # speculative run computes its prompt afresh (where layers stream, a prefill is one pass whatever its length).
+        hit = self.prefix_cache.lookup(list(single.prompt_ids)) if self._caching(single) and not spec.on else None
         extra = {}
         if hit is not None:
             from .prefix import generate_cache_kwarg
@@ -123,10 +127,10 @@ class Generator:
         feed_from = hit.feed_from if hit is not None else 0  # a cache generate cannot count is given only the new tokens
         ids, mask = self._left_padded([r.prompt_ids[feed_from:] for r in requests])
         rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel) for r in requests]
-        spec = self.speculation if single is not None else self.speculation.off(
-            "off: a batch of several prompts (transformers verifies the drafts of one sequence at a time)")
         record.prompt_new = len(single.prompt_ids) - (hit.tokens if hit is not None else 0) if single is not None else 0
         record.speculation = {"mode": spec.mode, "reason": spec.reason, **({"draft_tokens": spec.tokens} if spec.on else {})}
+        if spec.on and self._caching(single):
+            record.speculation["prefix_cache"] = "not looked up: a speculative run computes its whole prompt (kept for later runs)"
         ledger = getattr(self.model, "ledger", None)
         inner = getattr(self.model, "model", self.model) if ledger is not None else self.model  # StreamingModel: its module
         counting = inner.register_forward_pre_hook(_pass_counter(record), with_kwargs=True) if spec.on and \
