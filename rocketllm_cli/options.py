@@ -28,7 +28,7 @@ ModelOpt = Annotated[Optional[str], typer.Option("--model", metavar="MODEL", hel
 # Short enough for an 80-column panel title; the variables get the help's last paragraph (KNOB_ENV_HINT).
 KNOB_PANEL = "Knobs (derived from the measured hardware unless set)"
 KNOB_ENV_HINT = "Every knob can also be set as ROCKETLLM_<NAME> in the environment (e.g. ROCKETLLM_PREFETCH_DEPTH=2); a flag wins over the variable."
-_KNOB_METAVARS = {"bytes": "BYTES", "int": "INTEGER", "bool": "BOOLEAN", "choice": "CHOICE"}  # the help lists the choices
+_KNOB_METAVARS = {"bytes": "BYTES", "int": "INTEGER", "bool": "BOOLEAN", "choice": "CHOICE", "path": "PATH"}  # the help lists the choices
 
 
 def pick_model(positional: str | None, option: str | None, required: bool = True) -> str | None:
@@ -175,6 +175,10 @@ def derived_defaults() -> dict[str, str]:
             out[name] = f"Now: {knob.display()}, set by {knob.formula}"
         elif name == "prefix_cache":
             out[name] = "Default: auto, which turns it on only when every weight is resident"
+        elif name == "speculate":
+            out[name] = "Default: auto, which turns it on only when layers stream (prompt lookup, or draft with --draft-model)"
+        elif name == "draft_model":
+            out[name] = "Default: none"
         elif knob.value is None:
             out[name] = "Default: derived at start from the model"
         elif knob.note.startswith(("no model", "needs a model")):

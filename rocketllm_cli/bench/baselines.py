@@ -50,7 +50,7 @@ def run_baseline(name: str, regime: str, hf_dir: Path | None, dtype: torch.dtype
         return row
     finally:
         gc.collect()
-    row.update(status="measured", ttft_ms=round(1000 * stats.ttft_s, 1), ms_per_token=ms_summary(stats.gaps_s),
+    row.update(status="measured", ttft_ms=round(1000 * stats.ttft_s, 1), ms_per_token=ms_summary(stats.token_gaps_s),
                storage_witnessed_per_token=stats.storage_witnessed_per_token, bytes_per_token=None)
     return row
 

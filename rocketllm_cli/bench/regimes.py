@@ -62,7 +62,9 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
         experts = stats.experts_per_token
         return {
             "name": "rocketllm", "regime": regime, "status": "measured", "reason": "",
-            "ttft_ms": round(1000 * stats.ttft_s, 1), "ms_per_token": ms_summary(stats.gaps_s),
+            "ttft_ms": round(1000 * stats.ttft_s, 1), "ms_per_token": ms_summary(stats.token_gaps_s),
+            "tokens_per_s": round(stats.tokens_per_s, 2) if stats.tokens_per_s else None,
+            "speculation": stats.speculation or None,
             "bytes_per_token": served,
             # the limit's bytes: each weight once (a MoE token: the dense part and its routed experts, as served)
             "unique_bytes_per_tier": served if moe else streamed.plan.bytes_per_tier(streamed.manifest),

@@ -63,6 +63,9 @@ def render_batch(batch: dict) -> list[str]:
 
 def _cells(row: dict) -> list[str]:
     run = row["name"] + (f" ({row['read_method']})" if row.get("read_method") else "")
+    spec = row.get("speculation") or {}
+    if "proposed" in spec:
+        run += f", speculating: {spec['mode']}"
     if row["status"] != "measured":
         return [run, row["regime"], f"skipped: {row['reason']}", *["-"] * (len(COLUMNS) - 3)]
     ms = row["ms_per_token"]
@@ -87,7 +90,12 @@ def _notes(rows: list[dict]) -> list[str]:
                 served = sum((row.get("bytes_per_token") or {}).values())
                 experts = (f"experts: {row['experts_per_token']:.1f} routed uses per token, expert cache hit rate {rate}, "
                            f"{format_bytes(served)} per token vs {format_bytes(row['whole_layer_bytes_per_token'])} streaming whole layers; ")
-            out.append(f"- {row['regime']}: limit {row.get('limit_basis')}; per-token phases {phases}; {experts}{row.get('residency_text', '')}")
+            spec = row.get("speculation") or {}
+            speculation = (f"speculative decoding ({spec['mode']}): {spec['proposed']} tokens proposed, {spec['accepted']} accepted, "
+                           f"{spec['tokens_per_pass']} tokens per pass; " if "proposed" in spec else
+                           f"speculative decoding {spec['reason']}; " if spec.get("reason") else "")
+            out.append(f"- {row['regime']}: limit {row.get('limit_basis')}; per-token phases {phases}; {experts}{speculation}"
+                       f"{row.get('residency_text', '')}")
         elif row["status"] == "measured" and row.get("llamacpp"):
             lc = row["llamacpp"]
             gpu = "no GPU layers" if lc["n_gpu_layers"] == 0 else "every layer on the GPU"

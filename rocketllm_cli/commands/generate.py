@@ -84,7 +84,11 @@ def run(
         for one in ids:
             check_context(len(one), params.max_new_tokens, int(streamed.knobs.value("max_context")))
         on_text = None if json or batch else output.stream
-        results = Generator(streamed).run_batch([GenerationRequest(one, params, on_text=on_text) for one in ids])
+        generator = Generator(streamed)
+        asked = streamed.knobs["speculate"]
+        if asked.overridden and asked.value in ("prompt-lookup", "draft") and not generator.speculation.on:
+            output.log(f"note: speculative decoding {generator.speculation.reason}")
+        results = generator.run_batch([GenerationRequest(one, params, on_text=on_text) for one in ids])
         figures = {**results[0].stats.to_dict(), "residency": streamed.plan.describe(streamed.manifest), "device": str(streamed.device),
                  "compute_dtype": str(streamed.dtype).replace("torch.", ""), **({"batch": len(results)} if batch else {}),
                  "load_s": load_s}  # total_s stays generation alone
@@ -205,9 +209,19 @@ def format_stats(stats: dict, prompt_tokens: int, new_tokens: int) -> str:
          f"decode: {stats.get('per_token_ms')} ms/token ({stats.get('decode_tokens_per_s')} tok/s) on {stats.get('device')} in {stats.get('compute_dtype')}"),
         f"bytes per token: {tiers or 'n/a'}; storage read witnessed {format_bytes(witnessed) if witnessed is not None else 'n/a'}",
         *([_experts_line(stats)] if stats.get("experts_per_token") is not None else []),
+        *([speculation_line(stats["speculation"])] if stats.get("speculation") else []),
         f"peak RSS: {format_bytes(stats.get('peak_rss_bytes'))}",
         stats.get("residency", ""),
     ])
+
+
+def speculation_line(spec: dict) -> str:
+    """One line on speculative decoding: what was proposed and accepted and the tokens each pass made, or why it was off."""
+    if "proposed" not in spec:
+        return f"speculative decoding: {spec.get('reason') or spec.get('mode')}"
+    rate = f" ({100 * spec['acceptance']:.0f}%)" if spec.get("acceptance") is not None else ""
+    return (f"speculative decoding ({spec['mode']}, up to {spec['draft_tokens']} drafted per pass): {spec['proposed']} tokens proposed, "
+            f"{spec['accepted']} accepted{rate}; {spec['tokens']} tokens in {spec['passes']} passes = {spec['tokens_per_pass']} tokens per pass")
 
 
 def _experts_line(stats: dict) -> str:

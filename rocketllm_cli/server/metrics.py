@@ -38,6 +38,7 @@ class Metrics:
         self.prefill_latency = _Summary()
         self.bytes_served: collections.Counter = collections.Counter()  # tier -> bytes, every pass
         self.bytes_per_token: dict[str, int] = {}  # tier -> bytes per decode token, latest generation
+        self.speculation: collections.Counter = collections.Counter()  # proposed | accepted | passes | tokens, speculative generations
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -51,7 +52,11 @@ class Metrics:
             if outcome.finish_reason == "cancelled":
                 self.cancelled += 1
             stats = outcome.stats
-            self.token_latency.observe(stats.gaps_s)
+            self.token_latency.observe(stats.token_gaps_s)
+            spec = stats.speculation or {}
+            if "proposed" in spec:
+                for key in ("proposed", "accepted", "passes", "tokens"):
+                    self.speculation[key] += spec[key]
             if stats.ttft_s is not None:
                 self.prefill_latency.observe([stats.ttft_s])
             for tier, n in stats.served_bytes.items():
@@ -88,6 +93,13 @@ class Metrics:
                    [({"tier": t}, self.bytes_served.get(t, 0)) for t in ("device", "host", "storage")])
             metric("rocketllm_bytes_per_token", "gauge", "Weight bytes each tier served per decode token in the latest generation.",
                    [({"tier": t}, self.bytes_per_token.get(t, 0)) for t in ("device", "host", "storage")])
+            metric("rocketllm_speculative_tokens_total", "counter", "Speculative decoding: drafted tokens proposed to the model and "
+                   "accepted by it.", [({"kind": k}, self.speculation.get(k, 0)) for k in ("proposed", "accepted")])
+            metric("rocketllm_speculative_passes_total", "counter", "Forward passes of speculative generations.",
+                   [({}, self.speculation.get("passes", 0))])
+            passes = self.speculation.get("passes", 0)
+            metric("rocketllm_tokens_per_pass", "gauge", "Tokens made per forward pass over the speculative generations (1 without "
+                   "speculation).", [({}, round(self.speculation["tokens"] / passes, 4) if passes else 1.0)])
         metric("rocketllm_queue_length", "gauge", "Requests waiting for the model (not counting the one running).", [({}, queue_length)])
         metric("rocketllm_busy", "gauge", "1 while a generation runs.", [({}, int(busy))])
         if prefix is not None:

@@ -69,6 +69,7 @@ class ServerState:
             self.residency,
             f"tool parser: {self.family} ({self.family_reason}); tools {tool_note}",
             f"prefix cache: {self.prefix_reason}",
+            f"speculative decoding: {self.generator.speculation.reason}",
         ]
         if url:
             lines.append(f"listening on {url} (OpenAI: {url}/v1, Anthropic: {url}); Ctrl-C stops")
@@ -87,6 +88,7 @@ class ServerState:
             "queue_length": self.worker.queue_length,
             "busy": self.worker.busy,
             "max_context": self.max_context,
+            "speculation": {"mode": self.generator.speculation.mode, "reason": self.generator.speculation.reason},
             "prefix_cache": {"enabled": self.prefix_on, "reason": self.prefix_reason, "mode": self.prefix_mode,
                              **(self.prefix_cache.to_dict() if self.prefix_cache is not None else {})},
         }

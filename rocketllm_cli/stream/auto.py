@@ -84,6 +84,52 @@ def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> 
     check_budget(0, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
 
 
+def _load_draft(target, knobs, progress, log):
+    """The draft model speculative decoding drafts with, every weight resident; None unless the speculate knob is draft
+    (auto is draft where layers stream and a draft model is given). Refused when its vocabulary is not the target's."""
+    from ..errors import ParameterError
+
+    path = knobs.value("draft_model")
+    mode = knobs.value("speculate")
+    if mode == "auto":
+        mode = knobs["speculate"].derived_value
+    if mode == "draft" and not path:
+        raise ParameterError("{speculate} draft needs a draft model: give {draft_model}", "speculate", "draft_model")
+    if not path or mode != "draft":
+        if path:
+            (log or (lambda m: None))(f"note: the draft model is not loaded: speculation is {mode} ({knobs['speculate'].formula})")
+        return None
+    everything = 1 << 62  # device_cache_bytes covering any model: every unit bound once, nothing streams
+    draft = AutoModel.from_pretrained(path, progress=progress, log=log, device_cache_bytes=everything, host_cache_bytes=0, speculate="off",
+                                      compute_dtype=str(target.dtype).removeprefix("torch."))
+    try:
+        problem = _vocabulary_differs(target, draft)
+    except BaseException:
+        draft.close()
+        raise
+    if problem:
+        draft.close()
+        raise ParameterError(f"{{draft_model}} {path} cannot draft for this model: {problem}", "draft_model")
+    return draft
+
+
+def _vocabulary_differs(target, draft) -> str:
+    """Why DRAFT's tokens are not the target's (its tokenizer or its vocabulary size), or ""."""
+    a, b = target.tokenizer, draft.tokenizer
+    if a is not None and b is not None:
+        va, vb = a.get_vocab(), b.get_vocab()
+        if va != vb:
+            differ = sum(1 for t, i in va.items() if vb.get(t) != i) + sum(1 for t in vb if t not in va)
+            return f"its tokenizer differs ({len(vb)} tokens against {len(va)}, {differ} mapped differently)"
+    elif (a is None) != (b is None):
+        return "one of the two has no tokenizer, so their tokens cannot be compared"
+    na = target.config.get_text_config(decoder=True).vocab_size
+    nb = draft.config.get_text_config(decoder=True).vocab_size
+    if na != nb:
+        return f"its vocabulary has {nb} entries against {na}"
+    return ""
+
+
 class AutoModel:
     """`AutoModel.from_pretrained(path_or_id_or_gguf, **knob_overrides)` -> a StreamingModel."""
 
@@ -139,4 +185,9 @@ class AutoModel:
         streamed.knobs = knobs
         streamed.profile = profile
         streamed.facts = facts
+        try:
+            streamed.draft = _load_draft(streamed, knobs, progress, log)
+        except BaseException:
+            streamed.close()
+            raise
         return streamed

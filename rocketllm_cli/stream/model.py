@@ -138,6 +138,7 @@ class StreamingModel:
         self.model = model
         self.tokenizer = _load_tokenizer(self.directory)
         self.knobs = self.profile = self.facts = None  # filled in by AutoModel.from_pretrained
+        self.draft = None  # the resident draft model speculative decoding drafts with (AutoModel loads it); closed with this one
 
     # -- wiring -----------------------------------------------------------------------
     def _bind(self, model: nn.Module) -> None:
@@ -258,6 +259,9 @@ class StreamingModel:
 
     def close(self) -> None:
         """Remove the hooks, stop the IO threads and unmap the shard files; the model cannot run afterwards."""
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -4,6 +4,10 @@ Layered as mlx-lm does: transformers' generate yields tokens; the streamer (stre
 pieces, with a timestamp and a read_bytes mark per step; the outcome carries the full text, the ids, why it
 ended and the figures stats.py measures. Any transformers-compatible model works: a StreamingModel's ledger
 adds bytes per tier, a plain model (bench's baselines) reports times and witnessed reads only.
+
+A lone prompt may be decoded speculatively (speculate.py): transformers' assisted generation drafts tokens and one
+pass verifies them, so a step hands the streamer several tokens; the loop counts the positions each pass of the
+target computed, which gives the tokens proposed, accepted and made per pass.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from .sampling import SamplingParams
+from .speculate import UNCROPPABLE, Speculation, speculation_for
 from .stats import GenerationStats, Record, measure
 from .streamer import Row, StopWhen, Streamer
 
@@ -69,15 +74,21 @@ def pad_token_id(model) -> int:
 
 
 class Generator:
-    """Runs requests on one model, one generate call at a time (the server's worker thread is its only caller there)."""
+    """Runs requests on one model, one generate call at a time (the server's worker thread is its only caller there).
 
-    def __init__(self, model, prefix_cache=None, tokenizer=None) -> None:
+    speculate (auto | off | prompt-lookup | draft), draft_model (a model with the same vocabulary, every weight
+    resident) and draft_tokens default to the model's knobs (AutoModel loads the knob's draft model); see speculate.py.
+    """
+
+    def __init__(self, model, prefix_cache=None, tokenizer=None, speculate: str | None = None, draft_model=None,
+                 draft_tokens: int | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self.prefix_cache = prefix_cache
         self.pad_id = pad_token_id(model)
         self.eos_ids = set(eos_token_ids(model))
         self.device = getattr(model, "device", None) or torch.device("cpu")
+        self.speculation: Speculation = speculation_for(model, speculate, draft_model, draft_tokens)
 
     def run(self, request: GenerationRequest) -> GenerationOutcome:
         """Generate for one prompt; the prefix cache (if any) is looked up and, unless keep_prefix is off, extended."""
@@ -100,7 +111,11 @@ class Generator:
             return [GenerationOutcome("", [], len(r.prompt_ids), "cancelled") for r in requests]
         single = requests[0] if len(requests) == 1 else None
         record = Record(start=time.perf_counter())  # the prefill time includes restoring a cached prefix
-        hit = self.prefix_cache.lookup(list(single.prompt_ids)) if self._caching(single) else None
+        spec = self.speculation if single is not None else self.speculation.off(
+            "off: a batch of several prompts (transformers verifies the drafts of one sequence at a time)")
+        # transformers' assisted generation feeds its first pass the whole prompt even over a restored cache, so a
+        # speculative run computes its prompt afresh (where layers stream, a prefill is one pass whatever its length).
+        hit = self.prefix_cache.lookup(list(single.prompt_ids)) if self._caching(single) and not spec.on else None
         extra = {}
         if hit is not None:
             from .prefix import generate_cache_kwarg
@@ -112,17 +127,25 @@ class Generator:
         feed_from = hit.feed_from if hit is not None else 0  # a cache generate cannot count is given only the new tokens
         ids, mask = self._left_padded([r.prompt_ids[feed_from:] for r in requests])
         rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel) for r in requests]
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
+        record.prompt_new = len(single.prompt_ids) - (hit.tokens if hit is not None else 0) if single is not None else 0
+        record.speculation = {"mode": spec.mode, "reason": spec.reason, **({"draft_tokens": spec.tokens} if spec.on else {})}
+        if spec.on and self._caching(single):
+            record.speculation["prefix_cache"] = "not looked up: a speculative run computes its whole prompt (kept for later runs)"
         ledger = getattr(self.model, "ledger", None)
-        if ledger is not None:
-            ledger.reset()
-        with torch.inference_mode():
-            out = self.model.generate(
-                ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
-                streamer=Streamer(rows, record), stopping_criteria=StoppingCriteriaList([StopWhen(rows)]),
-                pad_token_id=self.pad_id, **params.generate_kwargs(), **extra,
-            )
+        inner = getattr(self.model, "model", self.model) if ledger is not None else self.model  # StreamingModel: its module
+        counting = inner.register_forward_pre_hook(_pass_counter(record), with_kwargs=True) if spec.on and \
+            isinstance(inner, torch.nn.Module) else None
+        try:
+            out = self._generate(ids, mask, params, rows, record, ledger, spec, extra)
+            if out is None:  # the cache turned out not to crop back after the first pass: once more without speculation
+                self.speculation = spec = spec.off(f"off: {type(self.model).__name__}'s cache cannot be cropped back to before a "
+                                                   "rejected drafted token (found on its first pass)")
+                record.speculation = {"mode": "off", "reason": spec.reason}
+                rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel) for r in requests]
+                out = self._generate(ids, mask, params, rows, record, ledger, spec, extra)
+        finally:
+            if counting is not None:
+                counting.remove()
         record.end = time.perf_counter()
         record.steps = list(ledger.steps) if ledger is not None else []
         sequences = getattr(out, "sequences", out)
@@ -137,6 +160,8 @@ class Generator:
         outcomes = []
         for i, (request, row) in enumerate(zip(requests, rows)):
             new = self._cut(sequences[i, width : row.ended_at].tolist())
+            if row.stop_at is not None:  # a pass of several tokens may go on past the one that completed the stop string
+                new = new[: len(row.ids)]
             outcomes.append(GenerationOutcome(
                 text=row.finish(new), token_ids=new, prompt_tokens=len(request.prompt_ids),
                 finish_reason=self._finish_reason(row, request, new), stop_sequence=row.stop_sequence,
@@ -144,6 +169,25 @@ class Generator:
             ))
         del out
         return outcomes
+
+    def _generate(self, ids, mask, params: SamplingParams, rows: list[Row], record: Record, ledger, spec: Speculation, extra: dict):
+        """One generate call (None: speculation found the cache cannot be cropped before any token was handed on)."""
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        if ledger is not None:
+            ledger.reset()
+        record.times, record.marks, record.counts, record.pass_tokens = [], [], [], []
+        try:
+            with torch.inference_mode():
+                return self.model.generate(
+                    ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
+                    streamer=Streamer(rows, record), stopping_criteria=StoppingCriteriaList([StopWhen(rows)]),
+                    pad_token_id=self.pad_id, **params.generate_kwargs(), **spec.generate_kwargs(), **extra,
+                )
+        except ValueError as exc:
+            if spec.on and UNCROPPABLE in str(exc) and not any(row.ids for row in rows):
+                return None
+            raise
 
     def _caching(self, request: GenerationRequest | None) -> bool:
         return request is not None and self.prefix_cache is not None and request.use_prefix_cache
@@ -170,3 +214,14 @@ class Generator:
         if new and new[-1] in self.eos_ids:
             return "stop"
         return "length" if len(new) >= request.params.max_new_tokens else "stop"
+
+
+def _pass_counter(record: Record):
+    """A forward pre-hook on the target model: the positions each pass computes (the drafted tokens it verifies among them)."""
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds") if ids is None else None
+        record.pass_tokens.append(int(ids.shape[-1]) if ids is not None else int(embeds.shape[1]) if embeds is not None else 0)
+
+    return hook

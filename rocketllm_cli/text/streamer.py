@@ -1,7 +1,8 @@
 """The one streamer: transformers' put/end protocol for a batch of rows, with a timestamp and a read_bytes
 mark per step, incremental text, stop strings and cancellation.
 
-generate() puts the prompt ids [B, S] first (skipped, once), then each step's new token of every row [B].
+generate() puts the prompt ids [B, S] first (skipped, once), then each step's new token of every row [B]; a speculative
+step of a lone row puts every token that pass made, [1, n].
 A row's text is handed on (on_text) only once it cannot turn out to be half a multi-byte character or the
 start of one of its stop strings. StopWhen, the one StoppingCriteria, ends a row at its first stop string or
 once its cancel event is set (checked after every step, so a client that went away frees the model within one).
@@ -108,6 +109,13 @@ class Streamer:
             return
         self.record.times.append(time.perf_counter())
         self.record.marks.append(storage_read_bytes())
+        if value.dim() == 2 and len(self.rows) == 1:  # a lone row's tokens of one (speculative) pass
+            tokens = value[0].tolist()
+            self.record.counts.append(len(tokens))
+            for token in tokens:
+                self.rows[0].add(int(token))
+            return
+        self.record.counts.append(1)
         for row, token in zip(self.rows, value.reshape(-1).tolist()):
             row.add(int(token))
 

@@ -23,6 +23,7 @@ FALLBACK_COMPUTE_DTYPE = "fp32"  # runs on every device
 FALLBACK_PREFETCH_DEPTH = 2  # double buffering
 FALLBACK_DIRECT_IO = False  # buffered reads work on every filesystem
 DEFAULT_EXPERT_CACHE_POLICY = "lfu"  # why: see expert_cache_policy() below
+DEFAULT_DRAFT_TOKENS = 10  # transformers' prompt-lookup default; a streaming pass costs its bytes, not its tokens
 NAMESPACE = {"min": min, "max": max, "floor": floor, "ceil": ceil, "__builtins__": {}}
 
 
@@ -180,6 +181,27 @@ def prefix_cache(c: Context) -> Derivation:
     return Derivation("'auto'", {}, "default", "reuse the KV cache when a prompt repeats a cached prefix")
 
 
+def draft_model(c: Context) -> Derivation:
+    return Derivation("None", {}, "default", "no draft model: speculation drafts by prompt lookup")
+
+
+def speculate(c: Context) -> Derivation:
+    if c.model is None:
+        return Derivation("'auto'", {}, "default", "needs a model (missing total_bytes): on where layers stream, off where every unit is resident")
+    # On a CPU the host tier is the page cache mapped zero-copy: a pass from it costs compute, like a resident one.
+    inputs = {"draft_model": c.values["draft_model"], "device_cache_bytes": c.values["device_cache_bytes"],
+              "host_tier_is_memory": int(c.unified), "host_cache_bytes": c.values["host_cache_bytes"], "total_bytes": c.model.total_bytes}
+    return Derivation("('draft' if draft_model else 'prompt-lookup') if device_cache_bytes + host_tier_is_memory * host_cache_bytes < total_bytes "
+                      "else 'off'", inputs,
+                      note="a pass that streams layers costs the bytes it moves whatever its tokens, so verifying drafted tokens is "
+                           "nearly free; where every unit is in memory a pass costs its compute, which grows with its tokens")
+
+
+def draft_tokens(c: Context) -> Derivation:
+    return Derivation(str(DEFAULT_DRAFT_TOKENS), {}, "default", "tokens drafted per pass (a drafted run longer than what is "
+                      "accepted costs only its share of one pass's compute)")
+
+
 def expert_cache_policy(c: Context) -> Derivation:
     return Derivation(repr(DEFAULT_EXPERT_CACHE_POLICY), {}, "default",
                       "measured: a decode pass walks the layers in a cycle, so LRU with room for fewer experts "
@@ -191,5 +213,6 @@ DERIVATIONS = {
     "reserve_bytes": reserve_bytes, "compute_dtype": compute_dtype, "kv_cache_bytes": kv_cache_bytes,
     "max_context": max_context, "direct_io": direct_io, "io_workers": io_workers, "prefetch_depth": prefetch_depth,
     "device_cache_bytes": device_cache_bytes, "host_cache_bytes": host_cache_bytes,
-    "pin_memory": pin_memory, "prefix_cache": prefix_cache, "expert_cache_policy": expert_cache_policy,
+    "pin_memory": pin_memory, "prefix_cache": prefix_cache, "draft_model": draft_model, "speculate": speculate,
+    "draft_tokens": draft_tokens, "expert_cache_policy": expert_cache_policy,
 }

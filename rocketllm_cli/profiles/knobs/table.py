@@ -16,6 +16,7 @@ from ...sizes import ACCEPTED as BYTES_ACCEPTED
 from ...sizes import parse_bytes
 
 EXPERT_CACHE_POLICIES = ("lfu", "lru")  # most often routed, most recently routed
+SPECULATION_MODES = ("auto", "off", "prompt-lookup", "draft")  # auto: on where a pass streams layers (formulas.speculate)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -23,7 +24,7 @@ _FALSE = {"0", "false", "no", "off"}
 @dataclass(frozen=True)
 class KnobSpec:
     name: str
-    kind: str  # "bytes" | "int" | "choice" | "bool"
+    kind: str  # "bytes" | "int" | "choice" | "bool" | "path"
     help: str
     choices: tuple[str, ...] = ()
     minimum: int = 0
@@ -44,6 +45,8 @@ class KnobSpec:
             return f"an integer >= {self.minimum}"
         if self.kind == "bool":
             return "on/off (true/false, 1/0)"
+        if self.kind == "path":
+            return "a model directory, .gguf file, hub id or shard directory"
         return "one of " + ", ".join(self.choices)
 
     def parse(self, raw: object, origin: str = "") -> object:
@@ -57,6 +60,11 @@ class KnobSpec:
                 if value < self.minimum:
                     raise ValueError
                 return value
+            if self.kind == "path":
+                text = str(raw).strip()
+                if not text:
+                    raise ValueError
+                return text
             if self.kind == "bool":
                 if isinstance(raw, bool):
                     return raw
@@ -85,6 +93,10 @@ KNOB_SPECS: tuple[KnobSpec, ...] = (
     KnobSpec("direct_io", "bool", "Read streamed shards with O_DIRECT instead of buffered reads + page-cache eviction."),
     KnobSpec("pin_memory", "bool", "Page-locked host buffers for faster host-to-device copies."),
     KnobSpec("prefix_cache", "choice", "Reuse the KV cache of a repeated prompt prefix.", choices=("auto", "on", "off")),
+    KnobSpec("draft_model", "path", "A small model with the same tokenizer that drafts tokens for speculative decoding, kept resident."),
+    KnobSpec("speculate", "choice", "Speculative decoding: each pass verifies drafted tokens, from the prompt and text so far (prompt-lookup) "
+             "or from --draft-model (draft); auto turns it on where layers stream.", choices=SPECULATION_MODES),
+    KnobSpec("draft_tokens", "int", "Tokens drafted for each pass to verify when speculating.", minimum=1),
     KnobSpec("expert_cache_policy", "choice", "Which experts a mixture-of-experts model keeps in its expert cache: the most often routed "
              "(lfu) or the most recently routed (lru).", choices=EXPERT_CACHE_POLICIES),
 )
