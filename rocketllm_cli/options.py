@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import typing
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -42,9 +41,10 @@ def pick_model(positional: str | None, option: str | None, required: bool = True
 
 def with_knob_options(func):
     """Add one --<knob-name> option per knob to a command; they reach it as `knob_flags` (name -> raw text)."""
-    sig = inspect.signature(func)
-    hints = typing.get_type_hints(func, include_extras=True)  # resolves string annotations, keeps typer's metadata
-    params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != "knob_flags"]
+    # eval_str resolves string annotations and keeps typer's Annotated metadata as written; typing.get_type_hints
+    # would, on Python 3.10, wrap every parameter defaulting to None in Optional[...] and hide that metadata.
+    sig = inspect.signature(func, eval_str=True)
+    params = [p for p in sig.parameters.values() if p.name != "knob_flags"]
     for spec in KNOB_SPECS:
         # No square brackets: help is rich markup, which takes them for tags and drops them.
         option = typer.Option(spec.flag, *spec.flags, help=f"{spec.help} Accepts {spec.accepted()}.", rich_help_panel=KNOB_PANEL,

@@ -105,3 +105,18 @@ def test_model_given_twice_is_a_usage_error(args, tmp_path):
 def test_no_model_at_all_is_a_usage_error(command):
     line = one_error_line(invoke(command, "--json"), code=2)
     assert line == "error: no MODEL: give it as the first argument or as --model"
+
+
+def test_every_declared_argument_is_positional_on_every_python():
+    """Typer reads each parameter's Annotated metadata; Python 3.10's typing.get_type_hints wraps parameters that
+    default to None in Optional[...], which hid it (MODEL became an option --model and --chat/--raw was lost)."""
+    import typer
+    from typer.core import TyperArgument
+
+    group = typer.main.get_command(app)
+    positional = {name: sorted(p.name for p in command.params if isinstance(p, TyperArgument))
+                  for name, command in group.commands.items()}
+    assert positional["generate"] == ["model", "prompt"]
+    assert positional["serve"] == ["model"] and positional["shard"][0] == "model"
+    chat = next(p for p in group.commands["generate"].params if p.name == "chat")
+    assert (chat.opts, chat.secondary_opts) == (["--chat"], ["--raw"])
