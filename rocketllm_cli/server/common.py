@@ -48,16 +48,59 @@ def check_model(body: dict, state) -> None:
         raise unknown_model(name, state)
 
 
+MAX_DEPTH = 64  # nesting of objects and arrays a request body may have (real requests need about 8)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_body(raw: bytes) -> dict:
+    """The body as a JSON object: UTF-8, no NaN or Infinity, nested at most MAX_DEPTH deep, no lone surrogates."""
     if not raw.strip():
         raise bad("the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad(f"the request body is not valid JSON ({exc})") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except ValueError as exc:
+        raise bad(f"the request body is not valid JSON ({_short(str(exc))})") from None
+    except RecursionError:
+        raise bad(f"the request body nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, not {_kind(body)}")
+    _check_tree(body)
     return body
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _check_tree(body: dict) -> None:
+    """Refuse nesting past MAX_DEPTH and strings (keys too) that hold lone surrogates, which no reply could encode."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad(f"the request body nests deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key)
+                stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, str):
+            _check_text(value)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad("the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff) in a string; send valid Unicode") from None
 
 
 def _kind(value: object) -> str:

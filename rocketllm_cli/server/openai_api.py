@@ -28,8 +28,11 @@ FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
+ERROR_TYPES = {429: "rate_limit_error"}
+
+
 def error_body(err: APIError) -> dict:
-    kind = "invalid_request_error" if err.status < 500 else "server_error"
+    kind = ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
 
 
