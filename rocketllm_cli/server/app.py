@@ -140,10 +140,25 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
+        return internal(request, exc)
+
+    def internal(request: Request, exc: Exception) -> JSONResponse:
         # The exception's type and where, not its message: that may quote the request (and so the prompt).
         state.log(f"error: {request.method} {_endpoint_label(request.url.path)}: internal error ({type(exc).__name__}); the server goes on serving")
         state.metrics.request(_endpoint_label(request.url.path), 500)
-        return _error(_api_of(request.url.path), APIError(500, f"internal error ({type(exc).__name__})"))
+        return _error(_api_of(request.url.path, request.headers), APIError(500, f"internal error ({type(exc).__name__})"))
+
+    def guarded(route):
+        """A route whose unexpected exception is a 500 in its API's shape and one log line (the app-wide handler
+        answers too, but Starlette then raises again, and uvicorn logs a traceback)."""
+        async def handler(request: Request):
+            try:
+                return await route(request)
+            except Exception as exc:  # noqa: BLE001 - a bug must not look like a crash to the client or the log
+                return internal(request, exc)
+
+        handler.__name__, handler.__doc__ = route.__name__, route.__doc__
+        return handler
 
     # -- information ------------------------------------------------------------------------------
     @app.get("/health")
@@ -175,21 +190,25 @@ def create_app(state: ServerState) -> FastAPI:
 
     # -- generation -------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
+    @guarded
     async def chat_completions(request: Request):
         return await _generate(request, "/v1/chat/completions", "openai", openai_api.prepare_chat,
                                openai_api.chat_response, openai_api.chat_stream)
 
     @app.post("/v1/completions")
+    @guarded
     async def completions(request: Request):
         return await _generate(request, "/v1/completions", "openai", openai_api.prepare_completion,
                                openai_api.completion_response, openai_api.completion_stream)
 
     @app.post("/v1/messages")
+    @guarded
     async def messages(request: Request):
         return await _generate(request, "/v1/messages", "anthropic", anthropic_api.prepare_messages,
                                anthropic_api.message_response, anthropic_api.message_stream)
 
     @app.post("/v1/messages/count_tokens")
+    @guarded
     async def count_tokens(request: Request):
         endpoint = "/v1/messages/count_tokens"
         try:

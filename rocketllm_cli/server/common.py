@@ -108,6 +108,54 @@ def _kind(value: object) -> str:
         type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
 
 
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def tool_schema(value: object, where: str) -> dict:
+    """A tool's parameter schema, checked to be JSON Schema where a chat template reads it: `type` a JSON type (or a
+    list of them), `properties` an object of schemas, `items` a schema, `required` a list of names, `enum` a list."""
+    if not isinstance(value, dict):
+        raise bad(f"'{where}' must be a JSON Schema object, not {_kind(value)}", where)
+    stack = [(value, where)]
+    while stack:
+        node, at = stack.pop()
+
+        def wrong(field: str, what: str, at=at) -> APIError:
+            return bad(f"'{where}' is not JSON Schema: '{at}.{field}' must be {what}", where)
+
+        kind = node.get("type")
+        if kind is not None and not (kind in JSON_TYPES if isinstance(kind, str) else
+                                     isinstance(kind, list) and kind and all(isinstance(k, str) and k in JSON_TYPES for k in kind)):
+            raise wrong("type", "one of " + ", ".join(JSON_TYPES) + " (or a list of them)")
+        for field in ("description", "title"):
+            if field in node and not isinstance(node[field], str):
+                raise wrong(field, "a string")
+        props = node.get("properties")
+        if props is not None:
+            if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+                raise wrong("properties", "an object whose values are schemas")
+            stack.extend((v, f"{at}.properties.{k}") for k, v in props.items())
+        req = node.get("required")
+        if req is not None and not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
+            raise wrong("required", "a list of property names")
+        if "enum" in node and not isinstance(node["enum"], list):
+            raise wrong("enum", "a list")
+        items = node.get("items")
+        if items is not None:
+            if not isinstance(items, (dict, bool)):
+                raise wrong("items", "a schema")
+            if isinstance(items, dict):
+                stack.append((items, f"{at}.items"))
+        for field in SUBSCHEMA_LISTS:
+            subs = node.get(field)
+            if subs is not None:
+                if not isinstance(subs, list) or not all(isinstance(v, dict) for v in subs):
+                    raise wrong(field, "a list of schemas")
+                stack.extend((v, f"{at}.{field}[{i}]") for i, v in enumerate(subs))
+    return value
+
+
 def required(body: dict, name: str, where: str = "") -> object:
     if name not in body or body[name] is None:
         raise bad(f"missing required field '{where}{name}'", f"{where}{name}")
@@ -130,7 +178,7 @@ def number(body: dict, name: str, low: float | None = None, high: float | None =
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}, not {_kind(value)}", name)
-    if integer and not float(value).is_integer():
+    if integer and isinstance(value, float) and not (value.is_integer() and abs(value) < 2**53):  # 1e308 is no count
         raise bad(f"'{name}' must be an integer (got {value})", name)
     value = int(value) if integer else float(value)
     if low is not None and (value <= low if low_open else value < low):

@@ -257,7 +257,7 @@ class WeightStore:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             for i, row in enumerate(rows):
                 for buf, at, size in ((codes[i].view(torch.uint8), offsets["codes"] + row * k, k), (scale[i], offsets["scale"] + row * scale_bytes, scale_bytes)):
-                    if os.preadv(fd, [memoryview(buf.numpy())], record.offset + at) != size:
+                    if _pread(fd, memoryview(buf.numpy()), record.offset + at, unit.file) != size:
                         raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
@@ -280,7 +280,7 @@ class WeightStore:
                 if not 0 <= row < record.shape[0]:
                     raise IndexError(f"token id {row} outside the embedding table of {record.shape[0]} rows")
                 start = row * row_bytes
-                if os.preadv(fd, [view[start : start + row_bytes]], record.offset + start) != row_bytes:
+                if _pread(fd, view[start : start + row_bytes], record.offset + start, unit.file) != row_bytes:
                     raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
@@ -381,10 +381,7 @@ class WeightStore:
             want = _round_up(unit.bytes) if direct else unit.bytes
             done = 0
             while done < unit.bytes:
-                try:
-                    n = os.preadv(fd, [view[done:want]], done)
-                except OSError as exc:
-                    raise ShardError(f"cannot read shard file {unit.file} ({exc.strerror or exc}); {RESHARD}") from None
+                n = _pread(fd, view[done:want], done, unit.file)
                 if n <= 0:
                     raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
                 done += n
@@ -422,6 +419,15 @@ class WeightStore:
             except BufferError:
                 pass  # a tensor still views it; the mapping goes when that tensor does
         self._maps.clear()
+
+
+def _pread(fd: int, view: memoryview, offset: int, file: str) -> int:
+    """os.preadv into one buffer; a failing read (EIO from a dying disk, a file gone under a network mount) is a
+    ShardError naming the file."""
+    try:
+        return os.preadv(fd, [view], offset)
+    except OSError as exc:
+        raise ShardError(f"cannot read shard file {file} ({exc.strerror or exc}); {RESHARD}") from None
 
 
 def _round_up(n: int) -> int:
