@@ -123,7 +123,9 @@ def test_keys_are_compared_as_digests_in_constant_time(model):
     state._key_digest = state_module._digest(KEY)
     assert state.key_matches(KEY) and not state.key_matches(KEY + "x") and not state.key_matches("") and not state.key_matches(None)
     assert not hasattr(state, "api_key")  # the key itself is not kept
-    assert "hmac.compare_digest" in open(state_module.__file__).read()
+    from pathlib import Path
+
+    assert "hmac.compare_digest" in Path(state_module.__file__).read_text()
 
 
 def test_binding_beyond_loopback_without_a_key_is_a_warning_in_health(model, server):
@@ -132,8 +134,8 @@ def test_binding_beyond_loopback_without_a_key_is_a_warning_in_health(model, ser
     open_state = ServerState(model, MODEL, host="0.0.0.0")
     keyed = ServerState(model, MODEL, host="0.0.0.0", api_key=KEY)
     try:
-        assert open_state.health()["warnings"] == ["listening on 0.0.0.0 without an API key: anyone who can reach this machine can "
-                                                   "use the model; pass --api-key or set ROCKETLLM_API_KEY"]
+        assert open_state.health()["warnings"] == [("listening on 0.0.0.0 without an API key: anyone who can reach this machine can "
+                                                    "use the model; pass --api-key or set ROCKETLLM_API_KEY")]
         assert keyed.health()["warnings"] == [] and server.state.health()["warnings"] == []
         assert KEY not in json.dumps(keyed.health()) and KEY not in "\n".join(keyed.startup_lines("http://x"))
     finally:
@@ -416,7 +418,7 @@ class ReadFault:
     """os.preadv as the store calls it, failing with EIO from the `after`-th call on while armed."""
 
     def __init__(self, monkeypatch) -> None:
-        import rocketllm_cli.stream.store as store
+        from rocketllm_cli.stream import store
 
         self.real, self.armed, self.after, self.calls = os.preadv, False, 0, 0
         monkeypatch.setattr(store.os, "preadv", self)
