@@ -465,3 +465,27 @@ def test_a_storage_read_error_is_a_500_one_log_line_and_health_says_so(streamed_
     finally:
         fault.armed = False
     still_serving(server)
+
+
+def test_the_listening_socket_says_tcp_so_replies_are_not_held_by_nagle(server):
+    """asyncio sets TCP_NODELAY on accepted connections only when the listening socket's proto is IPPROTO_TCP; with
+    proto 0 every reply written as headers then body waited ~40 ms for the client's delayed ACK."""
+    import socket
+
+    from rocketllm_cli.commands.serve import bind
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
+            client.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            data = b""
+            while not data.rstrip().endswith(b"}"):
+                data += client.recv(65536)
+            times.append(time.perf_counter() - start)
+    assert sorted(times)[5] < 0.035, times  # the delayed ACK alone was 40 ms

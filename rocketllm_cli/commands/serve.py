@@ -117,8 +117,10 @@ def bind(host: str, port: int) -> socket.socket:
     except socket.gaierror:
         raise RocketError(f"cannot listen on {host!r}: not a host name or address this machine knows; "
                           "pass --host 127.0.0.1 (or 0.0.0.0 for every interface)") from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, _, proto, _, address = infos[0]
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the listening socket says TCP,
+    # and without it every response written in two parts (headers, body) waits ~40 ms for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)

@@ -27,6 +27,7 @@ from .state import ServerState
 from .worker import SHUTTING_DOWN, Job, QueueFull
 
 QUEUE_HEADER = "x-rocketllm-queue-position"
+JOB_HEADER = "x-rocketllm-job"  # the job's number in arrival order, as logs and /health's history name it
 DISCONNECT_POLL_S = 0.2  # how often a waiting non-streaming request checks that its client is still there
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/metrics")
 OPEN = ("/health",)  # served without the key: a liveness probe carries no secret
@@ -236,7 +237,7 @@ def create_app(state: ServerState) -> FastAPI:
         except RuntimeError as exc:
             state.metrics.request(endpoint, 503)
             return _error(api, APIError(503, str(exc)))
-        headers = {**prepared.headers, QUEUE_HEADER: str(position)}
+        headers = {**prepared.headers, QUEUE_HEADER: str(position), JOB_HEADER: str(job.id)}
         if prepared.stream:
             return StreamingResponse(_streamed(job, stream(job, prepared, state), endpoint), media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})

@@ -76,7 +76,7 @@ class Job:
             "max_new_tokens": self.request.params.max_new_tokens,
             "waited_s": round((self.started_at or self.finished_at or time.monotonic()) - self.enqueued_at, 4),
             "ran_s": round(self.finished_at - self.started_at, 4) if self.started_at and self.finished_at else None,
-            "started_at": self.started_at,
+            "enqueued_at": self.enqueued_at, "started_at": self.started_at, "finished_at": self.finished_at,
         }
 
     def _emit(self, kind: str, payload: object) -> None:
