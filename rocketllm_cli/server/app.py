@@ -220,7 +220,15 @@ def create_app(state: ServerState) -> FastAPI:
         state.metrics.request(endpoint, 200)
         return result
 
+    def queue_full(api: str, endpoint: str, full: QueueFull) -> JSONResponse:
+        state.metrics.request(endpoint, 429)
+        state.metrics.queue_full()
+        return _error(api, APIError(429, str(full), None, "queue_full"), {"retry-after": str(full.retry_after)})
+
     async def _generate(request: Request, endpoint: str, api: str, prepare, respond, stream):
+        full = state.worker.full()
+        if full is not None:  # refused before its prompt is rendered: a full server spends nothing on what it turns away
+            return queue_full(api, endpoint, full)
         try:
             prepared = await prepared_body(request, prepare)
         except APIError as err:
@@ -231,9 +239,7 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             position = state.worker.submit(job)
         except QueueFull as full:
-            state.metrics.request(endpoint, 429)
-            state.metrics.queue_full()
-            return _error(api, APIError(429, str(full), None, "queue_full"), {"retry-after": str(full.retry_after)})
+            return queue_full(api, endpoint, full)
         except RuntimeError as exc:
             state.metrics.request(endpoint, 503)
             return _error(api, APIError(503, str(exc)))

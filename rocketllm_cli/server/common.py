@@ -121,16 +121,16 @@ def tool_schema(value: object, where: str) -> dict:
     while stack:
         node, at = stack.pop()
 
-        def wrong(field: str, what: str, at=at) -> APIError:
-            return bad(f"'{where}' is not JSON Schema: '{at}.{field}' must be {what}", where)
+        def wrong(key: str, what: str, at=at) -> APIError:
+            return bad(f"'{where}' is not JSON Schema: '{at}.{key}' must be {what}", where)
 
         kind = node.get("type")
         if kind is not None and not (kind in JSON_TYPES if isinstance(kind, str) else
                                      isinstance(kind, list) and kind and all(isinstance(k, str) and k in JSON_TYPES for k in kind)):
             raise wrong("type", "one of " + ", ".join(JSON_TYPES) + " (or a list of them)")
-        for field in ("description", "title"):
-            if field in node and not isinstance(node[field], str):
-                raise wrong(field, "a string")
+        for key in ("description", "title"):
+            if key in node and not isinstance(node[key], str):
+                raise wrong(key, "a string")
         props = node.get("properties")
         if props is not None:
             if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
@@ -147,12 +147,12 @@ def tool_schema(value: object, where: str) -> dict:
                 raise wrong("items", "a schema")
             if isinstance(items, dict):
                 stack.append((items, f"{at}.items"))
-        for field in SUBSCHEMA_LISTS:
-            subs = node.get(field)
+        for key in SUBSCHEMA_LISTS:
+            subs = node.get(key)
             if subs is not None:
                 if not isinstance(subs, list) or not all(isinstance(v, dict) for v in subs):
-                    raise wrong(field, "a list of schemas")
-                stack.extend((v, f"{at}.{field}[{i}]") for i, v in enumerate(subs))
+                    raise wrong(key, "a list of schemas")
+                stack.extend((v, f"{at}.{key}[{i}]") for i, v in enumerate(subs))
     return value
 
 

@@ -105,6 +105,13 @@ class Worker:
         self._thread.start()
 
     # -- request side -----------------------------------------------------------------------------
+    def full(self) -> QueueFull | None:
+        """The refusal a job would get now because the queue holds max_queue jobs, else None (submit checks again)."""
+        with self._cv:
+            if self.max_queue is not None and len(self._queue) >= self.max_queue:
+                return QueueFull(self.max_queue, self._retry_after())
+        return None
+
     def submit(self, job: Job) -> int:
         """Queue the job; returns its position (jobs ahead of it, the running one included). Raises QueueFull when
         max_queue jobs wait already."""
