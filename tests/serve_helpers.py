@@ -17,13 +17,13 @@ GATE_TIMEOUT_S = 30
 
 
 class LiveServer:
-    def __init__(self, model, model_id: str = "tiny", tool_parser: str | None = None) -> None:
+    def __init__(self, model, model_id: str = "tiny", tool_parser: str | None = None, **state_options) -> None:
         from rocketllm_cli.commands.serve import bind
         from rocketllm_cli.server.serving import make_server
         from rocketllm_cli.server.state import ServerState
 
         self.logs: list[str] = []
-        self.state = ServerState(model, model_id, tool_parser, log=self.logs.append)
+        self.state = ServerState(model, model_id, tool_parser, log=self.logs.append, **state_options)
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -36,15 +36,15 @@ class LiveServer:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
 
-    def openai(self, **kwargs):
+    def openai(self, api_key: str = "unused", **kwargs):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kwargs)
 
-    def anthropic(self, **kwargs):
+    def anthropic(self, api_key: str = "unused", **kwargs):
         import anthropic
 
-        return anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0, **kwargs)
+        return anthropic.Anthropic(base_url=self.url, api_key=api_key, max_retries=0, **kwargs)
 
     def http(self):
         import httpx

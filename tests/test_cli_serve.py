@@ -92,6 +92,8 @@ def test_a_port_in_use_is_one_line_naming_it(tiny):
     (["--prefix-cache", "sometimes"], "error: bad value 'sometimes' for prefix_cache (from --prefix-cache): expected one of auto, on, off"),
     (["--device-cache-bytes", "lots"], "error: bad value 'lots' for device_cache_bytes (from --device-cache-bytes): expected a byte count "
                                        "such as 1073741824, 1e9, 2GB, 1.5GiB or 512MiB"),
+    (["--max-queue", "0"], "error: --max-queue must be at least 1 (got 0)"),
+    (["--api-key", " "], "error: --api-key is empty (or ROCKETLLM_API_KEY is set but empty); give a key, or leave both out"),
     (["--host", "192.0.2.1"], "error: cannot listen on 192.0.2.1: not an address of this machine; pass --host 127.0.0.1 "
                               "(or 0.0.0.0 for every interface)"),
 ])
@@ -116,12 +118,12 @@ class ServeProcess:
     """`rocketllm serve MODEL --port 0` (or `serve --model MODEL ...`) as a child process. With --json (`as_json`)
     the JSON document on stdout tells where it listens; without, the `listening on URL` line on stderr does."""
 
-    def __init__(self, model, *args: str, as_json: bool = True, model_as_option: bool = False) -> None:
+    def __init__(self, model, *args: str, as_json: bool = True, model_as_option: bool = False, env: dict | None = None) -> None:
         model_words = ["--model", str(model)] if model_as_option else [str(model)]
         command = [sys.executable, "-m", "rocketllm_cli", "serve", *model_words, "--port", "0", *(["--json"] if as_json else []), *args]
         self.as_json = as_json
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         announcing = self.process.stdout if as_json else self.process.stderr
         self.head: list[str] = []  # what was read from `announcing` before the server was known to listen
         # A server that never announces itself is killed at the deadline (readline then returns), never left running.
@@ -195,7 +197,10 @@ def test_serve_runs_logs_its_decisions_and_stops_on_ctrl_c(tiny):
     assert lines[2] == ("tool parser: hermes (the chat template names no tool-call format; hermes by default); "
                         "tools described in a system message (the chat template does not render tools)")
     assert lines[3] == "prefix cache: on: auto, and every weight is resident, so a reused prefix skips its prefill compute"
-    assert lines[4] == f"listening on {server.info['url']} (OpenAI: {server.info['url']}/v1, Anthropic: {server.info['url']}); Ctrl-C stops"
+    assert re.fullmatch(r"queue: at most \d+ requests waiting \(= min\(256, open-file limit \d+ // 4\)\); more get 429 with retry-after; "
+                        r"request bodies up to 1048576 bytes \(= max\(1 MiB, 64 B x context \d+\)\), larger get 413", lines[4]), lines[4]
+    assert lines[5] == "api key: none (every client is served)"
+    assert lines[6] == f"listening on {server.info['url']} (OpenAI: {server.info['url']}/v1, Anthropic: {server.info['url']}); Ctrl-C stops"
     assert lines[-1] == "stopped" and "Traceback" not in err
 
 
@@ -429,3 +434,59 @@ def test_generate_through_a_running_server_prints_what_a_local_run_prints(tiny, 
     gone = remote_generate("--server", f"http://127.0.0.1:{port}", "hi")
     assert gone.returncode == 1 and gone.stderr.splitlines()[0].startswith(f"error: no server answers at http://127.0.0.1:{port} (")
     assert "Traceback" not in gone.stderr and gone.stdout == ""
+
+
+# -- the key for the door --------------------------------------------------------------------------------
+KEY = "rk-cli-3b8e51d07a9f4c26"
+PROMPT = "the secret plans of the lighthouse keeper"
+
+
+def test_beyond_loopback_without_a_key_it_warns_at_start_and_in_health(tiny):
+    server = ServeProcess(tiny, "--host", "0.0.0.0", "--device-cache-bytes", "1GB", "--no-access-log")
+    try:
+        warning = ("listening on 0.0.0.0 without an API key: anyone who can reach this machine can use the model; "
+                   "pass --api-key or set ROCKETLLM_API_KEY")
+        assert server.info["warnings"] == [warning] and server.info["auth"] == "none"
+        assert httpx.get(server.info["url"] + "/health", timeout=30).json()["warnings"] == [warning]
+    finally:
+        code, err = server.stop()
+    assert code == 0 and f"warning: {warning}" in err.splitlines()
+
+
+def test_the_key_guards_every_endpoint_and_no_key_or_prompt_reaches_a_log_line_or_metrics(tiny):
+    """ROCKETLLM_API_KEY, the access log on: the right key is served, a wrong one is 401 in each API's shape; neither key
+    nor any prompt appears on stderr (uvicorn's log, the server's own), on stdout or in /metrics."""
+    import anthropic
+    import openai
+
+    wrong = "rk-wrong-9d2c7e41f0b3a8"
+    server = ServeProcess(tiny, "--host", "0.0.0.0", "--device-cache-bytes", "1GB", env={"ROCKETLLM_API_KEY": KEY})
+    url = server.info["url"]
+    try:
+        assert server.info["warnings"] == [] and server.info["auth"] == "api key required"
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        assert client.chat.completions.create(model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3).choices
+        assert "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3, stream=True) if c.choices) is not None
+        claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+        assert claude.messages.create(model=server.info["model"], max_tokens=3, messages=[{"role": "user", "content": PROMPT}]).content
+        with pytest.raises(openai.AuthenticationError) as refused:
+            openai.OpenAI(base_url=url + "/v1", api_key=wrong, max_retries=0).chat.completions.create(
+                model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3)
+        assert refused.value.status_code == 401
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=url, api_key=wrong, max_retries=0).messages.create(
+                model=server.info["model"], max_tokens=3, messages=[{"role": "user", "content": PROMPT}])
+        bad = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=30,
+                         json={"model": server.info["model"], "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 10**6})
+        assert bad.status_code == 400
+        assert httpx.get(url + "/metrics", timeout=30).status_code == 401
+        metrics = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=30).text
+        assert 'rocketllm_requests_total{endpoint="/v1/chat/completions",status="401"} 2' not in metrics  # one 401 there
+        assert 'rocketllm_requests_total{endpoint="/v1/chat/completions",status="401"} 1' in metrics
+    finally:
+        code, err = server.stop()
+    assert code == 0, err
+    assert "POST /v1/chat/completions" in err and "401" in err  # the access log ran
+    for secret in (KEY, wrong, PROMPT, "lighthouse"):
+        assert secret not in err and secret not in server.stdout and secret not in metrics, secret

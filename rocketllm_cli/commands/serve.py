@@ -19,7 +19,7 @@ HELP = """Serve MODEL over HTTP with the OpenAI and Anthropic APIs, streamed lay
 
 POST /v1/chat/completions, /v1/completions and /v1/messages (each with stream: true); GET /v1/models, /health and /metrics. One model instance: requests queue and run one at a time, and a client that disconnects has its generation cancelled. Listens on 127.0.0.1 unless --host says otherwise. Needs the server extra: pip install 'rocketllm\\[server]'.
 
-Example: rocketllm serve ./SmolLM2.gguf --port 8000, then point an OpenAI client at http://127.0.0.1:8000/v1 (any API key) or an Anthropic client at http://127.0.0.1:8000.
+Example: rocketllm serve ./SmolLM2.gguf --port 8000, then point an OpenAI client at http://127.0.0.1:8000/v1 or an Anthropic client at http://127.0.0.1:8000 (any API key, unless --api-key or ROCKETLLM_API_KEY sets one).
 """
 MISSING_EXTRA = "rocketllm serve needs the server extra: pip install 'rocketllm[server]'"
 BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them
@@ -27,10 +27,17 @@ BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them
 def run(
     model: ModelArg = None,
     model_option: ModelOpt = None,
-    host: Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.0.0 listens on every interface (no authentication!).")] = "127.0.0.1",
+    host: Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.0.0 listens on every interface (set --api-key there).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0 picks a free one).")] = 8000,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model id clients send and /v1/models lists. Default: the model directory's or file's name.", show_default=False)] = None,
     tool_parser: Annotated[Optional[str], typer.Option("--tool-parser", help="Tool-call format: hermes, llama3_json or mistral. Default: read from the model's chat template.", show_default=False)] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="ROCKETLLM_API_KEY", show_envvar=True, show_default=False,
+                                                   help="Require this key on every endpoint but /health (OpenAI clients send it as "
+                                                        "Authorization: Bearer, Anthropic clients as x-api-key); prefer the "
+                                                        "environment variable, which other users cannot read from the process list.")] = None,
+    max_queue: Annotated[Optional[int], typer.Option("--max-queue", show_default=False,
+                                                     help="Requests that may wait for the model; more get 429 with retry-after. "
+                                                          "Default: min(256, open-file limit // 4).")] = None,
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log one line per request on stderr.")] = True,
     json: Annotated[bool, typer.Option("--json", help="Once listening, print one JSON document on stdout: URL, model id, residency, tool parser, prefix cache.")] = False,
     knob_flags: dict | None = None,
@@ -46,6 +53,10 @@ def run(
         raise RocketError(f"bad --tool-parser {tool_parser!r}: expected one of {', '.join(FAMILIES)}")
     if served_model_name is not None and not served_model_name.strip():
         raise RocketError("--served-model-name is empty; give the name clients should send, or leave it out")
+    if max_queue is not None and max_queue < 1:
+        raise RocketError(f"--max-queue must be at least 1 (got {max_queue})")
+    if api_key is not None and not api_key.strip():
+        raise RocketError("--api-key is empty (or ROCKETLLM_API_KEY is set but empty); give a key, or leave both out")
     validate_knob_flags(knob_flags or {})
     from ..shard.source import check_locatable
 
@@ -57,12 +68,12 @@ def run(
         raise RocketError(MISSING_EXTRA) from None
     sock = bind(host, port)
     try:
-        _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags or {}, output)
+        _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags or {}, output, api_key, max_queue)
     finally:
         sock.close()
 
 
-def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output) -> None:
+def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output, api_key=None, max_queue=None) -> None:
     from ..server.client import default_model_id
     from ..server.serving import make_server, sigterm_as_ctrl_c
     from ..server.state import ServerState
@@ -72,7 +83,8 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
     state = None
     try:
-        state = ServerState(streamed, served_model_name or default_model_id(model), tool_parser, log=output.log)
+        state = ServerState(streamed, served_model_name or default_model_id(model), tool_parser, log=output.log,
+                            api_key=api_key, max_queue=max_queue, host=host)
         server = make_server(state, access_log)
         bound_host, bound_port = sock.getsockname()[:2]
         url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
@@ -81,8 +93,8 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
             try:
                 for line in state.startup_lines(url):
                     output.log(line)
-                if not _is_loopback(host):
-                    output.warn(f"listening on {host}: anyone who can reach this machine can use the model (there is no authentication)")
+                for warning in state.warnings:  # binding beyond loopback without a key
+                    output.warn(warning)
                 if output.as_json:
                     output.json({"url": url, "openai_base_url": f"{url}/v1", "anthropic_base_url": url, **state.health()})
                 server.run(sockets=[sock])
@@ -106,8 +118,10 @@ def bind(host: str, port: int) -> socket.socket:
     except socket.gaierror:
         raise RocketError(f"cannot listen on {host!r}: not a host name or address this machine knows; "
                           "pass --host 127.0.0.1 (or 0.0.0.0 for every interface)") from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, _, proto, _, address = infos[0]
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the listening socket says TCP,
+    # and without it every response written in two parts (headers, body) waits ~40 ms for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
@@ -123,16 +137,3 @@ def bind(host: str, port: int) -> socket.socket:
                               "(or 0.0.0.0 for every interface)") from None
         raise RocketError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
     return sock
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-

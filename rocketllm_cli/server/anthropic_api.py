@@ -25,6 +25,7 @@ from .common import (
     sse,
     stop_strings,
     string,
+    tool_schema,
 )
 from .openai_api import tool_choice
 from .prompts import PromptError
@@ -84,6 +85,8 @@ def _messages(raw: list, state) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise bad(f"'{where}.content' must be a string or a list of content blocks", f"{where}.content")
+        if not content and role == "user":
+            raise bad(f"'{where}.content' is an empty list; a user message needs at least one content block", f"{where}.content")
         texts, calls = [], []
         for j, block in enumerate(content):
             bw = f"{where}.content[{j}]"
@@ -130,10 +133,9 @@ def _tools(value: object) -> list[dict]:
         if t.get("type") not in (None, "custom"):
             raise bad(f"'tools[{i}]' is a {t.get('type')} tool; only custom tools (name, input_schema) are supported", f"tools[{i}]")
         name = string(t, "name", f"tools[{i}].", needed=True)
-        schema = t.get("input_schema") or {"type": "object", "properties": {}}
-        if not isinstance(schema, dict):
-            raise bad(f"'tools[{i}].input_schema' must be a JSON schema object", f"tools[{i}].input_schema")
-        tools.append({"type": "function", "function": {"name": name, "description": t.get("description") or "", "parameters": schema}})
+        description = string(t, "description", f"tools[{i}].") or ""
+        schema = tool_schema(required(t, "input_schema", f"tools[{i}]."), f"tools[{i}].input_schema")
+        tools.append({"type": "function", "function": {"name": name, "description": description, "parameters": schema}})
     return tools
 
 
@@ -160,6 +162,8 @@ def _prompt(body: dict, state) -> tuple[list[int], bool, dict]:
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty list", "messages")
     messages = _messages(raw, state)
+    if not messages:
+        raise bad("'messages' holds no text, tool call or tool result", "messages")
     system = _system(body.get("system"), state)
     if system:
         messages.insert(0, {"role": "system", "content": system})

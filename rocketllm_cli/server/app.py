@@ -8,6 +8,7 @@ JSON to a missing field, is a 400 in the API's own error shape with a plain mess
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,14 +24,82 @@ from .. import __version__
 from . import anthropic_api, openai_api
 from .common import APIError, parse_body, unknown_model
 from .state import ServerState
-from .worker import SHUTTING_DOWN, Job
+from .worker import SHUTTING_DOWN, Job, QueueFull
 
 QUEUE_HEADER = "x-rocketllm-queue-position"
+JOB_HEADER = "x-rocketllm-job"  # the job's number in arrival order, as logs and /health's history name it
 DISCONNECT_POLL_S = 0.2  # how often a waiting non-streaming request checks that its client is still there
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/metrics")
+OPEN = ("/health",)  # served without the key: a liveness probe carries no secret
 
 
-def _api_of(path: str) -> str:
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
+def _api_of(path: str, headers=None) -> str:
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/v1/models") and headers is not None and "anthropic-version" in headers:
+        return "anthropic"
+    return "openai"
+
+
+def _endpoint_label(path: str) -> str:
+    if path.startswith("/v1/models"):
+        return "/v1/models"
+    return path if path in ROUTES or path in OPEN else "other"
+
+
+def _given_keys(headers) -> list[str]:
+    """The keys a request offers: OpenAI clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`."""
+    keys = []
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            keys.append(value.strip())
+    if headers.get("x-api-key"):
+        keys.append(headers["x-api-key"])
+    return keys
+
+
+class KeyCheck:
+    """ASGI middleware: with an API key set, every request but /health must carry it, or gets 401 in its API's shape.
+    (Plain ASGI rather than an @app.middleware, which would wrap streaming responses and their disconnects.)"""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.state.auth_required or scope["path"] in OPEN:
+            return await self.app(scope, receive, send)
+        from starlette.datastructures import Headers
+
+        headers = Headers(scope=scope)
+        given = _given_keys(headers)
+        if any(self.state.key_matches(key) for key in given):  # each compared in constant time
+            return await self.app(scope, receive, send)
+        api = _api_of(scope["path"], headers)
+        what = "wrong" if given else "missing"
+        if api == "anthropic":
+            err = APIError(401, f"{what} API key: send the server's key in the x-api-key header", None, "invalid_api_key")
+            extra = {}
+        else:
+            err = APIError(401, f"{what} API key: send the server's key as 'Authorization: Bearer <key>'", None, "invalid_api_key")
+            extra = {"www-authenticate": "Bearer"}
+        self.state.metrics.request(_endpoint_label(scope["path"]), 401)
+        await _error(api, err, extra)(scope, receive, send)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes: by its declared length before anything is read, or as it arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {int(declared)} bytes; this server takes at most {limit} (a context's worth of prompt)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body is over {limit} bytes; this server takes at most {limit} (a context's worth of prompt)")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _error(api: str, err: APIError, headers: dict | None = None) -> JSONResponse:
@@ -41,6 +110,15 @@ def _error(api: str, err: APIError, headers: dict | None = None) -> JSONResponse
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="RocketLLM", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.rocketllm = state
+    app.add_middleware(KeyCheck, state=state)
+    # Parsing a body and rendering its prompt (a chat template over a long conversation) run on one thread of their
+    # own, in arrival order, so the event loop stays free for /health, /metrics and the open streams.
+    prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="rocketllm-prepare")
+    state.prepare_pool = prepare_pool  # shut down with the state
+
+    async def prepared_body(request: Request, prepare):
+        raw = await _read_body(request, state.max_body)
+        return await asyncio.get_running_loop().run_in_executor(prepare_pool, lambda: prepare(parse_body(raw), state))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -52,7 +130,7 @@ def create_app(state: ServerState) -> FastAPI:
             err = APIError(405, f"{request.method} is not allowed on {request.url.path}")
         else:
             err = APIError(exc.status_code, str(exc.detail))
-        state.metrics.request(request.url.path if exc.status_code != 404 else "other", err.status)
+        state.metrics.request(_endpoint_label(request.url.path) if exc.status_code != 404 else "other", err.status)
         return _error(api, err)
 
     @app.exception_handler(RequestValidationError)
@@ -63,8 +141,25 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
-        state.log(f"error: {request.method} {request.url.path}: {type(exc).__name__}: {exc}")
-        return _error(_api_of(request.url.path), APIError(500, f"internal error ({type(exc).__name__}: {exc})"))
+        return internal(request, exc)
+
+    def internal(request: Request, exc: Exception) -> JSONResponse:
+        # The exception's type and where, not its message: that may quote the request (and so the prompt).
+        state.log(f"error: {request.method} {_endpoint_label(request.url.path)}: internal error ({type(exc).__name__}); the server goes on serving")
+        state.metrics.request(_endpoint_label(request.url.path), 500)
+        return _error(_api_of(request.url.path, request.headers), APIError(500, f"internal error ({type(exc).__name__})"))
+
+    def guarded(route):
+        """A route whose unexpected exception is a 500 in its API's shape and one log line (the app-wide handler
+        answers too, but Starlette then raises again, and uvicorn logs a traceback)."""
+        async def handler(request: Request):
+            try:
+                return await route(request)
+            except Exception as exc:  # noqa: BLE001 - a bug must not look like a crash to the client or the log
+                return internal(request, exc)
+
+        handler.__name__, handler.__doc__ = route.__name__, route.__doc__
+        return handler
 
     # -- information ------------------------------------------------------------------------------
     @app.get("/health")
@@ -96,36 +191,46 @@ def create_app(state: ServerState) -> FastAPI:
 
     # -- generation -------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
+    @guarded
     async def chat_completions(request: Request):
         return await _generate(request, "/v1/chat/completions", "openai", openai_api.prepare_chat,
                                openai_api.chat_response, openai_api.chat_stream)
 
     @app.post("/v1/completions")
+    @guarded
     async def completions(request: Request):
         return await _generate(request, "/v1/completions", "openai", openai_api.prepare_completion,
                                openai_api.completion_response, openai_api.completion_stream)
 
     @app.post("/v1/messages")
+    @guarded
     async def messages(request: Request):
         return await _generate(request, "/v1/messages", "anthropic", anthropic_api.prepare_messages,
                                anthropic_api.message_response, anthropic_api.message_stream)
 
     @app.post("/v1/messages/count_tokens")
+    @guarded
     async def count_tokens(request: Request):
         endpoint = "/v1/messages/count_tokens"
         try:
-            body = parse_body(await request.body())
-            result = anthropic_api.count_tokens(body, state)
+            result = await prepared_body(request, anthropic_api.count_tokens)
         except APIError as err:
             state.metrics.request(endpoint, err.status)
             return _error("anthropic", err)
         state.metrics.request(endpoint, 200)
         return result
 
+    def queue_full(api: str, endpoint: str, full: QueueFull) -> JSONResponse:
+        state.metrics.request(endpoint, 429)
+        state.metrics.queue_full()
+        return _error(api, APIError(429, str(full), None, "queue_full"), {"retry-after": str(full.retry_after)})
+
     async def _generate(request: Request, endpoint: str, api: str, prepare, respond, stream):
+        full = state.worker.full()
+        if full is not None:  # refused before its prompt is rendered: a full server spends nothing on what it turns away
+            return queue_full(api, endpoint, full)
         try:
-            body = parse_body(await request.body())
-            prepared = prepare(body, state)
+            prepared = await prepared_body(request, prepare)
         except APIError as err:
             state.metrics.request(endpoint, err.status)
             return _error(api, err)
@@ -133,10 +238,12 @@ def create_app(state: ServerState) -> FastAPI:
         job.attach(asyncio.get_running_loop(), prepared.stream)
         try:
             position = state.worker.submit(job)
+        except QueueFull as full:
+            return queue_full(api, endpoint, full)
         except RuntimeError as exc:
             state.metrics.request(endpoint, 503)
             return _error(api, APIError(503, str(exc)))
-        headers = {**prepared.headers, QUEUE_HEADER: str(position)}
+        headers = {**prepared.headers, QUEUE_HEADER: str(position), JOB_HEADER: str(job.id)}
         if prepared.stream:
             return StreamingResponse(_streamed(job, stream(job, prepared, state), endpoint), media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})

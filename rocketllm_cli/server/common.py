@@ -48,21 +48,112 @@ def check_model(body: dict, state) -> None:
         raise unknown_model(name, state)
 
 
+MAX_DEPTH = 64  # nesting of objects and arrays a request body may have (real requests need about 8)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_body(raw: bytes) -> dict:
+    """The body as a JSON object: UTF-8, no NaN or Infinity, nested at most MAX_DEPTH deep, no lone surrogates."""
     if not raw.strip():
         raise bad("the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad(f"the request body is not valid JSON ({exc})") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except ValueError as exc:
+        raise bad(f"the request body is not valid JSON ({_short(str(exc))})") from None
+    except RecursionError:
+        raise bad(f"the request body nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, not {_kind(body)}")
+    _check_tree(body)
     return body
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _check_tree(body: dict) -> None:
+    """Refuse nesting past MAX_DEPTH and strings (keys too) that hold lone surrogates, which no reply could encode."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad(f"the request body nests deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key)
+                stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, str):
+            _check_text(value)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad("the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff) in a string; send valid Unicode") from None
 
 
 def _kind(value: object) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def tool_schema(value: object, where: str) -> dict:
+    """A tool's parameter schema, checked to be JSON Schema where a chat template reads it: `type` a JSON type (or a
+    list of them), `properties` an object of schemas, `items` a schema, `required` a list of names, `enum` a list."""
+    if not isinstance(value, dict):
+        raise bad(f"'{where}' must be a JSON Schema object, not {_kind(value)}", where)
+    stack = [(value, where)]
+    while stack:
+        node, at = stack.pop()
+
+        def wrong(key: str, what: str, at=at) -> APIError:
+            return bad(f"'{where}' is not JSON Schema: '{at}.{key}' must be {what}", where)
+
+        kind = node.get("type")
+        if kind is not None and not (kind in JSON_TYPES if isinstance(kind, str) else
+                                     isinstance(kind, list) and kind and all(isinstance(k, str) and k in JSON_TYPES for k in kind)):
+            raise wrong("type", "one of " + ", ".join(JSON_TYPES) + " (or a list of them)")
+        for key in ("description", "title"):
+            if key in node and not isinstance(node[key], str):
+                raise wrong(key, "a string")
+        props = node.get("properties")
+        if props is not None:
+            if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+                raise wrong("properties", "an object whose values are schemas")
+            stack.extend((v, f"{at}.properties.{k}") for k, v in props.items())
+        req = node.get("required")
+        if req is not None and not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
+            raise wrong("required", "a list of property names")
+        if "enum" in node and not isinstance(node["enum"], list):
+            raise wrong("enum", "a list")
+        items = node.get("items")
+        if items is not None:
+            if not isinstance(items, (dict, bool)):
+                raise wrong("items", "a schema")
+            if isinstance(items, dict):
+                stack.append((items, f"{at}.items"))
+        for key in SUBSCHEMA_LISTS:
+            subs = node.get(key)
+            if subs is not None:
+                if not isinstance(subs, list) or not all(isinstance(v, dict) for v in subs):
+                    raise wrong(key, "a list of schemas")
+                stack.extend((v, f"{at}.{key}[{i}]") for i, v in enumerate(subs))
+    return value
 
 
 def required(body: dict, name: str, where: str = "") -> object:
@@ -87,7 +178,7 @@ def number(body: dict, name: str, low: float | None = None, high: float | None =
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}, not {_kind(value)}", name)
-    if integer and not float(value).is_integer():
+    if integer and isinstance(value, float) and not (value.is_integer() and abs(value) < 2**53):  # 1e308 is no count
         raise bad(f"'{name}' must be an integer (got {value})", name)
     value = int(value) if integer else float(value)
     if low is not None and (value <= low if low_open else value < low):

@@ -34,6 +34,7 @@ class Metrics:
         self.requests: collections.Counter = collections.Counter()  # (endpoint, status) -> n
         self.tokens: collections.Counter = collections.Counter()  # prompt | generated | reused
         self.cancelled = 0
+        self.refused_full = 0
         self.token_latency = _Summary()
         self.prefill_latency = _Summary()
         self.bytes_served: collections.Counter = collections.Counter()  # tier -> bytes, every pass
@@ -43,6 +44,10 @@ class Metrics:
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, str(status))] += 1
+
+    def queue_full(self) -> None:
+        with self._lock:
+            self.refused_full += 1
 
     def generation(self, outcome) -> None:
         with self._lock:
@@ -81,6 +86,8 @@ class Metrics:
                    [({"kind": k}, self.tokens.get(k, 0)) for k in ("prompt", "generated", "reused")])
             metric("rocketllm_generations_cancelled_total", "counter", "Generations stopped because the client went away.",
                    [({}, self.cancelled)])
+            metric("rocketllm_queue_full_total", "counter", "Requests refused with 429 because the queue was full.",
+                   [({}, self.refused_full)])
             for name, summary, help_text in (
                 ("rocketllm_token_latency_seconds", self.token_latency, "Time between successive generated tokens."),
                 ("rocketllm_prefill_seconds", self.prefill_latency, "Time from a job's start to its first generated token."),

@@ -20,6 +20,7 @@ from .common import (
     sse,
     stop_strings,
     string,
+    tool_schema,
 )
 from .prompts import PromptError
 from .tools import StreamSplitter
@@ -28,8 +29,11 @@ FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
+ERROR_TYPES = {429: "rate_limit_error"}
+
+
 def error_body(err: APIError) -> dict:
-    kind = "invalid_request_error" if err.status < 500 else "server_error"
+    kind = ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
 
 
@@ -103,10 +107,10 @@ def _tools(value: object) -> list[dict]:
             raise bad(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", f"tools[{i}]")
         fn = t["function"]
         name = string(fn, "name", f"{where}function.", needed=True)
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise bad(f"'{where}function.parameters' must be a JSON schema object", f"{where}function.parameters")
-        tools.append({"type": "function", "function": {"name": name, "description": fn.get("description") or "", "parameters": params}})
+        description = string(fn, "description", f"{where}function.") or ""
+        params = fn.get("parameters")
+        params = {"type": "object", "properties": {}} if params is None else tool_schema(params, f"{where}function.parameters")
+        tools.append({"type": "function", "function": {"name": name, "description": description, "parameters": params}})
     return tools
 
 
@@ -154,6 +158,8 @@ def prepare_chat(body: dict, state) -> Prepared:
     tools = _tools(body.get("tools"))
     choice = tool_choice(body.get("tool_choice"), tools)
     fmt = body.get("response_format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad("'response_format' must be an object such as {\"type\": \"text\"}", "response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         raise bad(f"response_format {fmt.get('type')!r} is not supported (no constrained decoding); ask for JSON in the prompt", "response_format")
     headers: dict = {}

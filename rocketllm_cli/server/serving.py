@@ -13,6 +13,7 @@ import contextlib
 import copy
 import logging
 import signal
+import sys
 import threading
 
 import uvicorn
@@ -21,6 +22,7 @@ from .app import create_app
 from .state import ServerState
 
 GRACE_S = 5  # uvicorn's wait for open responses once the worker halted; they end within STOP_WAIT_S, so a backstop
+SWITCH_INTERVAL_S = 0.001  # the longest the event loop waits for the interpreter lock while the worker computes
 
 
 def log_config() -> dict:
@@ -45,7 +47,13 @@ class StoppingServer(uvicorn.Server):
 
 
 def make_server(state: ServerState, access_log: bool, grace_s: float = GRACE_S) -> StoppingServer:
-    """The uvicorn server for `state`'s app, logging on stderr (one line per request when `access_log`)."""
+    """The uvicorn server for `state`'s app, logging on stderr (one line per request when `access_log`).
+
+    The worker thread runs Python between its tensor operations; at the interpreter's default switch interval (5 ms)
+    the event loop waits that long for the lock each time it wakes (a request takes several wakes), which puts
+    /health behind the worker by tens of milliseconds under load. 1 ms keeps it answering in a few."""
+    if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=access_log, log_config=log_config(),
                             timeout_graceful_shutdown=grace_s)
     if access_log:

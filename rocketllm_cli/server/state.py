@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import resource
 import threading
 import time
 from typing import Callable
@@ -14,9 +17,49 @@ from .prompts import PromptBuilder
 from .tools import FAMILIES, choose
 from .worker import STOP_TIMEOUT_S, Job, Worker
 
+QUEUE_CAP = 256  # waiting requests at most, whatever the open-file limit allows
+FDS_PER_WAITING = 4  # open files a waiting request may cost (its socket, and room for the model's and the server's own)
+MIN_BODY_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 64  # a context's worth of prompt as JSON text, tools and escapes included, with room to spare
+API_KEY_ENV = "ROCKETLLM_API_KEY"
+
+
+def derive_max_queue() -> tuple[int, str]:
+    """The queue limit and its formula: a waiting request holds a connection, so the open-file limit bounds the queue."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    nofile = 1 << 20 if soft == resource.RLIM_INFINITY else int(soft)
+    value = max(1, min(QUEUE_CAP, nofile // FDS_PER_WAITING))
+    return value, f"min({QUEUE_CAP}, open-file limit {nofile} // {FDS_PER_WAITING})"
+
+
+def body_limit(max_context: int) -> tuple[int, str]:
+    value = max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_context)
+    return value, f"max(1 MiB, {BODY_BYTES_PER_TOKEN} B x context {max_context})"
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
 
 class ServerState:
-    def __init__(self, model, model_id: str, tool_parser: str | None = None, log: Callable[[str], None] = lambda m: None) -> None:
+    def __init__(self, model, model_id: str, tool_parser: str | None = None, log: Callable[[str], None] = lambda m: None, *,
+                 api_key: str | None = None, max_queue: int | None = None, host: str = "127.0.0.1") -> None:
         self.model = model
         self.model_id = model_id
         self.log = log
@@ -44,11 +87,35 @@ class ServerState:
         self.prefix_cache = PrefixCache(budget, mode=self.prefix_mode) if self.prefix_on else None
         self.generator = Generator(model, self.prefix_cache)
         self.metrics = Metrics()
+        # The key itself is not kept: only its digest, compared in constant time with each request's.
+        self._key_digest = _digest(api_key) if api_key else None
+        self.host = host
+        self.warnings: list[str] = []
+        if not is_loopback(host) and self._key_digest is None:
+            self.warnings.append(f"listening on {host} without an API key: anyone who can reach this machine can use the model; "
+                                 f"pass --api-key or set {API_KEY_ENV}")
+        if max_queue is None:
+            self.max_queue, self.max_queue_formula = derive_max_queue()
+        else:
+            self.max_queue, self.max_queue_formula = int(max_queue), "from --max-queue"
+        self.max_body, self.max_body_formula = body_limit(self.max_context)
+        self.last_error: dict | None = None  # the latest failed generation, until one succeeds
         self.multimodal = any(getattr(model.config, key, None) is not None for key in ("vision_config", "audio_config"))
         self.residency = model.plan.describe(model.manifest)
         self._noticed: set[str] = set()
         self._notice_lock = threading.Lock()
-        self.worker = Worker(self.generator, on_finish=self._finished)
+        self.worker = Worker(self.generator, on_finish=self._finished, max_queue=self.max_queue)
+
+    # -- the key ---------------------------------------------------------------------------------
+    @property
+    def auth_required(self) -> bool:
+        return self._key_digest is not None
+
+    def key_matches(self, given: str | None) -> bool:
+        """Whether `given` is the server's key, compared in constant time (digests of equal length)."""
+        if self._key_digest is None:
+            return True
+        return given is not None and hmac.compare_digest(_digest(given), self._key_digest)
 
     # -- what the server says once --------------------------------------------------------------
     def notice_once(self, key: str, message: str) -> bool:
@@ -70,14 +137,20 @@ class ServerState:
             f"tool parser: {self.family} ({self.family_reason}); tools {tool_note}",
             f"prefix cache: {self.prefix_reason}",
             f"speculative decoding: {self.generator.speculation.reason}",
+            (f"queue: at most {self.max_queue} requests waiting (= {self.max_queue_formula}); more get 429 with retry-after; "
+             f"request bodies up to {self.max_body} bytes (= {self.max_body_formula}), larger get 413"),
+            "api key: " + ("required (OpenAI: Authorization: Bearer, Anthropic: x-api-key; every endpoint but /health)"
+                           if self.auth_required else "none (every client is served)"),
         ]
         if url:
             lines.append(f"listening on {url} (OpenAI: {url}/v1, Anthropic: {url}); Ctrl-C stops")
         return lines
 
     def health(self) -> dict:
+        """What /health reports; lock-free but for the queue's length, so it never waits behind a generation."""
+        failing = self.last_error is not None and self.last_error.get("current")
         return {
-            "status": "ok",
+            "status": "degraded" if failing else "ok",
             "model": self.model_id,
             "residency": self.residency,
             "residency_plan": self.model.plan.to_dict()["tier"],
@@ -87,6 +160,12 @@ class ServerState:
             "tools_in_template": self.builder.native_tools,
             "queue_length": self.worker.queue_length,
             "busy": self.worker.busy,
+            "max_queue": self.max_queue,
+            "max_body_bytes": self.max_body,
+            "auth": "api key required" if self.auth_required else "none",
+            "warnings": list(self.warnings),
+            "last_error": {k: v for k, v in self.last_error.items() if k != "current"} if self.last_error else None,
+            "error": self.last_error["message"] if failing else None,
             "max_context": self.max_context,
             "speculation": {"mode": self.generator.speculation.mode, "reason": self.generator.speculation.reason},
             "prefix_cache": {"enabled": self.prefix_on, "reason": self.prefix_reason, "mode": self.prefix_mode,
@@ -107,13 +186,21 @@ class ServerState:
 
     def close(self, timeout: float = STOP_TIMEOUT_S) -> bool:
         """Stop, and wait up to `timeout` s from the stop for the worker thread; False if a step still runs."""
+        pool = getattr(self, "prepare_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
         return self.worker.stop(timeout)
 
     def _finished(self, job: Job) -> None:
         if job.outcome is not None:
             self.metrics.generation(job.outcome)
         if job.error is not None:
-            self.log(f"error: generation failed ({type(job.error).__name__}: {job.error}); the server goes on serving")
+            message = one_line(f"{type(job.error).__name__}: {job.error}")
+            self.last_error = {"message": f"the latest generation failed: {message}", "endpoint": job.endpoint,
+                               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "current": True}
+            self.log(f"error: generation failed ({message}); the server goes on serving")
+        elif job.state == "done" and self.last_error is not None:
+            self.last_error["current"] = False  # a generation succeeded since: kept in /health as history
         if self.prefix_cache is not None and self.prefix_cache.disabled_reason and self.prefix_on:
             self.prefix_on = False
             self.prefix_reason = f"off: {self.prefix_cache.disabled_reason}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,15 @@ HISTORY = 256  # finished jobs remembered (for /health and tests)
 STOP_WAIT_S = 2.0  # a stopping server waits this long for the running generation step to end
 STOP_TIMEOUT_S = 10.0  # how long stop() waits for the worker thread unless told otherwise
 SHUTTING_DOWN = "the server is shutting down"
+RETRY_AFTER_MAX_S = 600  # the longest retry-after a full queue advises
+
+
+class QueueFull(Exception):
+    """The queue holds its limit of waiting jobs; `retry_after` is the seconds the jobs ahead are expected to take."""
+
+    def __init__(self, limit: int, retry_after: int) -> None:
+        super().__init__(f"the queue is full ({limit} requests waiting for the model); retry after {retry_after} s")
+        self.limit, self.retry_after = limit, retry_after
 
 
 @dataclass
@@ -66,6 +76,7 @@ class Job:
             "max_new_tokens": self.request.params.max_new_tokens,
             "waited_s": round((self.started_at or self.finished_at or time.monotonic()) - self.enqueued_at, 4),
             "ran_s": round(self.finished_at - self.started_at, 4) if self.started_at and self.finished_at else None,
+            "enqueued_at": self.enqueued_at, "started_at": self.started_at, "finished_at": self.finished_at,
         }
 
     def _emit(self, kind: str, payload: object) -> None:
@@ -79,8 +90,9 @@ class Job:
 
 
 class Worker:
-    def __init__(self, generator: Generator, on_finish=None) -> None:
+    def __init__(self, generator: Generator, on_finish=None, max_queue: int | None = None) -> None:
         self.generator = generator
+        self.max_queue = max_queue  # waiting jobs beyond which submit() refuses (None: no limit)
         self.on_finish = on_finish or (lambda job: None)
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
@@ -93,11 +105,21 @@ class Worker:
         self._thread.start()
 
     # -- request side -----------------------------------------------------------------------------
+    def full(self) -> QueueFull | None:
+        """The refusal a job would get now because the queue holds max_queue jobs, else None (submit checks again)."""
+        with self._cv:
+            if self.max_queue is not None and len(self._queue) >= self.max_queue:
+                return QueueFull(self.max_queue, self._retry_after())
+        return None
+
     def submit(self, job: Job) -> int:
-        """Queue the job; returns its position (jobs ahead of it, the running one included)."""
+        """Queue the job; returns its position (jobs ahead of it, the running one included). Raises QueueFull when
+        max_queue jobs wait already."""
         with self._cv:
             if self._stopping:
                 raise RuntimeError(SHUTTING_DOWN)
+            if self.max_queue is not None and len(self._queue) >= self.max_queue:
+                raise QueueFull(self.max_queue, self._retry_after())
             job.id = next(self._ids)
             job.position = len(self._queue) + (1 if self.current is not None else 0)
             job.state = "queued"
@@ -105,6 +127,14 @@ class Worker:
             self._queue.append(job)
             self._cv.notify()
             return job.position
+
+    def _retry_after(self) -> int:
+        """Whole seconds until the jobs ahead (waiting and running) are expected to be done, from the latest
+        finished jobs' run times; at least 1."""
+        ran = [h["ran_s"] for h in list(self.history)[-32:] if h["ran_s"] is not None]
+        mean = sum(ran) / len(ran) if ran else 1.0
+        ahead = len(self._queue) + (1 if self.current is not None else 0)
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead * mean)))
 
     def cancel(self, job: Job) -> None:
         """The client went away: drop the job if it waits, stop it after the current step if it runs."""

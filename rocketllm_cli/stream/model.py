@@ -19,6 +19,7 @@ from torch import nn
 
 from ..dtypes import torch_dtype
 from ..errors import KnobError, ShardError
+from ..packed.format import PackedFormat
 from ..profiles.knobs.formulas import (
     DEFAULT_EXPERT_CACHE_POLICY,
     FALLBACK_COMPUTE_DTYPE,
@@ -27,7 +28,6 @@ from ..profiles.knobs.formulas import (
 )
 from ..profiles.knobs.table import KNOBS_BY_NAME
 from ..shard.discover import build_meta_model
-from ..packed.format import PackedFormat
 from ..shard.manifest import RESHARD, Manifest
 from .ledger import Ledger
 from .packedbind import PackedBinding, make_packed

@@ -101,7 +101,7 @@ class RowGathers:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             for i, row in enumerate(rows):
                 for buf, at, size in ((codes[i].view(torch.uint8), offsets["codes"] + row * k, k), (scale[i], offsets["scale"] + row * scale_bytes, scale_bytes)):
-                    if os.preadv(fd, [memoryview(buf.numpy())], record.offset + at) != size:
+                    if pread(fd, memoryview(buf.numpy()), record.offset + at, unit.file) != size:
                         raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
@@ -124,7 +124,7 @@ class RowGathers:
                 if not 0 <= row < record.shape[0]:
                     raise IndexError(f"token id {row} outside the embedding table of {record.shape[0]} rows")
                 start = row * row_bytes
-                if os.preadv(fd, [view[start : start + row_bytes]], record.offset + start) != row_bytes:
+                if pread(fd, view[start : start + row_bytes], record.offset + start, unit.file) != row_bytes:
                     raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
@@ -137,3 +137,12 @@ class RowGathers:
         if table is None:
             table = self._tables[name] = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
         return table
+
+
+def pread(fd: int, view: memoryview, offset: int, file: str) -> int:
+    """os.preadv into one buffer; a failing read (EIO from a dying disk, a file gone under a network mount) is a
+    ShardError naming the file."""
+    try:
+        return os.preadv(fd, [view], offset)
+    except OSError as exc:
+        raise ShardError(f"cannot read shard file {file} ({exc.strerror or exc}); {RESHARD}") from None

@@ -27,7 +27,7 @@ from ..shard.manifest import RESHARD, Manifest, UnitRecord
 from ..shard.stfile import ALIGN, DTYPES
 from .ledger import Ledger
 from .plan import ResidencyPlan
-from .rows import RowGathers
+from .rows import RowGathers, pread
 
 # Where AutoModel puts its progress for the resident load: StreamingModel builds the store without carrying it.
 LOAD_PROGRESS: ContextVar = ContextVar("rocketllm_load_progress", default=None)
@@ -119,8 +119,15 @@ class WeightStore(RowGathers):
 
     # -- streaming ------------------------------------------------------------------
     def begin_pass(self) -> None:
-        """A forward pass starts: record the order units are asked for."""
+        """A forward pass starts: record the order units are asked for. Units still held are left from a pass that
+        failed (a read error, an exception in a module): their buffers are free again."""
         self._order = []
+        for slot, _, _ in self._held.values():
+            if slot is not None:
+                if self.cuda:
+                    slot.free_after = torch.cuda.current_stream(self.device).record_event()
+                self._free.append(slot)
+        self._held.clear()
 
     def end_pass(self) -> None:
         """A forward pass ended: the order it asked for units is the schedule the next pass prefetches by."""
@@ -143,7 +150,14 @@ class WeightStore(RowGathers):
         else:
             waited = time.perf_counter()
             future = self._pending.pop(name, None)
-            slot = future.result() if future is not None else self._fill(self._take_slot(), name)
+            slot = None
+            if future is not None:
+                try:
+                    slot = future.result()
+                except Exception:  # noqa: BLE001 - the read ahead failed (and gave its buffer back): read again now, and let that read's error stand
+                    slot = None
+            if slot is None:
+                slot = self._fill(self._take_slot(), name)
             self.ledger.add_time("wait", time.perf_counter() - waited)
             if slot.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(slot.ready)
@@ -205,9 +219,20 @@ class WeightStore(RowGathers):
             return None
         # Every buffer is waiting for a prefetched unit nobody asked for yet: take back the furthest one.
         victim = next(reversed(self._pending))
-        return self._pending.pop(victim).result()
+        try:
+            return self._pending.pop(victim).result()
+        except Exception:  # noqa: BLE001 - its read failed and gave the buffer back
+            return self._free.pop()
 
     def _fill(self, slot: Slot, name: str) -> Slot:
+        """Read unit `name` into `slot`; a read that fails gives the slot back before it raises."""
+        try:
+            return self._fill_slot(slot, name)
+        except BaseException:
+            self._free.append(slot)
+            raise
+
+    def _fill_slot(self, slot: Slot, name: str) -> Slot:
         unit = self.units[name]
         if self.cuda and slot.free_after is not None:
             # The GPU may still be running the last unit from this slot (and its copy from slot.host):
@@ -241,7 +266,7 @@ class WeightStore(RowGathers):
             want = _round_up(unit.bytes) if direct else unit.bytes
             done = 0
             while done < unit.bytes:
-                n = os.preadv(fd, [view[done:want]], done)
+                n = pread(fd, view[done:want], done, unit.file)
                 if n <= 0:
                     raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
                 done += n
