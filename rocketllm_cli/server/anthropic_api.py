@@ -17,6 +17,7 @@ from .common import (
     boolean,
     check_context,
     check_model,
+    function_tool,
     job_events,
     new_id,
     number,
@@ -25,6 +26,7 @@ from .common import (
     sse,
     stop_strings,
     string,
+    tool_list,
     tool_schema,
 )
 from .openai_api import tool_choice
@@ -122,21 +124,16 @@ def _messages(raw: list, state) -> list[dict]:
 
 
 def _tools(value: object) -> list[dict]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise bad("'tools' must be a list", "tools")
-    tools = []
-    for i, t in enumerate(value):
-        if not isinstance(t, dict):
-            raise bad(f"'tools[{i}]' must be an object", f"tools[{i}]")
-        if t.get("type") not in (None, "custom"):
-            raise bad(f"'tools[{i}]' is a {t.get('type')} tool; only custom tools (name, input_schema) are supported", f"tools[{i}]")
-        name = string(t, "name", f"tools[{i}].", needed=True)
-        description = string(t, "description", f"tools[{i}].") or ""
-        schema = tool_schema(required(t, "input_schema", f"tools[{i}]."), f"tools[{i}].input_schema")
-        tools.append({"type": "function", "function": {"name": name, "description": description, "parameters": schema}})
-    return tools
+    return tool_list(value, "'tools' must be a list", _tool)
+
+
+def _tool(i: int, t: object) -> dict:
+    if not isinstance(t, dict):
+        raise bad(f"'tools[{i}]' must be an object", f"tools[{i}]")
+    if t.get("type") not in (None, "custom"):
+        raise bad(f"'tools[{i}]' is a {t.get('type')} tool; only custom tools (name, input_schema) are supported", f"tools[{i}]")
+    return function_tool(string(t, "name", f"tools[{i}].", needed=True), string(t, "description", f"tools[{i}]."),
+                         tool_schema(required(t, "input_schema", f"tools[{i}]."), f"tools[{i}].input_schema"))
 
 
 def _tool_choice(value: object, tools: list[dict]) -> object:

@@ -112,6 +112,20 @@ JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null
 SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 
+def tool_list(value: object, not_a_list: str, item) -> list[dict]:
+    """A request's `tools`: absent is none; else a list whose entries item(i, entry) checks and turns into the
+    one form the prompt builder takes, {"type": "function", "function": {name, description, parameters}}."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad(not_a_list, "tools")
+    return [item(i, entry) for i, entry in enumerate(value)]
+
+
+def function_tool(name: str, description: str | None, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description or "", "parameters": parameters}}
+
+
 def tool_schema(value: object, where: str) -> dict:
     """A tool's parameter schema, checked to be JSON Schema where a chat template reads it: `type` a JSON type (or a
     list of them), `properties` an object of schemas, `items` a schema, `required` a list of names, `enum` a list."""

@@ -11,6 +11,7 @@ from .common import (
     boolean,
     check_context,
     check_model,
+    function_tool,
     job_events,
     new_id,
     now,
@@ -20,6 +21,7 @@ from .common import (
     sse,
     stop_strings,
     string,
+    tool_list,
     tool_schema,
 )
 from .prompts import PromptError
@@ -96,22 +98,17 @@ def _message(m: object, i: int, state) -> dict:
 
 
 def _tools(value: object) -> list[dict]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise bad("'tools' must be a list of function tools", "tools")
-    tools = []
-    for i, t in enumerate(value):
-        where = f"tools[{i}]."
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
-            raise bad(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", f"tools[{i}]")
-        fn = t["function"]
-        name = string(fn, "name", f"{where}function.", needed=True)
-        description = string(fn, "description", f"{where}function.") or ""
-        params = fn.get("parameters")
-        params = {"type": "object", "properties": {}} if params is None else tool_schema(params, f"{where}function.parameters")
-        tools.append({"type": "function", "function": {"name": name, "description": description, "parameters": params}})
-    return tools
+    return tool_list(value, "'tools' must be a list of function tools", _tool)
+
+
+def _tool(i: int, t: object) -> dict:
+    where = f"tools[{i}]."
+    if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        raise bad(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", f"tools[{i}]")
+    fn = t["function"]
+    params = fn.get("parameters")
+    params = {"type": "object", "properties": {}} if params is None else tool_schema(params, f"{where}function.parameters")
+    return function_tool(string(fn, "name", f"{where}function.", needed=True), string(fn, "description", f"{where}function."), params)
 
 
 def tool_choice(value: object, tools: list[dict], param: str = "tool_choice") -> object:
