@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..output import BLINK_S, no_progress
 from ..shard.manifest import MANIFEST, Manifest
-from .plan import check_budget
+from .plan import RESIDENT_KINDS, check_budget
 
 if TYPE_CHECKING:  # torch and transformers load only once the model path has been checked
     from .model import EngineConfig, StreamingModel
@@ -123,7 +123,7 @@ class AutoModel:
         facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))
         knobs = resolve_knobs(profile, facts, flags=flags or {}, kwargs=knob_overrides)
         config, notes = engine_config(profile, knobs, manifest)
-        resident = sum(u.tensor_bytes for u in manifest.units if u.kind == "root")
+        resident = sum(u.tensor_bytes for u in manifest.units if u.kind in RESIDENT_KINDS)
         check_budget(resident, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
         from .model import StreamingModel
         from .store import LOAD_PROGRESS

@@ -115,8 +115,10 @@ class StreamingModel:
         hf_config = AutoConfig.from_pretrained(self.directory)
         model = build_meta_model(hf_config, self.dtype)
         self.plan: ResidencyPlan = make_plan(self.manifest, config.device_cache_bytes, config.host_cache_bytes)
-        # Resident experts are counted when routed, like every expert: the rest of the device tier serves every pass.
-        resident = sum(u.tensor_bytes for u in self.manifest.units if self.plan.tier[u.name] == "device" and u.kind != "expert")
+        # Resident experts are counted when routed, like every expert, and a vision tower runs once per request, not per
+        # pass: the rest of the device tier serves every pass.
+        resident = sum(u.tensor_bytes for u in self.manifest.units
+                       if self.plan.tier[u.name] == "device" and u.kind not in ("expert", "vision"))
         self.ledger = Ledger(resident)
         self.store = WeightStore(
             self.directory, self.manifest, self.plan, self.ledger, device=self.device, compute_dtype=self.dtype,
