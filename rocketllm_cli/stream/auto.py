@@ -133,6 +133,12 @@ class AutoModel:
             streamed = StreamingModel(directory, config, manifest)
         finally:
             LOAD_PROGRESS.reset(loading)
+        if manifest.vision:  # the vision tower and projector: resident, read once, in the device budget (plan.py)
+            from ..sizes import format_bytes
+
+            images = "" if streamed.processor is not None else f"; images refused: the model {streamed.processor_error}"
+            (log or (lambda m: None))(f"resident modules: vision tower {format_bytes(sum(u.tensor_bytes for u in manifest.vision))} "
+                                      f"({', '.join(u.module for u in manifest.vision)}){images}")
         if any(tier != "device" for tier in streamed.plan.tier.values()):  # resident units convert once, at load
             for note in notes:
                 (log or (lambda m: None))(note)
