@@ -78,7 +78,7 @@ def run(
     text = _read_prompt(prompt, output)
     system = None if system is None else _argument_text(system, "--system", output)
     prompts = [line for line in text.splitlines() if line.strip()] if batch else [text]
-    pictures = _read_images(image or [])  # a bad picture is refused before the model loads
+    pictures = _read_images(image or [], model)  # a bad picture, or pictures for a text-only model, refused before loading
 
     # cheap: from_pretrained checks MODEL before torch and transformers are imported
     from ..stream.auto import AutoModel
@@ -122,11 +122,28 @@ def run(
         output.log(format_stats(figures, result.prompt_tokens, result.new_tokens))
 
 
-def _read_images(paths: list[str]) -> list:
+def _read_images(paths: list[str], model: str) -> list:
+    import json as _json
+    from pathlib import Path
+
+    from ..errors import ImageError
     from ..text.images import check_count, read_image
 
+    if not paths:
+        return []
     check_count(len(paths))
-    return [read_image(p, f"--image {p}") for p in paths]
+    pictures = [read_image(p, f"--image {p}") for p in paths]
+    path = Path(str(model)).expanduser()
+    config = path / "config.json"
+    text_only = path.suffix == ".gguf"  # a GGUF file holds a text model (a projector comes in a separate file)
+    if not text_only and config.is_file():
+        try:
+            text_only = "vision_config" not in _json.loads(config.read_text())
+        except (OSError, ValueError):
+            pass  # loading says what is wrong with it
+    if text_only:
+        raise ImageError(f"{model} takes text only (no vision config); send the prompt without images")
+    return pictures
 
 
 def _with_images(streamed, model: str, text: str, system: str | None, pictures: list) -> tuple[list[list[int]], dict]:

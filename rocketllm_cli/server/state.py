@@ -9,6 +9,7 @@ from typing import Callable
 from ..text.loop import Generator
 from ..text.prefix import PrefixCache, decide
 from ..text.reuse import reuse_for
+from ..text.images import refusal as image_refusal
 from .metrics import Metrics
 from .prompts import PromptBuilder
 from .tools import FAMILIES, choose
@@ -26,7 +27,8 @@ class ServerState:
 
             raise RocketError("this model has no tokenizer in its shard directory; re-shard from a model directory that includes one")
         self.family, self.family_reason = choose(model.tokenizer, tool_parser)
-        self.builder = PromptBuilder(model.tokenizer, self.family)
+        self.image_refusal = image_refusal(model)  # None: the model takes pictures (its tower and processor are here)
+        self.builder = PromptBuilder(model.tokenizer, self.family, getattr(model, "processor", None) if self.image_refusal is None else None)
         knobs = model.knobs
         self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") else \
             int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
@@ -44,7 +46,7 @@ class ServerState:
         self.prefix_cache = PrefixCache(budget, mode=self.prefix_mode) if self.prefix_on else None
         self.generator = Generator(model, self.prefix_cache)
         self.metrics = Metrics()
-        self.multimodal = any(getattr(model.config, key, None) is not None for key in ("vision_config", "audio_config"))
+        self.multimodal = self.image_refusal is None
         self.residency = model.plan.describe(model.manifest)
         self._noticed: set[str] = set()
         self._notice_lock = threading.Lock()
@@ -70,6 +72,9 @@ class ServerState:
             f"tool parser: {self.family} ({self.family_reason}); tools {tool_note}",
             f"prefix cache: {self.prefix_reason}",
         ]
+        if self.multimodal or self.model.manifest.vision:
+            lines.append("images: " + ("accepted (data: URLs and paths this machine can read; prefix cache off for prompts with images)"
+                                       if self.multimodal else f"refused, the model {self.image_refusal}"))
         if url:
             lines.append(f"listening on {url} (OpenAI: {url}/v1, Anthropic: {url}); Ctrl-C stops")
         return lines

@@ -112,7 +112,8 @@ def refusal(model) -> str | None:
 def check_accepts(model, name: str) -> None:
     reason = refusal(model)
     if reason is not None:
-        raise ImageError(f"{name} {reason}; send the prompt without images")
+        text_only = getattr(model, "manifest", None) is not None and not model.manifest.vision
+        raise ImageError(f"{name} {reason}" + ("; send the prompt without images" if text_only else ""))
 
 
 def user_content(text: str, images: list) -> list[dict]:
