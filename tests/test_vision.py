@@ -164,7 +164,7 @@ def test_generate_refuses_bad_pictures_in_one_line(vlm, pictures, tiny_checkpoin
     cases = [
         ((directory, "hi", "--image", pictures / "junk.png"), "does not decode as an image"),
         ((directory, "hi", "--image", pictures / "c.tiff"), "TIFF image, which is not supported"),
-        ((directory, "hi", "--image", pictures / "missing.png"), "cannot read image"),
+        ((directory, "hi", "--image", pictures / "missing.png"), "cannot read image file"),
         ((directory, "hi", *["--image", pictures / "a.png"] * (MAX_IMAGES + 1)), f"at most {MAX_IMAGES} are accepted"),
         ((directory, "hi", "--image", pictures / "a.png", "--raw"), "needs the chat template"),
         ((tiny_checkpoint, "hi", "--image", pictures / "a.png"), "takes text only"),
@@ -241,7 +241,7 @@ def test_bad_pictures_are_400_in_each_apis_shape(served, pictures):
         ("data:image/png;base64,bm90IGFuIGltYWdl", "does not decode as an image"),
         ("data:image/png;base64,%%%", "not valid base64"),
         (tiff, "TIFF image, which is not supported"),
-        ("/nonexistent/cat.png", "cannot read image"),
+        ("/nonexistent/cat.png", "cannot read image file"),
     ]
     for url, words in cases:
         body = {"model": "tiny-vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}

@@ -132,7 +132,7 @@ def _read_images(paths: list[str], model: str) -> list:
     if not paths:
         return []
     check_count(len(paths))
-    pictures = [read_image(p, f"--image {p}") for p in paths]
+    pictures = [read_image(p) for p in paths]
     path = Path(str(model)).expanduser()
     config = path / "config.json"
     text_only = path.suffix == ".gguf"  # a GGUF file holds a text model (a projector comes in a separate file)

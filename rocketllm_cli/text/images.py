@@ -23,7 +23,8 @@ NEEDS_PILLOW = "images need the Pillow package: pip install 'rocketllm[vision]'"
 
 
 def accepted() -> str:
-    return ", ".join(FORMATS.values())
+    names = list(FORMATS.values())
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def decode_image(data: bytes, where: str):
@@ -53,15 +54,15 @@ def decode_image(data: bytes, where: str):
 def read_image(path: str | Path, where: str | None = None):
     """The image in file PATH; ImageError if it cannot be read or decoded."""
     path = Path(path).expanduser()
-    where = where or str(path)
+    named = f" ({where})" if where else ""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_IMAGE_BYTES + 1)
     except IsADirectoryError:
-        raise ImageError(f"{where} is a directory, not an image file") from None
+        raise ImageError(f"{path} is a directory, not an image file{named}") from None
     except OSError as exc:
-        raise ImageError(f"cannot read image {where}: {exc.strerror or exc}") from None
-    return decode_image(data, where)
+        raise ImageError(f"cannot read image file {path}{named}: {exc.strerror or exc}") from None
+    return decode_image(data, where or str(path))
 
 
 def image_from_url(url: str, where: str):
@@ -72,7 +73,7 @@ def image_from_url(url: str, where: str):
     scheme = url.split(":", 1)[0].lower() if ":" in url[:12] else ""
     if scheme in ("http", "https"):
         raise ImageError(f"{where} is an {scheme} URL, which this server does not fetch (it would request addresses chosen by "
-                         "whoever sends the request); send the image inline as a data: URL (base64) instead")
+                         "whoever sends the request); send the image inline, base64-encoded, instead")
     if scheme == "data":
         match = _DATA_URL.match(url)
         if match is None:
