@@ -29,6 +29,10 @@ class KnobError(RocketError):
     """A knob override has a value that cannot be parsed or is out of range."""
 
 
+class ImageError(RocketError):
+    """An image that cannot be used: it does not decode, its format or count is not accepted, or the model takes text only."""
+
+
 class ParameterError(RocketError):
     """A library argument out of range. The message names parameters as `{name}` fields, so each caller spells
     them its own way: the library as the keyword (`max_new_tokens must be at least 1`), the CLI as its flag

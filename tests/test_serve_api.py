@@ -342,6 +342,8 @@ def test_bad_openai_requests_are_400_in_openais_shape(server, path, body, param,
     ({**MESSAGES, "max_tokens": 100000}, "but the context allows 2048"),
     ({**MESSAGES, "temperature": 1.5}, "'temperature' must be <= 1"),
     ({**MESSAGES, "messages": [{"role": "system", "content": "x"}]}, "put a system prompt in 'system'"),
+    ({**MESSAGES, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                                        "data": "iVBORw0KGgo="}}]}]}, "takes text only"),
 ])
 def test_bad_anthropic_requests_are_400_in_anthropics_shape(server, body, words):
     error = anthropic_error(server.http().post("/v1/messages", json=body), 400)

@@ -33,7 +33,11 @@ With --server URL (or ROCKETLLM_SERVER) the prompt goes to a running `rocketllm 
 a lone argument is then the PROMPT unless it is the served model's id or an existing path; MODEL, when given,
 must be what that server serves.
 
+With --image PATH (repeatable) a vision-language model sees the pictures before the prompt, through its own processor
+and chat template (PNG, JPEG, WebP, GIF or BMP; needs Pillow: pip install 'rocketllm[vision]').
+
 Example: echo "The capital of France is" | rocketllm generate ./SmolLM2.gguf --raw --max-new-tokens 8
+Example: rocketllm generate ./Qwen2.5-VL-3B "What is in this picture?" --image photo.jpg
 """
 
 
@@ -51,11 +55,16 @@ def run(
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print speed, bytes per tier, peak RSS and the residency plan to stderr.")] = False,
     batch: Annotated[bool, typer.Option("--batch", help="One prompt per stdin line, generated as one batch; one output line per prompt, in order (newlines in outputs written as \\n).")] = False,
+    image: Annotated[Optional[list[str]], typer.Option("--image", metavar="PATH", help="A picture for a vision-language model to see before the prompt (repeatable).", show_default=False)] = None,
     server: Annotated[Optional[str], typer.Option("--server", envvar="ROCKETLLM_SERVER", metavar="URL", help="Send the prompt to the rocketllm serve at URL instead of loading MODEL here: no start-up cost.", show_default=False)] = None,
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
     output = Output(as_json=json)
+    if image and (server or batch):
+        raise RocketError(f"--image goes with one prompt generated here; drop {'--server' if server else '--batch'}")
+    if image and chat is False:
+        raise RocketError("--image needs the chat template, which places each picture in the prompt; drop --raw")
     if server:
         return _through_server(server, model, prompt, model_option, SamplingParams(max_new_tokens, temperature, top_p, top_k, seed),
                                chat, system, stats, batch, json, knob_flags or {}, output)
@@ -69,6 +78,7 @@ def run(
     text = _read_prompt(prompt, output)
     system = None if system is None else _argument_text(system, "--system", output)
     prompts = [line for line in text.splitlines() if line.strip()] if batch else [text]
+    pictures = _read_images(image or [], model)  # a bad picture, or pictures for a text-only model, refused before loading
 
     # cheap: from_pretrained checks MODEL before torch and transformers are imported
     from ..stream.auto import AutoModel
@@ -80,7 +90,11 @@ def run(
         from ..text.loop import GenerationRequest, Generator
         from ..text.prompts import check_context, encode_prompt
 
-        ids = [encode_prompt(streamed.tokenizer, p, chat, system)[0].tolist() for p in prompts]
+        inputs = None
+        if pictures:
+            ids, inputs = _with_images(streamed, model, text, system, pictures)
+        else:
+            ids = [encode_prompt(streamed.tokenizer, p, chat, system)[0].tolist() for p in prompts]
         for one in ids:
             check_context(len(one), params.max_new_tokens, int(streamed.knobs.value("max_context")))
         on_text = None if json or batch else output.stream
@@ -88,7 +102,7 @@ def run(
         asked = streamed.knobs["speculate"]
         if asked.overridden and asked.value in ("prompt-lookup", "draft") and not generator.speculation.on:
             output.log(f"note: speculative decoding {generator.speculation.reason}")
-        results = generator.run_batch([GenerationRequest(one, params, on_text=on_text) for one in ids])
+        results = generator.run_batch([GenerationRequest(one, params, on_text=on_text, model_inputs=inputs) for one in ids])
         figures = {**results[0].stats.to_dict(), "residency": streamed.plan.describe(streamed.manifest), "device": str(streamed.device),
                  "compute_dtype": str(streamed.dtype).replace("torch.", ""), **({"batch": len(results)} if batch else {}),
                  "load_s": load_s}  # total_s stays generation alone
@@ -110,6 +124,40 @@ def run(
     output.stream("\n")
     if stats:
         output.log(format_stats(figures, result.prompt_tokens, result.new_tokens))
+
+
+def _read_images(paths: list[str], model: str) -> list:
+    import json as _json
+    from pathlib import Path
+
+    from ..errors import ImageError
+    from ..text.images import check_count, read_image
+
+    if not paths:
+        return []
+    check_count(len(paths))
+    pictures = [read_image(p) for p in paths]
+    path = Path(str(model)).expanduser()
+    config = path / "config.json"
+    text_only = path.suffix == ".gguf"  # a GGUF file holds a text model (a projector comes in a separate file)
+    if not text_only and config.is_file():
+        try:
+            text_only = "vision_config" not in _json.loads(config.read_text())
+        except (OSError, ValueError):
+            pass  # loading says what is wrong with it
+    if text_only:
+        raise ImageError(f"{model} takes text only (no vision config); send the prompt without images")
+    return pictures
+
+
+def _with_images(streamed, model: str, text: str, system: str | None, pictures: list) -> tuple[list[list[int]], dict]:
+    """The prompt with its pictures, through the model's processor: ([ids], the processor's other tensors)."""
+    from ..text.images import check_accepts, processor_inputs, user_content
+
+    check_accepts(streamed, str(model))
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_content(text, pictures)}]
+    ids, inputs = processor_inputs(streamed.processor, messages)
+    return [ids], inputs
 
 
 def _through_server(url, model, prompt, model_option, params, chat, system, stats, batch, json, knob_flags, output) -> None:

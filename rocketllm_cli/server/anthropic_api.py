@@ -29,6 +29,7 @@ from .common import (
     tool_list,
     tool_schema,
 )
+from .images import anthropic_image
 from .openai_api import tool_choice
 from .prompts import PromptError
 from .tools import StreamSplitter
@@ -66,7 +67,8 @@ def _text_of(value: object, where: str, state) -> str:
         if kind == "text":
             texts.append(string(block, "text", f"{where}[{j}].", needed=True))
         elif kind in ("image", "document"):
-            raise bad(f"'{where}[{j}]' is an {kind} block, but {state.model_id} takes text only", where)
+            only = "images go in a user message's content" if state.multimodal and kind == "image" else f"{state.model_id} takes text only"
+            raise bad(f"'{where}[{j}]' is an {kind} block, but {only}", where)
         else:
             raise bad(f"'{where}[{j}].type' must be 'text' here (got {kind!r})", where)
     return "\n".join(texts)
@@ -89,7 +91,7 @@ def _messages(raw: list, state) -> list[dict]:
             raise bad(f"'{where}.content' must be a string or a list of content blocks", f"{where}.content")
         if not content and role == "user":
             raise bad(f"'{where}.content' is an empty list; a user message needs at least one content block", f"{where}.content")
-        texts, calls = [], []
+        texts, calls, parts = [], [], []  # parts: the text and image parts in order, used when there are pictures
         for j, block in enumerate(content):
             bw = f"{where}.content[{j}]"
             if not isinstance(block, dict):
@@ -97,6 +99,9 @@ def _messages(raw: list, state) -> list[dict]:
             kind = block.get("type")
             if kind == "text":
                 texts.append(string(block, "text", f"{bw}.", needed=True))
+                parts.append({"type": "text", "text": texts[-1]})
+            elif kind == "image" and role == "user":
+                parts.append(anthropic_image(block, bw, f"{where}.content", state))
             elif kind == "tool_use" and role == "assistant":
                 name = string(block, "name", f"{bw}.", needed=True)
                 args = block.get("input") or {}
@@ -112,11 +117,12 @@ def _messages(raw: list, state) -> list[dict]:
             elif kind in ("thinking", "redacted_thinking"):
                 continue
             elif kind in ("image", "document"):
-                raise bad(f"'{bw}' is an {kind} block, but {state.model_id} takes text only", f"{where}.content")
+                only = "images go in user messages" if state.multimodal and kind == "image" else f"{state.model_id} takes text only"
+                raise bad(f"'{bw}' is an {kind} block, but {only}", f"{where}.content")
             else:
                 raise bad(f"'{bw}.type' {kind!r} is not supported in a {role} message", f"{where}.content")
-        if texts or calls or role == "assistant":
-            message: dict = {"role": role, "content": "\n".join(texts)}
+        if texts or calls or parts or role == "assistant":
+            message: dict = {"role": role, "content": parts if len(parts) > len(texts) else "\n".join(texts)}
             if calls:
                 message["tool_calls"] = calls
             out.append(message)
@@ -152,8 +158,8 @@ def _system(value: object, state) -> str:
     return _text_of(value, "system", state)
 
 
-def _prompt(body: dict, state) -> tuple[list[int], bool, dict]:
-    """(prompt ids, whether to parse tool calls, response headers) for a Messages request."""
+def _prompt(body: dict, state) -> tuple[list[int], bool, dict, dict]:
+    """(prompt ids, whether to parse tool calls, response headers, the processor's tensors for pictures) for a Messages request."""
     check_model(body, state)
     raw = required(body, "messages")
     if not isinstance(raw, list) or not raw:
@@ -171,27 +177,27 @@ def _prompt(body: dict, state) -> tuple[list[int], bool, dict]:
         raise bad("extended thinking is not supported", "thinking")
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     try:
-        ids = state.builder.chat(messages, tools, choice, continue_final=prefill)
+        ids, inputs = state.builder.chat_inputs(messages, tools, choice, continue_final=prefill)
     except PromptError as exc:
         raise bad(str(exc), "messages") from None
     headers: dict = {}
     if choice == "required" or isinstance(choice, dict):
         headers["x-rocketllm-tool-choice"] = "prompted, not enforced"
         state.notice_once("tool_choice", "tool_choice 'any' and named tools bias the prompt but are not enforced")
-    return ids, bool(tools) and choice != "none", headers
+    return ids, bool(tools) and choice != "none", headers, inputs
 
 
 def prepare_messages(body: dict, state) -> Prepared:
     max_tokens = number(body, "max_tokens", 1, integer=True, needed=True)
-    ids, use_tools, headers = _prompt(body, state)
+    ids, use_tools, headers, inputs = _prompt(body, state)
     max_tokens = check_context(len(ids), max_tokens, state.max_context, "max_tokens")
     params = sampling(body, max_tokens, 1.0)
     stop = stop_strings(body.get("stop_sequences"), "stop_sequences")
-    return Prepared(GenerationRequest(ids, params, stop), boolean(body, "stream"), use_tools, False, headers)
+    return Prepared(GenerationRequest(ids, params, stop, model_inputs=inputs), boolean(body, "stream"), use_tools, False, headers)
 
 
 def count_tokens(body: dict, state) -> dict:
-    ids, _, _ = _prompt(body, state)
+    ids, _, _, _ = _prompt(body, state)
     return {"input_tokens": len(ids)}
 
 

@@ -24,6 +24,7 @@ from .common import (
     tool_list,
     tool_schema,
 )
+from .images import openai_image
 from .prompts import PromptError
 from .tools import StreamSplitter
 
@@ -49,23 +50,28 @@ def models(state) -> dict:
 
 
 # -- requests ------------------------------------------------------------------------------------------
-def _content(value: object, where: str, state) -> str | None:
+def _content(value: object, where: str, state) -> str | list | None:
+    """The text, or (with pictures) the text and image parts in order."""
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise bad(f"'{where}content' must be a string or a list of content parts", f"{where}content")
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(value):
         if not isinstance(part, dict):
             raise bad(f"'{where}content[{j}]' must be an object", f"{where}content")
         kind = part.get("type")
         if kind == "text":
             texts.append(string(part, "text", f"{where}content[{j}].", needed=True))
-        elif kind in ("image_url", "input_image", "input_audio", "file"):
-            raise bad(f"'{where}content[{j}]' is {kind}, but {state.model_id} takes text only", f"{where}content")
+            parts.append({"type": "text", "text": texts[-1]})
+        elif kind == "image_url":
+            parts.append(openai_image(part, f"{where}content[{j}]", f"{where}content", state))
+        elif kind in ("input_image", "input_audio", "file"):
+            raise bad(f"'{where}content[{j}]' is {kind}, but {state.model_id} takes text{' and image_url parts' if state.multimodal else ''} only",
+                      f"{where}content")
         else:
-            raise bad(f"'{where}content[{j}].type' must be 'text' (got {kind!r})", f"{where}content")
-    return "\n".join(texts)
+            raise bad(f"'{where}content[{j}].type' must be 'text'{' or image_url' if state.multimodal else ''} (got {kind!r})", f"{where}content")
+    return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
 def _message(m: object, i: int, state) -> dict:
@@ -170,7 +176,7 @@ def prepare_chat(body: dict, state) -> Prepared:
         max_tokens, param = number(body, "max_tokens", 1, integer=True), "max_tokens"
     stop = stop_strings(body.get("stop"), "stop")
     try:
-        ids = state.builder.chat(messages, tools, choice)
+        ids, inputs = state.builder.chat_inputs(messages, tools, choice)
     except PromptError as exc:
         raise bad(str(exc), "messages") from None
     if choice == "required" or isinstance(choice, dict):
@@ -179,7 +185,7 @@ def prepare_chat(body: dict, state) -> Prepared:
     max_tokens = check_context(len(ids), max_tokens, state.max_context, param)
     params = sampling(body, max_tokens, 2.0)
     use_tools = bool(tools) and choice != "none"
-    return Prepared(GenerationRequest(ids, params, stop), stream, use_tools, include_usage, headers)
+    return Prepared(GenerationRequest(ids, params, stop, model_inputs=inputs), stream, use_tools, include_usage, headers)
 
 
 def prepare_completion(body: dict, state) -> Prepared:

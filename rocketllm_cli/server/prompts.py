@@ -27,10 +27,11 @@ class PromptError(Exception):
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, family: str) -> None:
+    def __init__(self, tokenizer, family: str, processor=None) -> None:
         if tokenizer is None:
             raise PromptError("this model has no tokenizer")
         self.tokenizer = copy.deepcopy(tokenizer)  # used on the request side; the worker keeps the model's own
+        self.processor = copy.deepcopy(processor)  # a vision-language model's: messages with pictures go through it
         self.family = family
         self.parser: ToolParser = parser_for(family)
         self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
@@ -39,6 +40,28 @@ class PromptBuilder:
     # -- public ---------------------------------------------------------------------------------
     def chat(self, messages: list[dict], tools: list[dict] | None = None, tool_choice: object = "auto",
              continue_final: bool = False) -> list[int]:
+        return self._render(*self._prepare(messages, tools, tool_choice, continue_final))
+
+    def chat_inputs(self, messages: list[dict], tools: list[dict] | None = None, tool_choice: object = "auto",
+                    continue_final: bool = False) -> tuple[list[int], dict | None]:
+        """chat(), and for messages with image parts the processor's other tensors (pixel_values ...); None without."""
+        from ..errors import ImageError
+        from ..text.images import check_count, count_images, processor_inputs
+
+        count = count_images(messages)
+        if not count:
+            return self.chat(messages, tools, tool_choice, continue_final), None
+        if self.processor is None:
+            raise PromptError("this model takes text only")
+        try:
+            check_count(count)
+            prepared, kwargs = self._prepare(messages, tools, tool_choice, continue_final)
+            return processor_inputs(self.processor, prepared, **kwargs)
+        except ImageError as exc:
+            raise PromptError(str(exc)) from None
+
+    def _prepare(self, messages: list[dict], tools: list[dict] | None, tool_choice: object, continue_final: bool) -> tuple[list[dict], dict]:
+        """The messages and template arguments to render: tools offered natively or described, a bias, the generation prompt."""
         if not self.has_template:
             raise PromptError("this model's tokenizer has no chat template; send a plain prompt to /v1/completions instead")
         messages = [dict(m) for m in messages]
@@ -56,7 +79,7 @@ class PromptBuilder:
             kwargs.update(add_generation_prompt=False, continue_final_message=True)
         else:
             kwargs.update(add_generation_prompt=True)
-        return self._render(messages, **kwargs)
+        return messages, kwargs
 
     def completion(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -107,7 +130,7 @@ class PromptBuilder:
                 out.append({"role": m["role"], "content": m.get("content") or ""})
         return out
 
-    def _render(self, messages: list[dict], **kwargs) -> list[int]:
+    def _render(self, messages: list[dict], kwargs: dict) -> list[int]:
         try:
             result = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, raise_exception(), a bad message shape

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Callable
 
+from ..text.images import refusal as image_refusal
 from ..text.loop import Generator
 from ..text.prefix import PrefixCache, decide
 from ..text.reuse import reuse_for
@@ -69,7 +70,8 @@ class ServerState:
 
             raise RocketError("this model has no tokenizer in its shard directory; re-shard from a model directory that includes one")
         self.family, self.family_reason = choose(model.tokenizer, tool_parser)
-        self.builder = PromptBuilder(model.tokenizer, self.family)
+        self.image_refusal = image_refusal(model)  # None: the model takes pictures (its tower and processor are here)
+        self.builder = PromptBuilder(model.tokenizer, self.family, getattr(model, "processor", None) if self.image_refusal is None else None)
         knobs = model.knobs
         self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") else \
             int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
@@ -100,7 +102,7 @@ class ServerState:
             self.max_queue, self.max_queue_formula = int(max_queue), "from --max-queue"
         self.max_body, self.max_body_formula = body_limit(self.max_context)
         self.last_error: dict | None = None  # the latest failed generation, until one succeeds
-        self.multimodal = any(getattr(model.config, key, None) is not None for key in ("vision_config", "audio_config"))
+        self.multimodal = self.image_refusal is None
         self.residency = model.plan.describe(model.manifest)
         self._noticed: set[str] = set()
         self._notice_lock = threading.Lock()
@@ -142,6 +144,9 @@ class ServerState:
             "api key: " + ("required (OpenAI: Authorization: Bearer, Anthropic: x-api-key; every endpoint but /health)"
                            if self.auth_required else "none (every client is served)"),
         ]
+        if self.multimodal or self.model.manifest.vision:
+            lines.append("images: " + ("accepted (data: URLs and paths this machine can read; prefix cache off for prompts with images)"
+                                       if self.multimodal else f"refused, the model {self.image_refusal}"))
         if url:
             lines.append(f"listening on {url} (OpenAI: {url}/v1, Anthropic: {url}); Ctrl-C stops")
         return lines

@@ -2,7 +2,9 @@
 
 The repeated decoder stack is the ModuleList of blocks nearest the input embeddings (the largest
 among equals); the input and output embeddings come from transformers' own accessors;
-every other parameter belongs to the outermost module that contains none of those.
+every other parameter belongs to the outermost module that contains none of those. In a model whose config has a
+vision config, those outside the decoder (the module holding the stack: a vision tower, its projector) are `vision`
+units, run once per request and kept resident.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ def build_meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
                 model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(dtype))
             except ValueError:
                 named = _causal_lm_named_by(config)  # a text config of a composite model (Emu3, Mllama) names its class
-                if named is None:
-                    raise
-                model = named._from_config(config, **dtype_kwargs(dtype))
+                if named is not None:
+                    model = named._from_config(config, **dtype_kwargs(dtype))
+                else:  # an image-text-to-text model (LLaVA, Qwen2.5-VL ...) has no causal-LM class: its own auto class
+                    model = _image_text_to_text(config, dtype)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc) or "does not recognize this architecture" in str(exc):
             raise ModelError(
@@ -62,6 +65,23 @@ def build_meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _image_text_to_text(config, dtype):
+    """The model AutoModelForImageTextToText builds for CONFIG; ValueError (as the causal-LM class gave) if none takes it."""
+    try:
+        from transformers import AutoModelForImageTextToText
+    except ImportError:  # transformers before 4.50 has no such class
+        raise ValueError("Unrecognized configuration class") from None
+
+    from ..compat import dtype_kwargs
+
+    return AutoModelForImageTextToText.from_config(config, **dtype_kwargs(dtype))
+
+
+def has_vision(config) -> bool:
+    """Does CONFIG describe a model that takes pictures (a vision config beside the text one)?"""
+    return getattr(config, "vision_config", None) is not None
 
 
 def _causal_lm_named_by(config):
@@ -117,7 +137,8 @@ def _tied_head(model: nn.Module) -> dict[str, str]:
 
 
 def discover(model: nn.Module) -> Layout:
-    """Split MODEL (a meta-device skeleton is enough) into units: embed, each layer of the stack, norm, lm_head, root and extras.
+    """Split MODEL (a meta-device skeleton is enough) into units: embed, each layer of the stack, norm, lm_head, root, extras
+    and vision units.
 
     Found from the module tree alone, so any causal LM transformers builds works without a class for its architecture;
     every persistent tensor lands in exactly one unit, tied ones become aliases. ModelError if there is no decoder stack."""
@@ -159,6 +180,13 @@ def discover(model: nn.Module) -> Layout:
         name = "root" if kind == "root" else f"extra.{owner}"
         claim(UnitPlan(name, kind, owner if kind == "extra" else ""))
     extras = [u for u in units if u.kind == "extra"]
+    if has_vision(getattr(model, "config", None)):
+        # Outside the decoder (the stack's parent): the vision tower and its projector, run once per request.
+        decoder = stack.rpartition(".")[0]
+        for u in extras:
+            if decoder and not (u.module == decoder or u.module.startswith(decoder + ".")):
+                u.name, u.kind = f"vision.{u.module}", "vision"
+        extras = [u for u in extras if u.kind == "extra"]
     norms = [u for u in extras if re.search(r"(norm|ln_f)$", u.module)]
     if len(norms) == 1:
         norms[0].name, norms[0].kind = "norm", "norm"

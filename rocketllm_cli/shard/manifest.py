@@ -26,6 +26,7 @@ MANIFEST = "manifest.json"
 RESHARD = "re-run `rocketllm shard` on the source model"
 UNIT_FILE = re.compile(r"^\d{4}-.+\.safetensors$")
 FIXED_UNIT_NAMES = {"embed": "embed", "norm": "norm", "lm_head": "lm_head", "root": "root"}
+PREFIXED_KINDS = ("extra", "vision")  # named `<kind>.<module>`; vision: a vision tower or projector, resident
 
 
 @dataclass
@@ -42,7 +43,7 @@ class TensorRecord:
 @dataclass
 class UnitRecord:
     name: str  # embed, layer.000 ..., layer.000.expert.000 ..., norm, lm_head, extra.<module path>
-    kind: str  # embed | layer | expert | norm | lm_head | extra | root
+    kind: str  # embed | layer | expert | norm | lm_head | extra | root | vision
     module: str  # module path the unit's forward hook sits on ("" = the whole model); for an expert, its tensors' common prefix
     file: str
     bytes: int  # file size
@@ -86,6 +87,11 @@ class Manifest:
     def experts(self) -> list[UnitRecord]:
         """A mixture-of-experts model's routed experts, one unit each, after their layer; empty for a dense model."""
         return [u for u in self.units if u.kind == "expert"]
+
+    @property
+    def vision(self) -> list[UnitRecord]:
+        """A vision-language model's vision tower and projector units (resident, run once per request); empty otherwise."""
+        return [u for u in self.units if u.kind == "vision"]
 
     def unit(self, name: str) -> UnitRecord:
         """The unit called NAME; KeyError if there is none."""
@@ -231,9 +237,9 @@ def _validate(doc) -> None:
                      f"unit {i}: expert {_show(name)} is not after its layer")
             expected = (name, module)
         else:
-            _require(isinstance(kind, str) and (kind in FIXED_UNIT_NAMES or kind == "extra"), f"unit {i}: unknown kind {_show(kind)}")
+            _require(isinstance(kind, str) and (kind in FIXED_UNIT_NAMES or kind in PREFIXED_KINDS), f"unit {i}: unknown kind {_show(kind)}")
             _require(type(index) is int and index == -1, f"unit {name[:40]!r}: bad index")
-            expected = (f"extra.{module}", module) if kind == "extra" else (FIXED_UNIT_NAMES[kind], "" if kind == "root" else module)
+            expected = (f"{kind}.{module}", module) if kind in PREFIXED_KINDS else (FIXED_UNIT_NAMES[kind], "" if kind == "root" else module)
         _require((name, module) == expected, f"unit {i}: name {name[:40]!r} or module {module[:40]!r} does not fit kind {kind}")
         _require(u["file"] == f"{i:04d}-{name}.safetensors" and "/" not in name and "\x00" not in name, f"unit {name[:40]!r}: bad file name")
         _require(_count(u["bytes"]), f"unit {name[:40]!r}: bad bytes")

@@ -30,7 +30,15 @@ from .discover import Layout, build_meta_model, discover
 from .journal import JOURNAL
 from .manifest import FORMAT_VERSION, PACKED_VERSION, Manifest, TensorRecord, UnitRecord
 from .names import SourceMap, map_names, split_experts
-from .packing import PackPlan, check_packing, packed_nbytes, plan_packing, predicted_mode, read_packed, set_key
+from .packing import (
+    PackPlan,
+    check_packing,
+    packed_nbytes,
+    plan_packing,
+    predicted_mode,
+    read_packed,
+    set_key,
+)
 from .source import Source, locate, open_source, save_tokenizer
 from .target import default_out, exclusive, find_existing, partial_of, reusable, swap_in
 

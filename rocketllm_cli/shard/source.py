@@ -24,6 +24,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+    # a vision-language model's processor: what turns a picture into the tensors its tower takes
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )
 
 

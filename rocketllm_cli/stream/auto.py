@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..output import BLINK_S, no_progress
 from ..shard.manifest import MANIFEST, Manifest
-from .plan import check_budget
+from .plan import RESIDENT_KINDS, check_budget
 
 if TYPE_CHECKING:  # torch and transformers load only once the model path has been checked
     from .model import EngineConfig, StreamingModel
@@ -169,7 +169,7 @@ class AutoModel:
         facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))
         knobs = resolve_knobs(profile, facts, flags=flags or {}, kwargs=knob_overrides)
         config, notes = engine_config(profile, knobs, manifest)
-        resident = sum(u.tensor_bytes for u in manifest.units if u.kind == "root")
+        resident = sum(u.tensor_bytes for u in manifest.units if u.kind in RESIDENT_KINDS)
         check_budget(resident, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
         from .model import StreamingModel
         from .store import LOAD_PROGRESS
@@ -179,6 +179,12 @@ class AutoModel:
             streamed = StreamingModel(directory, config, manifest)
         finally:
             LOAD_PROGRESS.reset(loading)
+        if manifest.vision:  # the vision tower and projector: resident, read once, in the device budget (plan.py)
+            from ..sizes import format_bytes
+
+            images = "" if streamed.processor is not None else f"; images refused: the model {streamed.processor_error}"
+            (log or (lambda m: None))(f"resident modules: vision tower {format_bytes(sum(u.tensor_bytes for u in manifest.vision))} "
+                                      f"({', '.join(u.module for u in manifest.vision)}){images}")
         if any(tier != "device" for tier in streamed.plan.tier.values()):  # resident units convert once, at load
             for note in notes:
                 (log or (lambda m: None))(note)

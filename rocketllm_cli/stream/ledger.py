@@ -42,6 +42,7 @@ class Ledger:
     def __init__(self, resident_bytes: int) -> None:
         self.resident_bytes = resident_bytes  # served from the device tier every pass
         self.steps: list[Step] = []
+        self.reads: dict[str, int] = {}  # unit -> whole-unit reads from its file in this process (loads included; reset keeps them)
         self._t0 = 0.0
         self._io0: int | None = None
         self._lock = threading.Lock()
@@ -66,6 +67,11 @@ class Ledger:
             if cached is not None:
                 step.expert_lookups += 1
                 step.expert_hits += int(cached)
+
+    def count_read(self, unit: str) -> None:
+        """UNIT's file was read whole (a resident load, or a streamed use); IO threads call this too."""
+        with self._lock:
+            self.reads[unit] = self.reads.get(unit, 0) + 1
 
     def add_time(self, phase: str, seconds: float) -> None:
         """Time spent in a phase during the current pass; IO threads call this too."""

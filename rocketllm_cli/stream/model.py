@@ -115,8 +115,10 @@ class StreamingModel:
         hf_config = AutoConfig.from_pretrained(self.directory)
         model = build_meta_model(hf_config, self.dtype)
         self.plan: ResidencyPlan = make_plan(self.manifest, config.device_cache_bytes, config.host_cache_bytes)
-        # Resident experts are counted when routed, like every expert: the rest of the device tier serves every pass.
-        resident = sum(u.tensor_bytes for u in self.manifest.units if self.plan.tier[u.name] == "device" and u.kind != "expert")
+        # Resident experts are counted when routed, like every expert, and a vision tower runs once per request, not per
+        # pass: the rest of the device tier serves every pass.
+        resident = sum(u.tensor_bytes for u in self.manifest.units
+                       if self.plan.tier[u.name] == "device" and u.kind not in ("expert", "vision"))
         self.ledger = Ledger(resident)
         self.store = WeightStore(
             self.directory, self.manifest, self.plan, self.ledger, device=self.device, compute_dtype=self.dtype,
@@ -137,6 +139,8 @@ class StreamingModel:
         _load_generation_config(model, self.directory)
         self.model = model
         self.tokenizer = _load_tokenizer(self.directory)
+        # A vision-language model's processor turns pictures into the tensors its tower takes (text/images.py)
+        self.processor, self.processor_error = _load_processor(self.directory) if self.manifest.vision else (None, None)
         self.knobs = self.profile = self.facts = None  # filled in by AutoModel.from_pretrained
         self.draft = None  # the resident draft model speculative decoding drafts with (AutoModel loads it); closed with this one
 
@@ -320,3 +324,27 @@ def _load_tokenizer(directory: Path):
         return AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError):
         return None
+
+
+def _load_processor(directory: Path) -> tuple[object | None, str | None]:
+    """The shard set's processor (AutoProcessor), or None and why it cannot be used here."""
+    if not any((directory / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+        return None, "has no image processor in its shard directory; re-shard from a model directory that includes its processor"
+    from transformers import AutoProcessor
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # "requires torchvision, falling back to the Pillow backend" is no news to a user
+    try:
+        processor = AutoProcessor.from_pretrained(directory)
+    except ImportError as exc:
+        missing = "torchvision" if "torchvision" in str(exc).lower() else "a package it imports"
+        return None, (f"has a processor that needs {missing}, which is not installed; install it (torchvision from the same "
+                      "index as torch)")
+    except Exception as exc:  # noqa: BLE001 - any processor that does not load: the model still serves text
+        return None, f"has a processor that does not load ({' '.join(str(exc).split())[:160]})"
+    finally:
+        logging.set_verbosity(verbosity)
+    if not hasattr(processor, "image_processor"):
+        return None, "has no image processor in its shard directory; re-shard from a model directory that includes its processor"
+    return processor, None

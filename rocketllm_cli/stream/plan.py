@@ -15,6 +15,8 @@ from ..shard.manifest import Manifest
 from ..sizes import format_bytes
 from ..tiers import TIERS
 
+RESIDENT_KINDS = ("root", "vision")  # always on the device, their bytes taken from the device budget first
+
 
 @dataclass
 class ResidencyPlan:
@@ -63,7 +65,7 @@ def spaced(n: int, k: int) -> list[int]:
 def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int) -> ResidencyPlan:
     """Place every unit of MANIFEST within the device and host budgets (bytes); what fits neither streams from storage.
 
-    Units hooked on the whole model always on the device, then the other non-layer units, then as many layers as fit,
+    Units hooked on the whole model and vision towers always on the device, then the other non-layer units, then as many layers as fit,
     the streamed ones spread evenly through the stack; a MoE model's experts last: all on the device if they fit,
     else the device budget left over is their cache (expert_cache_bytes)."""
     units = {u.name: u for u in manifest.units}
@@ -79,12 +81,13 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
                 tier[name] = t
                 return
 
-    # Units hooked on the whole model hold their weights for the entire forward: keep them resident.
+    # Units hooked on the whole model hold their weights for the entire forward: keep them resident. So is a vision
+    # tower (with its projector): it runs once per request, and streaming it would read it again for every picture.
     for u in manifest.units:
-        if u.kind == "root":
+        if u.kind in RESIDENT_KINDS:
             tier[u.name] = "device"
             budget["device"] -= u.tensor_bytes
-    for u in sorted((u for u in manifest.units if u.kind not in ("layer", "expert", "root")), key=lambda u: u.tensor_bytes):
+    for u in sorted((u for u in manifest.units if u.kind not in ("layer", "expert", *RESIDENT_KINDS)), key=lambda u: u.tensor_bytes):
         place(u.name)
     layers = manifest.layers
     n = len(layers)

@@ -253,6 +253,7 @@ class WeightStore(RowGathers):
         started = time.perf_counter()
         self._read_file(unit, into, evict)
         self.ledger.add_time("read", time.perf_counter() - started)
+        self.ledger.count_read(unit.name)
 
     def _read_file(self, unit: UnitRecord, into: torch.Tensor, evict: bool) -> None:
         path = self.directory / unit.file

@@ -22,8 +22,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
-    """A PreTrainedTokenizerFast with bos/eos/pad/unk and a ChatML template; save it with save_pretrained."""
+def build_tokenizer(added: tuple[str, ...] = (), **named: str):
+    """A PreTrainedTokenizerFast with bos/eos/pad/unk and a ChatML template; save it with save_pretrained.
+
+    added: more special tokens, given ids from 320 on (a vision model's image tokens); named: attributes naming some of
+    them (Gemma 3's processor reads `boi_token`, `eoi_token` and `image_token` off its tokenizer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -41,7 +44,7 @@ def build_tokenizer():
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.add_special_tokens(list(SPECIAL_TOKENS) + list(added))
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         unk_token="<unk>",
@@ -51,6 +54,7 @@ def build_tokenizer():
         **extra_special_tokens_kwargs(["<|im_start|>", "<|im_end|>"]),
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
+        **named,
     )
 
 

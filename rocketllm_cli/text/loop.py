@@ -35,6 +35,13 @@ class GenerationRequest:
     on_text: Callable[[str], None] | None = None  # called on the generating thread with each safe piece of text
     use_prefix_cache: bool = True
     keep_prefix: bool = True  # store this generation's KV for later prompts (bench times repeats without it)
+    # The processor's tensors beside the ids (pixel_values, image_grid_thw ...: text/images.py) for a prompt with pictures.
+    # Such a prompt runs alone and never touches the prefix cache: two pictures' placeholder tokens are the same ids.
+    model_inputs: dict | None = None
+
+    @property
+    def has_images(self) -> bool:
+        return bool(self.model_inputs)
 
 
 @dataclass
@@ -107,16 +114,21 @@ class Generator:
             raise ValueError("the prompts of one batch share one SamplingParams")
         if self.tokenizer is None and any(r.on_text is not None or r.stop for r in requests):
             raise ValueError("streamed text and stop strings need a tokenizer")
+        if len(requests) > 1 and any(r.has_images for r in requests):
+            raise ValueError("a prompt with images runs alone, not in a batch")
         if all(r.cancel.is_set() for r in requests):
             return [GenerationOutcome("", [], len(r.prompt_ids), "cancelled") for r in requests]
         single = requests[0] if len(requests) == 1 else None
         record = Record(start=time.perf_counter())  # the prefill time includes restoring a cached prefix
         spec = self.speculation if single is not None else self.speculation.off(
             "off: a batch of several prompts (transformers verifies the drafts of one sequence at a time)")
+        if single is not None and single.has_images and spec.on:
+            spec = spec.off("off: the prompt carries images (a draft cannot see them, and their placeholder tokens "
+                            "of two different pictures are identical)")
         # transformers' assisted generation feeds its first pass the whole prompt even over a restored cache, so a
         # speculative run computes its prompt afresh (where layers stream, a prefill is one pass whatever its length).
         hit = self.prefix_cache.lookup(list(single.prompt_ids)) if self._caching(single) and not spec.on else None
-        extra = {}
+        extra = self._model_inputs(single)  # a picture's tensors (pixel values, ...), as the processor made them
         if hit is not None:
             from .prefix import generate_cache_kwarg
 
@@ -190,7 +202,15 @@ class Generator:
             raise
 
     def _caching(self, request: GenerationRequest | None) -> bool:
-        return request is not None and self.prefix_cache is not None and request.use_prefix_cache
+        return request is not None and self.prefix_cache is not None and request.use_prefix_cache and not request.has_images
+
+    def _model_inputs(self, request: GenerationRequest | None) -> dict:
+        """A prompt's processor tensors on the compute device, floating ones in the model's dtype (pixel values)."""
+        if request is None or not request.model_inputs:
+            return {}
+        dtype = getattr(self.model, "dtype", None)
+        return {k: v.to(self.device, dtype=dtype if v.is_floating_point() and dtype is not None else v.dtype)
+                if isinstance(v, torch.Tensor) else v for k, v in request.model_inputs.items()}
 
     def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
