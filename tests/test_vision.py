@@ -128,6 +128,24 @@ def test_streamed_with_a_picture_equals_transformers(vlm, kind):
             assert {u.name: model.ledger.reads[u.name] for u in manifest.vision} == {u.name: 1 for u in manifest.vision}, name
 
 
+def test_speculation_is_off_for_a_prompt_with_pictures_and_on_for_text(vlm):
+    """Prompt lookup asked for on a streamed model: a prompt with a picture runs without it (its placeholder tokens
+    say nothing of the picture) and still equals transformers; a text prompt to the same generator speculates."""
+    source, manifest, directory = vlm("llava")
+    inputs = processor_inputs("llava", source, [picture(0)])
+    expected = plain_greedy(source, inputs)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    ids = inputs["input_ids"][0].tolist()
+    with StreamingModel(directory, EngineConfig(**BUDGETS["nothing resident"]), manifest) as model:
+        generator = Generator(model, speculate="prompt-lookup")
+        assert generator.speculation.on
+        with_picture = generator.run(GenerationRequest(ids, SamplingParams(max_new_tokens=N), model_inputs=extra))
+        assert with_picture.token_ids == expected
+        assert with_picture.stats.speculation["mode"] == "off" and "carries images" in with_picture.stats.speculation["reason"]
+        text_only = generator.run(GenerationRequest(model.tokenizer("hello hello hello")["input_ids"], SamplingParams(max_new_tokens=N)))
+        assert text_only.stats.speculation["mode"] == "prompt-lookup"
+
+
 def test_tower_is_counted_in_the_plan_and_budget(vlm):
     from rocketllm_cli.stream.plan import make_plan
 
