@@ -9,6 +9,7 @@ from typing import Callable
 
 from ..text.loop import Generator
 from ..text.prefix import PrefixCache, decide
+from ..text.prompts import context_reason
 from ..text.reuse import reuse_for
 from .metrics import Metrics
 from .prompts import PromptBuilder
@@ -38,8 +39,10 @@ class ServerState:
         self.family, self.family_reason = choose(model.tokenizer, tool_parser)
         self.builder = PromptBuilder(model.tokenizer, self.family)
         knobs = model.knobs
-        self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") else \
+        # 0 is a real answer (the memory holds no context: every request is refused with the numbers), None is none
+        self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") is not None else \
             int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+        self.context_why = context_reason(knobs)
         setting = str(knobs.value("prefix_cache")) if knobs is not None else "auto"
         self.prefix_on, self.prefix_reason = decide(setting, model.plan, model.manifest)
         self.prefix_mode = None  # blocks | extend: what the model's cache allows (text/reuse.py)

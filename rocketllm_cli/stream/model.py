@@ -244,7 +244,11 @@ class StreamingModel:
 
     # -- transformers surface -------------------------------------------------------------
     def generate(self, *args, **kwargs):
-        """transformers' generate(), on the streamed model."""
+        """transformers' generate(), on the streamed model. A prompt plus max_new_tokens over the max_context knob
+        is refused first (ParameterError, with the numbers), as `generate` and `serve` refuse it."""
+        from .context import check_generate_call
+
+        check_generate_call(self.__dict__.get("knobs"), args, kwargs, getattr(self.model, "generation_config", None))
         return self.model.generate(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
