@@ -49,6 +49,8 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         expert_cache_policy=str(knobs.value("expert_cache_policy")),
         # packed Linears run their kernel in the dtype it measured fastest in, unless --dtype was given
         packed_dtype="" if knobs["compute_dtype"].overridden else "fastest",
+        kv_cache_dtype=str(knobs.value("kv_cache_dtype")),
+        kv_residual_tokens=int(knobs.value("kv_residual_tokens")),
     )
     return config, notes
 

@@ -139,10 +139,11 @@ def max_context(c: Context) -> Derivation:
     if "kv_cache_bytes" in c.overridden:
         inputs["kv_cache_bytes"] = v["kv_cache_bytes"]
         left = f"min(kv_cache_bytes, {left})"
-    # Fixed: what sliding-window layers hold at most, and int4's full-precision window (residual + one group filling).
+    # Fixed: what sliding-window layers hold at most, and int4's full-precision tokens: the window (residual + one
+    # group filling) and, while speculative decoding records the past, the last quantized group.
     fixed = "kv_window_values * compute_value_bytes"
     if c.kv_dtype() == "int4":
-        inputs["kv_full_precision_tokens"] = v["kv_residual_tokens"] + KV_INT4_GROUP
+        inputs["kv_full_precision_tokens"] = v["kv_residual_tokens"] + 2 * KV_INT4_GROUP
         fixed += " + kv_full_precision_tokens * kv_values_per_token * compute_value_bytes"
     # Per token: as stored, plus one layer's keys and values in the compute dtype while attention reads them
     # (a float cache's concatenation copies a layer; int4 dequantizes one).
