@@ -44,7 +44,7 @@ def test_max_context_is_what_the_budget_holds_and_the_formula_recomputes(tight):
     _, _, model = tight
     knob = model.knobs["max_context"]
     assert knob.value == ADMITTED and evaluate(knob.formula, knob.inputs) == ADMITTED
-    assert "left for KV after the weights" in knob.note and "per token in fp32" in knob.note
+    assert "left for KV of kv_cache_bytes, within what the weights, buffers and reserve leave" in knob.note and "per token in fp32" in knob.note
 
 
 def test_the_python_api_refuses_before_any_pass_and_admits_what_fits(tight):

@@ -46,7 +46,7 @@ def refusal(config, kv_dtype: str) -> str:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = set(getattr(text, "layer_types", None) or ())
     if types - FULL_ATTENTION:
-        return (f"a {kv_dtype} KV cache needs every layer to be full attention, and this model has "
+        return (f"an {kv_dtype} KV cache needs every layer to be full attention, and this model has "
                 f"{', '.join(sorted(types - FULL_ATTENTION))} layers; use {{kv_cache_dtype}} auto")
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) is not False and not types:
         return f"a {kv_dtype} KV cache does not apply a sliding window, which this model's config sets; use {{kv_cache_dtype}} auto"

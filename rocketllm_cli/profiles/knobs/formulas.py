@@ -148,9 +148,11 @@ def max_context(c: Context) -> Derivation:
     # Per token: as stored, plus one layer's keys and values in the compute dtype while attention reads them
     # (a float cache's concatenation copies a layer; int4 dequantizes one).
     per_token = "kv_values_per_token * (kv_value_bytes + compute_value_bytes / kv_layers)"
+    where = ("left for KV of kv_cache_bytes, within what the weights, buffers and reserve leave" if "kv_cache_bytes" in c.overridden
+             else "left for KV after the weights, buffers and reserve")
     room, each = evaluate(f"max(0, {left} - ({fixed}))", inputs), evaluate(per_token, inputs)
     return Derivation(f"max(0, min(max_positions, floor(({left} - ({fixed})) / ({per_token}))))", inputs,
-                      note=f"{format_bytes(room)} left for KV after the weights, buffers and reserve, {format_bytes(ceil(each))} "
+                      note=f"{format_bytes(room)} {where}, {format_bytes(ceil(each))} "
                            f"per token in {c.kv_dtype()}; kv_values_per_token = layers keeping every token x 2 (K, V) x kv heads x head dim")
 
 
