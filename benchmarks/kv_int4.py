@@ -30,11 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rocketllm_cli.bench.perplexity import score  # noqa: E402
-from rocketllm_cli.profiles import resolve_knobs  # noqa: E402
-from rocketllm_cli.sizes import format_bytes, parse_bytes  # noqa: E402
-from rocketllm_cli.stream.auto import AutoModel  # noqa: E402
-from rocketllm_cli.stream.kvcache import cache_bytes, generate_cache_kwarg  # noqa: E402
+from rocketllm_cli.bench.perplexity import score
+from rocketllm_cli.profiles import resolve_knobs
+from rocketllm_cli.sizes import format_bytes, parse_bytes
+from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.stream.kvcache import cache_bytes, generate_cache_kwarg
 
 DTYPES = ("auto", "int4")
 

@@ -13,7 +13,12 @@ from rocketllm_cli.app import app
 from rocketllm_cli.dtypes import int4_kv_value_bytes
 from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.stream.auto import AutoModel
-from rocketllm_cli.stream.kvcache import Int4Layer, cache_bytes, generate_cache_kwarg, make_cache
+from rocketllm_cli.stream.kvcache import (
+    Int4Layer,
+    cache_bytes,
+    generate_cache_kwarg,
+    make_cache,
+)
 from rocketllm_cli.text.prefix import PrefixCache
 
 pytestmark = pytest.mark.compat
@@ -51,7 +56,7 @@ def test_which_tokens_are_int4_depends_on_the_length_alone():
         assert R <= whole.keys.shape[-2] < R + G or length < R + G
         step = _fed(k, v, [7] + [1] * (length - 7))  # a prefill then decode steps reach the same state
         assert _same(whole, step), length
-        keys, values = whole._dequantized()
+        keys, _ = whole._dequantized()
         assert keys.shape[-2] == length and torch.equal(keys[..., whole.quantized :, :], k[..., whole.quantized : length, :])
         assert (keys - k[..., :length, :]).abs().max() < 0.25 * k.abs().max()  # int4 of unit normals: within a step
 

@@ -112,7 +112,7 @@ def kv_cache_bytes(c: Context) -> Derivation:
 
 
 def kv_cache_dtype(c: Context) -> Derivation:
-    return Derivation("'auto'", {}, "default", "the dtype the model computes in; int4 stores about 0.3x the bytes (docs/HARDWARE.md)")
+    return Derivation("'auto'", {}, "default", "the dtype the model computes in; int4 stores about 0.3x the bytes of bf16 (docs/HARDWARE.md)")
 
 
 def kv_residual_tokens(c: Context) -> Derivation:
