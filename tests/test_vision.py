@@ -16,7 +16,11 @@ from typer.testing import CliRunner
 from rocketllm_cli.app import app
 from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel
-from rocketllm_cli.synthetic.vision import VLM_KINDS, processor_needs_torchvision, write_vlm
+from rocketllm_cli.synthetic.vision import (
+    VLM_KINDS,
+    processor_needs_torchvision,
+    write_vlm,
+)
 from rocketllm_cli.text.images import MAX_IMAGES
 from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.sampling import SamplingParams

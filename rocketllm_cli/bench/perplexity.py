@@ -101,7 +101,7 @@ def score(model, ids: list[int], window: int, stride: int) -> Scored:
         for begin, end, first in spans:
             x = torch.tensor([ids[begin:end]], device=device)
             start = time.perf_counter()
-            logits = model(input_ids=x, use_cache=False).logits[0]  # [L, V]
+            logits = model(input_ids=x, **_kv_kwargs(model)).logits[0]  # [L, V]
             seconds.append(time.perf_counter() - start)
             sizes.append(end - begin)
             # logits at j predict token j + 1: the scored targets first .. L-1 come from rows first-1 .. L-2
@@ -253,3 +253,14 @@ def render_perplexity(doc: dict) -> str:
     lines.append("")
     lines += [f"- {row['role']}: shards {row['shard_dtype']}, computing in {row['compute_dtype']}; {row['residency']}" for row in doc["rows"]]
     return "\n".join(lines)
+
+
+def _kv_kwargs(model) -> dict:
+    """No cache, unless the KV cache stores another dtype (int4): then a fresh one, so attention reads keys and
+    values as that cache holds them (int4 before its full-precision window), as it does while generating."""
+    cache = model.new_kv_cache() if hasattr(model, "new_kv_cache") else None
+    if cache is None:
+        return {"use_cache": False}
+    from ..stream.kvcache import generate_cache_kwarg
+
+    return {generate_cache_kwarg(): cache, "use_cache": True}

@@ -88,15 +88,15 @@ def run(
     load_s = round(time.perf_counter() - started, 3)  # sharding or finding the shards, plus loading
     try:
         from ..text.loop import GenerationRequest, Generator
-        from ..text.prompts import check_context, encode_prompt
+        from ..text.prompts import check_context, context_reason, encode_prompt
 
         inputs = None
         if pictures:
             ids, inputs = _with_images(streamed, model, text, system, pictures)
         else:
             ids = [encode_prompt(streamed.tokenizer, p, chat, system)[0].tolist() for p in prompts]
-        for one in ids:
-            check_context(len(one), params.max_new_tokens, int(streamed.knobs.value("max_context")))
+        for one in ids:  # before any forward pass: a context the memory cannot hold is refused with the numbers
+            check_context(len(one), params.max_new_tokens, int(streamed.knobs.value("max_context")), context_reason(streamed.knobs))
         on_text = None if json or batch else output.stream
         generator = Generator(streamed)
         asked = streamed.knobs["speculate"]

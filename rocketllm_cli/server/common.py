@@ -254,16 +254,18 @@ def refused(exc: ParameterError) -> APIError:
     return bad(exc.spelled(lambda name: f"'{api_field(name)}'"), api_field(exc.params[0]) if exc.params else None)
 
 
-def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, param: str) -> int:
-    """max_tokens, or what the context leaves when it is not given; a prompt that does not fit is a 400."""
+def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, param: str, why: str = "") -> int:
+    """max_tokens, or what the context leaves when it is not given; a prompt that does not fit is a 400.
+    `why`: how max_context was reached (text.prompts.context_reason)."""
+    reason = f" ({why})" if why else ""
     if max_tokens is None:
         left = max_context - prompt_tokens
         if left < 1:
-            raise bad(f"the prompt is {prompt_tokens} tokens, but the context allows {max_context}; shorten the prompt",
+            raise bad(f"the prompt is {prompt_tokens} tokens, but the context allows {max_context}{reason}; shorten the prompt",
                       "messages", "context_length_exceeded")
         return left
     if prompt_tokens + max_tokens > max_context:
-        raise bad(f"the prompt is {prompt_tokens} tokens and {param} is {max_tokens}, but the context allows {max_context}; "
+        raise bad(f"the prompt is {prompt_tokens} tokens and {param} is {max_tokens}, but the context allows {max_context}{reason}; "
                   f"shorten the prompt or lower {param}", param, "context_length_exceeded")
     return max_tokens
 

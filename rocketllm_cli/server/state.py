@@ -12,6 +12,7 @@ from typing import Callable
 from ..text.images import refusal as image_refusal
 from ..text.loop import Generator
 from ..text.prefix import PrefixCache, decide
+from ..text.prompts import context_reason
 from ..text.reuse import reuse_for
 from .metrics import Metrics
 from .prompts import PromptBuilder
@@ -73,10 +74,17 @@ class ServerState:
         self.image_refusal = image_refusal(model)  # None: the model takes pictures (its tower and processor are here)
         self.builder = PromptBuilder(model.tokenizer, self.family, getattr(model, "processor", None) if self.image_refusal is None else None)
         knobs = model.knobs
-        self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") else \
+        # 0 is a real answer (the memory holds no context: every request is refused with the numbers), None is none
+        self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") is not None else \
             int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+        self.context_why = context_reason(knobs)
         setting = str(knobs.value("prefix_cache")) if knobs is not None else "auto"
         self.prefix_on, self.prefix_reason = decide(setting, model.plan, model.manifest)
+        kv_cache = getattr(model, "new_kv_cache", lambda: None)()
+        if self.prefix_on and kv_cache is not None:  # int4 (or another dtype's) KV: the prefix cache says why not
+            from ..text.prefix import supported
+
+            self.prefix_on, self.prefix_reason = False, f"off: {supported(kv_cache)[1]}"
         self.prefix_mode = None  # blocks | extend: what the model's cache allows (text/reuse.py)
         if self.prefix_on:
             reuse = reuse_for(model)

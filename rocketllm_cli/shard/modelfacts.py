@@ -45,6 +45,13 @@ class ModelFacts:
     max_positions: int  # the context the config allows
     dtype: str = "bf16"
     active_bytes: int | None = None  # mixture-of-experts: what one decode token reads (dense part + routed experts); None = every weight
+    # What really grows with the context (max_context divides by it): K and V values per token of the layers whose
+    # cache keeps every token (full attention), how many such layers, and what sliding-window layers hold at most.
+    # Linear-attention, convolution and Mamba layers keep a fixed state, counted in neither. 0 = not known.
+    kv_values_per_token: int = 0
+    kv_growing_layers: int = 0
+    kv_window_values: int = 0
+    kv_head_dim: int = 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -154,6 +161,8 @@ def _build(name: str, units: Units, config, dtype: str, compute_dtype: str | Non
     # K and V in the compute dtype when the caller knows it, else in the stored one (facts are built before the
     # knobs that pick the compute dtype); 16-bit for quantized weights, which compute in a 16-bit float
     itemsize = ITEMSIZE.get(compute_dtype or dtype, 2)
+    growing, windowed, window = _kv_layer_kinds(config, kv_layers)
+    per_layer = 2 * kv_heads * head_dim  # K and V values of one layer for one token
     return ModelFacts(
         name=name,
         total_bytes=total,
@@ -165,7 +174,29 @@ def _build(name: str, units: Units, config, dtype: str, compute_dtype: str | Non
         max_positions=config_int(config, POSITION_KEYS) or DEFAULT_POSITIONS,
         dtype=dtype or "unknown",
         active_bytes=active,
+        kv_values_per_token=growing * per_layer,
+        kv_growing_layers=growing,
+        kv_window_values=windowed * window * per_layer,
+        kv_head_dim=head_dim,
     )
+
+
+def _kv_layer_kinds(config, kv_layers: int) -> tuple[int, int, int]:
+    """(layers keeping every token, sliding-window layers, their window) from the config's `layer_types`.
+
+    Without layer types every layer counts as keeping every token: a window the cache may not apply is not
+    a saving to promise."""
+    text = config.get("text_config") or config if isinstance(config, Mapping) else (
+        config.get_text_config() if hasattr(config, "get_text_config") else config)
+    read = text.get if isinstance(text, Mapping) else (lambda key: getattr(text, key, None))
+    types = read("layer_types")
+    if not isinstance(types, (list, tuple)) or not types:
+        return kv_layers, 0, 0
+    window = config_int(config, ("sliding_window", "attention_chunk_size")) or 0
+    windowed = sum(1 for t in types if window and isinstance(t, str) and ("sliding" in t or "chunked" in t))
+    growing = sum(1 for t in types if isinstance(t, str) and t in ("full_attention", "attention", "global_attention")
+                  or (not window and isinstance(t, str) and ("sliding" in t or "chunked" in t)))
+    return growing, windowed, window
 
 
 # -- the forms a model comes in ----------------------------------------------------------------

@@ -30,12 +30,11 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
     from .model import EngineConfig
 
     notes = []
-    compute = knobs.value("compute_dtype")
-    if not knobs["compute_dtype"].overridden:
-        # Run in the dtype the shards hold where the device runs it well: converting costs a copy per use.
-        # fp32 runs everywhere; fp16 is slow on a CPU; bf16 only where the profile chose it.
-        if manifest.dtype == "fp32" or (manifest.dtype == "fp16" and profile.compute_device != "cpu"):
-            compute = manifest.dtype
+    from ..profiles.knobs.formulas import engine_compute_dtype
+
+    # the same rule the KV knobs were sized with (max_context counts K and V in this dtype)
+    compute = engine_compute_dtype(str(knobs.value("compute_dtype")), knobs["compute_dtype"].overridden, manifest.dtype,
+                                   profile.compute_device)
     if compute != manifest.dtype:
         notes.append(f"shards hold {manifest.dtype}, computing in {compute}: each streamed use converts (reshard with --dtype {compute} to avoid it)")
     config = EngineConfig(
@@ -50,6 +49,8 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         expert_cache_policy=str(knobs.value("expert_cache_policy")),
         # packed Linears run their kernel in the dtype it measured fastest in, unless --dtype was given
         packed_dtype="" if knobs["compute_dtype"].overridden else "fastest",
+        kv_cache_dtype=str(knobs.value("kv_cache_dtype")),
+        kv_residual_tokens=int(knobs.value("kv_residual_tokens")),
     )
     return config, notes
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..dtypes import torch_dtype
-from ..errors import KnobError, ShardError
+from ..dtypes import KV_INT4_GROUP, torch_dtype
+from ..errors import KnobError, ParameterError, ShardError
 from ..packed.format import PackedFormat
 from ..profiles.knobs.formulas import (
     DEFAULT_EXPERT_CACHE_POLICY,
@@ -52,14 +52,16 @@ class EngineConfig:
     pin_memory: bool = False
     expert_cache_policy: str = DEFAULT_EXPERT_CACHE_POLICY
     packed_dtype: str = ""  # activations of packed Linears: "" the compute dtype, "fastest" the kernel's measured best
+    kv_cache_dtype: str = "auto"  # what the KV cache stores: auto (the compute dtype), a float dtype or int4 (stream/kvcache.py)
+    kv_residual_tokens: int = KV_INT4_GROUP  # int4: the most recent tokens kept in the compute dtype
 
     def __post_init__(self) -> None:
         # Ranges and choices are the knob table's.
-        for name in ("compute_dtype", "expert_cache_policy"):
+        for name in ("compute_dtype", "expert_cache_policy", "kv_cache_dtype"):
             spec = KNOBS_BY_NAME[name]
             if getattr(self, name) not in spec.choices:
                 raise KnobError(f"bad {name} {getattr(self, name)!r}: expected {spec.accepted()}")
-        for name in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers"):
+        for name in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers", "kv_residual_tokens"):
             minimum = KNOBS_BY_NAME[name].minimum
             if getattr(self, name) < minimum:
                 raise KnobError(f"bad {name} {getattr(self, name)}: must be >= {minimum}")
@@ -113,6 +115,13 @@ class StreamingModel:
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.compute_dtype)
         hf_config = AutoConfig.from_pretrained(self.directory)
+        self.kv_dtype = _kv_dtype(config)
+        if self.kv_dtype not in (config.compute_dtype, "auto"):
+            from .kvcache import refusal
+
+            why = refusal(hf_config, self.kv_dtype)
+            if why:
+                raise ParameterError(why, "kv_cache_dtype")  # before any weight is read
         model = build_meta_model(hf_config, self.dtype)
         self.plan: ResidencyPlan = make_plan(self.manifest, config.device_cache_bytes, config.host_cache_bytes)
         # Resident experts are counted when routed, like every expert, and a vision tower runs once per request, not per
@@ -249,8 +258,24 @@ class StreamingModel:
 
     # -- transformers surface -------------------------------------------------------------
     def generate(self, *args, **kwargs):
-        """transformers' generate(), on the streamed model."""
+        """transformers' generate(), on the streamed model. A prompt plus max_new_tokens over the max_context knob
+        is refused first (ParameterError, with the numbers), as `generate` and `serve` refuse it."""
+        from .context import check_generate_call
+
+        check_generate_call(self.__dict__.get("knobs"), args, kwargs, getattr(self.model, "generation_config", None))
+        if not any(kwargs.get(name) is not None for name in ("cache", "past_key_values")):
+            cache = self.new_kv_cache()
+            if cache is not None:
+                from .kvcache import generate_cache_kwarg
+
+                kwargs[generate_cache_kwarg()] = cache
         return self.model.generate(*args, **kwargs)
+
+    def new_kv_cache(self):
+        """An empty KV cache storing the kv_cache_dtype knob's dtype, or None where transformers' own cache does."""
+        from .kvcache import make_cache
+
+        return make_cache(self.model.config, self.kv_dtype, self.dtype, self.config_engine.kv_residual_tokens)
 
     def __call__(self, *args, **kwargs):
         """One forward pass of the transformers model, weights streamed in as each unit runs."""
@@ -278,6 +303,11 @@ class StreamingModel:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _kv_dtype(config: EngineConfig) -> str:
+    """The dtype the KV cache stores: the compute dtype for auto."""
+    return config.compute_dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
 
 
 def _assign(group: list[Binding], tensors: dict[str, torch.Tensor]) -> None:

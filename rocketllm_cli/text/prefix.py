@@ -51,14 +51,9 @@ def decide(setting: str, plan, manifest) -> tuple[bool, str]:
 
 def generate_cache_kwarg(model) -> str:
     """The keyword transformers' generate takes a cache under: `cache` from 5.x on, `past_key_values` before."""
-    try:
-        from transformers.generation.utils import GenerateDecoderOnlyOutput
+    from ..stream.kvcache import generate_cache_kwarg as keyword
 
-        if "cache" in getattr(GenerateDecoderOnlyOutput, "__dataclass_fields__", {}):
-            return "cache"
-    except ImportError:  # pragma: no cover - transformers always has it
-        pass
-    return "past_key_values"
+    return keyword()
 
 
 def output_cache(output):
@@ -109,6 +104,10 @@ class _ListSlot:
 
 def supported(cache) -> tuple[bool, str]:
     """Whether caches of this kind can be cropped back to a shorter prefix and restored."""
+    if type(cache).__name__ == "QuantizedKVCache":
+        return False, ("the KV cache stores another dtype than the compute dtype (--kv-cache-dtype): an int4 cache's "
+                       "quantized blocks and full-precision window depend on its length, and an entry would have to be "
+                       "captured at exactly its length, never cropped from a longer cache, which is not done yet")
     if type(cache).__name__ != "DynamicCache":
         return False, f"the model's cache is a {type(cache).__name__}, not a DynamicCache"
     layers = getattr(cache, "layers", None)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from ..errors import ParameterError, RocketError
+from ..stream.context import check_context, context_reason
+
+__all__ = ["check_context", "context_reason", "encode_prompt"]
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, system: str | None = None):
@@ -19,12 +22,3 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, system: str 
     if system:
         prompt = f"{system}\n\n{prompt}"
     return tokenizer(prompt, return_tensors="pt").input_ids
-
-
-def check_context(prompt_tokens: int, max_new_tokens: int, max_context: int) -> None:
-    """A prompt and its new tokens must fit the context the model (or the max_context knob) allows."""
-    if prompt_tokens + max_new_tokens > max_context:
-        raise ParameterError(
-            f"prompt is {prompt_tokens} tokens and {{max_new_tokens}} {max_new_tokens}, but the context allows {max_context}; "
-            "shorten the prompt or lower {max_new_tokens}", "max_new_tokens",
-        )

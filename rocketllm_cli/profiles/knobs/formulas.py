@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import ceil, floor
 
+from ...dtypes import ITEMSIZE, KV_INT4_GROUP, int4_kv_value_bytes
 from ...shard.modelfacts import ModelFacts
+from ...sizes import format_bytes
 from ..hardware import HardwareProfile
 from ..probe.storage import IN_FLIGHT, IN_FLIGHT_NOTE, in_flight_inputs
 
@@ -51,9 +53,37 @@ class Context:
         # The compute device's free memory: VRAM on a GPU; RAM on the CPU (and on unified-memory devices).
         self.device_free = profile.vram_free if profile.vram_free is not None else profile.ram_available
 
+    def compute_dtype(self) -> str:
+        """The dtype the engine will compute in (stream/auto.py engine_config applies the same rule)."""
+        return engine_compute_dtype(str(self.values["compute_dtype"]), "compute_dtype" in self.overridden,
+                                    self.model.dtype if self.model else "", self.profile.compute_device)
+
+    def kv_dtype(self) -> str:
+        chosen = str(self.values["kv_cache_dtype"])
+        return self.compute_dtype() if chosen == "auto" else chosen
+
+    def kv_values(self) -> dict:
+        """K and V values per token of the layers whose cache grows, how many layers, and the bytes each value takes."""
+        m = self.model
+        compute = ITEMSIZE.get(self.compute_dtype(), 2)
+        values = m.kv_values_per_token or m.kv_bytes_per_token // ITEMSIZE.get(m.dtype, 2)
+        kv = self.kv_dtype()
+        stored = int4_kv_value_bytes(m.kv_head_dim) if kv == "int4" else ITEMSIZE.get(kv, compute)
+        return {"kv_values_per_token": values, "kv_layers": m.kv_growing_layers or m.num_layers,
+                "kv_value_bytes": stored, "compute_value_bytes": compute}
+
     def kv_per_token(self) -> dict:
-        # ModelFacts gives K and V per token in the compute dtype.
-        return {"kv_bytes_per_token": self.model.kv_bytes_per_token}
+        # K and V per token as the KV cache stores them (the compute dtype, another float dtype, or int4 with its scales).
+        v = self.kv_values()
+        return {"kv_bytes_per_token": ceil(v["kv_values_per_token"] * v["kv_value_bytes"])}
+
+
+def engine_compute_dtype(chosen: str, overridden: bool, stored: str, device: str) -> str:
+    """Run in the dtype the shards hold where the device runs it well: converting costs a copy per use.
+    fp32 runs everywhere; fp16 is slow on a CPU; bf16 only where the profile chose it."""
+    if not overridden and (stored == "fp32" or (stored == "fp16" and device != "cpu")):
+        return stored
+    return chosen
 
 
 def reserve_bytes(c: Context) -> Derivation:
@@ -82,11 +112,49 @@ def kv_cache_bytes(c: Context) -> Derivation:
     )
 
 
+def kv_cache_dtype(c: Context) -> Derivation:
+    return Derivation("'auto'", {}, "default", "the dtype the model computes in; int4 stores about 0.3x the bytes of bf16 (docs/HARDWARE.md)")
+
+
+def kv_residual_tokens(c: Context) -> Derivation:
+    return Derivation("kv_group_tokens", {"kv_group_tokens": KV_INT4_GROUP}, "default",
+                      "one quantization group: keys are quantized per channel a whole group of tokens at a time, so the "
+                      "full-precision window holds between this and twice this many tokens")
+
+
 def max_context(c: Context) -> Derivation:
+    """What the memory left after the weights, the streaming buffers and the reserve holds of KV, capped by the model.
+
+    Resolved after the weight budgets: on a model that fits, everything they leave is the cache's; on one that
+    streams, they leave kv_cache_bytes. An override of kv_cache_bytes caps it."""
     if c.model is None or not c.model.kv_bytes_per_token:
         return Derivation("None", {}, note="needs a model (missing kv_bytes_per_token, max_positions): pass --model")
-    return Derivation("min(max_positions, kv_cache_bytes // kv_bytes_per_token)",
-                      {"max_positions": c.model.max_positions, "kv_cache_bytes": c.values["kv_cache_bytes"], **c.kv_per_token()})
+    v = c.values
+    inputs = {"max_positions": c.model.max_positions, "memory_available": c.device_free, "reserve_bytes": v["reserve_bytes"],
+              "device_cache_bytes": v["device_cache_bytes"], "prefetch_depth": v["prefetch_depth"],
+              "largest_unit_bytes": c.model.largest_unit_bytes, **c.kv_values(), "kv_window_values": c.model.kv_window_values}
+    left = "memory_available - reserve_bytes - device_cache_bytes - (prefetch_depth + 2) * largest_unit_bytes"
+    if c.unified:  # the host tier's page cache is the same RAM
+        inputs["host_cache_bytes"] = v["host_cache_bytes"]
+        left += " - host_cache_bytes"
+    if "kv_cache_bytes" in c.overridden:
+        inputs["kv_cache_bytes"] = v["kv_cache_bytes"]
+        left = f"min(kv_cache_bytes, {left})"
+    # Fixed: what sliding-window layers hold at most, and int4's full-precision tokens: the window (residual + one
+    # group filling) and, while speculative decoding records the past, the last quantized group.
+    fixed = "kv_window_values * compute_value_bytes"
+    if c.kv_dtype() == "int4":
+        inputs["kv_full_precision_tokens"] = v["kv_residual_tokens"] + 2 * KV_INT4_GROUP
+        fixed += " + kv_full_precision_tokens * kv_values_per_token * compute_value_bytes"
+    # Per token: as stored, plus one layer's keys and values in the compute dtype while attention reads them
+    # (a float cache's concatenation copies a layer; int4 dequantizes one).
+    per_token = "kv_values_per_token * (kv_value_bytes + compute_value_bytes / kv_layers)"
+    where = ("left for KV of kv_cache_bytes, within what the weights, buffers and reserve leave" if "kv_cache_bytes" in c.overridden
+             else "left for KV after the weights, buffers and reserve")
+    room, each = evaluate(f"max(0, {left} - ({fixed}))", inputs), evaluate(per_token, inputs)
+    return Derivation(f"max(0, min(max_positions, floor(({left} - ({fixed})) / ({per_token}))))", inputs,
+                      note=f"{format_bytes(room)} {where}, {format_bytes(ceil(each))} "
+                           f"per token in {c.kv_dtype()}; kv_values_per_token = layers keeping every token x 2 (K, V) x kv heads x head dim")
 
 
 def io_workers(c: Context) -> Derivation:
@@ -210,9 +278,9 @@ def expert_cache_policy(c: Context) -> Derivation:
 
 # Resolution order: each derivation may read the values resolved before it.
 DERIVATIONS = {
-    "reserve_bytes": reserve_bytes, "compute_dtype": compute_dtype, "kv_cache_bytes": kv_cache_bytes,
-    "max_context": max_context, "direct_io": direct_io, "io_workers": io_workers, "prefetch_depth": prefetch_depth,
-    "device_cache_bytes": device_cache_bytes, "host_cache_bytes": host_cache_bytes,
-    "pin_memory": pin_memory, "prefix_cache": prefix_cache, "draft_model": draft_model, "speculate": speculate,
-    "draft_tokens": draft_tokens, "expert_cache_policy": expert_cache_policy,
+    "reserve_bytes": reserve_bytes, "compute_dtype": compute_dtype, "kv_cache_dtype": kv_cache_dtype,
+    "kv_residual_tokens": kv_residual_tokens, "kv_cache_bytes": kv_cache_bytes, "direct_io": direct_io,
+    "io_workers": io_workers, "prefetch_depth": prefetch_depth, "device_cache_bytes": device_cache_bytes,
+    "host_cache_bytes": host_cache_bytes, "max_context": max_context, "pin_memory": pin_memory, "prefix_cache": prefix_cache,
+    "draft_model": draft_model, "speculate": speculate, "draft_tokens": draft_tokens, "expert_cache_policy": expert_cache_policy,
 }

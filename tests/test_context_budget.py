@@ -1,0 +1,106 @@
+"""A context that cannot run out of memory: max_context is what the memory left holds of KV, and a request over
+it is refused before any work, by the Python API, `generate` and both server APIs, with the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cli_contract import one_error_line
+from serve_helpers import LiveServer
+from test_knobs import GiB, synthetic
+from typer.testing import CliRunner
+
+from rocketllm_cli.app import app
+from rocketllm_cli.errors import ParameterError
+from rocketllm_cli.profiles import resolve_knobs
+from rocketllm_cli.profiles.knobs.formulas import evaluate
+from rocketllm_cli.shard.modelfacts import model_facts_from_path
+from rocketllm_cli.stream.auto import AutoModel
+
+ADMITTED = 300  # tokens the budget below holds
+
+
+def _budget(facts) -> int:
+    """kv_cache_bytes that holds ADMITTED tokens of fp32 K and V (plus the one layer attention reads), no more."""
+    per_token = facts.kv_values_per_token * (4 + 4 / facts.kv_growing_layers)
+    return int(ADMITTED * per_token) + 1
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_factory):
+    """The tiny Llama whose KV budget admits ADMITTED tokens."""
+    path = tiny_factory("llama", max_position_embeddings=4096)
+    budget = _budget(model_facts_from_path(path))
+    model = AutoModel.from_pretrained(path, kv_cache_bytes=budget, compute_dtype="fp32")
+    yield path, budget, model
+    model.close()
+
+
+def _ids(n: int) -> torch.Tensor:
+    return torch.arange(5, 5 + n).remainder(200).unsqueeze(0)
+
+
+def test_max_context_is_what_the_budget_holds_and_the_formula_recomputes(tight):
+    _, _, model = tight
+    knob = model.knobs["max_context"]
+    assert knob.value == ADMITTED and evaluate(knob.formula, knob.inputs) == ADMITTED
+    assert "left for KV of kv_cache_bytes, within what the weights, buffers and reserve leave" in knob.note and "per token in fp32" in knob.note
+
+
+def test_the_python_api_refuses_before_any_pass_and_admits_what_fits(tight):
+    _, budget, model = tight
+    model.ledger.reset()
+    with pytest.raises(ParameterError) as caught:
+        model.generate(_ids(ADMITTED - 10), max_new_tokens=20, do_sample=False)
+    message = str(caught.value)
+    assert f"prompt is {ADMITTED - 10} tokens and max_new_tokens 20, but the context allows {ADMITTED}" in message
+    assert "left for KV" in message and "kv_cache_dtype int4" in message and "\n" not in message
+    assert not model.ledger.steps, "a refused request ran a forward pass"
+    out = model.generate(_ids(ADMITTED - 20), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                         return_dict_in_generate=True)
+    assert out.sequences.shape[1] == ADMITTED
+    cache = out.past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held <= budget  # the accounting: the KV the admitted request left fits the budget it was admitted under
+
+
+def test_generate_refuses_with_one_line_and_serve_with_each_apis_400(tight):
+    path, budget, model = tight
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)
+    result = CliRunner().invoke(app, ["generate", str(path), long, "--raw", "-n", "64", "--dtype", "fp32"],
+                                env={"ROCKETLLM_KV_CACHE_BYTES": str(budget)})
+    line = one_error_line(result)
+    assert f"but the context allows {ADMITTED}" in line and "--max-new-tokens" in line and "--kv-cache-dtype int4" in line
+
+    with LiveServer(model, "tiny") as server:
+        http = server.http()
+        openai = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": long}],
+                                                          "max_tokens": 64})
+        assert openai.status_code == 400
+        error = openai.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+        assert f"but the context allows {ADMITTED} (" in error["message"] and "left for KV" in error["message"]
+        anthropic = http.post("/v1/messages", json={"model": "tiny", "messages": [{"role": "user", "content": long}],
+                                                    "max_tokens": 64})
+        assert anthropic.status_code == 400 and anthropic.json()["type"] == "error"
+        assert anthropic.json()["error"]["type"] == "invalid_request_error"
+        assert f"but the context allows {ADMITTED}" in anthropic.json()["error"]["message"]
+        admitted = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                            "max_tokens": 4})
+        assert admitted.status_code == 200, admitted.text
+
+
+def test_int4_admits_over_three_times_the_bf16_context_in_the_same_memory():
+    """SmolLM2-135M's shape (30 layers, 3 KV heads of 64) on a machine whose KV room is fixed."""
+    from rocketllm_cli.shard.modelfacts import ModelFacts
+
+    facts = ModelFacts("smol", 270_000_000, 30, 4_000_000, 57_000_000, 57_000_000, 23_040, 1 << 20, "bf16",
+                       kv_values_per_token=11_520, kv_growing_layers=30, kv_head_dim=64)
+    profile = synthetic(ram_total=8 * GiB, ram_available=4 * GiB)
+    contexts = {}
+    for dtype in ("bf16", "int4"):
+        knobs = resolve_knobs(profile, facts, kwargs={"kv_cache_dtype": dtype, "kv_cache_bytes": "1GiB"}, env={})
+        knob = knobs["max_context"]
+        assert evaluate(knob.formula, knob.inputs) == knob.value
+        contexts[dtype] = knob.value
+    assert contexts["int4"] >= 3 * contexts["bf16"], contexts
