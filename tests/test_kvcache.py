@@ -144,3 +144,25 @@ def test_the_flags_reach_generate_and_a_bad_value_is_one_line(tiny):
     assert ok.exit_code == 0, ok.stderr
     line = one_error_line(runner.invoke(app, ["generate", str(tiny), "hi", "--kv-cache-dtype", "int3"]))
     assert "kv_cache_dtype" in line and "int4" in line
+
+
+def test_speculation_over_an_int4_cache_gives_the_plain_int4_tokens(tiny):
+    """Prompt lookup's rollbacks crop an int4 cache: with quantized groups behind the window, the greedy tokens are
+    those of plain decoding over the same int4 cache (fp32), and some drafts were accepted.
+
+    The run stays between two group boundaries (lengths 136 and 200 with an 8-token window): a pass that crosses one
+    quantizes that group before attention, so its earlier positions read as int4 what one-token decoding still read
+    at full precision, a rounding difference like bf16's."""
+    from rocketllm_cli.text.loop import GenerationRequest, Generator
+    from rocketllm_cli.text.sampling import SamplingParams
+
+    ids = (list(range(5, 45)) * 4)[:140]  # repeats: prompt lookup finds its n-grams; 140 + 40 tokens < 200
+    model = AutoModel.from_pretrained(tiny, device_cache_bytes=0, compute_dtype="fp32", kv_cache_dtype="int4", kv_residual_tokens=8)
+    try:
+        params = SamplingParams(max_new_tokens=40)
+        plain = Generator(model, speculate="off").run(GenerationRequest(ids, params))
+        fast = Generator(model, speculate="prompt-lookup").run(GenerationRequest(ids, params))
+    finally:
+        model.close()
+    assert fast.token_ids == plain.token_ids and fast.stats.speculation["mode"] == "prompt-lookup"
+    assert fast.stats.speculation["proposed"] > 0
