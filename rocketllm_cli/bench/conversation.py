@@ -4,7 +4,8 @@ Each turn renders the whole conversation through the chat template (every earlie
 then a new user message) and generates a greedy reply twice: once with no prefix cache, once with one kept
 across turns. The reply with reuse off continues the conversation; the one with reuse on must be the same.
 Prefill is prompt in -> first token out, restoring the cached prefix included: the median of a few
-one-token runs per turn and setting, interleaved, so a busy machine skews both sides alike.
+one-token runs per turn and setting, interleaved, so a busy machine skews both sides alike. Speculative decoding
+is off in both: it would skip the prefix cache's lookup, and the lookup is what this measures.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> 
         cache = prefix_cache_for(model, int(model.knobs.value("kv_cache_bytes")))
         if cache.disabled_reason:
             log(f"{regime}: prefix reuse stays off: {cache.disabled_reason}")
-        fresh, reusing = Generator(model), Generator(model, cache)
+        # Speculation off: a speculative run does not look its prompt up in the prefix cache, and reuse is what this times.
+        fresh, reusing = Generator(model, speculate="off"), Generator(model, cache, speculate="off")
         params, one = SamplingParams(max_new_tokens=req.reply_tokens), SamplingParams(max_new_tokens=1)
         messages: list[dict] = []
         turns = []
