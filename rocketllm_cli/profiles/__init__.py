@@ -1,16 +1,26 @@
 """HardwareProfile probe, knobs and cost model: every tuning value derived from this machine's measurements.
 
-Importing this package is cheap: torch is imported only when something is measured.
+Importing this package is cheap: its names load on first use (a command line that only parses its flags reads the
+knob table alone), and torch is imported only when something is measured.
 """
 
-from ..shard.modelfacts import ModelFacts, model_facts_from_path, parse_param_count
-from .cache import cache_dir
-from .cost import Projection, TierCost, plan_tier_bytes, project
-from .hardware import HardwareProfile
-from .knobs.resolve import Knob, Knobs, resolve_knobs
-from .records import Capability, Measurement
+from __future__ import annotations
 
-__all__ = [
-    "Capability", "HardwareProfile", "Knob", "Knobs", "Measurement", "ModelFacts", "Projection", "TierCost",
-    "cache_dir", "model_facts_from_path", "parse_param_count", "plan_tier_bytes", "project", "resolve_knobs",
-]
+import importlib
+
+_HOMES = {
+    "ModelFacts": "..shard.modelfacts", "model_facts_from_path": "..shard.modelfacts", "parse_param_count": "..shard.modelfacts",
+    "cache_dir": ".cache", "Projection": ".cost", "TierCost": ".cost", "plan_tier_bytes": ".cost", "project": ".cost",
+    "HardwareProfile": ".hardware", "Knob": ".knobs.resolve", "Knobs": ".knobs.resolve", "resolve_knobs": ".knobs.resolve",
+    "Capability": ".records", "Measurement": ".records",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
