@@ -177,3 +177,34 @@ def test_gguf_types_stream_like_transformers_loads_them(qtype, smollm2_gguf, tmp
     assert float((got - want).abs().max()) <= tolerance
     if qtype in GGUF_EXACT:
         assert torch.equal(tokens, expected)
+
+
+def test_int4_shards_in_another_cpus_order_say_so_when_they_stream(quantized):
+    """A packed set written where the int4 kernel reads another order is reordered on each streamed use: the load
+    says so (and how to avoid it); in this CPU's own order it says nothing."""
+    import copy
+
+    from transformers import AutoConfig
+
+    from rocketllm_cli.packed.cpulayout import LAYOUTS
+    from rocketllm_cli.profiles import HardwareProfile, resolve_knobs
+    from rocketllm_cli.shard.modelfacts import facts_from_manifest
+    from rocketllm_cli.stream.auto import engine_config
+
+    mode, manifest, directory, _ = quantized
+    here = cpu_layout()
+    if mode != "int4" or here is None:
+        pytest.skip("needs int4 shards and a CPU int4 kernel")
+    profile = HardwareProfile.load(storage_path=directory)
+    knobs = resolve_knobs(profile, facts_from_manifest(manifest, AutoConfig.from_pretrained(directory)))
+    assert not [n for n in engine_config(profile, knobs, manifest)[1] if "int4 shards" in n]
+    other = next(name for name in LAYOUTS[1:] if name != here)
+    foreign = copy.deepcopy(manifest)
+    for unit in foreign.units:
+        for record in unit.tensors:
+            if record.packed is not None and record.packed.get("kind") == "int4":
+                record.packed["layout"] = other
+    notes = [n for n in engine_config(profile, knobs, foreign)[1] if "int4 shards" in n]
+    assert notes == [f"int4 shards are in the {other} order another CPU's kernel reads, this one reads {here}: each streamed use "
+                     "reorders them (to avoid it, shard the source again on this machine: `rocketllm cache rm` the set, "
+                     "or `shard --out` a new directory)"]

@@ -37,6 +37,14 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
                                    profile.compute_device)
     if compute != manifest.dtype:
         notes.append(f"shards hold {manifest.dtype}, computing in {compute}: each streamed use converts (reshard with --dtype {compute} to avoid it)")
+    layouts = {t.packed.get("layout") for u in manifest.units for t in u.tensors if t.packed and t.packed.get("kind") == "int4"}
+    if layouts and profile.compute_device == "cpu":
+        from ..packed.cpulayout import cpu_layout
+
+        here = cpu_layout()
+        if here is not None and layouts != {here}:
+            notes.append(f"int4 shards are in the {'/'.join(sorted(str(x) for x in layouts))} order another CPU's kernel reads, "
+                         f"this one reads {here}: each streamed use reorders them (to avoid it, shard the source again on this machine: `rocketllm cache rm` the set, or `shard --out` a new directory)")
     config = EngineConfig(
         device=profile.compute_device,
         compute_dtype=compute,
