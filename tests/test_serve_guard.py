@@ -36,10 +36,8 @@ FUZZ_EXAMPLES = int(os.environ.get("ROCKETLLM_FUZZ_EXAMPLES", "25"))  # per endp
 
 
 @pytest.fixture(scope="module")
-def model(tiny_factory):
-    streamed = AutoModel.from_pretrained(tiny_factory("llama", seed=21), device_cache_bytes="1GB")
-    yield streamed
-    streamed.close()
+def model(resident_tiny_llama):
+    return resident_tiny_llama
 
 
 @pytest.fixture(scope="module")

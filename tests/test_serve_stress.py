@@ -31,7 +31,6 @@ import psutil
 import pytest
 from serve_helpers import LiveServer, Script
 
-from rocketllm_cli.stream.auto import AutoModel
 from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.prompts import encode_prompt
 from rocketllm_cli.text.sampling import SamplingParams
@@ -44,10 +43,8 @@ TAIL_BUDGET_S = 0.25  # their 99th percentile: on a shared 2-core machine a prob
 
 
 @pytest.fixture(scope="module")
-def model(tiny_factory):
-    streamed = AutoModel.from_pretrained(tiny_factory("llama", seed=21), device_cache_bytes="1GB")
-    yield streamed
-    streamed.close()
+def model(resident_tiny_llama):
+    return resident_tiny_llama
 
 
 @pytest.fixture(scope="module")
