@@ -29,6 +29,7 @@ from ..profiles.knobs.formulas import (
 from ..profiles.knobs.table import KNOBS_BY_NAME
 from ..shard.discover import build_meta_model
 from ..shard.manifest import RESHARD, Manifest
+from .assets import load_generation_config, load_processor, load_tokenizer
 from .ledger import Ledger
 from .packedbind import PackedBinding, make_packed
 from .plan import ResidencyPlan, make_plan
@@ -145,11 +146,11 @@ class StreamingModel:
             self.experts = ExpertStreamer(model, self.manifest, self.plan, self.store, self.ledger, io_workers=config.io_workers,
                                           candidates=lambda n: candidate_names(n, prefix), cache_policy=config.expert_cache_policy)
         _move_buffers(model, self.device)
-        _load_generation_config(model, self.directory)
+        load_generation_config(model, self.directory)
         self.model = model
-        self.tokenizer = _load_tokenizer(self.directory)
+        self.tokenizer = load_tokenizer(self.directory)
         # A vision-language model's processor turns pictures into the tensors its tower takes (text/images.py)
-        self.processor, self.processor_error = _load_processor(self.directory) if self.manifest.vision else (None, None)
+        self.processor, self.processor_error = load_processor(self.directory) if self.manifest.vision else (None, None)
         self.knobs = self.profile = self.facts = None  # filled in by AutoModel.from_pretrained
         self.draft = None  # the resident draft model speculative decoding drafts with (AutoModel loads it); closed with this one
 
@@ -333,48 +334,3 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
         for name, buf in module._buffers.items():
             if buf is not None and not isinstance(buf, Unbound) and buf.device != device:
                 module._buffers[name] = buf.to(device)
-
-
-def _load_generation_config(model: nn.Module, directory: Path) -> None:
-    if (directory / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(directory)
-        except (OSError, ValueError):
-            pass
-
-
-def _load_tokenizer(directory: Path):
-    from transformers import AutoTokenizer
-
-    if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError):
-        return None
-
-
-def _load_processor(directory: Path) -> tuple[object | None, str | None]:
-    """The shard set's processor (AutoProcessor), or None and why it cannot be used here."""
-    if not any((directory / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
-        return None, "has no image processor in its shard directory; re-shard from a model directory that includes its processor"
-    from transformers import AutoProcessor
-    from transformers.utils import logging
-
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # "requires torchvision, falling back to the Pillow backend" is no news to a user
-    try:
-        processor = AutoProcessor.from_pretrained(directory)
-    except ImportError as exc:
-        missing = "torchvision" if "torchvision" in str(exc).lower() else "a package it imports"
-        return None, (f"has a processor that needs {missing}, which is not installed; install it (torchvision from the same "
-                      "index as torch)")
-    except Exception as exc:  # noqa: BLE001 - any processor that does not load: the model still serves text
-        return None, f"has a processor that does not load ({' '.join(str(exc).split())[:160]})"
-    finally:
-        logging.set_verbosity(verbosity)
-    if not hasattr(processor, "image_processor"):
-        return None, "has no image processor in its shard directory; re-shard from a model directory that includes its processor"
-    return processor, None
