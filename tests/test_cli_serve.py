@@ -469,8 +469,8 @@ def test_the_key_guards_every_endpoint_and_no_key_or_prompt_reaches_a_log_line_o
         assert client.chat.completions.create(model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3).choices
         assert "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3, stream=True) if c.choices) is not None
-        claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
-        assert claude.messages.create(model=server.info["model"], max_tokens=3, messages=[{"role": "user", "content": PROMPT}]).content
+        keyed = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+        assert keyed.messages.create(model=server.info["model"], max_tokens=3, messages=[{"role": "user", "content": PROMPT}]).content
         with pytest.raises(openai.AuthenticationError) as refused:
             openai.OpenAI(base_url=url + "/v1", api_key=wrong, max_retries=0).chat.completions.create(
                 model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3)
