@@ -258,16 +258,23 @@ def test_scratch_buffer_is_one_buffer_grown_only_when_needed():
     assert torch.equal(linear(x_small, small, scratch=scratch), first) and scratch.grown == 2  # the larger one serves
 
 
-def test_probe_runs_once_per_device(monkeypatch):
+def test_probe_runs_once_per_device_and_its_answer_is_stored(monkeypatch, tmp_path):
     calls = []
     real_probe = probe_module.probe
     monkeypatch.setattr(probe_module, "_CACHE", {})
+    monkeypatch.setattr(probe_module, "stored_path", lambda: tmp_path / "kernels.json")
     monkeypatch.setattr(probe_module, "probe", lambda device: calls.append(device) or real_probe(device))
     packed = quantize_rtn(torch.randn(32, 64), bits=4, group=32)
     answers = {capabilities("cpu"), capabilities(torch.device("cpu"))}
     for dtype in DTYPES:
         bind(packed, "cpu", dtype)
     assert calls == ["cpu"] and len(answers) == 1
+    monkeypatch.setattr(probe_module, "_CACHE", {})  # a later process: reads the stored answer, runs nothing
+    assert capabilities("cpu") == answers.pop() and calls == ["cpu"]
+    (tmp_path / "kernels.json").write_text("{not json")  # unreadable: probed again, never misread
+    monkeypatch.setattr(probe_module, "_CACHE", {})
+    capabilities("cpu")
+    assert calls == ["cpu", "cpu"]
 
 
 def test_linear_converts_another_activation_dtype_and_refuses_a_wrong_width():

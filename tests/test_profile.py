@@ -87,8 +87,14 @@ def test_refresh_measures_again(profile, monkeypatch):
         return {**host_doc, "measured_at": "refreshed"}
 
     monkeypatch.setattr(hardware, "_measure_host", fake_host)
+    kernels = where / "kernels.json"
+    saved = kernels.read_bytes() if kernels.exists() else None
+    kernels.write_text("{}")
     refreshed = HardwareProfile.load(refresh=True)
     assert calls == ["host"] and refreshed.measured_at["host"] == "refreshed" and not refreshed.from_cache
+    assert not kernels.exists()  # the low-bit kernel probe runs again too
+    if saved is not None:
+        kernels.write_bytes(saved)
     (where / "host.json").write_text(json.dumps(host_doc))  # leave the real measurement for other tests
 
 

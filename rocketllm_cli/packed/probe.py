@@ -1,5 +1,8 @@
 """Which low-bit kernels compute correctly on a device, and for which activation dtypes: found by running each
-once on a tiny weight and comparing with F.linear on its dequantized form, then kept for the process.
+once on a tiny weight and comparing with F.linear on its dequantized form, then kept for the process and stored
+beside the hardware profile (kernels.json under its fingerprint, which names the CPU, its ISA ceiling and torch's
+version), so a later process reads the answer instead of spending ~0.2 s of its start-up re-running the probe.
+`rocketllm profile --refresh` runs it again.
 
 Nothing is assumed from the device's name or torch's version: an op that is missing, refuses the dtype or
 gives a wrong answer (a layout this code does not know) is simply not used, and its layers dequantize into
@@ -45,11 +48,49 @@ class Capabilities:
 
 
 def capabilities(device="cpu") -> Capabilities:
-    """The probe's answer for `device`, run the first time the device is asked about."""
+    """The probe's answer for `device`: this process's, else the stored one, else run now and stored."""
     key = _key(device)
     if key not in _CACHE:
-        _CACHE[key] = probe(key)
+        found = _stored(key)
+        if found is None:
+            found = probe(key)
+            _store(found)
+        _CACHE[key] = found
     return _CACHE[key]
+
+
+def stored_path():
+    """kernels.json beside this machine's hardware profile."""
+    from ..profiles.cache import profile_dir
+    from ..profiles.probe.machine import fingerprint, fingerprint_facts
+
+    return profile_dir(fingerprint(fingerprint_facts())) / "kernels.json"
+
+
+def _stored(key: str) -> Capabilities | None:
+    from ..profiles.cache import read_json
+
+    try:
+        doc = (read_json(stored_path()) or {}).get(key)
+        if doc is None:
+            return None
+        seconds = tuple((str(k), str(d), float(t)) for k, d, t in doc.get("seconds", ()))
+        return Capabilities(key, tuple(doc["int4"]), tuple(doc["int8"]), seconds)
+    except (OSError, KeyError, TypeError, ValueError):
+        return None  # unreadable or of another shape: probe again
+
+
+def _store(caps: Capabilities) -> None:
+    from ..profiles.cache import read_json, write_json
+
+    try:
+        path = stored_path()
+        doc = read_json(path) or {}
+        doc.pop("cache_format", None)
+        doc[caps.device] = {"int4": list(caps.int4), "int8": list(caps.int8), "seconds": [list(s) for s in caps.seconds]}
+        write_json(path, doc)
+    except OSError:
+        pass  # a read-only cache: the answer stays this process's
 
 
 def probe(device) -> Capabilities:

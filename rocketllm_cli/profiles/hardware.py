@@ -71,6 +71,8 @@ class HardwareProfile:
         fp = fingerprint(fingerprint_facts())
         fs = filesystem_of(Path(storage_path) if storage_path is not None else cache_dir())
         where = profile_dir(fp)
+        if refresh:
+            (where / "kernels.json").unlink(missing_ok=True)  # the low-bit kernel probe (packed/probe.py) runs again
         host = None if refresh else read_json(where / "host.json")
         disk = None if refresh else read_json(where / f"{fs.key}.json")
         from_cache = host is not None and disk is not None
