@@ -76,23 +76,31 @@ def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16
 
 
 def linear(x: torch.Tensor, weight: BoundWeight, bias: torch.Tensor | None = None, scratch: Scratch = SCRATCH) -> torch.Tensor:
-    """x [*, K] in the weight's dtype -> [*, N]."""
+    """x [*, K] in the weight's dtype -> [*, N]. Called once per Linear per pass: kept lean (a decode step of a
+    small model is as much this function's overhead as the kernels' time)."""
     n, k = weight.format.shape
     if x.shape[-1] != k or not x.is_floating_point():
         raise ValueError(f"linear on a packed [{n}, {k}] {weight.dtype} weight got x {tuple(x.shape)} {x.dtype}")
-    if x.dtype != weight.dtype:  # the kernel runs in its own fastest dtype: convert in, and back out
-        out_dtype = x.dtype
-        bias = None if bias is None else bias.to(weight.dtype)
-        return linear(x.to(weight.dtype), weight, bias, scratch).to(out_dtype)
-    if weight.path == "scratch":
-        return F.linear(x, dequantize_into(weight.portable, weight.dtype, scratch, weight.device), bias)
-    rows = x.reshape(-1, k).contiguous()
+    out_dtype = x.dtype
+    if out_dtype != weight.dtype:  # the kernel runs in its own fastest dtype: convert in, and back out
+        x = x.to(weight.dtype)
+        if bias is not None:
+            bias = bias.to(weight.dtype)
+    path = weight.path
+    if path == "scratch":
+        out = F.linear(x, dequantize_into(weight.portable, weight.dtype, scratch, weight.device), bias)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+    lead = x.shape[:-1]
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    kernel = weight.kernel
     if rows.shape[0] == 0:
         out = rows.new_zeros((0, n))
-    elif weight.path == "int4":
-        out = layout.int4_mm(rows, weight.kernel, weight.format.group)
+    elif path == "int4":
+        out = layout.int4_mm(rows, kernel, weight.format.group)
     else:
-        out = layout.int8_mm(rows, weight.kernel)
+        out = layout.int8_mm(rows, kernel)
     if bias is not None:
         out = out.add_(bias)
-    return out.reshape(*x.shape[:-1], n)
+    if len(lead) != 1:
+        out = out.reshape(*lead, n)
+    return out if out.dtype == out_dtype else out.to(out_dtype)

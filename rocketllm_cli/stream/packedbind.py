@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardError
+from ..packed import compute
 from ..packed.format import PackedFormat, PackedTensor
 from ..shard.manifest import RESHARD
 from .unbound import UnboundWeightError
@@ -27,12 +28,10 @@ class _PackedForward:
     packed_where = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..packed import linear
-
         bound = self.packed_weight
         if bound is None:
             raise UnboundWeightError(f"{self.packed_where} was used while its unit is not bound")
-        return linear(x, bound, self.bias)
+        return compute.linear(x, bound, self.bias)  # per call: no import machinery (the package's names are lazy)
 
 
 def make_packed(module: nn.Linear, name: str, where: str) -> None:
@@ -70,13 +69,11 @@ class PackedBinding:
         self._direct = _direct_int4(fmt, device, dtype)
 
     def bind(self, data: torch.Tensor) -> None:
-        from ..packed import bind
-
         if data is not self._source or self._bound is None:
             if self._direct is not None:
                 self._bound = self._direct(data)  # a view of the bytes: the kernel's own form, no checks per token
             else:
-                self._bound = bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype)
+                self._bound = compute.bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype)
             self._source = data
         self.module.packed_weight = self._bound
 
@@ -88,16 +85,14 @@ class PackedBinding:
     @property
     def path(self) -> str:
         """Which way the weight computes on this device: int4, int8 (a kernel) or scratch (dequantized per use)."""
-        from ..packed import kernel_path
-
-        return kernel_path(self.format, self.dtype, self.device)
+        return compute.kernel_path(self.format, self.dtype, self.device)
 
 
 def _direct_int4(fmt: PackedFormat, device: torch.device, dtype: torch.dtype):
     """For an int4 weight stored in the order this device's kernel reads: bytes -> BoundWeight with two views (and
     the scales' conversion when the set's dtype is not the kernel's). None where the general bind is needed."""
     from .. import dtypes
-    from ..packed import compute, layout
+    from ..packed import layout
     from ..packed.cpulayout import cpu_layout
 
     if fmt.kind != "int4" or device.type != "cpu" or fmt.layout == "rows" or fmt.layout != cpu_layout():
