@@ -58,7 +58,9 @@ def quantized(request, tiny_factory, tmp_path_factory):
 def test_quantized_shards_hold_packed_linear_weights_only(quantized):
     mode, manifest, directory, _ = quantized
     packed = {t.name: t for u in manifest.units for t in u.tensors if t.packed is not None}
-    assert manifest.packing == mode and manifest.format_version == 3 and manifest.key.endswith(mode)
+    assert manifest.packing == mode and manifest.format_version == 3
+    order = (cpu_layout() or "rows") if mode == "int4" else ""  # an int8 set writes no int4, so names no order
+    assert manifest.int4_layout == order and manifest.key == f"{manifest.dtype}-{mode}" + (f"-{order}" if order not in ("", "rows") else "")
     assert all(n.endswith(("_proj.weight", "lm_head.weight")) for n in packed), sorted(packed)
     assert not any("embed_tokens" in n or "norm" in n for n in packed)
     for record in packed.values():
@@ -206,5 +208,6 @@ def test_int4_shards_in_another_cpus_order_say_so_when_they_stream(quantized):
                 record.packed["layout"] = other
     notes = [n for n in engine_config(profile, knobs, foreign)[1] if "int4 shards" in n]
     assert notes == [f"int4 shards are in the {other} order another CPU's kernel reads, this one reads {here}: each streamed use "
-                     "reorders them (to avoid it, shard the source again on this machine: `rocketllm cache rm` the set, "
-                     "or `shard --out` a new directory)"]
+                     "reorders them (to avoid it, run the source itself, or `rocketllm shard` it: a set's name carries its "
+                     "int4 order, so this machine writes its own set beside this one)"]
+    assert manifest.int4_layout == here and manifest.key.endswith(f"-int4-{here}")  # the set's name carries its order

@@ -72,6 +72,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     seconds: float = 0.0
     packing: str = ""  # "" (all float), "packed" (a source's low-bit encoding kept), "int4" or "int8" (quantized)
+    int4_layout: str = ""  # the order int4 codes are written in (packed/cpulayout.py), where the packing writes int4
 
     @property
     def total_bytes(self) -> int:
@@ -102,14 +103,16 @@ class Manifest:
 
     @property
     def key(self) -> str:
-        """The set's dtype and packing, as its default directory and journal name them ("bf16", "bf16-packed")."""
-        return f"{self.dtype}-{self.packing}" if self.packing else self.dtype
+        """The set's dtype and packing, as its default directory and journal name them ("bf16", "bf16-packed-lanes64")."""
+        return set_key(self.dtype, self.packing, self.int4_layout)
 
     def to_dict(self) -> dict:
         """The manifest as the JSON document save() writes (a float set's has no packing fields)."""
         doc = asdict(self)
         if not doc["packing"]:
             del doc["packing"]
+        if not doc["int4_layout"]:
+            del doc["int4_layout"]
         for unit in doc["units"]:
             for t in unit["tensors"]:
                 if t["packed"] is None:
@@ -180,8 +183,16 @@ class Manifest:
             raise ShardError(f"shard file {extra[0]} is not in the manifest (a unit removed from it?); {RESHARD}")
 
 
-OPTIONAL = {"packed", "packing"}  # fields a float set's manifest leaves out
+OPTIONAL = {"packed", "packing", "int4_layout"}  # fields a float set's manifest leaves out
 PACKINGS = ("", "packed", "int4", "int8")
+INT4_LAYOUTS = ("rows", "pairs", "lanes32", "lanes64")  # packed/cpulayout.py LAYOUTS, named here without torch
+
+
+def set_key(dtype: str, packing: str = "", int4_layout: str = "") -> str:
+    """What names a set beside its source: its dtype, its packing, and the order its int4 codes are in, since a CPU
+    whose kernel reads another order reorders them on every streamed use ("bf16", "bf16-int8", "bf16-packed-lanes64")."""
+    key = f"{dtype}-{packing}" if packing else dtype
+    return f"{key}-{int4_layout}" if packing and int4_layout and int4_layout != "rows" else key
 
 
 class _Corrupt(Exception):
@@ -213,6 +224,7 @@ def _validate(doc) -> None:
     units whose names, files, modules and tensors agree with one another."""
     _require(isinstance(doc, dict) and _fields(Manifest) - OPTIONAL <= set(doc) <= _fields(Manifest), "fields missing or unknown")
     _require(doc.get("packing", "") in PACKINGS, "bad packing")
+    _require(doc.get("int4_layout", "") in ("", *INT4_LAYOUTS), "bad int4_layout")
     _require(type(doc["format_version"]) is int, "bad format_version")
     source = doc["source"]
     _require(isinstance(source, dict) and isinstance(source.get("fingerprint"), str), "bad source")

@@ -27,8 +27,10 @@ import torch
 from torch import nn
 
 from ..errors import ParameterError
+from .manifest import set_key
 
 PACKINGS = ("auto", "none", "int4", "int8")
+INT4_MODES = ("packed", "int4")  # PackPlan modes that may write int4 (and so record its code order)
 KEPT = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # GGUF types kept packed under auto
 RTN_GROUP = 32  # int4 group of --quantize int4: GGUF's own block size
 INT4_ROWS = 16  # the int4 kernels want N a multiple of this; other weights stay float
@@ -46,11 +48,25 @@ class PackPlan:
 
     def key(self, dtype: str) -> str:
         """What names this set beside its dtype: the cache directory, the journal, reuse."""
-        return set_key(dtype, self.mode)
+        return set_key(dtype, self.mode, self.int4_layout)
+
+    @property
+    def int4_layout(self) -> str:
+        """The int4 order the manifest records: where the packing writes int4 (not an int8-only set)."""
+        return self.layout if self.mode in INT4_MODES else ""
 
 
-def set_key(dtype: str, mode: str) -> str:
-    return f"{dtype}-{mode}" if mode else dtype
+def predicted_key(source, packing: str, dtype: str) -> str:
+    """The set's key, known before the model is built (plan_packing's PackPlan.key gives the same)."""
+    mode = predicted_mode(source, packing)
+    return set_key(dtype, mode, layout_here() if mode in INT4_MODES else "")
+
+
+def layout_here() -> str:
+    """The int4 order this machine's CPU kernel reads ("rows" where it has none)."""
+    from ..packed.cpulayout import cpu_layout
+
+    return cpu_layout() or "rows"
 
 
 def predicted_mode(source, packing: str) -> str:
@@ -72,8 +88,6 @@ def check_packing(packing: str) -> str:
 
 def plan_packing(source, model: nn.Module, mapping, aliases: dict[str, str], packing: str = "auto", dtype: str = "fp32") -> PackPlan:
     """The weights to store packed, decided from the module each belongs to and what the source holds."""
-    from ..packed.cpulayout import cpu_layout
-
     mode = predicted_mode(source, packing)
     if not mode:
         return PackPlan()
@@ -88,7 +102,7 @@ def plan_packing(source, model: nn.Module, mapping, aliases: dict[str, str], pac
                 params[name] = "gguf"
         elif shape[1] % RTN_GROUP == 0 and (packing == "int8" or shape[0] % INT4_ROWS == 0) and not _tied_table(name, aliases):
             params[name] = "rtn"
-    return PackPlan(mode, params, cpu_layout() or "rows", dtype)
+    return PackPlan(mode, params, layout_here(), dtype)
 
 
 def read_packed(source, mapping, name: str, plan: PackPlan):

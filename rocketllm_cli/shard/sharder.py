@@ -35,9 +35,8 @@ from .packing import (
     check_packing,
     packed_nbytes,
     plan_packing,
-    predicted_mode,
+    predicted_key,
     read_packed,
-    set_key,
 )
 from .source import Source, locate, open_source, save_tokenizer
 from .target import default_out, exclusive, find_existing, partial_of, reusable, swap_in
@@ -71,7 +70,7 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
 def _shard(source: Source, out: Path | None, dtype: str, progress, log, started: float, rebuild: bool = False,
            packing: str = "auto") -> tuple[Manifest, Path, dict]:
     dtype = resolve_dtype(source, dtype)
-    key = set_key(dtype, predicted_mode(source, packing))  # names the set: its dtype, and how it is packed
+    key = predicted_key(source, packing, dtype)  # names the set: its dtype, how it is packed, its int4 order
     final = Path(out) if out else default_out(source.located, key)
     fingerprint = source.fingerprint()
     existing = reusable(final, fingerprint, key, ours=out is None, log=log)
@@ -178,6 +177,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
         aliases=layout.aliases,
         seconds=round(time.perf_counter() - started, 3),
         packing=packs.mode,
+        int4_layout=packs.int4_layout,
         format_version=PACKED_VERSION if packs.params else FORMAT_VERSION,
     )
     with (progress or no_progress)(f"saving the config and tokenizer of {source.name}", after=BLINK_S, announce=False):

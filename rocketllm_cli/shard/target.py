@@ -19,7 +19,7 @@ from ..dtypes import NAMES as DTYPES
 from ..errors import ShardError
 from . import stfile
 from .journal import JOURNAL
-from .manifest import MANIFEST, UNIT_FILE, Manifest
+from .manifest import MANIFEST, UNIT_FILE, Manifest, set_key
 from .source import TOKENIZER_FILES, Located
 
 SHARDS = "shards"  # <cache>/shards/<name>-<fingerprint>-<dtype>
@@ -41,13 +41,17 @@ def default_out(located: Located, dtype: str) -> Path:
 def find_existing(located: Located, dtype: str, packing: str = "auto") -> tuple[Manifest, Path] | None:
     """A complete shard set of this source in the default place (any dtype for 'auto'), without reading weights.
 
-    packing auto finds a set that kept a GGUF's low-bit blocks ("-packed"), or a float set of any other source."""
+    packing auto finds a set that kept a GGUF's low-bit blocks ("-packed"), or a float set of any other source; a
+    set with int4 codes in another CPU's order is not this machine's (its key names the order)."""
+    from .packing import INT4_MODES, layout_here
+
     dtypes = list(DTYPES) if dtype == "auto" else [dtype]
     if packing == "auto":
         modes = ["packed"] if located.path.suffix == ".gguf" else [""]
     else:
         modes = ["" if packing == "none" else packing]
-    for final in (default_out(located, f"{dt}-{mode}" if mode else dt) for dt in dtypes for mode in modes):
+    keys = [set_key(dt, mode, layout_here() if mode in INT4_MODES else "") for dt in dtypes for mode in modes]
+    for final in (default_out(located, key) for key in keys):
         if (final / MANIFEST).is_file():
             try:
                 manifest = Manifest.load(final)
@@ -170,7 +174,7 @@ def _recorded_as(directory: Path, fingerprint: str, dtype: str) -> bool | None:
     """Whether a (possibly damaged) manifest still names this source and dtype; None when it cannot be read."""
     try:
         doc = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
-        key = f"{doc['dtype']}-{doc['packing']}" if doc.get("packing") else doc["dtype"]
+        key = set_key(doc["dtype"], doc.get("packing", ""), doc.get("int4_layout", ""))
         return doc["source"]["fingerprint"] == fingerprint and key == dtype
     except Exception:  # noqa: BLE001 - unreadable in any way
         return None

@@ -44,7 +44,8 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         here = cpu_layout()
         if here is not None and layouts != {here}:
             notes.append(f"int4 shards are in the {'/'.join(sorted(str(x) for x in layouts))} order another CPU's kernel reads, "
-                         f"this one reads {here}: each streamed use reorders them (to avoid it, shard the source again on this machine: `rocketllm cache rm` the set, or `shard --out` a new directory)")
+                         f"this one reads {here}: each streamed use reorders them (to avoid it, run the source itself, or `rocketllm shard` it: "
+                         f"a set's name carries its int4 order, so this machine writes its own set beside this one)")
     config = EngineConfig(
         device=profile.compute_device,
         compute_dtype=compute,
