@@ -50,6 +50,21 @@ def declares_packed(path: Path) -> bool:
     return found is not None and str(found.get("quant_method", "")).lower() in METHODS
 
 
+def check_declared(path: Path) -> None:
+    """Refuse, in one line and without torch, a checkpoint whose config declares a quantization not read here."""
+    config = quantization_config(path) if Path(path).is_dir() else None
+    if config is None:
+        return
+    method = _method(path, config)
+    if method == "gptq":
+        _gptq_scheme(config)
+    elif method == "awq":
+        _awq_scheme(config)
+    else:
+        for name, group in (config.get("config_groups") or {}).items():
+            _ct_check(group, _ct_format(group, config), f"compressed-tensors config group {name}")
+
+
 @dataclass(frozen=True)
 class Scheme:
     """How one module's weight is stored."""
@@ -107,7 +122,7 @@ class QuantizedSafetensors:
         if not _keeps(scheme):
             return False, "int8 with zero points or several groups a row (the int8 kernel takes one scale per row): stored dequantized"
         if not self._groups_contiguous(name):
-            return False, "act-order (g_idx): groups that are not runs of columns, which no packed format holds; stored dequantized"
+            return False, "act-order (g_idx): groups that are not runs of columns, which no packed format holds; stored dequantized in the set's dtype"
         if scheme.bits == 8:
             return True, None
         group = kernel_group(scheme.group or k, k)[0]
@@ -188,10 +203,7 @@ def _keeps(scheme: Scheme) -> bool:
 def open_quantized(path: Path, config: dict, stored: dict, read_stored) -> QuantizedSafetensors:
     """The reader of a checkpoint whose config.json has `config` as quantization_config; `stored` {name: (shape, dtype)}
     of its tensors. ModelError, one line, for a format or setting not supported."""
-    method = str(config.get("quant_method", "")).lower()
-    if method not in METHODS:
-        raise ModelError(f"{Path(path).name}: quantization method {config.get('quant_method')!r} is not supported "
-                         f"(supported: {', '.join(METHODS)}); {ADVICE}")
+    method = _method(path, config)
     modules: dict[str, QuantizedModule] = {}
     if method == "compressed-tensors":
         for module in _ct_modules(stored):
@@ -210,6 +222,14 @@ def open_quantized(path: Path, config: dict, stored: dict, read_stored) -> Quant
         reader.notes.append("the checkpoint also quantizes activations; they are computed here in the compute dtype, unquantized "
                             "(weights are exact; outputs differ slightly from an engine that quantizes activations)")
     return reader
+
+
+def _method(path: Path, config: dict) -> str:
+    method = str(config.get("quant_method", "")).lower()
+    if method not in METHODS:
+        raise ModelError(f"{Path(path).name}: quantization method {config.get('quant_method')!r} is not supported "
+                         f"(supported: {', '.join(METHODS)}); {ADVICE}")
+    return method
 
 
 def _refuse(what: str) -> ModelError:
@@ -275,17 +295,11 @@ def _ct_modules(stored: dict) -> list[str]:
 
 def _ct_module(module: str, config: dict, stored: dict, read_stored) -> QuantizedModule:
     group_config, fmt = _ct_scheme_of(module, config)
-    weights = group_config.get("weights") or {}
     where = f"compressed-tensors module {module}"
-    if fmt not in CT_FORMATS or fmt == "dense":
-        raise _refuse(f"{where}: format {fmt!r} (pack-quantized, naive-quantized and int-quantized are read)")
-    if str(weights.get("type", "int")).lower() != "int":
-        raise _refuse(f"{where}: {weights.get('type')} weights (int weights are read)")
-    bits, strategy = int(weights.get("num_bits", 0)), str(weights.get("strategy", "")).lower()
-    if bits not in (4, 8):
-        raise _refuse(f"{where}: num_bits {bits} (4 and 8 are read)")
-    if strategy not in CT_STRATEGIES:
-        raise _refuse(f"{where}: strategy {strategy!r} ({', '.join(CT_STRATEGIES)} are read)")
+    bits, strategy = _ct_check(group_config, fmt, where)
+    if not bits:
+        raise _refuse(f"{where}: quantized tensors under a config group that quantizes no weights")
+    weights = group_config.get("weights") or {}
     tensors = {"scale": f"{module}.weight_scale"}
     for role, suffix in (("zero", "weight_zero_point"), ("g_idx", "weight_g_idx"), ("shape", "weight_shape")):
         if f"{module}.{suffix}" in stored:
@@ -300,7 +314,7 @@ def _ct_module(module: str, config: dict, stored: dict, read_stored) -> Quantize
     else:
         tensors["weight"] = f"{module}.weight"
         rows, k = stored[tensors["weight"]][0]
-    if "scale" not in tensors or tensors["scale"] not in stored:
+    if tensors["scale"] not in stored:
         raise ModelError(f"{where}: no weight_scale (a damaged checkpoint); {ADVICE}")
     group = int(weights.get("group_size") or 0) if strategy == "group" else None
     if group is not None and (group < 1 or k % group):
@@ -309,6 +323,27 @@ def _ct_module(module: str, config: dict, stored: dict, read_stored) -> Quantize
     scheme = Scheme("compressed-tensors", bits, group if group != k else None, "zero" not in tensors,
                     "pack-quantized" if "packed" in tensors else "naive-quantized")
     return QuantizedModule(scheme, (int(rows), int(k)), tensors)
+
+
+def _ct_check(group: dict, fmt: str, where: str) -> tuple[int, str]:
+    """(bits, strategy) of a config group whose weights are read here; ModelError for any other."""
+    weights = group.get("weights")
+    if fmt == "dense" or weights is None:
+        return 0, ""
+    if fmt not in CT_FORMATS:
+        raise _refuse(f"{where}: format {fmt!r} (pack-quantized, naive-quantized and int-quantized are read)")
+    if str(weights.get("type", "int")).lower() != "int":
+        raise _refuse(f"{where}: {weights.get('type')} weights (int weights are read)")
+    bits, strategy = int(weights.get("num_bits", 0)), str(weights.get("strategy", "")).lower()
+    if bits not in (4, 8):
+        raise _refuse(f"{where}: num_bits {bits} (4 and 8 are read)")
+    if strategy not in CT_STRATEGIES:
+        raise _refuse(f"{where}: strategy {strategy!r} ({', '.join(CT_STRATEGIES)} are read)")
+    return bits, strategy
+
+
+def _ct_format(group: dict, config: dict) -> str:
+    return str(group.get("format") or config.get("format") or "").lower()
 
 
 def _ct_scheme_of(module: str, config: dict) -> tuple[dict, str]:
@@ -328,4 +363,4 @@ def _ct_scheme_of(module: str, config: dict) -> tuple[dict, str]:
     if not ranked:
         raise ModelError(f"compressed-tensors module {module}: no config group targets it (config and weights disagree); {ADVICE}")
     group = min(ranked, key=lambda r: r[0])[1]
-    return group, str(group.get("format") or config.get("format") or "").lower()
+    return group, _ct_format(group, config)

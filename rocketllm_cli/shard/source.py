@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..errors import ModelError, ShardError
 from . import stfile
 from .manifest import MANIFEST, RESHARD, UNIT_FILE
-from .quantsource import open_quantized, quantization_config
+from .quantsource import check_declared, open_quantized, quantization_config
 
 if TYPE_CHECKING:  # torch is imported where tensors are read, so locating a model stays cheap
     import torch
@@ -124,7 +124,7 @@ def check_locatable(model: str | os.PathLike) -> None:
     """Refuse a local MODEL that cannot be a checkpoint, cheaply (no torch, no transformers, no network)."""
     path = Path(str(model)).expanduser()
     if path.exists() and not (path.is_dir() and (path / MANIFEST).is_file()):
-        locate(path)
+        check_declared(locate(path).path)  # a quantization not read here, too
     elif not path.exists() and not _looks_like_hub_id(str(model)):
         resolve(model)  # refused in one line; a hub id is fetched later, when it is sharded
 
