@@ -232,17 +232,17 @@ def _method(path: Path, config: dict) -> str:
     return method
 
 
-def _refuse(what: str) -> ModelError:
-    return ModelError(f"{what} is not supported; {ADVICE}")
+def _refuse(what: str, read: str = "") -> ModelError:
+    return ModelError(f"{what} is not supported{f' ({read})' if read else ''}; {ADVICE}")
 
 
 def _gptq_scheme(config: dict) -> Scheme:
     bits = int(config.get("bits", 4))
     if bits not in (4, 8):
-        raise _refuse(f"GPTQ with bits {bits} (4 and 8 are read)")
+        raise _refuse(f"{bits}-bit GPTQ", "4- and 8-bit GPTQ is read")
     layout = str(config.get("checkpoint_format") or config.get("format") or "gptq").lower()
     if layout not in ("gptq", "gptq_v2") or config.get("is_marlin_format"):
-        raise _refuse(f"GPTQ checkpoint_format {layout!r} (gptq and gptq_v2 are read)")
+        raise _refuse(f"GPTQ checkpoint_format {layout!r}", "gptq and gptq_v2 are read")
     group = int(config.get("group_size", 128))
     return Scheme("gptq", bits, None if group < 0 else group, bool(config.get("sym", True)), layout)
 
@@ -251,9 +251,9 @@ def _awq_scheme(config: dict) -> Scheme:
     bits = int(config.get("bits", config.get("w_bit", 4)))
     version = str(config.get("version", "gemm")).lower()
     if bits != 4:
-        raise _refuse(f"AWQ with bits {bits} (4 is read)")
+        raise _refuse(f"{bits}-bit AWQ", "4-bit AWQ is read")
     if version != "gemm":
-        raise _refuse(f"AWQ version {version!r} (its weights are packed differently; gemm is read)")
+        raise _refuse(f"AWQ version {version!r}", "its weights are packed differently; gemm is read")
     if not config.get("zero_point", True):
         raise _refuse("AWQ without zero points")
     group = int(config.get("group_size", config.get("q_group_size", 128)))
@@ -331,14 +331,14 @@ def _ct_check(group: dict, fmt: str, where: str) -> tuple[int, str]:
     if fmt == "dense" or weights is None:
         return 0, ""
     if fmt not in CT_FORMATS:
-        raise _refuse(f"{where}: format {fmt!r} (pack-quantized, naive-quantized and int-quantized are read)")
+        raise _refuse(f"{where}: format {fmt!r}", "pack-quantized, naive-quantized and int-quantized are read")
     if str(weights.get("type", "int")).lower() != "int":
-        raise _refuse(f"{where}: {weights.get('type')} weights (int weights are read)")
+        raise _refuse(f"{where}: {weights.get('type')} weights", "int weights are read")
     bits, strategy = int(weights.get("num_bits", 0)), str(weights.get("strategy", "")).lower()
     if bits not in (4, 8):
-        raise _refuse(f"{where}: num_bits {bits} (4 and 8 are read)")
+        raise _refuse(f"{where}: num_bits {bits}", "4 and 8 are read")
     if strategy not in CT_STRATEGIES:
-        raise _refuse(f"{where}: strategy {strategy!r} ({', '.join(CT_STRATEGIES)} are read)")
+        raise _refuse(f"{where}: strategy {strategy!r}", f"{', '.join(CT_STRATEGIES)} are read")
     return bits, strategy
 
 
