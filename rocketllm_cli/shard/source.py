@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from ..errors import ModelError, ShardError
 from . import stfile
 from .manifest import MANIFEST, RESHARD, UNIT_FILE
-from .quantsource import check_declared, open_quantized, quantization_config
+from .quantconfig import check_declared, quantization_config
+from .quantsource import open_quantized
 
 if TYPE_CHECKING:  # torch is imported where tensors are read, so locating a model stays cheap
     import torch

@@ -20,7 +20,7 @@ from ..errors import ShardError
 from . import stfile
 from .journal import JOURNAL
 from .manifest import MANIFEST, UNIT_FILE, Manifest
-from .quantsource import declares_packed
+from .quantconfig import declares_packed
 from .source import TOKENIZER_FILES, Located
 
 SHARDS = "shards"  # <cache>/shards/<name>-<fingerprint>-<dtype>
