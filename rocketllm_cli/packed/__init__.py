@@ -6,6 +6,7 @@
     y = linear(x, bound)                            # the kernel, or dequantize into the scratch buffer + F.linear
 
 Modules: format (descriptors and PackedTensor), nibbles (4-bit code order), fromgguf (GGUF blocks -> portable),
+fromint (compressed-tensors, GPTQ and AWQ integer codes -> portable),
 rtn (round-to-nearest quantization), dequant (portable -> float), scratch (the one reusable buffer), layout
 (portable -> torch's kernel layouts, the op calls), probe (which kernels work on a device), compute (bind, linear).
 

@@ -5,7 +5,9 @@ Only weights a low-bit kernel can compute on are packed: the weight of an `nn.Li
 to one, the output head), [N out, K in] as the module holds it. Everything else stays in the set's float dtype.
 
     auto  keep the source's own low-bit encoding where it maps onto a kernel's format (GGUF Q4_0, Q4_1 and Q4_K
-          exactly as int4 at group 32; Q8_0 re-scaled per row as int8, see below); a float source is not packed
+          exactly as int4 at group 32; Q8_0 re-scaled per row as int8, see below; a compressed-tensors, GPTQ or
+          AWQ checkpoint's int4 exactly at its group, its per-channel int8 exactly, shard/quantsource.py); a float
+          source is not packed
     none  dequantize everything (the float set of earlier versions)
     int4  round-to-nearest int4, group 32, of every Linear weight of a float source (lossy; said so)
     int8  round-to-nearest int8, one scale per row (lossy)
@@ -42,9 +44,10 @@ class PackPlan:
     """mode: "" (a float set), "packed" (the source's encoding kept), "int4" or "int8"; params: {shard name: how}."""
 
     mode: str = ""
-    params: dict[str, str] = field(default_factory=dict)  # name -> "gguf" (from the source's blocks) | "rtn"
+    params: dict[str, str] = field(default_factory=dict)  # name -> "source" (the source's own encoding) | "rtn"
     layout: str = "rows"  # the order int4 codes are written in
     scale_dtype: str = "fp32"  # int4 in a kernel order: the dtype of its scales and zeros (the set's dtype)
+    notes: list[str] = field(default_factory=list)  # what the shard output says about weights kept otherwise
 
     def key(self, dtype: str) -> str:
         """What names this set beside its dtype: the cache directory, the journal, reuse."""
@@ -94,22 +97,28 @@ def plan_packing(source, model: nn.Module, mapping, aliases: dict[str, str], pac
     linear = _linear_weights(model, aliases)
     params: dict[str, str] = {}
     lazy = getattr(source, "_lazy", None)
+    noted: dict[str, int] = {}
     for name, shape in linear.items():
         if name not in mapping or name in mapping.sliced or name in mapping.converted:
             continue
         if mode == "packed":
             if lazy is not None and lazy.packable(mapping[name], shape, INT4_ROWS):
-                params[name] = "gguf"
+                params[name] = "source"
+            note = getattr(lazy, "pack_note", None)
+            note = note(mapping[name], shape, INT4_ROWS) if note is not None else None
+            if note:
+                noted[note] = noted.get(note, 0) + 1
         elif shape[1] % RTN_GROUP == 0 and (packing == "int8" or shape[0] % INT4_ROWS == 0) and not _tied_table(name, aliases):
             params[name] = "rtn"
-    return PackPlan(mode, params, layout_here(), dtype)
+    notes = [f"{count} quantized weight{'s' if count > 1 else ''}: {note}" for note, count in noted.items()]
+    return PackPlan(mode, params, layout_here(), dtype, notes)
 
 
 def read_packed(source, mapping, name: str, plan: PackPlan):
     """The PackedTensor stored for `name` (a PackPlan.params entry)."""
     from ..packed import quantize_rtn
 
-    if plan.params[name] == "gguf":
+    if plan.params[name] == "source":
         packed = source._lazy.read_packed(mapping[name])
         if packed.format.kind == "int8" and packed.format.group != packed.format.shape[1]:
             packed = _per_row_int8(packed)
@@ -129,7 +138,7 @@ def packed_nbytes(source, mapping, name: str, plan: PackPlan, shape: tuple[int, 
     where fp16 was expected can make the real size a little larger)."""
     from ..packed.format import PackedFormat
 
-    if plan.params[name] == "gguf":
+    if plan.params[name] == "source":
         fmt = source._lazy.packed_format(mapping[name])
     elif plan.mode == "int4":
         fmt = PackedFormat("int4", shape, RTN_GROUP, scale_dtype="fp16")

@@ -87,6 +87,8 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     mapping = SourceMap(names, sliced, {**converted, **made})
     mapping.update(pieces)
     packs = plan_packing(source, model, mapping, layout.aliases, packing, dtype)
+    for note in [*getattr(source._lazy, "notes", ()), *packs.notes]:
+        log(note)
     need = _bytes_needed(source, mapping, dtype, packs)
     partial = partial_of(final)
     check_space(final.parent, need - sum(r.tensor_bytes for r in journal.resumable(partial, fingerprint, key).values()))

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from ..errors import ModelError, ShardError
 from . import stfile
 from .manifest import MANIFEST, RESHARD, UNIT_FILE
+from .quantconfig import check_declared, quantization_config
+from .quantsource import open_quantized
 
 if TYPE_CHECKING:  # torch is imported where tensors are read, so locating a model stays cheap
     import torch
@@ -65,7 +67,9 @@ class Source:
     _file_of: dict[str, Path] = field(default_factory=dict, repr=False)
     _state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     _fds: dict[Path, int] = field(default_factory=dict, repr=False)
-    _lazy: object = field(default=None, repr=False)  # a per-tensor GGUF reader (ggufsource.LazyGGUF)
+    # a per-tensor reader that presents the weights transformers loads: a GGUF's (ggufsource.LazyGGUF), or a
+    # pre-quantized safetensors checkpoint's (quantsource.QuantizedSafetensors)
+    _lazy: object = field(default=None, repr=False)
 
     def fingerprint(self) -> str:
         return self.located.fingerprint()
@@ -76,6 +80,10 @@ class Source:
             return self._state[name]
         if self._lazy is not None:
             return self._lazy.read(name)
+        return self.read_stored(name)
+
+    def read_stored(self, name: str) -> torch.Tensor:
+        """One tensor of a safetensors file as stored (a quantized checkpoint's packed codes too)."""
         entry = self._headers[name]
         path = self._file_of[name]
         fd = self._fds.get(path)
@@ -117,7 +125,7 @@ def check_locatable(model: str | os.PathLike) -> None:
     """Refuse a local MODEL that cannot be a checkpoint, cheaply (no torch, no transformers, no network)."""
     path = Path(str(model)).expanduser()
     if path.exists() and not (path.is_dir() and (path / MANIFEST).is_file()):
-        locate(path)
+        check_declared(locate(path).path)  # a quantization not read here, too
     elif not path.exists() and not _looks_like_hub_id(str(model)):
         resolve(model)  # refused in one line; a hub id is fetched later, when it is sharded
 
@@ -222,6 +230,14 @@ def _open_safetensors(path: Path, config, files: list[Path]) -> Source:
             source._headers[name] = entry
             source._file_of[name] = f
             source.shapes[name] = (entry.shape, entry.dtype)
+    quantized = quantization_config(path)
+    if quantized is not None:
+        # the weights are read as their format dequantizes them, or kept packed (packing.py); the config that
+        # transformers would hand its quantizer is dropped, so neither the meta model nor the shard set carries it
+        source._lazy = open_quantized(path, quantized, dict(source.shapes), source.read_stored)
+        source.shapes = dict(source._lazy.shapes)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
     return source
 
 

@@ -20,6 +20,7 @@ from ..errors import ShardError
 from . import stfile
 from .journal import JOURNAL
 from .manifest import MANIFEST, UNIT_FILE, Manifest, set_key
+from .quantconfig import declares_packed
 from .source import TOKENIZER_FILES, Located
 
 SHARDS = "shards"  # <cache>/shards/<name>-<fingerprint>-<dtype>
@@ -41,13 +42,14 @@ def default_out(located: Located, dtype: str) -> Path:
 def find_existing(located: Located, dtype: str, packing: str = "auto") -> tuple[Manifest, Path] | None:
     """A complete shard set of this source in the default place (any dtype for 'auto'), without reading weights.
 
-    packing auto finds a set that kept a GGUF's low-bit blocks ("-packed"), or a float set of any other source; a
-    set with int4 codes in another CPU's order is not this machine's (its key names the order)."""
+    packing auto finds a set that kept a GGUF's or a pre-quantized checkpoint's low-bit weights ("-packed"), or a
+    float set of any other source; a set with int4 codes in another CPU's order is not this machine's (its key
+    names the order)."""
     from .packing import INT4_MODES, layout_here
 
     dtypes = list(DTYPES) if dtype == "auto" else [dtype]
     if packing == "auto":
-        modes = ["packed"] if located.path.suffix == ".gguf" else [""]
+        modes = ["packed"] if located.path.suffix == ".gguf" or declares_packed(located.path) else [""]
     else:
         modes = ["" if packing == "none" else packing]
     keys = [set_key(dt, mode, layout_here() if mode in INT4_MODES else "") for dt in dtypes for mode in modes]
