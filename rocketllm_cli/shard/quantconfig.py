@@ -4,7 +4,9 @@ stored tensors, and the one-line refusal of anything not read here (shard/quants
 Read: compressed-tensors formats pack-quantized, naive-quantized and int-quantized with int weights of 4 or 8 bits,
 strategy group, channel or tensor, symmetric or not (a module is matched to its config group by exact name, then
 a `re:` pattern, then a class name such as Linear, as the library matches them); GPTQ of 4 or 8 bits,
-checkpoint_format gptq (zeros stored minus one) or gptq_v2; AWQ of 4 bits, version gemm, with zero points.
+checkpoint_format gptq (zeros stored minus one) or gptq_v2; AWQ of 4 bits, version gemm, with zero points;
+bitsandbytes LLM.int8 (`load_in_8bit`: an int8 weight beside its SCB) and 4-bit nf4 or fp4 (`load_in_4bit`: packed
+bytes, absmax, quant_map and a quant_state, with or without double quantization), as transformers saves them.
 The config checks need no torch, so `check_declared` runs before torch is imported.
 """
 
@@ -18,9 +20,11 @@ from pathlib import Path
 
 from ..errors import ModelError
 
-METHODS = ("compressed-tensors", "gptq", "awq")
+METHODS = ("compressed-tensors", "gptq", "awq", "bitsandbytes")
 CT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "dense")
 CT_STRATEGIES = ("group", "channel", "tensor")
+BNB_TYPES = ("nf4", "fp4")
+BNB_STATE = ".weight.quant_state.bitsandbytes__"  # <module> + this + the 4-bit type: the JSON of its quant_state
 ADVICE = "use an unquantized checkpoint of the model, or one in a supported format (see `rocketllm shard --help`)"
 
 
@@ -50,6 +54,8 @@ def check_declared(path: Path) -> None:
         _gptq_scheme(config)
     elif method == "awq":
         _awq_scheme(config)
+    elif method == "bitsandbytes":
+        _bnb_scheme(config)
     else:
         for name, group in (config.get("config_groups") or {}).items():
             _ct_check(group, _ct_format(group, config), f"compressed-tensors config group {name}")
@@ -59,11 +65,12 @@ def check_declared(path: Path) -> None:
 class Scheme:
     """How one module's weight is stored."""
 
-    method: str  # compressed-tensors | gptq | awq
+    method: str  # compressed-tensors | gptq | awq | bitsandbytes
     bits: int
-    group: int | None  # columns per scale; None: one group a row (channel, tensor, GPTQ's -1)
+    group: int | None  # columns per scale; None: one group a row (channel, tensor, GPTQ's -1); bitsandbytes 4-bit: blocksize
     symmetric: bool
-    layout: str = ""  # compressed-tensors: pack-quantized | naive-quantized; gptq: gptq | gptq_v2; awq: gemm
+    layout: str = ""  # compressed-tensors: pack-quantized | naive-quantized; gptq: gptq | gptq_v2; awq: gemm;
+    # bitsandbytes: int8 | nf4 | fp4
 
 
 @dataclass
@@ -71,6 +78,8 @@ class QuantizedModule:
     scheme: Scheme
     shape: tuple[int, int]  # (N, K) of the float weight
     tensors: dict[str, str]  # role (packed, scale, zero, g_idx, weight ...) -> stored tensor name
+    dtype: str | None = None  # the float weight's dtype where the scales' is not it (bitsandbytes)
+    state: dict | None = None  # bitsandbytes 4-bit: its parsed quant_state
 
 
 def find_modules(path: Path, config: dict, stored: dict, read_stored) -> tuple[str, dict[str, QuantizedModule]]:
@@ -81,6 +90,8 @@ def find_modules(path: Path, config: dict, stored: dict, read_stored) -> tuple[s
     if method == "compressed-tensors":
         for module in _ct_modules(stored):
             modules[f"{module}.weight"] = _ct_module(module, config, stored, read_stored)
+    elif method == "bitsandbytes":
+        modules = _bnb_modules(_bnb_scheme(config), stored, read_stored)
     else:
         scheme = _gptq_scheme(config) if method == "gptq" else _awq_scheme(config)
         for module in sorted(n.removesuffix(".qweight") for n in stored if n.endswith(".qweight")):
@@ -127,6 +138,77 @@ def _awq_scheme(config: dict) -> Scheme:
         raise _refuse("AWQ without zero points")
     group = int(config.get("group_size", config.get("q_group_size", 128)))
     return Scheme("awq", 4, None if group < 0 else group, False, version)
+
+
+def _bnb_scheme(config: dict) -> Scheme:
+    """LLM.int8 or 4-bit nf4/fp4, from load_in_8bit / load_in_4bit (or their underscored copies)."""
+    eight = bool(config.get("load_in_8bit") or config.get("_load_in_8bit"))
+    four = bool(config.get("load_in_4bit") or config.get("_load_in_4bit"))
+    if eight == four:
+        raise _refuse("a bitsandbytes config with neither (or both) of load_in_8bit and load_in_4bit")
+    if eight:
+        return Scheme("bitsandbytes", 8, None, True, "int8")
+    kind = str(config.get("bnb_4bit_quant_type", "fp4")).lower()
+    if kind not in BNB_TYPES:
+        raise _refuse(f"bitsandbytes 4-bit quant_type {kind!r}", "nf4 and fp4 are read")
+    return Scheme("bitsandbytes", 4, None, True, kind)
+
+
+def _bnb_modules(scheme: Scheme, stored: dict, read_stored) -> dict[str, QuantizedModule]:
+    """LLM.int8: `<m>.weight` int8 [N, K] beside `<m>.SCB` [N] (and `<m>.weight_format`, rows). 4-bit: `<m>.weight`
+    bytes with `.absmax`, `.quant_map`, the quant_state JSON (shape, dtype, blocksize) and, double quantized,
+    `.nested_absmax` and `.nested_quant_map`. A module without them (lm_head, skipped modules) stays float."""
+    modules: dict[str, QuantizedModule] = {}
+    if scheme.bits == 8:
+        floats = {}
+        for name, (shape, dtype) in stored.items():
+            if dtype.is_floating_point and not name.endswith(".SCB"):
+                floats[dtype] = floats.get(dtype, 0) + math.prod(shape)
+        model_dtype = str(max(floats, key=floats.get)) if floats else "float32"  # SCB is fp32 whatever the model's
+        for module in sorted(n.removesuffix(".SCB") for n in stored if n.endswith(".SCB")):
+            names = {"weight": f"{module}.weight", "scale": f"{module}.SCB"}
+            weight = stored.get(names["weight"])
+            if weight is None or weight[1].is_floating_point or len(weight[0]) != 2 or math.prod(stored[names["scale"]][0]) != weight[0][0]:
+                raise ModelError(f"{module}: SCB {list(stored[names['scale']][0])} without an int8 weight of as many rows "
+                                 f"(a damaged bitsandbytes checkpoint); {ADVICE}")
+            if f"{module}.weight_format" in stored:
+                layout = int(read_stored(f"{module}.weight_format").reshape(-1)[0])
+                if layout != 0:
+                    raise _refuse(f"bitsandbytes int8 module {module}: weight_format {layout}", "weights stored as rows (0) are read")
+                names["format"] = f"{module}.weight_format"
+            modules[names["weight"]] = QuantizedModule(scheme, tuple(weight[0]), names, model_dtype)
+        return modules
+    for name in sorted(n for n in stored if BNB_STATE in n):
+        module, kind = name.split(BNB_STATE)
+        if kind not in BNB_TYPES:
+            raise _refuse(f"bitsandbytes module {module}: 4-bit type {kind!r}", "nf4 and fp4 are read")
+        base = f"{module}.weight"
+        names = {"packed": base, "scale": f"{base}.absmax", "map": f"{base}.quant_map", "state": name}
+        for role, suffix in (("nested_scale", "nested_absmax"), ("nested_map", "nested_quant_map")):
+            if f"{base}.{suffix}" in stored:
+                names[role] = f"{base}.{suffix}"
+        missing = [n for role, n in names.items() if n not in stored]
+        if missing:
+            raise ModelError(f"{module}: has a 4-bit quant_state but no {missing[0].removeprefix(base + '.')} (a damaged "
+                             f"bitsandbytes checkpoint); {ADVICE}")
+        state = _bnb_state(read_stored(name), module)
+        shape, blocksize = state.get("shape"), state.get("blocksize")
+        if str(state.get("quant_type", kind)) != kind or not (isinstance(shape, list) and len(shape) == 2) or not isinstance(blocksize, int):
+            raise ModelError(f"{module}: its quant_state {json.dumps(state)[:120]} is not a 2-D {kind} weight's; {ADVICE}")
+        dtype = str(state.get("dtype", "float32"))
+        modules[base] = QuantizedModule(Scheme("bitsandbytes", 4, blocksize, True, kind), (int(shape[0]), int(shape[1])), names,
+                                        dtype if dtype.startswith(("float", "bfloat")) else "float32", state)
+    return modules
+
+
+def _bnb_state(tensor, module: str) -> dict:
+    try:
+        found = json.loads(bytes(tensor.reshape(-1).tolist()).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        found = None
+    if not isinstance(found, dict):
+        raise ModelError(f"{module}: its 4-bit quant_state is not the JSON bitsandbytes writes (a damaged checkpoint); {ADVICE}")
+    return found
 
 
 def _gptq_module(module: str, scheme: Scheme, stored: dict) -> QuantizedModule:

@@ -188,6 +188,8 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
     manifest.save(partial)  # before the journal goes, so a run killed in between still resumes every unit
     (partial / JOURNAL).unlink(missing_ok=True)
     swap_in(partial, final)
+    for note in getattr(source._lazy, "written_notes", list)():
+        log(note)
     log(f"sharded {source.name}: {len(units)} units, {format_bytes(written_bytes)} in {manifest.seconds:.1f} s -> {final}")
     return manifest, final, {"reused": False, **summarize(manifest, manifest.seconds)}
 
