@@ -1,11 +1,13 @@
-"""Pre-quantized safetensors checkpoints (compressed-tensors, GPTQ, AWQ): sharded with their int4/int8 kept packed,
-exactly, and streamed with the same greedy tokens as transformers on the format's own dequantized weights.
+"""Pre-quantized safetensors checkpoints (compressed-tensors, GPTQ, AWQ, bitsandbytes): sharded with their int4/int8
+kept packed, exactly (bitsandbytes nf4/fp4: re-quantized to int4, with a bounded error), and streamed with the same
+greedy tokens as transformers on the format's own dequantized weights.
 
 compressed-tensors checkpoints are written by the compressed-tensors library itself and loaded back by transformers.
 GPTQ and AWQ checkpoints are written here by a small reference packer (round-to-nearest with each format's own
 conventions: bit order, AWQ's nibble order, GPTQ's zeros stored minus one), because the libraries that write and
 load them (gptqmodel, autoawq) build GPU kernels and do not install on a CPU-only machine; the reference is plain
-transformers with the packer's own dequantized weights.
+transformers with the packer's own dequantized weights. bitsandbytes checkpoints are written by transformers' own
+BitsAndBytesConfig loading and save_pretrained on the CPU.
 """
 
 from __future__ import annotations
@@ -326,6 +328,95 @@ def test_a_group_the_kernel_does_not_take_is_regrouped_exactly_or_kept_as_it_is(
         assert torch.equal(dequantize(packed), weight.dequantize()), (k, group)
 
 
+# -- bitsandbytes: quantized and saved by transformers' own integration ---------------------
+BNB_4BIT = {  # name: BitsAndBytesConfig arguments
+    "nf4-double": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True},
+    "fp4": {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"},
+}
+BNB_RMS = {"nf4": 0.085, "fp4": 0.095}  # int4 g32 re-quantization vs the exact 4-bit values: measured 7.8e-2 / 8.8e-2
+
+
+def _bnb_checkpoint(float_checkpoint: Path, dest: Path, **arguments) -> Path:
+    """The float checkpoint loaded by transformers with a BitsAndBytesConfig (bitsandbytes quantizes it) and saved."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install bitsandbytes)")
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(**arguments, bnb_4bit_compute_dtype=torch.float32)
+    AutoModelForCausalLM.from_pretrained(float_checkpoint, quantization_config=config, device_map="cpu").save_pretrained(dest)
+    _copy_tokenizer(float_checkpoint, dest)
+    return dest
+
+
+@pytest.fixture(scope="session", params=list(BNB_4BIT))
+def bnb_4bit(request, float_checkpoint, tmp_path_factory) -> tuple[str, Path]:
+    return request.param.split("-")[0], _bnb_checkpoint(float_checkpoint, tmp_path_factory.mktemp("bnb") / request.param, **BNB_4BIT[request.param])
+
+
+def _bnb_dequantized(path: Path) -> dict[str, torch.Tensor]:
+    """{weight: bitsandbytes' own dequantization} of every quantized module of a saved checkpoint (fp32 model)."""
+    import bitsandbytes.functional as bnbf
+
+    state = load_file(path / "model.safetensors")
+    out = {}
+    for name in [n for n in state if n.endswith(".SCB")]:
+        module = name.removesuffix(".SCB")
+        out[f"{module}.weight"] = bnbf.int8_vectorwise_dequant(state[f"{module}.weight"], state[name])
+    for name in [n for n in state if ".weight.quant_state.bitsandbytes__" in n]:
+        base = name.split(".quant_state.")[0]
+        local = {k.removeprefix(base + "."): v for k, v in state.items() if k.startswith(base + ".")}
+        out[base] = bnbf.dequantize_4bit(state[base], bnbf.QuantState.from_dict(local, torch.device("cpu")))
+    return out
+
+
+def test_bnb_int8_is_int8_per_row_and_streams_like_transformers_dequantized(float_checkpoint, tmp_path):
+    """The reference is transformers' own loading of the checkpoint with its weights dequantized by bitsandbytes
+    (model.dequantize()): the loaded int8 model itself runs bitsandbytes' matmul, which casts activations to fp16 and
+    quantizes them (outliers above llm_int8_threshold apart), and on this tiny model its greedy tokens part after
+    four; the weights are what the checkpoint holds, and they are kept within one fp32 rounding."""
+    path = _bnb_checkpoint(float_checkpoint, tmp_path / "int8", load_in_8bit=True)
+    notes: list[str] = []
+    manifest, directory, summary = shard(path, out=tmp_path / "s", dtype="fp32", log=notes.append)
+    stored, want = _stored_weights(manifest, directory), _bnb_dequantized(path)
+    assert summary["packing"] == "packed" and set(stored) == set(want) and len(stored) == 4 * len(LINEARS)
+    assert {(t.packed["kind"], t.packed["group"]) for u in manifest.units for t in u.tensors if t.packed} == {("int8", SHAPE["hidden_size"]), ("int8", SHAPE["intermediate_size"])}
+    for name, got in stored.items():  # q·(SCB/127) vs bitsandbytes' (q·SCB)/127: one fp32 rounding apart at most
+        assert torch.allclose(got, want[name], rtol=2**-23, atol=0), name
+    assert any("outlier threshold" in n for n in notes), notes
+    reference = AutoModelForCausalLM.from_pretrained(path, device_map="cpu")
+    reference.dequantize()
+    _assert_streams_like(directory, reference.float())
+    none = shard(path, out=tmp_path / "f", dtype="fp32", packing="none", log=lambda m: None)[1]
+    floats = {}
+    for f in none.glob("*.safetensors"):
+        floats.update(load_file(f))
+    assert all(torch.equal(floats[name], w) for name, w in want.items())  # bitsandbytes' own dequantization, bit for bit
+
+
+def test_bnb_4bit_is_requantized_to_int4_within_its_bound_and_streams_like_its_weights(bnb_4bit, float_checkpoint, tmp_path):
+    """nf4/fp4 codebooks are not affine grids: the packed set holds an int4 g32 re-quantization of bitsandbytes' exact
+    dequantization (error bounded and said), and streams exactly like transformers on that int4's dequantization;
+    --quantize none holds bitsandbytes' dequantize_4bit bit for bit and streams like transformers on it."""
+    kind, path = bnb_4bit
+    notes: list[str] = []
+    manifest, directory, summary = shard(path, out=tmp_path / "s", dtype="fp32", log=notes.append)
+    stored, exact = _stored_weights(manifest, directory), _bnb_dequantized(path)
+    assert summary["packing"] == "packed" and set(stored) == set(exact) and len(stored) == 4 * len(LINEARS)
+    assert {(t.packed["kind"], t.packed["group"]) for u in manifest.units for t in u.tensors if t.packed} == {("int4", 32)}
+    error = sum(float((stored[n] - w).square().sum()) for n, w in exact.items())
+    rms = (error / sum(float(w.square().sum()) for w in exact.values())) ** 0.5
+    assert 0 < rms < BNB_RMS[kind], rms
+    said = [n for n in notes if f"bitsandbytes {kind} weights re-quantized to int4: relative RMS error" in n]
+    assert said and f"{rms:.1e}" in said[0], notes
+    _assert_streams_like(directory, _reference_model(float_checkpoint, stored))
+    manifest, none, summary = shard(path, out=tmp_path / "f", dtype="fp32", packing="none", log=lambda m: None)
+    assert summary["packed_tensors"] == 0
+    floats = {}
+    for unit in manifest.units:
+        floats.update(load_file(none / unit.file))
+    assert all(torch.equal(floats[name], w) for name, w in exact.items())
+    _assert_streams_like(none, _reference_model(float_checkpoint, exact))
+
+
 # -- refused in one line, nothing written ----------------------------------------------------
 def _with_config(float_checkpoint: Path, dest: Path, config: dict) -> Path:
     dest.mkdir(parents=True)
@@ -348,7 +439,8 @@ def test_an_unsupported_bit_width_is_refused_by_the_cli_in_one_line(float_checkp
 @pytest.mark.parametrize("config, says", [
     ({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemv"}, "AWQ version 'gemv'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 64, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization method 'bitsandbytes'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, "bitsandbytes 4-bit quant_type 'int4'"),
+    ({"quant_method": "hqq", "nbits": 4}, "quantization method 'hqq'"),
 ])
 def test_other_unsupported_quantizations_are_refused_before_writing(config, says, float_checkpoint, tmp_path):
     path = _with_config(float_checkpoint, tmp_path / "m", config)
