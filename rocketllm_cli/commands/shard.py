@@ -23,8 +23,10 @@ A GGUF keeps its 4-bit blocks (Q4_0, Q4_1, Q4_K; Q8_0 as int8) where a
 low-bit kernel computes on them. So does a pre-quantized safetensors
 checkpoint, exactly: compressed-tensors (pack-quantized, naive- or
 int-quantized; int4 or int8), GPTQ (4 or 8 bits; act-order weights are
-stored dequantized) and AWQ (4-bit GEMM). --quantize int4|int8 quantizes a
-float model's linear layers (lossy); --quantize none stores only floats.
+stored dequantized), AWQ (4-bit GEMM) and bitsandbytes LLM.int8;
+bitsandbytes nf4/fp4 are re-quantized to int4 group 32 (lossy; the error
+is printed). --quantize int4|int8 quantizes a float model's linear layers
+(lossy); --quantize none stores only floats (nf4/fp4 exactly).
 
 Example: rocketllm shard ./Llama-3.1-8B --dtype bf16 --verify
 """
@@ -36,7 +38,7 @@ def run(
     out: Annotated[Optional[Path], typer.Option("--out", help="Shard directory to write (default: under the cache dir, keyed by the source).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Dtype of the shards: auto (as stored), bf16, fp16 or fp32.")] = "auto",
     verify: Annotated[bool, typer.Option("--verify", help="Re-check every shard file against the manifest (sizes and sha256).")] = False,
-    quantize: Annotated[str, typer.Option("--quantize", help="Low-bit weights: auto (keep a GGUF's or a GPTQ/AWQ/compressed-tensors checkpoint's packed weights), int4 or int8 (round-to-nearest, lossy), none (all floats).")] = "auto",
+    quantize: Annotated[str, typer.Option("--quantize", help="Low-bit weights: auto (keep a GGUF's or a GPTQ/AWQ/compressed-tensors/bitsandbytes checkpoint's packed weights), int4 or int8 (round-to-nearest, lossy), none (all floats).")] = "auto",
     json: JsonOpt = False,
 ) -> None:
     from ..dtypes import NAMES as DTYPES

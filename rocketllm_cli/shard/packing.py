@@ -6,8 +6,9 @@ to one, the output head), [N out, K in] as the module holds it. Everything else 
 
     auto  keep the source's own low-bit encoding where it maps onto a kernel's format (GGUF Q4_0, Q4_1 and Q4_K
           exactly as int4 at group 32; Q8_0 re-scaled per row as int8, see below; a compressed-tensors, GPTQ or
-          AWQ checkpoint's int4 exactly at its group, its per-channel int8 exactly, shard/quantsource.py); a float
-          source is not packed
+          AWQ checkpoint's int4 exactly at its group, its per-channel int8 exactly, bitsandbytes LLM.int8 as int8
+          per row and nf4/fp4 re-quantized to int4 group 32 (lossy, said), shard/quantsource.py); a float source
+          is not packed
     none  dequantize everything (the float set of earlier versions)
     int4  round-to-nearest int4, group 32, of every Linear weight of a float source (lossy; said so)
     int8  round-to-nearest int8, one scale per row (lossy)
