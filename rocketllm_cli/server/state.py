@@ -80,12 +80,7 @@ class ServerState:
         self.context_why = context_reason(knobs)
         setting = str(knobs.value("prefix_cache")) if knobs is not None else "auto"
         self.prefix_on, self.prefix_reason = decide(setting, model.plan, model.manifest)
-        kv_cache = getattr(model, "new_kv_cache", lambda: None)()
-        if self.prefix_on and kv_cache is not None:  # int4 (or another dtype's) KV: the prefix cache says why not
-            from ..text.prefix import supported
-
-            self.prefix_on, self.prefix_reason = False, f"off: {supported(kv_cache)[1]}"
-        self.prefix_mode = None  # blocks | extend: what the model's cache allows (text/reuse.py)
+        self.prefix_mode = None  # blocks | extend | exact: what the model's cache allows (text/reuse.py)
         if self.prefix_on:
             reuse = reuse_for(model)
             if reuse.mode is None:
