@@ -81,6 +81,11 @@ def cache_bytes(cache) -> int:
     return total
 
 
+def head_dim(config) -> int:
+    """The attention head dimension of a model's (text) config."""
+    return _head_dim(config.get_text_config() if hasattr(config, "get_text_config") else config)
+
+
 def _head_dim(text) -> int:
     heads = getattr(text, "num_attention_heads", 0) or 1
     return int(getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads)
