@@ -36,6 +36,17 @@ def tight(tiny_factory):
     model.close()
 
 
+@pytest.fixture(scope="module")
+def int4_admits(tight):
+    """What the same budget admits with the KV cache in int4: the max_context of a model loaded so."""
+    path, budget, _ = tight
+    model = AutoModel.from_pretrained(path, kv_cache_bytes=budget, compute_dtype="fp32", kv_cache_dtype="int4")
+    admitted = int(model.knobs.value("max_context"))
+    model.close()
+    assert admitted > ADMITTED
+    return admitted
+
+
 def _ids(n: int) -> torch.Tensor:
     return torch.arange(5, 5 + n).remainder(200).unsqueeze(0)
 
@@ -47,14 +58,18 @@ def test_max_context_is_what_the_budget_holds_and_the_formula_recomputes(tight):
     assert "left for KV of kv_cache_bytes, within what the weights, buffers and reserve leave" in knob.note and "per token in fp32" in knob.note
 
 
-def test_the_python_api_refuses_before_any_pass_and_admits_what_fits(tight):
+def test_the_python_api_refuses_before_any_pass_and_admits_what_fits(tight, int4_admits):
     _, budget, model = tight
     model.ledger.reset()
     with pytest.raises(ParameterError) as caught:
         model.generate(_ids(ADMITTED - 10), max_new_tokens=20, do_sample=False)
     message = str(caught.value)
     assert f"prompt is {ADMITTED - 10} tokens and max_new_tokens 20, but the context allows {ADMITTED}" in message
-    assert "left for KV" in message and "kv_cache_dtype int4" in message and "\n" not in message
+    assert "left for KV" in message and "\n" not in message
+    assert message.endswith(f"; kv_cache_dtype int4 would admit {int4_admits} tokens in the same memory")
+    with pytest.raises(ParameterError) as caught:  # beyond what int4 would admit too: no such suggestion
+        model.generate(_ids(int4_admits), max_new_tokens=20, do_sample=False)
+    assert "int4" not in str(caught.value)
     assert not model.ledger.steps, "a refused request ran a forward pass"
     out = model.generate(_ids(ADMITTED - 20), max_new_tokens=20, min_new_tokens=20, do_sample=False,
                          return_dict_in_generate=True)
@@ -64,13 +79,13 @@ def test_the_python_api_refuses_before_any_pass_and_admits_what_fits(tight):
     assert held <= budget  # the accounting: the KV the admitted request left fits the budget it was admitted under
 
 
-def test_generate_refuses_with_one_line_and_serve_with_each_apis_400(tight):
+def test_generate_refuses_with_one_line_and_serve_with_each_apis_400(tight, int4_admits):
     path, budget, model = tight
-    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)  # ~1200 tokens: over what int4 admits too
     result = CliRunner().invoke(app, ["generate", str(path), long, "--raw", "-n", "64", "--dtype", "fp32"],
                                 env={"ROCKETLLM_KV_CACHE_BYTES": str(budget)})
     line = one_error_line(result)
-    assert f"but the context allows {ADMITTED}" in line and "--max-new-tokens" in line and "--kv-cache-dtype int4" in line
+    assert f"but the context allows {ADMITTED}" in line and "--max-new-tokens" in line and "int4" not in line
 
     with LiveServer(model, "tiny") as server:
         http = server.http()
@@ -88,6 +103,38 @@ def test_generate_refuses_with_one_line_and_serve_with_each_apis_400(tight):
         admitted = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                             "max_tokens": 4})
         assert admitted.status_code == 200, admitted.text
+
+
+MIDDLE = " ".join(["the quick brown fox jumps over the lazy dog"] * 10)  # ~320 tokens: over ADMITTED, within int4's
+
+
+def test_a_refusal_int4_would_admit_says_how_many_tokens_it_would(tight, int4_admits):
+    """generate: one line, a non-zero exit; serve: each API's 400, the number a server started with int4 would admit."""
+    path, budget, model = tight
+    result = CliRunner().invoke(app, ["generate", str(path), MIDDLE, "--raw", "-n", "64", "--dtype", "fp32"],
+                                env={"ROCKETLLM_KV_CACHE_BYTES": str(budget)})
+    line = one_error_line(result)
+    assert result.exit_code != 0 and f"but the context allows {ADMITTED}" in line
+    assert line.endswith(f"; --kv-cache-dtype int4 would admit {int4_admits} tokens in the same memory")
+    already = CliRunner().invoke(app, ["generate", str(path), " ".join(["the quick brown fox"] * 120), "--raw", "-n", "64",
+                                       "--dtype", "fp32", "--kv-cache-dtype", "int4"], env={"ROCKETLLM_KV_CACHE_BYTES": str(budget)})
+    assert f"but the context allows {int4_admits}" in one_error_line(already) and "would admit" not in one_error_line(already)
+
+    with LiveServer(model, "tiny") as server:
+        http = server.http()
+        said = f"; a server started with --kv-cache-dtype int4 would admit {int4_admits} tokens in the same memory"
+        openai = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": MIDDLE}],
+                                                          "max_tokens": 64})
+        assert openai.status_code == 400
+        error = openai.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens" and error["message"].endswith(said)
+        assert "\n" not in error["message"]
+        anthropic = http.post("/v1/messages", json={"model": "tiny", "messages": [{"role": "user", "content": MIDDLE}],
+                                                    "max_tokens": 64})
+        assert anthropic.status_code == 400 and anthropic.json()["type"] == "error"
+        assert anthropic.json()["error"]["type"] == "invalid_request_error" and anthropic.json()["error"]["message"].endswith(said)
+        completion = http.post("/v1/completions", json={"model": "tiny", "prompt": MIDDLE + MIDDLE})  # no max_tokens: nothing left
+        assert completion.status_code == 400 and "int4" not in completion.json()["error"]["message"]
 
 
 def test_int4_admits_over_three_times_the_bf16_context_in_the_same_memory():

@@ -87,6 +87,7 @@ def run(
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
     load_s = round(time.perf_counter() - started, 3)  # sharding or finding the shards, plus loading
     try:
+        from ..stream.context import int4_context
         from ..text.loop import GenerationRequest, Generator
         from ..text.prompts import check_context, context_reason, encode_prompt
 
@@ -95,8 +96,9 @@ def run(
             ids, inputs = _with_images(streamed, model, text, system, pictures)
         else:
             ids = [encode_prompt(streamed.tokenizer, p, chat, system)[0].tolist() for p in prompts]
+        limit = (int(streamed.knobs.value("max_context")), context_reason(streamed.knobs), int4_context(streamed.knobs, streamed.config))
         for one in ids:  # before any forward pass: a context the memory cannot hold is refused with the numbers
-            check_context(len(one), params.max_new_tokens, int(streamed.knobs.value("max_context")), context_reason(streamed.knobs))
+            check_context(len(one), params.max_new_tokens, *limit)
         on_text = None if json or batch else output.stream
         generator = Generator(streamed)
         asked = streamed.knobs["speculate"]

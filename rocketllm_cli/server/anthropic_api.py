@@ -190,7 +190,7 @@ def _prompt(body: dict, state) -> tuple[list[int], bool, dict, dict]:
 def prepare_messages(body: dict, state) -> Prepared:
     max_tokens = number(body, "max_tokens", 1, integer=True, needed=True)
     ids, use_tools, headers, inputs = _prompt(body, state)
-    max_tokens = check_context(len(ids), max_tokens, state.max_context, "max_tokens", state.context_why)
+    max_tokens = check_context(len(ids), max_tokens, state.max_context, "max_tokens", state.context_why, state.context_int4)
     params = sampling(body, max_tokens, 1.0)
     stop = stop_strings(body.get("stop_sequences"), "stop_sequences")
     return Prepared(GenerationRequest(ids, params, stop, model_inputs=inputs), boolean(body, "stream"), use_tools, False, headers)

@@ -254,19 +254,26 @@ def refused(exc: ParameterError) -> APIError:
     return bad(exc.spelled(lambda name: f"'{api_field(name)}'"), api_field(exc.params[0]) if exc.params else None)
 
 
-def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, param: str, why: str = "") -> int:
+def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, param: str, why: str = "",
+                  int4: int | None = None) -> int:
     """max_tokens, or what the context leaves when it is not given; a prompt that does not fit is a 400.
-    `why`: how max_context was reached (text.prompts.context_reason)."""
+    `why`: how max_context was reached (text.prompts.context_reason); `int4`: what a server with an int4 KV cache
+    would admit in the same memory (text.prompts.int4_context), said where that holds the request."""
     reason = f" ({why})" if why else ""
+
+    def suggestion(needed: int) -> str:
+        return f"; a server started with --kv-cache-dtype int4 would admit {int4} tokens in the same memory" if \
+            int4 is not None and int4 >= needed else ""
+
     if max_tokens is None:
         left = max_context - prompt_tokens
         if left < 1:
-            raise bad(f"the prompt is {prompt_tokens} tokens, but the context allows {max_context}{reason}; shorten the prompt",
-                      "messages", "context_length_exceeded")
+            raise bad(f"the prompt is {prompt_tokens} tokens, but the context allows {max_context}{reason}; shorten the prompt"
+                      + suggestion(prompt_tokens + 1), "messages", "context_length_exceeded")
         return left
     if prompt_tokens + max_tokens > max_context:
         raise bad(f"the prompt is {prompt_tokens} tokens and {param} is {max_tokens}, but the context allows {max_context}{reason}; "
-                  f"shorten the prompt or lower {param}", param, "context_length_exceeded")
+                  f"shorten the prompt or lower {param}" + suggestion(prompt_tokens + max_tokens), param, "context_length_exceeded")
     return max_tokens
 
 

@@ -182,7 +182,7 @@ def prepare_chat(body: dict, state) -> Prepared:
     if choice == "required" or isinstance(choice, dict):
         headers["x-rocketllm-tool-choice"] = "prompted, not enforced"
         state.notice_once("tool_choice", "tool_choice 'required' and named functions bias the prompt but are not enforced")
-    max_tokens = check_context(len(ids), max_tokens, state.max_context, param, state.context_why)
+    max_tokens = check_context(len(ids), max_tokens, state.max_context, param, state.context_why, state.context_int4)
     params = sampling(body, max_tokens, 2.0)
     use_tools = bool(tools) and choice != "none"
     return Prepared(GenerationRequest(ids, params, stop, model_inputs=inputs), stream, use_tools, include_usage, headers)
@@ -214,7 +214,7 @@ def prepare_completion(body: dict, state) -> Prepared:
     vocab = int(getattr(state.model.config, "vocab_size", 0) or 0)
     if vocab and any(not 0 <= t < vocab for t in ids):
         raise bad(f"'prompt' has token ids outside the vocabulary (0..{vocab - 1})", "prompt")
-    max_tokens = check_context(len(ids), max_tokens, state.max_context, "max_tokens", state.context_why)
+    max_tokens = check_context(len(ids), max_tokens, state.max_context, "max_tokens", state.context_why, state.context_int4)
     params = sampling(body, max_tokens, 2.0)
     echo = ""
     if boolean(body, "echo"):

@@ -12,7 +12,7 @@ from typing import Callable
 from ..text.images import refusal as image_refusal
 from ..text.loop import Generator
 from ..text.prefix import PrefixCache, decide
-from ..text.prompts import context_reason
+from ..text.prompts import context_reason, int4_context
 from ..text.reuse import reuse_for
 from .metrics import Metrics
 from .prompts import PromptBuilder
@@ -78,14 +78,10 @@ class ServerState:
         self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") is not None else \
             int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
         self.context_why = context_reason(knobs)
+        self.context_int4 = int4_context(knobs, getattr(model, "config", None))  # what an int4 KV cache would admit instead
         setting = str(knobs.value("prefix_cache")) if knobs is not None else "auto"
         self.prefix_on, self.prefix_reason = decide(setting, model.plan, model.manifest)
-        kv_cache = getattr(model, "new_kv_cache", lambda: None)()
-        if self.prefix_on and kv_cache is not None:  # int4 (or another dtype's) KV: the prefix cache says why not
-            from ..text.prefix import supported
-
-            self.prefix_on, self.prefix_reason = False, f"off: {supported(kv_cache)[1]}"
-        self.prefix_mode = None  # blocks | extend: what the model's cache allows (text/reuse.py)
+        self.prefix_mode = None  # blocks | extend | exact: what the model's cache allows (text/reuse.py)
         if self.prefix_on:
             reuse = reuse_for(model)
             if reuse.mode is None:

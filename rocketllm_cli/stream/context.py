@@ -9,14 +9,15 @@ from __future__ import annotations
 from ..errors import ParameterError
 
 
-def check_context(prompt_tokens: int, max_new_tokens: int, max_context: int, why: str = "") -> None:
+def check_context(prompt_tokens: int, max_new_tokens: int, max_context: int, why: str = "", int4: int | None = None) -> None:
     """A prompt and its new tokens must fit the context the model (or the max_context knob) allows.
-    `why`: how max_context was reached (context_reason), said in the refusal with what to change."""
+    `why`: how max_context was reached (context_reason), said in the refusal with what to change; `int4`: what an
+    int4 KV cache would admit in the same memory (int4_context), said where that holds the request."""
     if prompt_tokens + max_new_tokens > max_context:
         reason = f" ({why})".replace("{", "{{").replace("}", "}}") if why else ""
         more, params = ("", ("max_new_tokens",))
-        if "left for KV" in why and "in int4" not in why:
-            more, params = (", or store the KV cache in int4 ({kv_cache_dtype} int4)", ("max_new_tokens", "kv_cache_dtype"))
+        if int4 is not None and int4 >= prompt_tokens + max_new_tokens:
+            more, params = (f"; {{kv_cache_dtype}} int4 would admit {int4} tokens in the same memory", ("max_new_tokens", "kv_cache_dtype"))
         raise ParameterError(
             f"prompt is {prompt_tokens} tokens and {{max_new_tokens}} {max_new_tokens}, but the context allows {max_context}{reason}; "
             "shorten the prompt or lower {max_new_tokens}" + more, *params,
@@ -36,8 +37,26 @@ def context_reason(knobs) -> str:
     return knob.note.split(";")[0]
 
 
-def check_generate_call(knobs, args: tuple, kwargs: dict, generation_config) -> None:
-    """The check on transformers' generate(input_ids, max_new_tokens=...) as the Python API calls it."""
+def int4_context(knobs, config) -> int | None:
+    """The context an int4 KV cache would admit in the memory max_context was derived from (max_context's formula
+    with int4's bytes per value and full-precision window); None where the KV is int4 already, max_context was set
+    by hand, or this model cannot keep an int4 cache (stream/kvcache.py refusal)."""
+    if knobs is None or config is None:
+        return None
+    knob = knobs["max_context"]
+    if knob.overridden or knob.value is None or "kv_value_bytes" not in knob.inputs or str(knobs.value("kv_cache_dtype")) == "int4":
+        return None
+    from ..profiles.knobs.formulas import int4_max_context
+    from .kvcache import head_dim, refusal
+
+    if refusal(config, "int4"):
+        return None
+    return int4_max_context(knob.inputs, int(knobs.value("kv_residual_tokens")), head_dim(config))
+
+
+def check_generate_call(knobs, args: tuple, kwargs: dict, generation_config, model_config=None) -> None:
+    """The check on transformers' generate(input_ids, max_new_tokens=...) as the Python API calls it (MODEL_CONFIG:
+    the model's, for what an int4 KV cache would admit)."""
     if knobs is None or knobs.value("max_context") is None:
         return
     ids = kwargs.get("input_ids", args[0] if args else None)
@@ -49,4 +68,6 @@ def check_generate_call(knobs, args: tuple, kwargs: dict, generation_config) -> 
     if new is None:
         length = kwargs.get("max_length", getattr(config, "max_length", None))
         new = max(0, int(length) - prompt) if length is not None else 0
-    check_context(prompt, int(new), int(knobs.value("max_context")), context_reason(knobs))
+    max_context = int(knobs.value("max_context"))
+    if prompt + int(new) > max_context:
+        check_context(prompt, int(new), max_context, context_reason(knobs), int4_context(knobs, model_config))

@@ -17,7 +17,10 @@ assisted generation calls `activate_past_recording()`; a speculative loop of its
 quantized block keeps a full-precision copy, so a crop that reaches back into it (a rollback of fewer than G tokens
 after a pass that quantized a block) restores the very state a cache of that length holds. Without it, or deeper,
 the blocks' int4 values go back into the window: the layout is that of the length, the values int4 (re-quantized
-as the window fills again).
+as the window fills again), and the layer is no longer `exact`.
+
+Prefix cache (text/prefix.py, mode "exact"): which tokens are int4 depends on the length, so a cache is kept only as
+it stood at exactly its length (`snapshot()`, or the cache a generation left), never cropped from a longer one.
 
 Works with transformers 5.x and 4.56+ (both have layered caches; signatures that differ are taken both ways).
 """
@@ -78,6 +81,11 @@ def cache_bytes(cache) -> int:
     return total
 
 
+def head_dim(config) -> int:
+    """The attention head dimension of a model's (text) config."""
+    return _head_dim(config.get_text_config() if hasattr(config, "get_text_config") else config)
+
+
 def _head_dim(text) -> int:
     heads = getattr(text, "num_attention_heads", 0) or 1
     return int(getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads)
@@ -105,6 +113,29 @@ class QuantizedKVCache(Cache):
         for layer in self.layers:
             if hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording()
+
+    @property
+    def is_int4(self) -> bool:
+        return any(isinstance(layer, Int4Layer) for layer in self.layers)
+
+    @property
+    def exact(self) -> bool:
+        """Every layer holds what a cache fed only this far holds (False once a crop put int4 values back in a window)."""
+        return all(getattr(layer, "exact", True) for layer in self.layers)
+
+    def snapshot(self) -> QuantizedKVCache:
+        """A copy of what the cache holds at this length, without the full-precision block kept for rollbacks."""
+        import copy
+
+        held = copy.deepcopy(self)
+        held.forget_past()
+        return held
+
+    def forget_past(self) -> None:
+        """Drop the full-precision copies kept for speculative rollbacks (a kept prefix is never rolled back)."""
+        for layer in self.layers:
+            if isinstance(layer, Int4Layer):
+                layer.shadow, layer.record_past = None, False
 
 
 class CastLayer(DynamicLayer):
@@ -154,6 +185,7 @@ class Int4Layer(DynamicLayer):
         self.k_codes = self.k_scale = self.k_min = self.v_codes = self.v_scale = self.v_min = None
         self.shadow = None  # (keys, values) of the last quantized block in full precision, kept while recording
         self.record_past = False
+        self.exact = True  # False once a crop put a block's int4 values back into the window (see the module's note)
 
     def tensors(self) -> list[torch.Tensor]:
         shadow = list(self.shadow) if self.shadow is not None else []
@@ -206,7 +238,7 @@ class Int4Layer(DynamicLayer):
     def reset(self) -> None:
         self.keys = self.values = None
         self.k_codes = self.k_scale = self.k_min = self.v_codes = self.v_scale = self.v_min = self.shadow = None
-        self.quantized, self.is_initialized = 0, False
+        self.quantized, self.is_initialized, self.exact = 0, False, True
 
     def crop(self, arg: int) -> None:
         if not self.is_initialized:
@@ -253,6 +285,7 @@ class Int4Layer(DynamicLayer):
         if self.shadow is not None:
             k, v = self.shadow
         else:  # lossy: the block's int4 values
+            self.exact = False
             k = self.keys.new_empty((*self.keys.shape[:2], g, self.keys.shape[-1]))
             v = self.values.new_empty((*self.values.shape[:2], g, self.values.shape[-1]))
             _dequantize_keys(k, self.k_codes[..., start:, :], self.k_scale[..., -1:, :], self.k_min[..., -1:, :], g)

@@ -263,7 +263,7 @@ class StreamingModel:
         is refused first (ParameterError, with the numbers), as `generate` and `serve` refuse it."""
         from .context import check_generate_call
 
-        check_generate_call(self.__dict__.get("knobs"), args, kwargs, getattr(self.model, "generation_config", None))
+        check_generate_call(self.__dict__.get("knobs"), args, kwargs, getattr(self.model, "generation_config", None), self.model.config)
         if not any(kwargs.get(name) is not None for name in ("cache", "past_key_values")):
             cache = self.new_kv_cache()
             if cache is not None:

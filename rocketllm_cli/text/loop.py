@@ -147,6 +147,10 @@ class Generator:
         inner = getattr(self.model, "model", self.model) if ledger is not None else self.model  # StreamingModel: its module
         counting = inner.register_forward_pre_hook(_pass_counter(record), with_kwargs=True) if spec.on and \
             isinstance(inner, torch.nn.Module) else None
+        # An int4 cache is kept as it stood at exactly its length: a copy once the prompt is in, before decoding goes on.
+        snapshots: list = []
+        taking = inner.register_forward_hook(_prompt_snapshot(len(single.prompt_ids), snapshots)) if keep and \
+            self.prefix_cache.takes_snapshots and isinstance(inner, torch.nn.Module) else None
         try:
             out = self._generate(ids, mask, params, rows, record, ledger, spec, extra)
             if out is None:  # the cache turned out not to crop back after the first pass: once more without speculation
@@ -156,8 +160,9 @@ class Generator:
                 rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel) for r in requests]
                 out = self._generate(ids, mask, params, rows, record, ledger, spec, extra)
         finally:
-            if counting is not None:
-                counting.remove()
+            for hook in (counting, taking):
+                if hook is not None:
+                    hook.remove()
         record.end = time.perf_counter()
         record.steps = list(ledger.steps) if ledger is not None else []
         sequences = getattr(out, "sequences", out)
@@ -165,6 +170,8 @@ class Generator:
         if keep:
             from .prefix import output_cache
 
+            for snapshot in snapshots:
+                self.prefix_cache.keep(list(single.prompt_ids), snapshot)
             cache = output_cache(out)
             if cache is not None:  # the last id has no KV yet: store() crops to what the cache holds
                 self.prefix_cache.store(list(single.prompt_ids) + sequences[0, width:].tolist(), cache)
@@ -234,6 +241,19 @@ class Generator:
         if new and new[-1] in self.eos_ids:
             return "stop"
         return "length" if len(new) >= request.params.max_new_tokens else "stop"
+
+
+def _prompt_snapshot(prompt_tokens: int, taken: list):
+    """A forward hook on the target model: a copy of its cache after the pass that left it holding exactly the prompt
+    (the prefill; none where that never happens, as in a speculative pass that also verifies drafts)."""
+    from .prefix import output_cache
+
+    def hook(module, args, output):
+        cache = output_cache(output)
+        if not taken and hasattr(cache, "snapshot") and cache.get_seq_length() == prompt_tokens:
+            taken.append(cache.snapshot())
+
+    return hook
 
 
 def _pass_counter(record: Record):

@@ -18,7 +18,13 @@ Works with transformers' DynamicCache (4.5x and 5.x): full-attention layers alwa
 while the sequence still fits their window (after that they have dropped tokens and cannot be cropped back).
 A cache that keeps recurrent or convolution states (Mamba, linear attention) cannot be cropped at all: in mode
 "extend" (reuse.py decides per model) a checkpoint is the whole cache a generation left, reused only by a prompt
-that extends its tokens exactly, the next turn of that conversation. Any other cache is not kept (`supported()`).
+that extends its tokens exactly, the next turn of that conversation. An int4 KV cache (stream/kvcache.py) keeps its
+first tokens in int4 and the rest in full precision, and where that boundary lies depends on the length: in mode
+"exact" a checkpoint is the cache as it stood at exactly its length (a copy taken once the prompt is prefilled, and
+the cache a generation left), never cropped from a longer one, reused by a prompt that extends its tokens. That gives
+a whole prefill's reply while the new tokens reach no new int4 group; past one, the reused positions were computed
+reading their window in full precision where a whole prefill reads int4: a rounding difference. A cache
+storing another float dtype crops as a DynamicCache does. Any other cache is not kept (`supported()`).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ def output_cache(output):
 
 
 _CROPPABLE = {"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"}  # a DummyLayer holds nothing
-MODES = ("blocks", "extend")
+MODES = ("blocks", "extend", "exact")
 
 
 def _layers(cache) -> list[tuple[object, str, str]] | None:
@@ -105,9 +111,10 @@ class _ListSlot:
 def supported(cache) -> tuple[bool, str]:
     """Whether caches of this kind can be cropped back to a shorter prefix and restored."""
     if type(cache).__name__ == "QuantizedKVCache":
-        return False, ("the KV cache stores another dtype than the compute dtype (--kv-cache-dtype): an int4 cache's "
-                       "quantized blocks and full-precision window depend on its length, and an entry would have to be "
-                       "captured at exactly its length, never cropped from a longer cache, which is not done yet")
+        if getattr(cache, "is_int4", False):
+            return False, ("an int4 KV cache's quantized blocks and full-precision window depend on its length, so it "
+                           "cannot be cropped to a shorter prefix: its entries are kept at exactly their length (mode exact)")
+        return True, ""  # another float dtype: its layers crop as a DynamicCache's do
     if type(cache).__name__ != "DynamicCache":
         return False, f"the model's cache is a {type(cache).__name__}, not a DynamicCache"
     layers = getattr(cache, "layers", None)
@@ -160,7 +167,8 @@ def nbytes(cache) -> int:
     seen: set[int] = set()
     total = 0
     for owner in (*layers, cache):
-        for name, value in vars(owner).items():
+        held = owner.tensors() if hasattr(owner, "tensors") else None  # an int4 layer: codes, scales, window
+        for name, value in ({"tensors": held} if held is not None else vars(owner)).items():
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) and name != "layers" else (value,)
             for t in items:
                 if hasattr(t, "element_size") and id(t) not in seen:  # one tensor may be a layer's keys and its values
@@ -213,7 +221,9 @@ class PrefixCache:
     """KV checkpoints keyed on token blocks, least recently used dropped first beyond `max_bytes`.
 
     MODE "blocks" crops checkpoints to block boundaries and restores any block prefix; "extend" keeps whole caches
-    that cannot be cropped and restores one only for a prompt that extends its tokens exactly."""
+    that cannot be cropped and restores one only for a prompt that extends its tokens exactly; "exact" does the same
+    for caches that must be kept as they stood at their length (int4 KV), and takes a copy once the prompt is in
+    (`keep`) besides the cache a generation leaves."""
 
     def __init__(self, max_bytes: int, block_tokens: int = BLOCK_TOKENS, mode: str = "blocks") -> None:
         if block_tokens < 1:
@@ -241,7 +251,7 @@ class PrefixCache:
             self.stats.lookups += 1
             if self.disabled_reason:
                 return None
-            if self.mode == "extend":
+            if self.mode in ("extend", "exact"):
                 return self._lookup_extended(ids)
             usable = (len(ids) - 1) // self.block_tokens
             for i, h in reversed(list(enumerate(block_hashes(ids, self.block_tokens, usable)))):
@@ -271,6 +281,8 @@ class PrefixCache:
                 return 0
             if self.mode == "extend":
                 return self._store_whole(ids, cache)
+            if self.mode == "exact":
+                return self._keep_exact(list(ids[:-1]), cache)
             ok, why = supported(cache)
             if not ok:
                 self.disabled_reason = why
@@ -302,6 +314,46 @@ class PrefixCache:
                 self._evict(next(iter(self._entries)))
             return length
 
+    @property
+    def takes_snapshots(self) -> bool:
+        """Whether a generation should hand over a copy of its cache once the prompt is in (`keep`): mode "exact"."""
+        return self.mode == "exact"
+
+    def keep(self, ids: list[int], cache) -> int:
+        """Mode "exact": keep CACHE (handed over), which holds exactly the KV of IDS, as it stood at that length.
+
+        Returns the tokens kept (0 when nothing was: another mode, not exactly IDS, held already or too large)."""
+        with self._lock:
+            if self.disabled_reason or self.mode != "exact":
+                return 0
+            return self._keep_exact(list(ids), cache)
+
+    def _keep_exact(self, ids: list[int], cache) -> int:
+        """A cache kept at exactly its length: it must hold these very tokens, and no crop may have made its window
+        hold int4 values (a rollback deeper than the kept full-precision block)."""
+        if not ids or seq_length(cache) != len(ids) or not getattr(cache, "exact", True):
+            return 0
+        if hasattr(cache, "forget_past"):  # the full-precision block a rollback needs: a kept prefix is never rolled back
+            cache.forget_past()
+        return self._insert(ids, cache, 0)
+
+    def _insert(self, ids: list[int], cache, feed_from: int) -> int:
+        """Keep CACHE whole under IDS (modes "extend" and "exact"); an entry of the same tokens is refreshed instead."""
+        held = next((entry_id for entry_id, e in self._entries.items() if e.ids == ids), None)
+        if held is not None:
+            self._entries.move_to_end(held)
+            return 0
+        size = nbytes(cache)
+        if size > self.max_bytes:
+            return 0
+        entry_id, self._next = self._next, self._next + 1
+        self._entries[entry_id] = _Entry(ids, cache, size, feed_from=feed_from)
+        self.bytes += size
+        self.stats.stored += 1
+        while self.bytes > self.max_bytes and self._entries:
+            self._evict(next(iter(self._entries)))
+        return len(ids)
+
     def _lookup_extended(self, ids: list[int]) -> Hit | None:
         """The longest kept cache whose tokens `ids` starts with, leaving at least one token to compute."""
         found = max(((n, e) for e in self._entries.items() if (n := len(e[1].ids)) < len(ids) and ids[:n] == e[1].ids),
@@ -321,20 +373,7 @@ class PrefixCache:
         ids, whole_prompt = list(ids[:-1]), not linear_only(cache)
         if not ids or (whole_prompt and seq_length(cache) != len(ids)):
             return 0  # a cache that does not hold exactly these tokens is not kept
-        held = next((entry_id for entry_id, e in self._entries.items() if e.ids == ids), None)
-        if held is not None:
-            self._entries.move_to_end(held)
-            return 0
-        size = nbytes(cache)
-        if size > self.max_bytes:
-            return 0
-        entry_id, self._next = self._next, self._next + 1
-        self._entries[entry_id] = _Entry(ids, cache, size, feed_from=0 if whole_prompt else len(ids))
-        self.bytes += size
-        self.stats.stored += 1
-        while self.bytes > self.max_bytes and self._entries:
-            self._evict(next(iter(self._entries)))
-        return len(ids)
+        return self._insert(ids, cache, 0 if whole_prompt else len(ids))
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "entries": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes, "block_tokens": self.block_tokens,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ..errors import ParameterError, RocketError
-from ..stream.context import check_context, context_reason
+from ..stream.context import check_context, context_reason, int4_context
 
-__all__ = ["check_context", "context_reason", "encode_prompt"]
+__all__ = ["check_context", "context_reason", "encode_prompt", "int4_context"]
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, system: str | None = None):

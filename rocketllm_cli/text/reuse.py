@@ -1,7 +1,8 @@
 """Which prefix reuse a model's cache allows, decided from the cache transformers builds for it, never from its name.
 
 A KV layer (full attention, a sliding window still within its window, a layer that holds nothing) keeps one entry
-per token, so it can be cropped to any shorter prefix: mode "blocks". A layer that keeps a recurrent or convolution
+per token, so it can be cropped to any shorter prefix: mode "blocks". An int4 KV cache cannot (which tokens are int4
+depends on the length): mode "exact" keeps it as it stood at a length, for prompts that extend those tokens. A layer that keeps a recurrent or convolution
 state (Mamba, linear attention, LFM2's short convolutions ...) holds the state after every token it has seen, and no
 crop gives an earlier one back: such a cache is valid only for a prompt that extends what it holds exactly, which is
 what a conversation's next turn does (mode "extend"). That needs the model's forward to continue a kept state over
@@ -57,8 +58,18 @@ def linear_only(cache) -> bool:
     return bool(flags) and all(flags)
 
 
+EXACT_REASON = ("an int4 KV cache's int4 blocks and full-precision window depend on its length, so a prompt's cache is "
+                "kept as it stood once the prompt was in, and a reply's as the generation left it, never cropped; a prompt "
+                "reuses one only when it extends its tokens")
+
+
 def reuse_for(model) -> Reuse:
-    """The reuse MODEL's cache allows: blocks for KV caches (read from the config), else what a probe finds."""
+    """The reuse MODEL's cache allows: exact for an int4 KV cache, blocks for KV caches (read from the config), else
+    what a probe finds."""
+    own = getattr(model, "new_kv_cache", None)  # a StreamingModel whose kv_cache_dtype is not the compute dtype's
+    kv = own() if callable(own) else None
+    if kv is not None:
+        return Reuse("exact", EXACT_REASON) if getattr(kv, "is_int4", False) else Reuse("blocks")
     kinds = declared_kinds(model)
     if kinds is not None and kinds <= CROPPABLE:
         return Reuse("blocks")

@@ -133,28 +133,46 @@ def max_context(c: Context) -> Derivation:
     inputs = {"max_positions": c.model.max_positions, "memory_available": c.device_free, "reserve_bytes": v["reserve_bytes"],
               "device_cache_bytes": v["device_cache_bytes"], "prefetch_depth": v["prefetch_depth"],
               "largest_unit_bytes": c.model.largest_unit_bytes, **c.kv_values(), "kv_window_values": c.model.kv_window_values}
-    left = "memory_available - reserve_bytes - device_cache_bytes - (prefetch_depth + 2) * largest_unit_bytes"
     if c.unified:  # the host tier's page cache is the same RAM
         inputs["host_cache_bytes"] = v["host_cache_bytes"]
-        left += " - host_cache_bytes"
     if "kv_cache_bytes" in c.overridden:
         inputs["kv_cache_bytes"] = v["kv_cache_bytes"]
-        left = f"min(kv_cache_bytes, {left})"
-    # Fixed: what sliding-window layers hold at most, and int4's full-precision tokens: the window (residual + one
-    # group filling) and, while speculative decoding records the past, the last quantized group.
-    fixed = "kv_window_values * compute_value_bytes"
     if c.kv_dtype() == "int4":
         inputs["kv_full_precision_tokens"] = v["kv_residual_tokens"] + 2 * KV_INT4_GROUP
-        fixed += " + kv_full_precision_tokens * kv_values_per_token * compute_value_bytes"
-    # Per token: as stored, plus one layer's keys and values in the compute dtype while attention reads them
-    # (a float cache's concatenation copies a layer; int4 dequantizes one).
-    per_token = "kv_values_per_token * (kv_value_bytes + compute_value_bytes / kv_layers)"
+    left, fixed, per_token = _context_terms(inputs)
     where = ("left for KV of kv_cache_bytes, within what the weights, buffers and reserve leave" if "kv_cache_bytes" in c.overridden
              else "left for KV after the weights, buffers and reserve")
     room, each = evaluate(f"max(0, {left} - ({fixed}))", inputs), evaluate(per_token, inputs)
     return Derivation(f"max(0, min(max_positions, floor(({left} - ({fixed})) / ({per_token}))))", inputs,
                       note=f"{format_bytes(room)} {where}, {format_bytes(ceil(each))} "
                            f"per token in {c.kv_dtype()}; kv_values_per_token = layers keeping every token x 2 (K, V) x kv heads x head dim")
+
+
+def _context_terms(inputs: dict) -> tuple[str, str, str]:
+    """max_context's room, fixed cost and cost per token, as the inputs present call for."""
+    left = "memory_available - reserve_bytes - device_cache_bytes - (prefetch_depth + 2) * largest_unit_bytes"
+    if "host_cache_bytes" in inputs:  # on a CPU (and unified memory)
+        left += " - host_cache_bytes"
+    if "kv_cache_bytes" in inputs:  # overridden: it caps the room
+        left = f"min(kv_cache_bytes, {left})"
+    # Fixed: what sliding-window layers hold at most, and int4's full-precision tokens: the window (residual + one
+    # group filling) and, while speculative decoding records the past, the last quantized group.
+    fixed = "kv_window_values * compute_value_bytes"
+    if "kv_full_precision_tokens" in inputs:
+        fixed += " + kv_full_precision_tokens * kv_values_per_token * compute_value_bytes"
+    # Per token: as stored, plus one layer's keys and values in the compute dtype while attention reads them
+    # (a float cache's concatenation copies a layer; int4 dequantizes one).
+    per_token = "kv_values_per_token * (kv_value_bytes + compute_value_bytes / kv_layers)"
+    return left, fixed, per_token
+
+
+def int4_max_context(inputs: dict, residual_tokens: int, head_dim: int) -> int:
+    """What max_context's formula gives for the same room (INPUTS: a derived max_context knob's) with the KV stored
+    in int4 of this head dimension and RESIDUAL_TOKENS kept in full precision."""
+    int4 = {**inputs, "kv_value_bytes": int4_kv_value_bytes(head_dim),
+            "kv_full_precision_tokens": residual_tokens + 2 * KV_INT4_GROUP}
+    left, fixed, per_token = _context_terms(int4)
+    return int(evaluate(f"max(0, min(max_positions, floor(({left} - ({fixed})) / ({per_token}))))", int4))
 
 
 def io_workers(c: Context) -> Derivation:
