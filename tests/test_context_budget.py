@@ -151,3 +151,18 @@ def test_int4_admits_over_three_times_the_bf16_context_in_the_same_memory():
         assert evaluate(knob.formula, knob.inputs) == knob.value
         contexts[dtype] = knob.value
     assert contexts["int4"] >= 3 * contexts["bf16"], contexts
+
+
+def test_a_device_cache_larger_than_the_model_takes_only_the_models_bytes_from_the_context():
+    """`--device-cache-bytes 1TB` says "keep everything resident": the KV room is what the model leaves, not 0."""
+    from rocketllm_cli.shard.modelfacts import ModelFacts
+
+    facts = ModelFacts("smol", 270_000_000, 30, 4_000_000, 57_000_000, 57_000_000, 23_040, 1 << 20, "bf16",
+                       kv_values_per_token=11_520, kv_growing_layers=30, kv_head_dim=64)
+    profile = synthetic(ram_total=8 * GiB, ram_available=4 * GiB)
+    contexts = {}
+    for cap in ("1TB", str(facts.total_bytes)):
+        knob = resolve_knobs(profile, facts, kwargs={"device_cache_bytes": cap}, env={})["max_context"]
+        assert evaluate(knob.formula, knob.inputs) == knob.value
+        contexts[cap] = knob.value
+    assert contexts["1TB"] == contexts[str(facts.total_bytes)] > 0, contexts

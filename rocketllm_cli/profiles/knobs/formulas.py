@@ -131,7 +131,7 @@ def max_context(c: Context) -> Derivation:
         return Derivation("None", {}, note="needs a model (missing kv_bytes_per_token, max_positions): pass --model")
     v = c.values
     inputs = {"max_positions": c.model.max_positions, "memory_available": c.device_free, "reserve_bytes": v["reserve_bytes"],
-              "device_cache_bytes": v["device_cache_bytes"], "prefetch_depth": v["prefetch_depth"],
+              "device_cache_bytes": v["device_cache_bytes"], "prefetch_depth": v["prefetch_depth"], "total_bytes": c.model.total_bytes,
               "largest_unit_bytes": c.model.largest_unit_bytes, **c.kv_values(), "kv_window_values": c.model.kv_window_values}
     if c.unified:  # the host tier's page cache is the same RAM
         inputs["host_cache_bytes"] = v["host_cache_bytes"]
@@ -150,9 +150,11 @@ def max_context(c: Context) -> Derivation:
 
 def _context_terms(inputs: dict) -> tuple[str, str, str]:
     """max_context's room, fixed cost and cost per token, as the inputs present call for."""
-    left = "memory_available - reserve_bytes - device_cache_bytes - (prefetch_depth + 2) * largest_unit_bytes"
+    # a cache budget holds at most the model: `--device-cache-bytes 1TB` (everything resident) takes the model's bytes
+    held = "min(device_cache_bytes, total_bytes)" if "total_bytes" in inputs else "device_cache_bytes"
+    left = f"memory_available - reserve_bytes - {held} - (prefetch_depth + 2) * largest_unit_bytes"
     if "host_cache_bytes" in inputs:  # on a CPU (and unified memory)
-        left += " - host_cache_bytes"
+        left += " - min(host_cache_bytes, total_bytes)" if "total_bytes" in inputs else " - host_cache_bytes"
     if "kv_cache_bytes" in inputs:  # overridden: it caps the room
         left = f"min(kv_cache_bytes, {left})"
     # Fixed: what sliding-window layers hold at most, and int4's full-precision tokens: the window (residual + one
