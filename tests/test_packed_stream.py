@@ -18,7 +18,7 @@ from rocketllm_cli.packed.cpulayout import LAYOUTS, cpu_layout, from_layout, to_
 from rocketllm_cli.packed.format import PackedFormat, PackedTensor
 from rocketllm_cli.packed.kernelform import to_kernel_form, to_portable
 from rocketllm_cli.packed.rtn import quantize_rtn
-from rocketllm_cli.shard.manifest import Manifest
+from rocketllm_cli.shard.manifest import INT4_LAYOUTS, Manifest
 from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 from rocketllm_cli.stream.packedbind import PackedBinding
@@ -211,3 +211,4 @@ def test_int4_shards_in_another_cpus_order_say_so_when_they_stream(quantized):
                      "reorders them (to avoid it, run the source itself, or `rocketllm shard` it: a set's name carries its "
                      "int4 order, so this machine writes its own set beside this one)"]
     assert manifest.int4_layout == here and manifest.key.endswith(f"-int4-{here}")  # the set's name carries its order
+    assert INT4_LAYOUTS == LAYOUTS  # the manifest's torch-free list of orders is the kernel's

@@ -62,7 +62,11 @@ class PackPlan:
 
 def predicted_key(source, packing: str, dtype: str) -> str:
     """The set's key, known before the model is built (plan_packing's PackPlan.key gives the same)."""
-    mode = predicted_mode(source, packing)
+    return key_here(dtype, predicted_mode(source, packing))
+
+
+def key_here(dtype: str, mode: str) -> str:
+    """The key of a set of this dtype and PackPlan mode written on this machine (int4 in this CPU's order)."""
     return set_key(dtype, mode, layout_here() if mode in INT4_MODES else "")
 
 

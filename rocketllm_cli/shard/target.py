@@ -45,15 +45,14 @@ def find_existing(located: Located, dtype: str, packing: str = "auto") -> tuple[
     packing auto finds a set that kept a GGUF's or a pre-quantized checkpoint's low-bit weights ("-packed"), or a
     float set of any other source; a set with int4 codes in another CPU's order is not this machine's (its key
     names the order)."""
-    from .packing import INT4_MODES, layout_here
+    from .packing import key_here
 
     dtypes = list(DTYPES) if dtype == "auto" else [dtype]
     if packing == "auto":
         modes = ["packed"] if located.path.suffix == ".gguf" or declares_packed(located.path) else [""]
     else:
         modes = ["" if packing == "none" else packing]
-    keys = [set_key(dt, mode, layout_here() if mode in INT4_MODES else "") for dt in dtypes for mode in modes]
-    for final in (default_out(located, key) for key in keys):
+    for final in (default_out(located, key_here(dt, mode)) for dt in dtypes for mode in modes):
         if (final / MANIFEST).is_file():
             try:
                 manifest = Manifest.load(final)
