@@ -94,6 +94,8 @@ class _PlainHelp:
             if type(param) is TyperArgument:
                 param.metavar = param.metavar or (param.name or "").upper()
                 param.__class__ = _PlainArgument
+                if hasattr(param, "type"):  # Typer 0.29 has none and asks display_type_rich instead
+                    param.type = _untyped(param.type)
             elif type(param) is TyperOption:
                 param.__class__ = _PlainOption
         return params
@@ -107,7 +109,22 @@ class _PlainHelp:
             raise StdoutClosed() from None
 
 
-_TYPE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "Path": "PATH"}  # click's names for them
+_TYPE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "path": "PATH"}  # click's names for them
+
+
+@functools.cache
+def _untyped_class(cls: type) -> type:
+    return type(f"Untyped{cls.__name__}", (cls,), {"get_metavar": lambda self, param, ctx=None: ""})
+
+
+def _untyped(param_type):
+    """The argument's type, converting as before, naming no type in help: an argument's name says what it is (Typer
+    before 0.29 asks the type for the help column; 0.29 asks the parameter, display_type_rich below)."""
+    import copy
+
+    quiet = copy.copy(param_type)
+    quiet.__class__ = _untyped_class(type(param_type))
+    return quiet
 
 
 class _PlainArgument(TyperArgument):
@@ -122,13 +139,21 @@ class _PlainArgument(TyperArgument):
 
 
 class _PlainOption(TyperOption):
-    def display_type_rich(self, ctx) -> str | None:
+    def display_type_rich(self, ctx) -> str | None:  # Typer 0.29's help column
         if self.metavar is not None:
             return self.metavar
         if self.is_flag:
             return None
         bare = self.bare_type().removeprefix("list[").removesuffix("]")  # a repeatable option names one value
-        return _TYPE_NAMES.get(bare, bare.upper())
+        return _TYPE_NAMES.get(bare.lower(), bare.upper())
+
+    def make_metavar(self, ctx, *args, **kwargs) -> str:  # the help column before 0.29, and click's usage errors
+        if self.metavar is not None:
+            return self.metavar
+        if self.is_flag:
+            return ""
+        bare = str(getattr(self.type, "name", "") or "text")  # a repeatable option names one value: its type's
+        return _TYPE_NAMES.get(bare.lower(), bare.upper())
 
 
 class PlainCommand(_PlainHelp, TyperCommand):
