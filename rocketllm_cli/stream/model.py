@@ -74,9 +74,11 @@ class Binding:
     `persistent`: the unit's tensors are the same objects on every use (host tier on a CPU), so the Parameter made
     for them is kept and a bind is a dict assignment. Otherwise the Parameter is dropped on unbind: it may wrap a
     copy converted to the compute dtype, and keeping one per layer would hold the whole model converted in memory.
+    A streamed tensor read unconverted is a view of a streaming buffer, the same object each time the unit lands in
+    that buffer (WeightStore keeps the views per buffer): its Parameter is kept per buffer, costing no memory.
     """
 
-    __slots__ = ("module", "attr", "tensor", "is_buffer", "placeholder", "persistent", "_source", "_param")
+    __slots__ = ("module", "attr", "tensor", "is_buffer", "placeholder", "persistent", "_source", "_param", "_by_buffer")
 
     def __init__(self, module: nn.Module, attr: str, tensor: str, is_buffer: bool, placeholder: torch.Tensor | None,
                  persistent: bool = False) -> None:
@@ -84,19 +86,30 @@ class Binding:
         self.persistent = persistent
         self._source: torch.Tensor | None = None
         self._param: nn.Parameter | None = None
+        self._by_buffer: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}
 
     def bind(self, t: torch.Tensor) -> None:
         if self.is_buffer:
             self.module._buffers[self.attr] = t
             return
         if t is not self._source:  # persistent views (host tier on CPU) reuse their Parameter every token
-            self._source, self._param = t, nn.Parameter(t, requires_grad=False)
+            kept = self._by_buffer.get(t.data_ptr())
+            if kept is not None and kept[0] is t:
+                self._param = kept[1]
+            else:
+                self._param = nn.Parameter(t, requires_grad=False)
+                if t._is_view() and len(self._by_buffer) < _BUFFERS_KEPT:  # not a converted copy: no memory held
+                    self._by_buffer[t.data_ptr()] = (t, self._param)
+            self._source = t
         self.module._parameters[self.attr] = self._param
 
     def unbind(self) -> None:
         (self.module._buffers if self.is_buffer else self.module._parameters)[self.attr] = self.placeholder
         if not self.persistent:
             self._source = self._param = None
+
+
+_BUFFERS_KEPT = 16  # Parameters kept per binding, one per streaming buffer the unit was read into (prefetch_depth + 1)
 
 
 class StreamingModel:

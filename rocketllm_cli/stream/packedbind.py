@@ -55,7 +55,7 @@ class PackedBinding:
     scales are converted) and dropped on unbind."""
 
     __slots__ = ("module", "attr", "tensor", "format", "device", "dtype", "persistent", "is_buffer", "placeholder", "_source", "_bound",
-                 "_direct")
+                 "_direct", "_by_buffer")
 
     def __init__(self, module: nn.Linear, tensor: str, fmt: PackedFormat, device: torch.device, dtype: torch.dtype, placeholder,
                  persistent: bool = False) -> None:
@@ -67,18 +67,27 @@ class PackedBinding:
         self.is_buffer, self.placeholder = False, placeholder
         self._source = self._bound = None
         self._direct = _direct_int4(fmt, device, dtype)
+        # The kernel form of a streamed unit read into a buffer, kept per buffer where it is only views of the
+        # bytes (the scales stored in the kernel's dtype): the unit's next read into that buffer reuses it.
+        stored = _direct_views_only(fmt, dtype) if self._direct is not None else False
+        self._by_buffer: dict[int, tuple] | None = {} if stored else None
 
     def bind(self, data: torch.Tensor) -> None:
         if data is not self._source or self._bound is None:
-            if self._direct is not None:
+            kept = self._by_buffer.get(data.data_ptr()) if self._by_buffer is not None else None
+            if kept is not None and kept[0] is data:
+                self._bound = kept[1]
+            elif self._direct is not None:
                 self._bound = self._direct(data)  # a view of the bytes: the kernel's own form, no checks per token
+                if self._by_buffer is not None and len(self._by_buffer) < _BUFFERS_KEPT:
+                    self._by_buffer[data.data_ptr()] = (data, self._bound)  # views only: holds no memory
             else:
                 self._bound = compute.bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype)
             self._source = data
-        self.module.packed_weight = self._bound
+        self.module.__dict__["packed_weight"] = self._bound  # not nn.Module.__setattr__: 420 of these per token
 
     def unbind(self) -> None:
-        self.module.packed_weight = None
+        self.module.__dict__["packed_weight"] = None
         if not self.persistent:
             self._source = self._bound = None
 
@@ -86,6 +95,16 @@ class PackedBinding:
     def path(self) -> str:
         """Which way the weight computes on this device: int4, int8 (a kernel) or scratch (dequantized per use)."""
         return compute.kernel_path(self.format, self.dtype, self.device)
+
+
+_BUFFERS_KEPT = 16  # kernel forms kept per binding, one per streaming buffer the unit was read into
+
+
+def _direct_views_only(fmt: PackedFormat, dtype: torch.dtype) -> bool:
+    """_direct_int4's form is views of the bytes only (nothing converted): the scales are stored in `dtype`."""
+    from .. import dtypes
+
+    return dtypes.torch_dtype(fmt.scale_dtype) == dtype
 
 
 def _direct_int4(fmt: PackedFormat, device: torch.device, dtype: torch.dtype):

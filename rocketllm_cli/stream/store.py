@@ -16,7 +16,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ class Slot:
     device: torch.Tensor | None = None  # uint8 on the compute device (CUDA only)
     ready: object = None  # CUDA event: copy into `device` finished
     free_after: object = None  # CUDA event: compute finished reading `device`
+    views: dict = field(default_factory=dict)  # unit -> its tensors as views of this buffer (units read unconverted)
 
 
 class WeightStore(RowGathers):
@@ -74,6 +75,9 @@ class WeightStore(RowGathers):
         self._free: list[Slot] = []
         self._max_slots = max(1, prefetch_depth) + 1
         self._pending: dict[str, Future] = {}
+        # Units with a float tensor stored in another dtype than the compute dtype: converted copies on each read.
+        self._converted = {u.name for u in manifest.units
+                           if any(DTYPES[t.dtype].is_floating_point and DTYPES[t.dtype] != compute_dtype for t in u.tensors)}
         self._held: dict[str, tuple[Slot | None, int, dict[str, torch.Tensor]]] = {}
         # Host-tier units on a CPU are served through their mapping: only units read per use need IO threads.
         reads = [u for u in streamed if plan.tier[u.name] == "storage" or self.cuda]
@@ -161,7 +165,11 @@ class WeightStore(RowGathers):
             self.ledger.add_time("wait", time.perf_counter() - waited)
             if slot.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(slot.ready)
-            views = self._views(unit, slot.device if self.cuda else slot.host)
+            views = slot.views.get(name)
+            if views is None:
+                views = self._views(unit, slot.device if self.cuda else slot.host)
+                if name not in self._converted:  # the same views of the same buffer serve the unit's next read into it
+                    slot.views[name] = views
         self._held[name] = (slot, 1, views)
         self._prefetch_after(name)
         return views
