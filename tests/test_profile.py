@@ -90,11 +90,17 @@ def test_refresh_measures_again(profile, monkeypatch):
     kernels = where / "kernels.json"
     saved = kernels.read_bytes() if kernels.exists() else None
     kernels.write_text("{}")
+    reads = where / "unit-reads.json"
+    saved_reads = reads.read_bytes() if reads.exists() else None
+    reads.write_text("{}")
     refreshed = HardwareProfile.load(refresh=True)
     assert calls == ["host"] and refreshed.measured_at["host"] == "refreshed" and not refreshed.from_cache
     assert not kernels.exists()  # the low-bit kernel probe runs again too
+    assert not reads.exists()  # and each streamed set's own reads (probe/unitreads.py)
     if saved is not None:
         kernels.write_bytes(saved)
+    if saved_reads is not None:
+        reads.write_bytes(saved_reads)
     (where / "host.json").write_text(json.dumps(host_doc))  # leave the real measurement for other tests
 
 

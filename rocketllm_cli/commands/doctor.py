@@ -54,7 +54,7 @@ def run(
 
     out = Output(as_json=json_output)
     profile = HardwareProfile.load(storage_path=model, refresh=refresh, log=out.log)
-    document = report.build(profile, facts, source)
+    document = report.build(profile, facts, source, model_path=model, log=out.log)
     if json_output:
         out.json(document)
     else:

@@ -29,6 +29,12 @@ def run(
     out = Output(as_json=json_output)
     profile = HardwareProfile.load(storage_path=model, refresh=refresh, log=out.log)
     knobs = resolve_knobs(profile, facts, flags=knob_flags)
+    if facts is not None:  # a shard set streamed from storage: its own units' reads decide the read knobs
+        from ..profiles.probe.unitreads import attach
+
+        measured = attach(profile, facts, model, knobs, out.log)
+        if measured is not facts:
+            facts, knobs = measured, resolve_knobs(profile, measured, flags=knob_flags)
     if json_output:
         out.json({
             "fingerprint": profile.fingerprint, "compute_device": profile.compute_device, "from_cache": profile.from_cache,

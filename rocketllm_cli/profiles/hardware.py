@@ -73,6 +73,7 @@ class HardwareProfile:
         where = profile_dir(fp)
         if refresh:
             (where / "kernels.json").unlink(missing_ok=True)  # the low-bit kernel probe (packed/probe.py) runs again
+            (where / "unit-reads.json").unlink(missing_ok=True)  # and each set's own reads (probe/unitreads.py)
         host = None if refresh else read_json(where / "host.json")
         disk = None if refresh else read_json(where / f"{fs.key}.json")
         from_cache = host is not None and disk is not None

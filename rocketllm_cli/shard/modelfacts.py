@@ -52,6 +52,9 @@ class ModelFacts:
     kv_growing_layers: int = 0
     kv_window_values: int = 0
     kv_head_dim: int = 0
+    # How this machine reads the set's own units cold (profiles/probe/unitreads.py, UnitReads.to_dict()), where the
+    # model streams from storage and it was measured; None: the storage probe's 16 MiB figures stand.
+    unit_reads: dict | None = None
 
     @property
     def bytes_per_token(self) -> int:

@@ -177,7 +177,26 @@ def int4_max_context(inputs: dict, residual_tokens: int, head_dim: int) -> int:
     return int(evaluate(f"max(0, min(max_positions, floor(({left} - ({fixed})) / ({per_token}))))", int4))
 
 
+def _unit_reads(c: Context):
+    """The set's own cold reads (UnitReads), where measured for this model."""
+    if c.model is None or not c.model.unit_reads:
+        return None
+    from ..probe.unitreads import UnitReads
+
+    return UnitReads.from_dict(c.model.unit_reads)
+
+
+UNIT_READS_NOTE = "this set's own units read cold, one pread per unit, each method at its cheapest reads in flight (profiles/probe/unitreads.py)"
+
+
 def io_workers(c: Context) -> Derivation:
+    reads = _unit_reads(c)
+    if reads is not None:
+        direct, buffered = reads.best(True), reads.best(False)
+        if direct is not None and buffered is not None:
+            return Derivation("unit_in_flight_direct if direct_io else unit_in_flight_buffered",
+                              {"direct_io": int(bool(c.values["direct_io"])), "unit_in_flight_direct": direct.in_flight,
+                               "unit_in_flight_buffered": buffered.in_flight, "unit_bytes": reads.unit_bytes}, "measured", UNIT_READS_NOTE)
     kind = str(c.profile.capability("storage_kind") or "unknown")
     return Derivation(IN_FLIGHT, in_flight_inputs(kind, c.profile.cpu_cores, c.values["direct_io"]), note=IN_FLIGHT_NOTE)
 
@@ -194,8 +213,16 @@ def prefetch_depth(c: Context) -> Derivation:
         return Derivation(formula, inputs, note="no model: not limited by buffer memory (missing largest_unit_bytes)")
     inputs.update(buffer_share=0.25, memory_available=c.device_free, reserve_bytes=c.values["reserve_bytes"],
                   kv_cache_bytes=c.values["kv_cache_bytes"], largest_unit_bytes=c.model.largest_unit_bytes)
-    formula = ("max(1, min(max_depth, ceil(compute_read_bps / storage_read_bps), "
-               "floor(buffer_share * (memory_available - reserve_bytes - kv_cache_bytes) / largest_unit_bytes) - 2))")
+    buffers = "floor(buffer_share * (memory_available - reserve_bytes - kv_cache_bytes) / largest_unit_bytes) - 2"
+    reads = _unit_reads(c)
+    chosen = reads.best(bool(c.values["direct_io"])) if reads is not None else None
+    if chosen is not None:
+        # The set's units measured: read ahead at least the reads in flight that served them cheapest, at the
+        # bandwidth they were read at.
+        inputs.update(storage_read_bps=round(chosen.bps), io_workers=c.values["io_workers"])
+        formula = (f"max(1, min(max(max_depth, io_workers), max(io_workers, ceil(compute_read_bps / storage_read_bps)), {buffers}))")
+        return Derivation(formula, inputs, "measured", note="storage_read_bps: this set's units read cold; buffers limited to a quarter of free memory")
+    formula = f"max(1, min(max_depth, ceil(compute_read_bps / storage_read_bps), {buffers}))"
     return Derivation(formula, inputs, note="buffers limited to a quarter of free memory")
 
 
@@ -241,6 +268,16 @@ def host_cache_bytes(c: Context) -> Derivation:
 
 
 def direct_io(c: Context) -> Derivation:
+    reads = _unit_reads(c)
+    if reads is not None:
+        direct, buffered = reads.best(True), reads.best(False)
+        if direct is not None and buffered is not None:
+            # Seconds per GB, CPU time counted where reads share the CPU with compute (read_cost's rule).
+            return Derivation("unit_direct_s_per_gb <= unit_buffered_s_per_gb",
+                              {"unit_direct_s_per_gb": round(direct.cost(reads.cpu_shared) * 1e9, 4),
+                               "unit_buffered_s_per_gb": round(buffered.cost(reads.cpu_shared) * 1e9, 4),
+                               "cpu_shared": reads.cpu_shared, "unit_bytes": reads.unit_bytes}, "measured",
+                              note=UNIT_READS_NOTE + "; O_DIRECT wins ties")
     direct, buffered = c.profile.measurements.get("storage_read_direct"), c.profile.measurements.get("storage_read")
     if direct and buffered and direct.available and buffered.available:
         # Cost per byte: wall time plus, where compute shares the CPU, the CPU time the read itself uses.

@@ -25,8 +25,9 @@ OPTIONAL_PACKAGES = (
 VERSIONED = ("torch", "transformers", "safetensors", "accelerate", "gguf")
 
 
-def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str | None) -> dict:
-    """Every field of the report; strings are redacted (no home path, user or host name, secrets)."""
+def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str | None, model_path=None, log=None) -> dict:
+    """Every field of the report; strings are redacted (no home path, user or host name, secrets). `model_path`: the
+    shard set the facts describe, whose own reads are measured where it streams from storage."""
     facts = profile.facts
     doc = {
         "versions": {"rocketllm": __version__, "python": facts.get("python"), "os": facts.get("os"),
@@ -46,6 +47,12 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
     }
     if model is not None:
         knobs = resolve_knobs(profile, model)
+        if model_path is not None:  # a shard set: its own units read cold (probe/unitreads.py), shown for any set
+            from ..probe.unitreads import attach
+
+            measured = attach(profile, model, model_path, knobs, log, always=True)
+            if measured is not model:
+                model, knobs = measured, resolve_knobs(profile, measured)
         tier_bytes = plan_tier_bytes(model, knobs)
         doc["model"] = {**model.to_dict(), "source": model_source, "note": _model_note(model)}
         doc["projection"] = {

@@ -68,7 +68,17 @@ def _model(m: dict | None) -> list[str]:
             f"{format_bytes(m['layer_bytes'])}, largest unit {format_bytes(m['largest_unit_bytes'])}, "
             f"KV {format_bytes(m['kv_bytes_per_token'])}/token, context {m['max_positions']}"
             + (f"; mixture-of-experts: {format_bytes(m['active_bytes'])} read per decode token (dense part + routed experts)"
-               if m.get("active_bytes") else ""), f"- note: {m['note']}"]
+               if m.get("active_bytes") else ""), *_unit_reads(m.get("unit_reads")), f"- note: {m['note']}"]
+
+
+def _unit_reads(reads: dict | None) -> list[str]:
+    """The set's own units read cold (profiles/probe/unitreads.py): one row per method and reads in flight."""
+    if not reads:
+        return []
+    cells = ", ".join(f"{'O_DIRECT' if r['direct'] else 'buffered'} x{r['in_flight']} {r['bytes'] / max(r['seconds'], 1e-9) / 1e9:.2f} GB/s "
+                      f"({r['cpu_seconds'] / max(r['seconds'], 1e-9):.2f} cores)" for r in reads["rows"])
+    return [f"- its own units read cold ({reads['units']} of ~{format_bytes(reads['unit_bytes'])}, one pread each, that many "
+            f"in flight; direct_io, io_workers and prefetch_depth follow the cheapest): {cells}"]
 
 
 def _projection(p: dict | None) -> list[str]:
