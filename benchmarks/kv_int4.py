@@ -2,6 +2,7 @@
 beside controls that change the KV's precision otherwise.
 
     python benchmarks/kv_int4.py MODEL [--context 4096] [--new 256] [--budget 48MiB ...] [--variants auto fp16 int4 ...]
+                                       [--text FILE] [--offset TOKENS] [--no-perplexity]
 
 Variants (`--variants`, the first is the reference every other is compared with): `auto` (the compute dtype's cache),
 a float KV dtype (`fp16`: stored in fp16, read back in the compute dtype), `fp8` (float8 e4m3, a cast this script
@@ -69,9 +70,10 @@ def fp8_cache(model):
     return QuantizedKVCache([CastLayer(torch.float8_e4m3fn) for _ in range(layers)])
 
 
-def run(model_path: str, context: int, new: int, residual: int, variants: list[str]) -> dict:
+def run(model_path: str, context: int, new: int, residual: int, variants: list[str], text_path: Path | None = None,
+        offset: int = 0, perplexity: bool = True) -> dict:
     figures: dict = {}
-    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    text = (text_path or ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
     ppl_text = (ROOT / "tests" / "fixtures" / "perplexity.txt").read_text(encoding="utf-8")
     reference = None
     for spec in variants:
@@ -81,8 +83,8 @@ def run(model_path: str, context: int, new: int, residual: int, variants: list[s
             model.new_kv_cache = lambda model=model: fp8_cache(model)  # generate, the teacher-forced pass and perplexity take it
         try:
             tok = model.tokenizer
-            ids = tok(text, return_tensors="pt").input_ids[:, : context - new]
-            assert ids.shape[1] == context - new, "the prompt text is too short for this context"
+            ids = tok(text, return_tensors="pt").input_ids[:, offset : offset + context - new]
+            assert ids.shape[1] == context - new, "the prompt text is too short for this context and offset"
             started = time.perf_counter()
             out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True)
             seconds = time.perf_counter() - started
@@ -98,8 +100,7 @@ def run(model_path: str, context: int, new: int, residual: int, variants: list[s
                 row["free_running_agreement"] = sum(same) / len(same)
                 row["first_difference"] = same.index(False) if False in same else None
                 row["teacher_forced_agreement"] = teacher_forced(model, ids, reference)
-            ppl_ids = tok(ppl_text).input_ids
-            row["perplexity"] = score(model, ppl_ids, 512, 256).perplexity
+            row["perplexity"] = score(model, tok(ppl_text).input_ids, 512, 256).perplexity if perplexity else None
             row["ms_per_token"] = round(1000 * seconds / new, 1)  # prefill included
             figures[spec] = row
             print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), file=sys.stderr, flush=True)
@@ -150,25 +151,31 @@ def main() -> None:
     ap.add_argument("--residual", type=int, default=64, help="kv_residual_tokens of a plain `int4` (the knob's default is 64)")
     ap.add_argument("--budget", nargs="*", default=["32MiB", "48MiB", "56MiB"])
     ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), help="the first is the reference")
+    ap.add_argument("--text", type=Path, default=None, help="the prompt's text (default docs/ARCHITECTURE.md)")
+    ap.add_argument("--offset", type=int, default=0, help="the prompt starts at this token of the text: another prompt, same length")
+    ap.add_argument("--no-perplexity", dest="perplexity", action="store_false", help="skip the perplexity column (it does not depend on the prompt)")
     args = ap.parse_args()
-    figures = run(args.model, args.context, args.new, args.residual, args.variants)
+    figures = run(args.model, args.context, args.new, args.residual, args.variants, args.text, args.offset, args.perplexity)
     budgets = admitted(args.model, [parse_bytes(b) for b in args.budget], args.residual, args.variants)
     ref = figures[args.variants[0]]
-    print(f"{Path(args.model).name} at {args.context} tokens of context ({args.context - args.new} prompt + {args.new} greedy)\n")
+    print(f"{Path(args.model).name} at {args.context} tokens of context ({args.context - args.new} prompt from token {args.offset} "
+          f"of {(args.text or Path('docs/ARCHITECTURE.md')).name} + {args.new} greedy)\n")
     print("| KV cache | KV bytes at the end | × reference | free-running agreement (first difference) | teacher-forced agreement "
           "| perplexity | Δ perplexity | max_context, " + " / ".join(format_bytes(b) for b in budgets["rows"]) + " of KV |")
     print("|---|---|---|---|---|---|---|---|")
     for spec in args.variants:
         row = figures[spec]
         contexts = " / ".join(str(budgets["rows"][b][spec]) for b in budgets["rows"]) if spec in next(iter(budgets["rows"].values())) else "n/a"
+        ppl = f"{row['perplexity']:.4f}" if row["perplexity"] is not None else "-"
         if row is ref:
             print(f"| {row['kv_cache']} | {format_bytes(row['kv_bytes'])} | 1.00 | reference | "
-                  f"{100 * row['teacher_forced_agreement']:.1f}% (its own tokens) | {row['perplexity']:.4f} | | {contexts} |")
+                  f"{100 * row['teacher_forced_agreement']:.1f}% (its own tokens) | {ppl} | | {contexts} |")
             continue
         first = "none" if row["first_difference"] is None else f"at {row['first_difference']}"
+        delta = f"{100 * (row['perplexity'] / ref['perplexity'] - 1):+.2f}%" if row["perplexity"] is not None else "-"
         print(f"| {row['kv_cache']} | {format_bytes(row['kv_bytes'])} | {row['kv_bytes'] / ref['kv_bytes']:.3f} | "
               f"{100 * row['free_running_agreement']:.1f}% ({first}) | {100 * row['teacher_forced_agreement']:.1f}% | "
-              f"{row['perplexity']:.4f} | {100 * (row['perplexity'] / ref['perplexity'] - 1):+.2f}% | {contexts} |")
+              f"{ppl} | {delta} | {contexts} |")
     print(f"\n(the model's own limit is {budgets['max_positions']} tokens)")
     for row in figures.values():
         row.pop("tokens")
