@@ -166,3 +166,22 @@ def test_a_device_cache_larger_than_the_model_takes_only_the_models_bytes_from_t
         assert evaluate(knob.formula, knob.inputs) == knob.value
         contexts[cap] = knob.value
     assert contexts["1TB"] == contexts[str(facts.total_bytes)] > 0, contexts
+
+
+def test_streaming_buffers_sized_for_a_layer_leave_the_context_its_room():
+    """A 2.8 B Llama under a 1.2 GiB limit: the 144 MiB tied embedding fits resident, so the buffers hold 60 MiB
+    layers, as device_cache_bytes sized them. Counting three embedding-sized buffers left the context 0 tokens and
+    every prompt was refused."""
+    from rocketllm_cli.shard.modelfacts import ModelFacts
+
+    MiB = 1 << 20
+    facts = ModelFacts("big", 1_787_295_744, 26, 62_926_848, 151_191_552, 151_191_552 + 2 * MiB, 106_496, 2048, "bf16",
+                       kv_values_per_token=53_248, kv_growing_layers=26, kv_head_dim=128)
+    profile = synthetic(ram_total=1200 * MiB, ram_available=1_239_531_520)
+    knobs = resolve_knobs(profile, facts, env={})
+    context, cache = knobs["max_context"], knobs["device_cache_bytes"]
+    assert cache.value >= facts.non_layer_bytes and "layer" in cache.note  # the embedding resident, buffers for layers
+    assert evaluate(context.formula, context.inputs) == context.value
+    buffers = (knobs.value("prefetch_depth") + 2) * facts.layer_bytes
+    room = (profile.ram_available - knobs.value("reserve_bytes") - cache.value - buffers)
+    assert context.value == min(facts.max_positions, room // (53_248 * (2 + 2 / 26))) > 0

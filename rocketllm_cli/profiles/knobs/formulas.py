@@ -133,6 +133,8 @@ def max_context(c: Context) -> Derivation:
     inputs = {"max_positions": c.model.max_positions, "memory_available": c.device_free, "reserve_bytes": v["reserve_bytes"],
               "device_cache_bytes": v["device_cache_bytes"], "prefetch_depth": v["prefetch_depth"], "total_bytes": c.model.total_bytes,
               "largest_unit_bytes": c.model.largest_unit_bytes, **c.kv_values(), "kv_window_values": c.model.kv_window_values}
+    if 0 < c.model.layer_bytes < c.model.largest_unit_bytes:  # a tied embedding and head: resident if it fits
+        inputs.update(layer_bytes=c.model.layer_bytes, non_layer_bytes=c.model.non_layer_bytes)
     if c.unified:  # the host tier's page cache is the same RAM
         inputs["host_cache_bytes"] = v["host_cache_bytes"]
     if "kv_cache_bytes" in c.overridden:
@@ -152,7 +154,11 @@ def _context_terms(inputs: dict) -> tuple[str, str, str]:
     """max_context's room, fixed cost and cost per token, as the inputs present call for."""
     # a cache budget holds at most the model: `--device-cache-bytes 1TB` (everything resident) takes the model's bytes
     held = "min(device_cache_bytes, total_bytes)" if "total_bytes" in inputs else "device_cache_bytes"
-    left = f"memory_available - reserve_bytes - {held} - (prefetch_depth + 2) * largest_unit_bytes"
+    # The streaming buffers fit the largest unit that streams: a layer, where the device cache holds every other
+    # unit (the plan places those first), as device_cache_bytes sized them; else the largest unit.
+    buffered = ("(layer_bytes if min(device_cache_bytes, total_bytes) >= non_layer_bytes else largest_unit_bytes)"
+                if "layer_bytes" in inputs else "largest_unit_bytes")
+    left = f"memory_available - reserve_bytes - {held} - (prefetch_depth + 2) * {buffered}"
     if "host_cache_bytes" in inputs:  # on a CPU (and unified memory)
         left += " - min(host_cache_bytes, total_bytes)" if "total_bytes" in inputs else " - host_cache_bytes"
     if "kv_cache_bytes" in inputs:  # overridden: it caps the room
