@@ -90,3 +90,17 @@ def test_a_set_streamed_from_storage_is_measured_once_and_kept_per_set(tiny_set,
     assert calls == [1]
     stored = profile_dir(HardwareProfile.load().fingerprint) / unitreads.FILE
     assert unitreads.set_key(directory, Manifest.load(directory)) in json.loads(stored.read_text())  # refresh: test_profile
+
+
+def test_a_cache_that_cannot_be_written_still_gets_this_process_its_answer(tiny_set, profile, monkeypatch, tmp_path):
+    from rocketllm_cli.profiles import cache
+
+    manifest, directory = tiny_set
+    monkeypatch.setattr(cache, "profile_dir", lambda fp: tmp_path / "nowhere")  # nothing stored there yet
+
+    def refuse(path, doc):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cache, "write_json", refuse)
+    reads = unitreads.load_or_measure(profile, directory, manifest)
+    assert reads is not None and reads.rows and not (tmp_path / "nowhere").exists()

@@ -199,8 +199,12 @@ def load_or_measure(profile, directory: Path, manifest, log=None) -> UnitReads |
         return None
     if log:
         log(f"measured this set's own reads once ({time.perf_counter() - started:.1f} s): {result.summary()}")
+    stored.pop("cache_format", None)
     stored[key] = result.to_dict()
-    write_json(where, stored)
+    try:
+        write_json(where, stored)
+    except OSError:
+        pass  # a read-only cache: the answer stays this process's
     return result
 
 
