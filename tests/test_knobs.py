@@ -116,9 +116,12 @@ def test_derivations_recompute_and_respect_memory(ram, free, params, bits, stora
     v = knobs.values_dict()
     assert 0 <= v["device_cache_bytes"] <= model.total_bytes and 0 <= v["host_cache_bytes"] <= model.total_bytes - v["device_cache_bytes"]
     assert 1 <= v["prefetch_depth"] <= 4 and v["io_workers"] >= 1 and 0 <= v["max_context"] <= model.max_positions
-    # the context admitted fits what the weights and buffers leave (0 when nothing is left: every prompt refused)
+    # the context admitted fits what the weights and buffers leave (0 when nothing is left: every prompt refused);
+    # the buffers hold a layer where every other unit is resident (as device_cache_bytes sized them)
+    resident_rest = 0 < model.layer_bytes < model.largest_unit_bytes and v["device_cache_bytes"] >= model.non_layer_bytes
+    buffer = model.layer_bytes if resident_rest else model.largest_unit_bytes
     left = (profile.ram_available if not gpu else profile.vram_free) - v["reserve_bytes"] - v["device_cache_bytes"] \
-        - (v["prefetch_depth"] + 2) * model.largest_unit_bytes - (0 if gpu else v["host_cache_bytes"])
+        - (v["prefetch_depth"] + 2) * buffer - (0 if gpu else v["host_cache_bytes"])
     assert v["max_context"] * model.kv_bytes_per_token <= max(0, left)
     if not gpu:  # device and host tiers share the same RAM
         assert v["device_cache_bytes"] + v["host_cache_bytes"] <= max(0, profile.ram_available - v["reserve_bytes"] - v["kv_cache_bytes"])
