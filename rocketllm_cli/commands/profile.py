@@ -30,11 +30,9 @@ def run(
     profile = HardwareProfile.load(storage_path=model, refresh=refresh, log=out.log)
     knobs = resolve_knobs(profile, facts, flags=knob_flags)
     if facts is not None:  # a shard set streamed from storage: its own units' reads decide the read knobs
-        from ..profiles.probe.unitreads import attach
+        from ..profiles.probe.unitreads import with_own_reads
 
-        measured = attach(profile, facts, model, knobs, out.log)
-        if measured is not facts:
-            facts, knobs = measured, resolve_knobs(profile, measured, flags=knob_flags)
+        facts, knobs = with_own_reads(profile, facts, model, knobs, lambda f: resolve_knobs(profile, f, flags=knob_flags), out.log)
     if json_output:
         out.json({
             "fingerprint": profile.fingerprint, "compute_device": profile.compute_device, "from_cache": profile.from_cache,

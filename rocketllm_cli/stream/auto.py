@@ -167,7 +167,7 @@ class AutoModel:
         from transformers import AutoConfig
 
         from ..profiles import HardwareProfile, resolve_knobs
-        from ..profiles.probe.unitreads import reads_from_storage
+        from ..profiles.probe.unitreads import with_own_reads
         from ..shard.cachedir import mark_used
         from ..shard.modelfacts import facts_from_manifest
 
@@ -179,17 +179,10 @@ class AutoModel:
             profile = HardwareProfile.load(storage_path=directory, refresh=refresh_profile)
         facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))
         knobs = resolve_knobs(profile, facts, flags=flags or {}, kwargs=knob_overrides)
-        if reads_from_storage(knobs, facts) and not all(knobs[n].overridden for n in ("direct_io", "io_workers", "prefetch_depth")):
-            # Streamed from storage: the read method and depth come from the set's own units read cold (once per set).
-            from dataclasses import replace
-
-            from ..profiles.probe.unitreads import load_or_measure
-
-            with (progress or no_progress)("measuring this set's reads once (cached afterwards)", after=BLINK_S, announce=False):
-                reads = load_or_measure(profile, directory, manifest, log)
-            if reads is not None:
-                facts = replace(facts, unit_reads=reads.to_dict())
-                knobs = resolve_knobs(profile, facts, flags=flags or {}, kwargs=knob_overrides)
+        # Streamed from storage: the read method and depth come from the set's own units read cold (once per set).
+        with (progress or no_progress)("measuring this set's reads once (cached afterwards)", after=BLINK_S, announce=False):
+            facts, knobs = with_own_reads(profile, facts, directory, knobs,
+                                          lambda f: resolve_knobs(profile, f, flags=flags or {}, kwargs=knob_overrides), log, manifest=manifest)
         config, notes = engine_config(profile, knobs, manifest)
         resident = sum(u.tensor_bytes for u in manifest.units if u.kind in RESIDENT_KINDS)
         check_budget(resident, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))

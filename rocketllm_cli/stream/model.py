@@ -31,7 +31,7 @@ from ..shard.discover import build_meta_model
 from ..shard.manifest import RESHARD, Manifest
 from .assets import load_generation_config, load_processor, load_tokenizer
 from .ledger import Ledger
-from .packedbind import PackedBinding, make_packed
+from .packedbind import PackedBinding, PerBuffer, make_packed
 from .plan import ResidencyPlan, make_plan
 from .store import WeightStore
 from .unbound import Unbound, unbind_all
@@ -86,20 +86,20 @@ class Binding:
         self.persistent = persistent
         self._source: torch.Tensor | None = None
         self._param: nn.Parameter | None = None
-        self._by_buffer: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}
+        self._by_buffer = PerBuffer()
 
     def bind(self, t: torch.Tensor) -> None:
         if self.is_buffer:
             self.module._buffers[self.attr] = t
             return
         if t is not self._source:  # persistent views (host tier on CPU) reuse their Parameter every token
-            kept = self._by_buffer.get(t.data_ptr())
-            if kept is not None and kept[0] is t:
-                self._param = kept[1]
+            kept = self._by_buffer.get(t)
+            if kept is not None:
+                self._param = kept
             else:
                 self._param = nn.Parameter(t, requires_grad=False)
-                if t._is_view() and len(self._by_buffer) < _BUFFERS_KEPT:  # not a converted copy: no memory held
-                    self._by_buffer[t.data_ptr()] = (t, self._param)
+                if t._is_view():  # not a converted copy: no memory held
+                    self._by_buffer.put(t, self._param)
             self._source = t
         self.module._parameters[self.attr] = self._param
 
@@ -107,9 +107,6 @@ class Binding:
         (self.module._buffers if self.is_buffer else self.module._parameters)[self.attr] = self.placeholder
         if not self.persistent:
             self._source = self._param = None
-
-
-_BUFFERS_KEPT = 16  # Parameters kept per binding, one per streaming buffer the unit was read into (prefetch_depth + 1)
 
 
 class StreamingModel:

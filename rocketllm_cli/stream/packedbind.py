@@ -70,17 +70,17 @@ class PackedBinding:
         # The kernel form of a streamed unit read into a buffer, kept per buffer where it is only views of the
         # bytes (the scales stored in the kernel's dtype): the unit's next read into that buffer reuses it.
         stored = _direct_views_only(fmt, dtype) if self._direct is not None else False
-        self._by_buffer: dict[int, tuple] | None = {} if stored else None
+        self._by_buffer = PerBuffer() if stored else None
 
     def bind(self, data: torch.Tensor) -> None:
         if data is not self._source or self._bound is None:
-            kept = self._by_buffer.get(data.data_ptr()) if self._by_buffer is not None else None
-            if kept is not None and kept[0] is data:
-                self._bound = kept[1]
+            kept = self._by_buffer.get(data) if self._by_buffer is not None else None
+            if kept is not None:
+                self._bound = kept
             elif self._direct is not None:
                 self._bound = self._direct(data)  # a view of the bytes: the kernel's own form, no checks per token
-                if self._by_buffer is not None and len(self._by_buffer) < _BUFFERS_KEPT:
-                    self._by_buffer[data.data_ptr()] = (data, self._bound)  # views only: holds no memory
+                if self._by_buffer is not None:
+                    self._by_buffer.put(data, self._bound)  # views only: holds no memory
             else:
                 self._bound = compute.bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype)
             self._source = data
@@ -97,7 +97,26 @@ class PackedBinding:
         return compute.kernel_path(self.format, self.dtype, self.device)
 
 
-_BUFFERS_KEPT = 16  # kernel forms kept per binding, one per streaming buffer the unit was read into
+class PerBuffer:
+    """What a binding made from a streamed tensor, kept per streaming buffer the unit was read into.
+
+    WeightStore hands out the same view objects each time a unit lands in the same buffer, so a bind that gets one
+    of them again reuses what it made (a Parameter, an int4 kernel form). Only what holds no memory of its own is
+    put here: views of the buffer, never a converted copy."""
+
+    __slots__ = ("_kept",)
+    LIMIT = 16  # buffers remembered per binding (a store has prefetch_depth + 1)
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def get(self, source: torch.Tensor):
+        kept = self._kept.get(source.data_ptr())
+        return kept[1] if kept is not None and kept[0] is source else None
+
+    def put(self, source: torch.Tensor, made) -> None:
+        if len(self._kept) < self.LIMIT:
+            self._kept[source.data_ptr()] = (source, made)
 
 
 def _direct_views_only(fmt: PackedFormat, dtype: torch.dtype) -> bool:

@@ -213,17 +213,24 @@ def reads_from_storage(knobs, facts) -> bool:
     return int(knobs["device_cache_bytes"].value) + int(knobs["host_cache_bytes"].value) < facts.total_bytes
 
 
-def attach(profile, facts, path, knobs, log=None, *, always: bool = False):
-    """`facts` with the set's own reads, where PATH is a shard set that `knobs` stream from storage (or `always`: the
-    doctor's report shows them for any set) and not every read knob is set by hand; else `facts` unchanged."""
+READ_KNOBS = ("direct_io", "io_workers", "prefetch_depth")  # what a set's own reads derive
+
+
+def with_own_reads(profile, facts, path, knobs, resolve, log=None, *, manifest=None, always: bool = False):
+    """(facts, knobs) with the set's own reads attached and `resolve(facts)` run again, where PATH is a shard set
+    that `knobs` stream from storage (or `always`: the doctor's report shows them for any set) and not every read
+    knob is set by hand; else (facts, knobs) unchanged. `manifest`: the set's, where the caller has it loaded."""
     from dataclasses import replace
 
     from ...shard.manifest import Manifest
 
     directory = Path(path) if path is not None else None
     if directory is None or not (directory / "manifest.json").is_file() or not (always or reads_from_storage(knobs, facts)):
-        return facts
-    if all(knobs[n].overridden for n in ("direct_io", "io_workers", "prefetch_depth")):
-        return facts
-    reads = load_or_measure(profile, directory, Manifest.load(directory), log)
-    return facts if reads is None else replace(facts, unit_reads=reads.to_dict())
+        return facts, knobs
+    if all(knobs[n].overridden for n in READ_KNOBS):
+        return facts, knobs
+    reads = load_or_measure(profile, directory, manifest or Manifest.load(directory), log)
+    if reads is None:
+        return facts, knobs
+    measured = replace(facts, unit_reads=reads.to_dict())
+    return measured, resolve(measured)

@@ -48,11 +48,9 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
     if model is not None:
         knobs = resolve_knobs(profile, model)
         if model_path is not None:  # a shard set: its own units read cold (probe/unitreads.py), shown for any set
-            from ..probe.unitreads import attach
+            from ..probe.unitreads import with_own_reads
 
-            measured = attach(profile, model, model_path, knobs, log, always=True)
-            if measured is not model:
-                model, knobs = measured, resolve_knobs(profile, measured)
+            model, knobs = with_own_reads(profile, model, model_path, knobs, lambda f: resolve_knobs(profile, f), log, always=True)
         tier_bytes = plan_tier_bytes(model, knobs)
         doc["model"] = {**model.to_dict(), "source": model_source, "note": _model_note(model)}
         doc["projection"] = {
