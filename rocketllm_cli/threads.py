@@ -1,33 +1,140 @@
-"""How torch's OpenMP threads wait between parallel regions: decided once per process, before torch is imported.
+"""torch's CPU threads: how they wait between parallel regions (fixed before torch loads) and how many compute
+(followed while the model runs).
 
-GNU OpenMP (the runtime torch's CPU build ships) spins a thread for GOMP_SPINCOUNT iterations after each parallel
-region before it sleeps. Spinning long is fastest on an idle machine and collapses when anything else wants the
-cores (the streaming IO threads, another process): measured in docs/HARDWARE.md. A short spin keeps most of the
-idle speed and yields the cores under contention, so it is the default; a user's OMP_WAIT_POLICY or
-GOMP_SPINCOUNT always wins.
+GNU OpenMP (the runtime torch's CPU build ships) spins a thread after each parallel region before it sleeps. A
+decode step is hundreds of short kernels with Python between them, so a thread that has gone to sleep is woken
+hundreds of times per token; on a virtual machine each wake is an interrupt between CPUs, and a short spin
+(GOMP_SPINCOUNT=1000) measured 1.6-2.7x slower per token than OpenMP's default spin (docs/HARDWARE.md, "OpenMP
+threads"). Spinning costs only when something else wants the cores: then a spinning thread takes the core its
+team's other thread, or another process, needs. So RocketLLM keeps OpenMP's default spin and instead runs as many
+compute threads as there are cores other processes leave free (ComputeThreads): on a busy machine one thread, which
+has no partner to wake or to spin for. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins, and OMP_NUM_THREADS
+(or a caller's own torch.set_num_threads) fixes the count.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import time
 
-SPIN_COUNT = 1_000  # iterations, about a microsecond: docs/HARDWARE.md, "OpenMP wait policy"
 USER_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 _decision: str | None = None
 
 
-def apply_wait_policy() -> str:
-    """Set GOMP_SPINCOUNT unless the user chose a policy or torch is already loaded; returns the decision, worded."""
+def wait_policy() -> str:
+    """How torch's OpenMP threads wait, worded: the user's variables, or OpenMP's default spin."""
     global _decision
     if _decision is None:
         chosen = [f"{n}={os.environ[n]}" for n in USER_VARIABLES if n in os.environ]
         if chosen:
             _decision = f"{', '.join(chosen)}, set by the user"
-        elif "torch" in sys.modules:
-            _decision = "OpenMP's own default (torch was imported before rocketllm, so its threads' wait was already fixed)"
         else:
-            os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
-            _decision = (f"GOMP_SPINCOUNT={SPIN_COUNT}, set by rocketllm: spin briefly after each parallel region, then sleep "
-                         "(near the spinning default's speed when idle, no collapse when other work wants the cores)")
+            _decision = ("OpenMP's default spin after each parallel region (a decode step's hundreds of short kernels "
+                         "never wait for a sleeping thread); compute threads follow the free cores instead")
     return _decision
+
+
+class ComputeThreads:
+    """torch's intra-op thread count, following the cores other processes leave free.
+
+    poll() is called at every forward pass and samples at most every INTERVAL_S: the CPU time all processes used
+    (/proc/stat, steal included: a hypervisor's other guests) less this process's own (/proc/self/stat, all its
+    threads), over the wall time between samples, is what others used. Threads = the cores this process may run on
+    less that, rounded, between 1 and torch's own default. Off where OMP_NUM_THREADS is set, where /proc is not,
+    and from the moment a caller sets torch's thread count itself."""
+
+    INTERVAL_S = 0.5
+
+    def __init__(self, proc: str = "/proc", set_threads=None, get_threads=None, clock=time.monotonic) -> None:
+        self.proc = proc
+        self._set_threads, self._get_threads = set_threads, get_threads
+        self.clock = clock
+        self.enabled = "OMP_NUM_THREADS" not in os.environ and os.path.exists(os.path.join(proc, "stat"))
+        self.reason = "" if self.enabled else ("OMP_NUM_THREADS is set" if "OMP_NUM_THREADS" in os.environ else "no /proc/stat")
+        self.most: int | None = None  # torch's default count, the most ever used
+        self.current: int | None = None  # what this object last set
+        self.others = 0.0  # cores other processes used over the last interval
+        self._last: tuple[float, int, int] | None = None  # (wall, all busy ticks, own ticks)
+
+    def poll(self) -> None:
+        """Sample if INTERVAL_S has passed since the last sample; set the thread count if it changed."""
+        if not self.enabled:
+            return
+        now = self.clock()
+        if self._last is not None and now - self._last[0] < self.INTERVAL_S:
+            return
+        try:
+            busy, own, cpus = self._read()
+        except (OSError, ValueError, IndexError):
+            self.enabled, self.reason = False, "/proc/stat unreadable"
+            return
+        last, self._last = self._last, (now, busy, own)
+        if self.most is None:
+            self.most = self.current = self._get()
+        elif self._get() != self.current:  # the caller chose a count: theirs stands from now on
+            self.enabled, self.reason = False, f"set to {self._get()} by the caller"
+            return
+        if last is None or now <= last[0]:
+            return
+        ticks = os.sysconf("SC_CLK_TCK") * (now - last[0])
+        others_all = max(0.0, (busy - last[1]) - (own - last[2])) / ticks
+        available = _available_cpus(cpus)
+        self.others = max(0.0, others_all - (cpus - available))  # others fill the cores outside this process's set first
+        want = max(1, min(self.most, math.floor(available - self.others + 0.5)))
+        if want != self.current:
+            self._set(want)
+            self.current = want
+
+    def restore(self) -> None:
+        """Back to torch's default count (a model closed: what runs next in this process starts as it would have)."""
+        if self.enabled and self.most is not None and self.current != self.most:
+            self._set(self.most)
+            self.current = self.most
+        self._last = None
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return f"torch's own count ({self.reason})" if self.reason else "torch's own count"
+        if self.current is None:
+            return "as many as the cores other processes leave free, sampled every 0.5 s (not sampled yet)"
+        return (f"{self.current} of {self.most}: the cores other processes leave free ({self.others:.2f} cores used "
+                f"by others over the last {self.INTERVAL_S:g} s)")
+
+    def _read(self) -> tuple[int, int, int]:
+        with open(os.path.join(self.proc, "stat")) as f:
+            lines = f.read().splitlines()
+        fields = [int(v) for v in lines[0].split()[1:]]
+        # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user and nice]
+        busy = sum(fields[:3]) + sum(fields[5:8])
+        cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+        with open(os.path.join(self.proc, "self", "stat")) as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+        own = int(after_name[11]) + int(after_name[12])  # utime, stime (fields 14 and 15): every thread of the process
+        return busy, own, max(1, cpus)
+
+    def _get(self) -> int:
+        if self._get_threads is not None:
+            return self._get_threads()
+        import torch
+
+        return torch.get_num_threads()
+
+    def _set(self, n: int) -> None:
+        if self._set_threads is not None:
+            self._set_threads(n)
+            return
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def _available_cpus(total: int) -> int:
+    try:
+        return max(1, min(total, len(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):
+        return total
+
+
+COMPUTE_THREADS = ComputeThreads() if sys.platform.startswith("linux") else ComputeThreads(proc="/nonexistent")

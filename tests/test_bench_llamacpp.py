@@ -65,7 +65,7 @@ STEP_S = 0.01
 class Llama:
     def __init__(self, **kwargs):
         with open(os.environ["FAKE_LLAMA_LOG"], "w") as f:
-            json.dump({**kwargs, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT")}, f)
+            json.dump(kwargs, f)
         if os.environ.get("FAKE_LLAMA_CRASH"):
             os.kill(os.getpid(), signal.SIGSEGV)
 
@@ -106,17 +106,6 @@ def test_llamacpp_row_is_timed_like_every_row_in_a_process_of_its_own(fake_llama
                                "gguf_bytes": 64}
     gpu = run_llamacpp(gguf, "", "resident", 1, 2, SimpleNamespace(cpu_cores=2, compute_device="cuda"), log=lambda m: None)
     assert gpu["status"] == "measured" and json.loads(fake_llama_cpp.read_text())["n_gpu_layers"] == -1
-
-
-def test_llama_cpp_threads_wait_as_the_user_chose_not_as_rocketllm_chose_for_torch(monkeypatch):
-    from rocketllm_cli import threads
-    from rocketllm_cli.bench.llamacpp import _worker_env
-
-    monkeypatch.setenv("GOMP_SPINCOUNT", str(threads.SPIN_COUNT))
-    monkeypatch.setattr(threads, "_decision", f"GOMP_SPINCOUNT={threads.SPIN_COUNT}, set by rocketllm: spin briefly")
-    assert "GOMP_SPINCOUNT" not in _worker_env()
-    monkeypatch.setattr(threads, "_decision", "GOMP_SPINCOUNT=5, set by the user")
-    assert _worker_env()["GOMP_SPINCOUNT"] == str(threads.SPIN_COUNT)
 
 
 def test_a_crash_in_llama_cpp_is_a_skipped_row(fake_llama_cpp, tmp_path, monkeypatch):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -87,7 +86,7 @@ def run_llamacpp(gguf: Path | None, no_gguf: str, regime: str, tokens: int, prom
 def _run_worker(request: dict) -> tuple[dict | None, str]:
     """(the worker's answer, "") or (None, why it gave none)."""
     run = subprocess.run([sys.executable, str(WORKER)], input=json.dumps(request), capture_output=True, text=True,
-                         env=_worker_env(), check=False)
+                         check=False)
     last_err = next((line.strip() for line in reversed(run.stderr.splitlines()) if line.strip()), "")
     if run.returncode != 0:
         how = f"signal {_signal_name(-run.returncode)}" if run.returncode < 0 else f"exit status {run.returncode}"
@@ -96,16 +95,6 @@ def _run_worker(request: dict) -> tuple[dict | None, str]:
         return json.loads(run.stdout.strip().splitlines()[-1]), ""
     except (ValueError, IndexError):
         return None, " ".join(f"llama.cpp gave no answer: {last_err or run.stdout[-200:]}".split())[:300]
-
-
-def _worker_env() -> dict:
-    """This process's environment, less the OpenMP wait policy rocketllm chose for torch (a user's own choice stays)."""
-    from ..threads import apply_wait_policy
-
-    env = dict(os.environ)
-    if "set by rocketllm" in apply_wait_policy():
-        env.pop("GOMP_SPINCOUNT", None)
-    return env
 
 
 def _signal_name(number: int) -> str:

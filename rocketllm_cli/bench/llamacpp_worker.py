@@ -2,8 +2,7 @@
 
 llama-cpp-python's native code and its OpenMP runtime stay out of bench's process, so a crash there (a CPU feature
 the build uses and the machine refuses) is a skipped row, not a lost bench. Standard library and llama_cpp only:
-importing rocketllm would set its OpenMP wait policy for llama.cpp's threads too, and llama.cpp is measured as a
-user runs it.
+llama.cpp is measured as a user runs it, with nothing of rocketllm's loaded beside it.
 
 stdin:  {"gguf", "n_ctx", "n_threads", "n_gpu_layers", "prompt_text", "prompt_tokens", "new_tokens"}
 stdout: {"skip": reason} or {"version", "start", "times", "marks"}: perf_counter before the prompt went in, after

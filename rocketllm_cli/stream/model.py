@@ -29,6 +29,7 @@ from ..profiles.knobs.formulas import (
 from ..profiles.knobs.table import KNOBS_BY_NAME
 from ..shard.discover import build_meta_model
 from ..shard.manifest import RESHARD, Manifest
+from ..threads import COMPUTE_THREADS
 from .assets import load_generation_config, load_processor, load_tokenizer
 from .ledger import Ledger
 from .packedbind import PackedBinding, PerBuffer, make_packed
@@ -163,6 +164,7 @@ class StreamingModel:
         self.processor, self.processor_error = load_processor(self.directory) if self.manifest.vision else (None, None)
         self.knobs = self.profile = self.facts = None  # filled in by AutoModel.from_pretrained
         self.draft = None  # the resident draft model speculative decoding drafts with (AutoModel loads it); closed with this one
+        COMPUTE_THREADS.poll()  # the first sample: the first pass half a second on sets the thread count by the free cores
 
     # -- wiring -----------------------------------------------------------------------
     def _bind(self, model: nn.Module) -> None:
@@ -258,6 +260,7 @@ class StreamingModel:
             tokens = int(embeds.shape[0] * embeds.shape[1]) if embeds is not None else 0
         else:
             tokens = int(ids.numel())
+        COMPUTE_THREADS.poll()
         self.ledger.begin(tokens)
         self.store.begin_pass()
 
@@ -308,6 +311,7 @@ class StreamingModel:
         if self.experts is not None:
             self.experts.close()
         self.store.close()
+        COMPUTE_THREADS.restore()
 
     def __enter__(self):
         return self

@@ -6,7 +6,7 @@ import os
 
 from ... import __version__
 from ...shard.modelfacts import ModelFacts
-from ...threads import apply_wait_policy
+from ...threads import COMPUTE_THREADS, wait_policy
 from ..cost import plan_tier_bytes, project
 from ..hardware import BUSY_SHARE, HardwareProfile
 from ..knobs.resolve import resolve_knobs
@@ -101,7 +101,7 @@ def _environment(profile: HardwareProfile) -> dict:
     warnings = []
     if profile.compute_device.startswith("cuda") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         warnings.append("PYTORCH_CUDA_ALLOC_CONF is unset: set expandable_segments:True so reused layer buffers do not fragment VRAM")
-    return {"variables": variables, "openmp_wait": apply_wait_policy(), "warnings": warnings}
+    return {"variables": variables, "openmp_wait": wait_policy(), "compute_threads": COMPUTE_THREADS.describe(), "warnings": warnings}
 
 
 def _redacted(value):

@@ -102,7 +102,8 @@ def _projection(p: dict | None) -> list[str]:
 
 def _environment(e: dict) -> list[str]:
     lines = [f"- {name}={value}" if value is not None else f"- {name}: unset" for name, value in e["variables"].items()]
-    return lines + [f"- OpenMP wait: {e['openmp_wait']}"] + [f"- warning: {w}" for w in e["warnings"]]
+    threads = [f"- compute threads: {e['compute_threads']}"] if e.get("compute_threads") else []
+    return lines + [f"- OpenMP wait: {e['openmp_wait']}", *threads] + [f"- warning: {w}" for w in e["warnings"]]
 
 
 def _profile(p: dict) -> list[str]:
