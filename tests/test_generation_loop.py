@@ -194,3 +194,25 @@ def test_the_cli_default_token_count_is_the_library_default():
 ])
 def test_one_pad_rule(config, pad):
     assert pad_token_id(SimpleNamespace(generation_config=config)) == pad
+
+
+def test_min_new_tokens_holds_end_of_sequence_off_as_transformers_own_does(source, streamed, prompts):
+    """The loop's in-place processor against generate's min_new_tokens, with end-of-sequence set to the token a
+    greedy run makes third: both hold it off for exactly the count, then stop at it."""
+    plain = AutoModelForCausalLM.from_pretrained(source, **dtype_kwargs(torch.float32)).eval()
+    ids = torch.tensor([prompts["long"]])
+    free = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    eos = free[2]
+    original = (plain.generation_config.eos_token_id, streamed.generation_config.eos_token_id)
+    plain.generation_config.eos_token_id = streamed.generation_config.eos_token_id = eos
+    try:
+        for held in (0, 2, 5):
+            theirs = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=held or None,
+                                    do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+            theirs = theirs[: theirs.index(eos) + 1] if eos in theirs else theirs
+            ours = lone(streamed, prompts["long"], SamplingParams(max_new_tokens=NEW, min_new_tokens=held))
+            assert ours.token_ids == theirs, held
+            assert ours.token_ids.index(eos) >= held if eos in ours.token_ids else len(ours.token_ids) == NEW
+    finally:
+        plain.generation_config.eos_token_id, streamed.generation_config.eos_token_id = original

@@ -13,7 +13,8 @@ DEFAULT_MAX_NEW_TOKENS = 256
 class SamplingParams:
     """Per-request settings; temperature 0 means greedy.
 
-    min_new_tokens holds end-of-sequence off until that many tokens exist (bench: every run generates the same count).
+    min_new_tokens holds end-of-sequence off until that many tokens exist (bench: every run generates the same count);
+    the generation loop applies it (text/loop.py, HoldEndOfSequence), not generate's own processors.
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -40,12 +41,11 @@ class SamplingParams:
                                  f"(got {self.min_new_tokens})", "min_new_tokens", "max_new_tokens")
 
     def generate_kwargs(self) -> dict:
-        """The keywords transformers' generate takes for these settings."""
-        held = {"min_new_tokens": self.min_new_tokens} if self.min_new_tokens else {}
+        """The keywords transformers' generate takes for these settings (min_new_tokens aside: the loop holds it)."""
         if self.temperature == 0:
             return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None,
-                    "repetition_penalty": self.repetition_penalty, **held}
+                    "repetition_penalty": self.repetition_penalty}
         return {
             "do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k or None, "repetition_penalty": self.repetition_penalty, **held,
+            "top_k": self.top_k or None, "repetition_penalty": self.repetition_penalty,
         }
