@@ -322,3 +322,37 @@ def test_rtn_refuses_unusable_settings():
         quantize_rtn(torch.randn(4, 64), bits=4, group=48)
     with pytest.raises(ParameterError, match="use fp32"):
         quantize_rtn(torch.full((4, 64), 1e9).tril(), bits=8, group=None, scale_dtype="fp16")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_packed_linears_short_path_equals_linear_and_hooks_still_run(bits):
+    """A packed Linear called with no hooks skips nn.Module's call machinery and linear()'s checks: the same output
+    bit for bit; a hook, a bias or another width goes the long way (and a wrong width is still refused)."""
+    from torch import nn
+
+    from rocketllm_cli.stream.packedbind import make_packed
+
+    generator = torch.Generator().manual_seed(5)
+    packed = quantize_rtn(torch.randn(128, 64, generator=generator), bits=bits, group=32 if bits == 4 else None)
+    dtype = torch.bfloat16
+    bound = bind(packed, "cpu", dtype)
+    if bound.path == "scratch":
+        pytest.skip(f"no int{bits} kernel on this CPU")
+    assert bound.fast is not None
+    module = nn.Linear(64, 128, bias=False)
+    make_packed(module, "w.weight", "w")
+    module.__dict__["packed_weight"] = bound
+    x = torch.randn(2, 3, 64, generator=generator).to(dtype)
+    assert torch.equal(module(x), linear(x, bound))
+    seen = []
+    handle = module.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    assert torch.equal(module(x), linear(x, bound)) and seen == [torch.Size([2, 3, 128])]
+    handle.remove()
+    assert torch.equal(module(x.float()), linear(x.float(), bound))  # another dtype: converted in and out
+    with pytest.raises(ValueError, match="got x"):
+        module(torch.randn(2, 32, dtype=dtype))  # would view as [4, 64] in the kernel: refused instead
+    biased = nn.Linear(64, 128)
+    make_packed(biased, "b.weight", "b")
+    biased.__dict__["packed_weight"] = bound
+    biased._parameters["bias"] = nn.Parameter(torch.ones(128, dtype=dtype), requires_grad=False)
+    assert torch.equal(biased(x), linear(x, bound, biased.bias))

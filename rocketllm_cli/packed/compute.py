@@ -32,6 +32,13 @@ class BoundWeight:
     path: str  # one of PATHS
     kernel: dict = field(default_factory=dict)  # the kernel's tensors (path int4/int8)
     portable: PackedTensor | None = None  # path scratch: the parts on the device (raw GGUF blocks: on the host)
+    # x [*, K] contiguous, non-empty, in `dtype`, no bias -> the kernel's [*, N]: the packed Linear's per-call path
+    # (linear()'s checks and branches are a quarter of a small matvec's time)
+    fast: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.fast is None and self.path in ("int4", "int8"):
+            self.fast = _fast_call(self)
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +80,16 @@ def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16
     # gguf's dequantize runs on the host, so raw blocks stay there; only the float weight goes to the device
     portable = packed if packed.format.kind == "gguf" else packed.to(device)
     return BoundWeight(packed.format, dtype, device, path, portable=portable)
+
+
+def _fast_call(weight: BoundWeight):
+    n, k = weight.format.shape
+    kernel, tail = weight.kernel, (n,)
+    if weight.path == "int4":
+        op, w, group, sz = layout.int4_op(weight.device), kernel["weight"], weight.format.group, kernel["scales_and_zeros"]
+        return lambda x: op(x.view(-1, k), w, group, sz).view(x.shape[:-1] + tail)
+    op, w, scales = layout.INT8_MM, kernel["weight"], kernel["scales"]
+    return lambda x: op(x.view(-1, k), w, scales).view(x.shape[:-1] + tail)
 
 
 def linear(x: torch.Tensor, weight: BoundWeight, bias: torch.Tensor | None = None, scratch: Scratch = SCRATCH) -> torch.Tensor:

@@ -73,11 +73,17 @@ _INT4 = _overload("_weight_int4pack_mm")
 _INT8 = _overload("_weight_int8pack_mm")
 
 
+INT8_MM = _INT8
+
+
+def int4_op(device: torch.device):
+    """The int4 kernel for `device`: (x [M, K], weight, group, scales_and_zeros) -> [M, N]."""
+    return _INT4_CPU if device.type == "cpu" else _INT4
+
+
 def int4_mm(x: torch.Tensor, kernel: dict, group: int) -> torch.Tensor:
     """x [M, K] contiguous -> [M, N]."""
-    if x.device.type == "cpu":
-        return _INT4_CPU(x, kernel["weight"], group, kernel["scales_and_zeros"])
-    return _INT4(x, kernel["weight"], group, kernel["scales_and_zeros"])
+    return int4_op(x.device)(x, kernel["weight"], group, kernel["scales_and_zeros"])
 
 
 def int8_for_kernel(packed: PackedTensor, dtype: torch.dtype, device) -> dict:
@@ -90,4 +96,4 @@ def int8_for_kernel(packed: PackedTensor, dtype: torch.dtype, device) -> dict:
 
 def int8_mm(x: torch.Tensor, kernel: dict) -> torch.Tensor:
     """x [M, K] contiguous -> [M, N]."""
-    return _INT8(x, kernel["weight"], kernel["scales"])
+    return INT8_MM(x, kernel["weight"], kernel["scales"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 from ..errors import ShardError
 from ..packed import compute
@@ -26,12 +27,33 @@ class _PackedForward:
 
     packed_weight = None
     packed_where = ""
+    packed_bias = True  # the Linear has a bias (then compute.linear adds it)
+
+    def __call__(self, x, *args, **kwargs):
+        # nn.Module.__call__ checks for hooks and tracing on every call (a fifth of a small matvec's time): a call
+        # with none of them goes straight to forward, any other through nn.Module as before.
+        d = self.__dict__
+        if args or kwargs or d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_hooks"] or \
+                d["_backward_pre_hooks"] or _hooked() or d.get("_compiled_call_impl") is not None:
+            return nn.Module.__call__(self, x, *args, **kwargs)
+        return self.forward(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bound = self.packed_weight
         if bound is None:
             raise UnboundWeightError(f"{self.packed_where} was used while its unit is not bound")
+        fast = bound.fast
+        if fast is not None and not self.packed_bias and x.dtype == bound.dtype and x.shape[-1] == bound.format.shape[1] \
+                and x.is_contiguous() and x.numel():
+            return fast(x)
         return compute.linear(x, bound, self.bias)  # per call: no import machinery (the package's names are lazy)
+
+
+def _hooked() -> bool:
+    """A global module hook, a backward hook, or a tracer is active: nn.Module.__call__ must run them."""
+    m = _module
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_pre_hooks or m._global_backward_hooks
+                or m._global_forward_hooks_always_called or torch._C._get_tracing_state())
 
 
 def make_packed(module: nn.Linear, name: str, where: str) -> None:
@@ -45,6 +67,7 @@ def make_packed(module: nn.Linear, name: str, where: str) -> None:
         packed_cls = _CLASSES[cls] = type(f"Packed{cls.__name__}", (_PackedForward, cls), {"__module__": __name__})
     module.__class__ = packed_cls
     module.packed_where = f"{name} (packed) is bound only inside the forward of {where}, and"
+    module.packed_bias = module._parameters.get("bias") is not None
 
 
 class PackedBinding:
