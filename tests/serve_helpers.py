@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ GATE_TIMEOUT_S = 30
 
 class LiveServer:
     def __init__(self, model, model_id: str = "tiny", tool_parser: str | None = None, **state_options) -> None:
-        from rocketllm_cli.commands.serve import bind
+        from rocketllm_cli.commands.serve import bind, freeze_loaded_heap
         from rocketllm_cli.server.serving import make_server
         from rocketllm_cli.server.state import ServerState
 
@@ -28,6 +29,7 @@ class LiveServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_server(self.state, access_log=False, grace_s=2)  # the CLI's server, its stop included
+        freeze_loaded_heap()  # as the CLI does before it serves (close() gives the test session's objects back)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -58,6 +60,7 @@ class LiveServer:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+        gc.unfreeze()
         self.state.close()
         self.sock.close()
 

@@ -15,6 +15,7 @@ the figures). Every run prints its figures on one line (`pytest -s` shows them).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -120,6 +121,7 @@ class LoopLag:
 def test_load_is_served_right_in_arrival_order_and_health_stays_fast(model, reference, clients, per_client, max_queue, tmp_path):
     with LiveServer(model, MODEL, max_queue=max_queue) as server:
         health, metrics = Poller(server.url, "/health", 0.01, tmp_path), Poller(server.url, "/metrics", 0.05, tmp_path)
+        assert gc.get_freeze_count() > 0  # as `serve` does: what was loaded is out of the collector's way
         time.sleep(1.0)  # the pollers are running before the load begins: their first second is the idle baseline
         lag = LoopLag(server)
         spec = {"clients": clients, "per_client": per_client, "tokens": N, "questions": QUESTIONS, "model": MODEL}
