@@ -55,7 +55,7 @@ class ComputeThreads:
         self.reason = "" if self.enabled else ("OMP_NUM_THREADS is set" if "OMP_NUM_THREADS" in os.environ else "no /proc/stat")
         self.most: int | None = None  # torch's default count, the most ever used
         self.current: int | None = None  # what this object last set
-        self.others = 0.0  # cores other processes used over the last interval
+        self.others: float | None = None  # cores other processes used over the last interval (None: not yet measured)
         self._last: tuple[float, int, int] | None = None  # (wall, all busy ticks, own ticks)
 
     def poll(self) -> None:
@@ -93,14 +93,15 @@ class ComputeThreads:
             self._set(self.most)
             self.current = self.most
         self._last = None
+        self.others = None
 
     def describe(self) -> str:
         if not self.enabled:
             return f"torch's own count ({self.reason})" if self.reason else "torch's own count"
-        if self.current is None:
-            return "as many as the cores other processes leave free, sampled every 0.5 s (not sampled yet)"
+        if self.others is None:
+            return f"as many as the cores other processes leave free, sampled every {self.INTERVAL_S:g} s while a model runs"
         return (f"{self.current} of {self.most}: the cores other processes leave free ({self.others:.2f} cores used "
-                f"by others over the last {self.INTERVAL_S:g} s)")
+                f"by others between the last two samples, {self.INTERVAL_S:g} s or more apart)")
 
     def _read(self) -> tuple[int, int, int]:
         with open(os.path.join(self.proc, "stat")) as f:

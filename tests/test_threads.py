@@ -69,9 +69,15 @@ def test_an_idle_machine_keeps_every_thread_and_a_busy_one_gets_one(machine):
     ct.poll()
     assert state["threads"] == 1 and abs(ct.others - 1.0) < 0.02
     assert "1 of 2" in ct.describe() and "1.00 cores used by others" in ct.describe()
+    ct.restore()  # a model closed: torch's count again, and nothing measured until two more samples
+    assert state["threads"] == 2 and "while a model runs" in ct.describe()
+    ct.poll()
+    proc.advance(1.0, others_cores=1.0, own_cores=1.0)
+    ct.poll()
+    assert state["threads"] == 1
     proc.advance(1.0, others_cores=0.1, own_cores=1.0)  # it ended
     ct.poll()
-    assert state["sets"] == [1, 2]
+    assert state["sets"] == [1, 2, 1, 2]
 
 
 def test_samples_are_at_most_every_interval_and_steal_counts_as_others(machine):

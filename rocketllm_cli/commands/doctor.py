@@ -52,6 +52,9 @@ def run(
         except ValueError as exc:
             raise ModelError(f"--model-size: {exc}") from None
 
+    from ..threads import COMPUTE_THREADS
+
+    COMPUTE_THREADS.poll()  # the first sample: the report's own, at its end, says what others used meanwhile
     out = Output(as_json=json_output)
     profile = HardwareProfile.load(storage_path=model, refresh=refresh, log=out.log)
     document = report.build(profile, facts, source, model_path=model, log=out.log)

@@ -101,6 +101,7 @@ def _environment(profile: HardwareProfile) -> dict:
     warnings = []
     if profile.compute_device.startswith("cuda") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         warnings.append("PYTORCH_CUDA_ALLOC_CONF is unset: set expandable_segments:True so reused layer buffers do not fragment VRAM")
+    COMPUTE_THREADS.poll()
     return {"variables": variables, "openmp_wait": wait_policy(), "compute_threads": COMPUTE_THREADS.describe(), "warnings": warnings}
 
 
