@@ -99,7 +99,9 @@ class ComputeThreads:
         if not self.enabled:
             return f"torch's own count ({self.reason})" if self.reason else "torch's own count"
         if self.others is None:
-            return f"as many as the cores other processes leave free, sampled every {self.INTERVAL_S:g} s while a model runs"
+            now = f"{self._get()}, " if "torch" in sys.modules else ""
+            return (f"{now}torch's default until the cores other processes leave free are measured (every "
+                    f"{self.INTERVAL_S:g} s while a model runs)")
         return (f"{self.current} of {self.most}: the cores other processes leave free ({self.others:.2f} cores used "
                 f"by others between the last two samples, {self.INTERVAL_S:g} s or more apart)")
 

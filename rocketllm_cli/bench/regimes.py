@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 
 from ..sizes import format_bytes
+from ..threads import COMPUTE_THREADS
 from .timing import fixed_prompt, ms_summary, timed_run
 
 REGIMES = ("resident", "host", "storage", "expert-cache")
@@ -77,6 +78,7 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
             "residency": streamed.plan.to_dict(), "residency_text": streamed.plan.describe(streamed.manifest),
             "knobs": {k: streamed.knobs.value(k) for k in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers",
                                                            "direct_io", "compute_dtype")},
+            "compute_threads": COMPUTE_THREADS.describe(),  # before close() gives torch its own count back
             "_facts": streamed.facts, "_profile": streamed.profile,
         }
     finally:

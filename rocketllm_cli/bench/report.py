@@ -94,8 +94,9 @@ def _notes(rows: list[dict]) -> list[str]:
             speculation = (f"speculative decoding ({spec['mode']}): {spec['proposed']} tokens proposed, {spec['accepted']} accepted, "
                            f"{spec['tokens_per_pass']} tokens per pass; " if "proposed" in spec else
                            f"speculative decoding {spec['reason']}; " if spec.get("reason") else "")
+            threads = f"compute threads {row['compute_threads']}; " if row.get("compute_threads") else ""
             out.append(f"- {row['regime']}: limit {row.get('limit_basis')}; per-token phases {phases}; {experts}{speculation}"
-                       f"{row.get('residency_text', '')}")
+                       f"{threads}{row.get('residency_text', '')}")
         elif row["status"] == "measured" and row.get("llamacpp"):
             lc = row["llamacpp"]
             gpu = "no GPU layers" if lc["n_gpu_layers"] == 0 else "every layer on the GPU"
