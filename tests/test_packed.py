@@ -277,6 +277,41 @@ def test_probe_runs_once_per_device_and_its_answer_is_stored(monkeypatch, tmp_pa
     assert calls == ["cpu", "cpu"]
 
 
+def test_a_burst_of_other_work_does_not_reverse_which_dtype_is_fastest(monkeypatch):
+    """The bf16 kernel's first timed calls stall as if another process held the core for a scheduler slice each:
+    the dtypes take turns, so bf16's later calls still rank it (one dtype's three calls in a row once stored fp16,
+    ~50x slower, for every later process)."""
+    import time
+
+    real_mm, stalls = probe_module.layout.int4_mm, {"left": 4}  # the warm-up call and the first three turns
+
+    def stalled(x, kernel, group):
+        if x.dtype == torch.bfloat16 and x.shape == (1, probe_module.TIMING_SHAPE[1]) and stalls["left"]:
+            stalls["left"] -= 1
+            time.sleep(0.05)
+        return real_mm(x, kernel, group)
+
+    monkeypatch.setattr(probe_module.layout, "int4_mm", stalled)
+    threads = torch.get_num_threads()
+    caps = probe_module.probe("cpu")
+    assert stalls["left"] == 0 and torch.get_num_threads() == threads  # stalled as planned; the thread count restored
+    seconds = {d: t for k, d, t in caps.seconds if k == "int4"}
+    assert seconds["bf16"] < 0.05 and set(seconds) == set(caps.int4)
+    assert caps.fastest("int4") == min(seconds, key=seconds.get)
+    if "bf16" in caps.int4 and "fp16" in caps.int4:  # torch's CPU int4 kernel: bf16 is vectorised, fp16 is not
+        assert caps.fastest("int4") != "fp16"
+
+
+def test_an_answer_timed_by_the_earlier_method_is_probed_again(monkeypatch, tmp_path):
+    stored = tmp_path / "kernels.json"
+    monkeypatch.setattr(probe_module, "_CACHE", {})
+    monkeypatch.setattr(probe_module, "stored_path", lambda: stored)
+    stored.write_text(json.dumps({"cpu": {"int4": ["fp16"], "int8": ["fp32"], "seconds": [["int4", "fp16", 1e-3]]},
+                                  "cache_format": 1}))
+    caps = capabilities("cpu")
+    assert caps.int4 != ("fp16",) and json.loads(stored.read_text())["cpu"]["probe_format"] == probe_module.PROBE_FORMAT
+
+
 def test_linear_converts_another_activation_dtype_and_refuses_a_wrong_width():
     weight = torch.randn(32, 64)
     bound = bind(quantize_rtn(weight, bits=4, group=32), "cpu", torch.bfloat16)

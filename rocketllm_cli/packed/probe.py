@@ -7,6 +7,12 @@ version), so a later process reads the answer instead of spending ~0.2 s of its 
 Nothing is assumed from the device's name or torch's version: an op that is missing, refuses the dtype or
 gives a wrong answer (a layout this code does not know) is simply not used, and its layers dequantize into
 the scratch buffer instead.
+
+Which dtype is fastest is timed so that a busy machine cannot reverse the answer: the dtypes take turns, round
+after round, on one thread, and each keeps its fastest call. Timed one dtype after another on every core, a
+burst of other work (a compiler on one of two cores) once stalled bf16's three ~30 us calls for a scheduler slice
+each and the answer stored fp16, whose CPU int4 kernel is ~50x slower: every later process converted each packed
+Linear's input to fp16 and ran ~10x slower per token.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ TRIAL_SHAPE = (32, 256)  # (N, K): fits every kernel's multiples (N % 16, K % (1
 TRIAL_ROWS = 3  # activation rows
 TRIAL_TOLERANCE = 0.05  # of the reference's largest magnitude: bf16 rounding is ~0.01, a wrong layout ~1
 TIMING_SHAPE = (1024, 1024)  # (N, K) a decode-shaped call is timed at to find each kernel's fastest dtype
-TIMING_CALLS = 3  # best of this many after a warm-up (one, for a dtype already 4x slower than the best)
+TIMING_ROUNDS = 12  # each dtype's best of this many turns, after a warm-up call
+TIMING_BUDGET_S = 0.25  # rounds stop once they have taken this long (at least three are run)
+PROBE_FORMAT = 2  # stored answers of another timing method are probed again (1: one dtype after another, all cores)
 
 _CACHE: dict[str, Capabilities] = {}
 
@@ -72,7 +80,7 @@ def _stored(key: str) -> Capabilities | None:
 
     try:
         doc = (read_json(stored_path()) or {}).get(key)
-        if doc is None:
+        if doc is None or doc.get("probe_format") != PROBE_FORMAT:
             return None
         seconds = tuple((str(k), str(d), float(t)) for k, d, t in doc.get("seconds", ()))
         return Capabilities(key, tuple(doc["int4"]), tuple(doc["int8"]), seconds)
@@ -87,7 +95,8 @@ def _store(caps: Capabilities) -> None:
         path = stored_path()
         doc = read_json(path) or {}
         doc.pop("cache_format", None)
-        doc[caps.device] = {"int4": list(caps.int4), "int8": list(caps.int8), "seconds": [list(s) for s in caps.seconds]}
+        doc[caps.device] = {"int4": list(caps.int4), "int8": list(caps.int8), "seconds": [list(s) for s in caps.seconds],
+                            "probe_format": PROBE_FORMAT}
         write_json(path, doc)
     except OSError:
         pass  # a read-only cache: the answer stays this process's
@@ -112,32 +121,47 @@ def probe(device) -> Capabilities:
                 continue  # op missing on this torch, or refused on this device or dtype
             if got.shape == reference.shape and bool(((got - reference).abs().max() <= TRIAL_TOLERANCE * reference.abs().max())):
                 found[kind].append(name)
-                best = min((t for k, _, t in timed if k == kind), default=None)
-                timed.append((kind, name, _time(kind, bits, group, dtype, device, best)))
+        best = _time_in_turns(kind, bits, group, [dtypes.torch_dtype(n) for n in found[kind]], device)
+        timed += [(kind, name, best[name]) for name in found[kind]]
     return Capabilities(str(device), tuple(found["int4"]), tuple(found["int8"]), tuple(timed))
 
 
-def _time(kind: str, bits: int, group, dtype: torch.dtype, device, best_so_far: float | None = None) -> float:
-    """Best seconds of one [1, K] x [K, N] call at TIMING_SHAPE: what a decode step asks of the kernel."""
+def _time_in_turns(kind: str, bits: int, group, candidates: list[torch.dtype], device) -> dict[str, float]:
+    """Per dtype (short name): best seconds of one [1, K] x [K, N] call at TIMING_SHAPE, what a decode step asks
+    of the kernel. The dtypes take turns (one call each per round), so a burst of other work slows all of them
+    alike, and on a CPU they run on one thread, so no call waits for a partner thread descheduled by that work."""
     import time
 
     weight = torch.randn(TIMING_SHAPE, generator=torch.Generator().manual_seed(1))
     packed = quantize_rtn(weight, bits=bits, group=group)
-    kernel = layout.int4_for_kernel(packed, dtype, device) if kind == "int4" else layout.int8_for_kernel(packed, dtype, device)
-    x = torch.randn(1, TIMING_SHAPE[1]).to(device, dtype)
-    run = (lambda: layout.int4_mm(x, kernel, group)) if kind == "int4" else (lambda: layout.int8_mm(x, kernel))
-    run()
-    best = float("inf")
-    for _ in range(TIMING_CALLS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
-        if best_so_far is not None and best > 4 * best_so_far:
-            break  # clearly slower: not worth more calls
+    runs = {}
+    for dtype in candidates:
+        kernel = layout.int4_for_kernel(packed, dtype, device) if kind == "int4" else layout.int8_for_kernel(packed, dtype, device)
+        x = torch.randn(1, TIMING_SHAPE[1]).to(device, dtype)
+        runs[dtypes.short_name(dtype)] = (lambda x=x, kernel=kernel: layout.int4_mm(x, kernel, group)) if kind == "int4" \
+            else (lambda x=x, kernel=kernel: layout.int8_mm(x, kernel))
+    best = {name: float("inf") for name in runs}
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        for run in runs.values():
+            run()  # warm-up: first-call allocations and lazy initialisation
+        began = time.perf_counter()
+        for turn in range(TIMING_ROUNDS):
+            if turn >= 3 and time.perf_counter() - began > TIMING_BUDGET_S:
+                break  # the slow dtypes' calls are long enough that three turns rank them
+            for name, run in runs.items():
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                started = time.perf_counter()
+                run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                best[name] = min(best[name], time.perf_counter() - started)
+    finally:
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
     return best
 
 
