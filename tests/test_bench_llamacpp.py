@@ -62,11 +62,24 @@ import json, os, signal, time
 __version__ = "0.0-test"
 STEP_S = 0.01
 
+class _Params:
+    use_extra_bufts = True
+
+class _LowLevel:  # llama_cpp.llama.llama_cpp: where Llama takes its model parameters from
+    @staticmethod
+    def llama_model_default_params():
+        return _Params()
+
+class llama:  # the submodule, as the worker reaches it
+    llama_cpp = _LowLevel
+
 class Llama:
     def __init__(self, **kwargs):
+        extra = llama.llama_cpp.llama_model_default_params().use_extra_bufts
         with open(os.environ["FAKE_LLAMA_LOG"], "w") as f:
-            json.dump(kwargs, f)
-        if os.environ.get("FAKE_LLAMA_CRASH"):
+            json.dump({**kwargs, "use_extra_bufts": extra}, f)
+        crash = os.environ.get("FAKE_LLAMA_CRASH")  # "always", or "repacked": only with the extra buffer types on
+        if crash == "always" or (crash == "repacked" and extra):
             os.kill(os.getpid(), signal.SIGSEGV)
 
     def tokenize(self, text, add_bos=True):
@@ -109,11 +122,25 @@ def test_llamacpp_row_is_timed_like_every_row_in_a_process_of_its_own(fake_llama
 
 
 def test_a_crash_in_llama_cpp_is_a_skipped_row(fake_llama_cpp, tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_LLAMA_CRASH", "1")
+    monkeypatch.setenv("FAKE_LLAMA_CRASH", "always")
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     row = run_llamacpp(gguf, "", "resident", 2, 4, SimpleNamespace(cpu_cores=2, compute_device="cpu"), log=lambda m: None)
     assert row["status"] == "skipped" and row["reason"].startswith("llama.cpp crashed (signal SIGSEGV)")
+    assert "with its extra buffer types off; with them on it crashed (signal SIGSEGV)" in row["reason"]  # tried both
+
+
+def test_a_build_whose_repacked_weights_crash_is_measured_without_them(fake_llama_cpp, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_LLAMA_CRASH", "repacked")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    said = []
+    row = run_llamacpp(gguf, "", "resident", 2, 4, SimpleNamespace(cpu_cores=2, compute_device="cpu"), log=said.append)
+    assert row["status"] == "measured", row
+    assert json.loads(fake_llama_cpp.read_text())["use_extra_bufts"] is False
+    assert row["llamacpp"]["extra_buffers"] == ("its default crashed (signal SIGSEGV); measured with its extra buffer types "
+                                                "off (use_extra_bufts=False)")
+    assert "extra buffer types off" in said[-1]
 
 
 @pytest.mark.realmodel

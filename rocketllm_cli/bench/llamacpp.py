@@ -4,7 +4,9 @@ Measured like every other row (timing.py): the fixed prompt of --prompt-tokens t
 + --tokens tokens, the warm-up left out; each step is timed from one yielded token to the next, as the streamer does.
 The file is mapped (use_mmap, llama.cpp's default), so its weights sit in the page cache as our host tier's do on a
 CPU; n_threads is the profile's usable cores; every layer goes to the GPU when the compute device is one, none on a CPU.
-It runs in a process of its own (llamacpp_worker.py): a crash in native code is a skipped row saying so.
+It runs in a process of its own (llamacpp_worker.py): a crash in native code is a skipped row saying so. A build whose
+repacked weights crash (extra buffer types, such as its AMX or repacked CPU kernels, on a CPU that refuses them) is
+measured once more with those off, and the row says so.
 llama-cpp-python is not a dependency: without it the row is a skip with the install command.
 """
 
@@ -64,6 +66,13 @@ def run_llamacpp(gguf: Path | None, no_gguf: str, regime: str, tokens: int, prom
     request = {"gguf": str(gguf), "n_ctx": prompt_tokens + new + CONTEXT_SLACK, "n_threads": threads, "n_gpu_layers": gpu_layers,
                "prompt_text": PROMPT_TEXT, "prompt_tokens": prompt_tokens, "new_tokens": new}
     answer, why = _run_worker(request)
+    extra = ""
+    if answer is None and why.startswith("llama.cpp crashed"):  # perhaps in its repacked weights: once more without
+        crash = why.removeprefix("llama.cpp ")
+        answer, why = _run_worker({**request, "extra_buffers": False})
+        extra = f"its default {crash}; measured with its extra buffer types off (use_extra_bufts=False)"
+        if answer is None or "skip" in answer:
+            why = f"{why or answer['skip']} (with its extra buffer types off; with them on it {crash})"
     if answer is None or "skip" in answer:
         row["reason"] = why or answer["skip"]
         return row
@@ -74,12 +83,12 @@ def run_llamacpp(gguf: Path | None, no_gguf: str, regime: str, tokens: int, prom
     gaps = [b - a for a, b in pairwise(times)][WARMUP:]
     first, last = marks[WARMUP], marks[-1]
     where = "no GPU layers" if gpu_layers == 0 else "every layer on the GPU"
-    log(f"{regime}: llama.cpp {answer['version']} on {gguf.name}, {threads} threads, {where}")
+    log(f"{regime}: llama.cpp {answer['version']} on {gguf.name}, {threads} threads, {where}{'; ' + extra if extra else ''}")
     row.update(status="measured", ttft_ms=round(1000 * (times[0] - answer["start"]), 1), ms_per_token=ms_summary(gaps),
                storage_witnessed_per_token=(last - first) // len(gaps) if first is not None and last is not None else None,
                bytes_per_token=None,
                llamacpp={"version": answer["version"], "n_threads": threads, "n_gpu_layers": gpu_layers, "use_mmap": True,
-                         "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size})
+                         "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size, **({"extra_buffers": extra} if extra else {})})
     return row
 
 

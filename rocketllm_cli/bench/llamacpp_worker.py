@@ -4,7 +4,8 @@ llama-cpp-python's native code and its OpenMP runtime stay out of bench's proces
 the build uses and the machine refuses) is a skipped row, not a lost bench. Standard library and llama_cpp only:
 llama.cpp is measured as a user runs it, with nothing of rocketllm's loaded beside it.
 
-stdin:  {"gguf", "n_ctx", "n_threads", "n_gpu_layers", "prompt_text", "prompt_tokens", "new_tokens"}
+stdin:  {"gguf", "n_ctx", "n_threads", "n_gpu_layers", "prompt_text", "prompt_tokens", "new_tokens", "extra_buffers"}
+        (extra_buffers false: llama.cpp's extra buffer types off, its repacked weight copies among them)
 stdout: {"skip": reason} or {"version", "start", "times", "marks"}: perf_counter before the prompt went in, after
         each generated token, and /proc/self/io read_bytes after each token.
 """
@@ -32,6 +33,8 @@ def measure(req: dict) -> dict:
         import llama_cpp
     except ImportError:
         return {"skip": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
+    if not req.get("extra_buffers", True) and not without_extra_buffers(llama_cpp):
+        return {"skip": "this llama-cpp-python cannot turn its extra buffer types off (no llama_model_default_params)"}
     llm = llama_cpp.Llama(model_path=req["gguf"], n_ctx=req["n_ctx"], n_threads=req["n_threads"], n_threads_batch=req["n_threads"],
                           n_gpu_layers=req["n_gpu_layers"], use_mmap=True, verbose=False)
     ids = llm.tokenize(req["prompt_text"].encode("utf-8"), add_bos=False)
@@ -51,6 +54,23 @@ def measure(req: dict) -> dict:
     if hasattr(llm, "close"):
         llm.close()
     return {"version": getattr(llama_cpp, "__version__", None), "start": start, "times": times, "marks": marks}
+
+
+def without_extra_buffers(llama_cpp) -> bool:
+    """Make every model this process loads use llama.cpp's plain CPU buffers (use_extra_bufts false): the Llama
+    class takes its model parameters from llama_model_default_params of its low-level module."""
+    low = getattr(getattr(llama_cpp, "llama", None), "llama_cpp", None)
+    default = getattr(low, "llama_model_default_params", None)
+    if default is None:
+        return False
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+    return True
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ def _notes(rows: list[dict]) -> list[str]:
             lc = row["llamacpp"]
             gpu = "no GPU layers" if lc["n_gpu_layers"] == 0 else "every layer on the GPU"
             out.append(f"- {row['regime']}: llamacpp (llama-cpp-python {lc['version']}) computes on {lc['gguf']} as stored "
-                       f"({format_bytes(lc['gguf_bytes'])}, mapped), {lc['n_threads']} threads, {gpu}")
+                       f"({format_bytes(lc['gguf_bytes'])}, mapped), {lc['n_threads']} threads, {gpu}"
+                       + (f"; {lc['extra_buffers']}" if lc.get("extra_buffers") else ""))
     return out
 
 
