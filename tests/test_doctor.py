@@ -36,6 +36,9 @@ def test_text_report_has_every_section_and_json_the_same_fields():
         assert f"| {m['name']} | " in text.stdout
     for c in doc["capabilities"]:
         assert f"| {c['name']} | {c['value']} | " in text.stdout
+    packed = {c["name"]: c for c in doc["capabilities"] if c["name"].startswith("packed_")}
+    assert set(packed) == {"packed_int4", "packed_int8"}  # the kernel probe's dtype, with each dtype's timed call
+    assert all(c["value"] is False or " us" in c["reason"] for c in packed.values())
     for p in doc["optional_packages"]:
         assert f"| {p['package']} | " in text.stdout
     assert doc["profile"]["fingerprint"] in text.stdout

@@ -35,7 +35,7 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
         "cpu": {**facts.get("cpu", {}), "cores_used": profile.cpu_cores},
         "memory": {"ram_total": profile.ram_total, "ram_available": profile.ram_available},
         "accelerators": _accelerators(profile),
-        "capabilities": [c.to_dict() for c in profile.capabilities.values()],
+        "capabilities": [c.to_dict() for c in profile.capabilities.values()] + _packed_kernels(profile.compute_device),
         "optional_packages": [_package(*p) for p in OPTIONAL_PACKAGES],
         "measurements": [m.to_dict() for m in profile.measurements.values()],
         "storage": {k: profile.storage.get(k) for k in ("directory", "mount_point", "fstype", "kind")},
@@ -58,6 +58,30 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
             "plan": {"device_cache_bytes": knobs.value("device_cache_bytes"), "host_cache_bytes": knobs.value("host_cache_bytes")},
         }
     return _redacted(doc)
+
+
+def _packed_kernels(device: str) -> list[dict]:
+    """What packed (int4/int8) weights compute with on the compute device: the kernel probe's answer (packed/probe.py),
+    the activation dtype it chose and each dtype's timed call, so a report shows a slow choice at a glance."""
+    from ...packed.probe import TIMING_SHAPE, capabilities
+
+    n, k = TIMING_SHAPE
+    try:
+        caps = capabilities(device)
+    except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a row saying so, never a failed report
+        return [{"name": "packed_kernels", "value": False, "fallback_taken": "dequantize into scratch",
+                 "reason": f"the kernel probe failed: {type(exc).__name__}: {exc}"}]
+    rows = []
+    for kind in ("int4", "int8"):
+        timed = sorted((t, d) for kd, d, t in caps.seconds if kd == kind)
+        if not timed:
+            rows.append({"name": f"packed_{kind}", "value": False, "fallback_taken": "dequantize into scratch",
+                         "reason": f"no {kind} kernel computed correctly on {device}"})
+            continue
+        calls = ", ".join(f"{d} {t * 1e6:.0f} us" for t, d in timed)
+        rows.append({"name": f"packed_{kind}", "value": f"{timed[0][1]} activations", "fallback_taken": None,
+                     "reason": f"{kind} kernel, fastest dtype of one [1,{k}] x [{k},{n}] call timed in turns on one thread: {calls}"})
+    return rows
 
 
 def _model_note(model: ModelFacts) -> str:
