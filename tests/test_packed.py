@@ -270,11 +270,63 @@ def test_probe_runs_once_per_device_and_its_answer_is_stored(monkeypatch, tmp_pa
         bind(packed, "cpu", dtype)
     assert calls == ["cpu"] and len(answers) == 1
     monkeypatch.setattr(probe_module, "_CACHE", {})  # a later process: reads the stored answer, runs nothing
-    assert capabilities("cpu") == answers.pop() and calls == ["cpu"]
+    answer = answers.pop()
+    assert capabilities("cpu") == answer and calls == ["cpu"]
+    assert {kind for kind, _ in answer.dense} <= {"int4", "int8"} and all(rows in (0, *probe_module.DENSE_ROWS) for _, rows in answer.dense)
     (tmp_path / "kernels.json").write_text("{not json")  # unreadable: probed again, never misread
     monkeypatch.setattr(probe_module, "_CACHE", {})
     capabilities("cpu")
     assert calls == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_multiply_is_the_kernels_weight_a_block_of_rows_at_a_time(bits, dtype, monkeypatch):
+    """dense.py dequantizes the kernel's own form (the CPU int4 code order, its scales and zeros) a block of rows at
+    a time: 208 rows in blocks of 64 (the last a partial block of the AVX-512 order) give F.linear on the weight."""
+    from rocketllm_cli.packed import dense
+
+    monkeypatch.setattr(dense, "CHUNK_VALUES", 64 * 128)  # 64 rows a block: four blocks, the last of 16 rows
+    weight = torch.randn(208, 128, generator=torch.Generator().manual_seed(5))
+    packed = quantize_rtn(weight, bits=bits, group=32 if bits == 4 else 128)
+    bound = bind(packed, "cpu", dtype)
+    if not dense.supported(bound.path, bound.device):
+        pytest.skip(f"no {bound.path} kernel form dense.py can read on this CPU")
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(6)).to(dtype)
+    got = dense.dense_linear(x, bound, Scratch())
+    reference = F.linear(x.float(), dequantize(packed)).to(dtype)  # the weight as the shard holds it
+    scale = reference.float().abs().max()
+    assert got.shape == (40, 208) and got.dtype == dtype
+    assert float((got.float() - reference.float()).abs().max() / scale) <= KERNEL_TOLERANCE[dtype]
+    kernel = bound.fast(x)  # and the kernel on the same bound weight
+    assert float((got.float() - kernel.float()).abs().max() / scale) <= KERNEL_TOLERANCE[dtype]
+
+
+def test_linear_multiplies_densely_from_the_probes_row_count(monkeypatch):
+    import dataclasses
+
+    from rocketllm_cli.packed import compute, dense
+
+    calls = []
+    real = dense.dense_linear
+    monkeypatch.setattr(dense, "dense_linear", lambda x, w, scratch=None: calls.append(x.shape[0]) or real(x, w, Scratch()))
+    packed = quantize_rtn(torch.randn(64, 64, generator=torch.Generator().manual_seed(7)), bits=4, group=32)
+    bound = bind(packed, "cpu", torch.bfloat16)
+    if bound.path != "int4" or not dense.supported("int4", bound.device):
+        pytest.skip("no int4 kernel form dense.py can read on this CPU")
+    bound = dataclasses.replace(bound, dense_rows=4, fast=None, fast_numel=0)  # as bind makes it from a probe saying 4
+    assert bound.fast_numel == 4 * 64
+    module = torch.nn.Linear(64, 64, bias=False)
+    from rocketllm_cli.stream.packedbind import make_packed
+
+    make_packed(module, "w", "a test")
+    module.packed_weight = bound
+    small, large = torch.randn(1, 3, 64).bfloat16(), torch.randn(1, 4, 64).bfloat16()
+    assert torch.equal(module(small), bound.fast(small)) and calls == []  # under 4 rows: the kernel
+    assert torch.allclose(module(large).float(), bound.fast(large).float(), rtol=0, atol=2e-2 * float(bound.fast(large).abs().max()))
+    assert calls == [4]
+    compute.linear(large[0], bound, torch.zeros(64, dtype=torch.bfloat16))  # with a bias, through linear(): dense too
+    assert calls == [4, 4]
 
 
 def test_a_burst_of_other_work_does_not_reverse_which_dtype_is_fastest(monkeypatch):

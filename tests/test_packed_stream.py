@@ -85,6 +85,32 @@ def test_packed_stream_equals_transformers_on_the_dequantized_weights(quantized,
     assert torch.allclose(logits, want, atol=1e-4, rtol=1e-4), float((logits - want).abs().max())
 
 
+@pytest.mark.parametrize("residency", ["none", "all"])
+def test_a_pass_of_many_rows_multiplied_densely_equals_transformers(quantized, residency, monkeypatch):
+    """From the probe's row count on (2 here, so the 7-token prompt), packed weights are dequantized a block of rows
+    at a time and multiplied densely (packed/dense.py): the prompt's logits and the greedy tokens stay transformers'."""
+    from rocketllm_cli.packed import compute, dense
+
+    mode, manifest, directory, reference = quantized
+    if not dense.supported(mode, torch.device("cpu")):
+        pytest.skip(f"no {mode} kernel form dense.py can read on this CPU")
+    compute.capabilities("cpu")  # the kernel probe runs its own dense multiplies: before they are counted
+    rows = []
+    real = dense.dense_linear
+    monkeypatch.setattr(compute, "dense_rows", lambda path, dtype, device: 2)
+    monkeypatch.setattr(dense, "dense_linear", lambda x, weight, scratch=None: rows.append(x.shape[0]) or real(x, weight))
+    device = {"none": 0, "all": HUGE}[residency]
+    with StreamingModel(directory, EngineConfig(compute_dtype="fp32", device_cache_bytes=device, host_cache_bytes=0)) as model:
+        got = _greedy(model)
+        with torch.inference_mode():
+            logits = model(PROMPT).logits
+    with torch.inference_mode():
+        want = reference(PROMPT).logits
+    assert rows and set(rows) == {PROMPT.shape[1]}  # the prompts went dense, every decode step through the kernel
+    assert torch.equal(got, _greedy(reference))
+    assert torch.allclose(logits, want, atol=1e-4, rtol=1e-4), float((logits - want).abs().max())
+
+
 def test_storage_regime_moves_the_packed_bytes(quantized):
     mode, manifest, directory, _ = quantized
     with StreamingModel(directory, EngineConfig(compute_dtype="fp32")) as model:

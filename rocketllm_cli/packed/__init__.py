@@ -8,7 +8,8 @@
 Modules: format (descriptors and PackedTensor), nibbles (4-bit code order), fromgguf (GGUF blocks -> portable),
 fromint (compressed-tensors, GPTQ and AWQ integer codes -> portable),
 rtn (round-to-nearest quantization), dequant (portable -> float), scratch (the one reusable buffer), layout
-(portable -> torch's kernel layouts, the op calls), probe (which kernels work on a device), compute (bind, linear).
+(portable -> torch's kernel layouts, the op calls), probe (which kernels work on a device), dense (a kernel-bound
+weight multiplied densely for many rows), compute (bind, linear).
 
 Importing the package is cheap: each name below loads its module (and torch) when first used.
 """

@@ -1,5 +1,7 @@
 """y = x·Wᵀ + b on a packed W: through a low-bit kernel where the probe found one for the device and dtype,
-else by dequantizing W into the scratch buffer just before the matmul.
+else by dequantizing W into the scratch buffer just before the matmul. A pass of many rows (a prefill) on a
+kernel-bound weight is multiplied densely a block of rows at a time (dense.py) from the row count the probe
+measured that to be faster.
 
     bound = bind(packed, "cpu", torch.bfloat16)     # once per weight: the kernel layout (or the portable parts)
     y = linear(x, bound, bias)                      # every call: x [*, K] -> [*, N]
@@ -7,13 +9,14 @@ else by dequantizing W into the scratch buffer just before the matmul.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from .. import dtypes
-from . import layout
+from . import dense, layout
 from .dequant import dequantize_into
 from .format import PackedFormat, PackedTensor
 from .probe import capabilities
@@ -35,10 +38,14 @@ class BoundWeight:
     # x [*, K] contiguous, non-empty, in `dtype`, no bias -> the kernel's [*, N]: the packed Linear's per-call path
     # (linear()'s checks and branches are a quarter of a small matvec's time)
     fast: object = field(default=None, repr=False)
+    dense_rows: int = 0  # from this many rows of x on, dequantize a block at a time and multiply densely (0: never)
+    fast_numel: int = field(default=sys.maxsize, repr=False)  # x.numel() below which `fast` serves (dense_rows · K)
 
     def __post_init__(self) -> None:
         if self.fast is None and self.path in ("int4", "int8"):
             self.fast = _fast_call(self)
+        if self.dense_rows:
+            self.fast_numel = self.dense_rows * self.format.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -73,13 +80,22 @@ def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16
     kernel=False always dequantizes into scratch."""
     device = torch.device(device)
     path = kernel_path(packed.format, dtype, device) if kernel else "scratch"
-    if path == "int4":
-        return BoundWeight(packed.format, dtype, device, path, kernel=layout.int4_for_kernel(packed, dtype, device))
-    if path == "int8":
-        return BoundWeight(packed.format, dtype, device, path, kernel=layout.int8_for_kernel(packed, dtype, device))
+    if path in ("int4", "int8"):
+        rows = dense_rows(path, dtype, device)
+        made = layout.int4_for_kernel(packed, dtype, device) if path == "int4" else layout.int8_for_kernel(packed, dtype, device)
+        return BoundWeight(packed.format, dtype, device, path, kernel=made, dense_rows=rows)
     # gguf's dequantize runs on the host, so raw blocks stay there; only the float weight goes to the device
     portable = packed if packed.format.kind == "gguf" else packed.to(device)
     return BoundWeight(packed.format, dtype, device, path, portable=portable)
+
+
+def dense_rows(path: str, dtype: torch.dtype, device) -> int:
+    """From how many rows of x a weight bound for `path` in `dtype` is multiplied densely (0: never): the probe's
+    crossover, measured for the kernel's fastest dtype, where dense.py can dequantize this device's kernel form."""
+    caps = capabilities(device)
+    if not dense.supported(path, device) or caps.fastest(path) != dtypes.short_name(dtype):
+        return 0
+    return caps.dense_from(path)
 
 
 def _fast_call(weight: BoundWeight):
@@ -112,6 +128,8 @@ def linear(x: torch.Tensor, weight: BoundWeight, bias: torch.Tensor | None = Non
     kernel = weight.kernel
     if rows.shape[0] == 0:
         out = rows.new_zeros((0, n))
+    elif weight.dense_rows and rows.shape[0] >= weight.dense_rows:
+        out = dense.dense_linear(rows, weight, scratch)
     elif path == "int4":
         out = layout.int4_mm(rows, kernel, weight.format.group)
     else:

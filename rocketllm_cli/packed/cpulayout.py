@@ -56,8 +56,15 @@ def to_layout(rows: torch.Tensor, name: str) -> torch.Tensor:
 
 def from_layout(packed: torch.Tensor, name: str) -> torch.Tensor:
     """The inverse of to_layout: codes in layout `name` -> portable uint8 [N, K/2]."""
+    return packed if name == "rows" else nibbles.pack(codes(packed, name))
+
+
+def codes(packed: torch.Tensor, name: str) -> torch.Tensor:
+    """Codes in layout `name` (uint8 [N, K/2]) -> one code a byte in row order, uint8 [N, K] in 0..15. A slice of
+    whole blocks of rows (a multiple of BLOCK[name] rows from the start, the partial last block included) is a
+    weight of its own in the same layout, so a weight can be unpacked a row block at a time."""
     if name == "rows":
-        return packed
+        return nibbles.unpack(packed)
     n, k = packed.shape[0], packed.shape[1] * 2
     flat = packed.reshape(-1)
     block = BLOCK[name]
@@ -74,7 +81,7 @@ def from_layout(packed: torch.Tensor, name: str) -> torch.Tensor:
         part = flat[offset : offset + rows * k // 2].reshape(k, rows // 2).transpose(0, 1)  # [rows/2, K]
         out[start : start + rows] = torch.stack((part & 0x0F, part >> 4), dim=1).reshape(rows, k)
         offset += rows * k // 2
-    return nibbles.pack(out)
+    return out
 
 
 @functools.cache

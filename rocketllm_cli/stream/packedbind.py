@@ -44,7 +44,7 @@ class _PackedForward:
             raise UnboundWeightError(f"{self.packed_where} was used while its unit is not bound")
         fast = bound.fast
         if fast is not None and not self.packed_bias and x.dtype == bound.dtype and x.shape[-1] == bound.format.shape[1] \
-                and x.is_contiguous() and x.numel():
+                and x.is_contiguous() and 0 < x.numel() < bound.fast_numel:
             return fast(x)
         return compute.linear(x, bound, self.bias)  # per call: no import machinery (the package's names are lazy)
 
@@ -166,10 +166,11 @@ def _direct_int4(fmt: PackedFormat, device: torch.device, dtype: torch.dtype):
     stored = dtypes.torch_dtype(fmt.scale_dtype)
     codes_end, sz_end = codes_at + n * k // 2, sz_at + fmt.groups * 2 * n * stored.itemsize
     tiles = layout.inner_k_tiles(k)
+    dense_rows = compute.dense_rows("int4", dtype, device)
 
     def bound(data: torch.Tensor):
         sz = data[sz_at:sz_end].view(stored).view(fmt.groups, n, 2)
         kernel = {"weight": data[codes_at:codes_end].view(n, k // 2), "scales_and_zeros": sz if stored == dtype else sz.to(dtype), "tiles": tiles}
-        return compute.BoundWeight(fmt, dtype, device, "int4", kernel=kernel)
+        return compute.BoundWeight(fmt, dtype, device, "int4", kernel=kernel, dense_rows=dense_rows)
 
     return bound
