@@ -272,7 +272,8 @@ def test_probe_runs_once_per_device_and_its_answer_is_stored(monkeypatch, tmp_pa
     monkeypatch.setattr(probe_module, "_CACHE", {})  # a later process: reads the stored answer, runs nothing
     answer = answers.pop()
     assert capabilities("cpu") == answer and calls == ["cpu"]
-    assert {kind for kind, _ in answer.dense} <= {"int4", "int8"} and all(rows in (0, *probe_module.DENSE_ROWS) for _, rows in answer.dense)
+    assert {kind for kind, _, _ in answer.dense} <= {"int4", "int8"}
+    assert all(rows in (0, *probe_module.DENSE_ROWS) and dtype in ("bf16", "fp16", "fp32") for _, rows, dtype in answer.dense)
     (tmp_path / "kernels.json").write_text("{not json")  # unreadable: probed again, never misread
     monkeypatch.setattr(probe_module, "_CACHE", {})
     capabilities("cpu")
@@ -280,7 +281,7 @@ def test_probe_runs_once_per_device_and_its_answer_is_stored(monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 kernel, fp32 multiply"])
 def test_dense_multiply_is_the_kernels_weight_a_block_of_rows_at_a_time(bits, dtype, monkeypatch):
     """dense.py dequantizes the kernel's own form (the CPU int4 code order, its scales and zeros) a block of rows at
     a time: 208 rows in blocks of 64 (the last a partial block of the AVX-512 order) give F.linear on the weight."""
@@ -289,7 +290,13 @@ def test_dense_multiply_is_the_kernels_weight_a_block_of_rows_at_a_time(bits, dt
     monkeypatch.setattr(dense, "CHUNK_VALUES", 64 * 128)  # 64 rows a block: four blocks, the last of 16 rows
     weight = torch.randn(208, 128, generator=torch.Generator().manual_seed(5))
     packed = quantize_rtn(weight, bits=bits, group=32 if bits == 4 else 128)
+    wide = dtype == "bf16 kernel, fp32 multiply"  # where the probe found bf16 matmuls slow (no native bf16)
+    dtype = torch.bfloat16 if wide else dtype
     bound = bind(packed, "cpu", dtype)
+    if wide:
+        import dataclasses
+
+        bound = dataclasses.replace(bound, dense_dtype=torch.float32)
     if not dense.supported(bound.path, bound.device):
         pytest.skip(f"no {bound.path} kernel form dense.py can read on this CPU")
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(6)).to(dtype)

@@ -97,7 +97,7 @@ def test_a_pass_of_many_rows_multiplied_densely_equals_transformers(quantized, r
     compute.capabilities("cpu")  # the kernel probe runs its own dense multiplies: before they are counted
     rows = []
     real = dense.dense_linear
-    monkeypatch.setattr(compute, "dense_rows", lambda path, dtype, device: 2)
+    monkeypatch.setattr(compute, "dense_plan", lambda path, dtype, device: (2, None))
     monkeypatch.setattr(dense, "dense_linear", lambda x, weight, scratch=None: rows.append(x.shape[0]) or real(x, weight))
     device = {"none": 0, "all": HUGE}[residency]
     with StreamingModel(directory, EngineConfig(compute_dtype="fp32", device_cache_bytes=device, host_cache_bytes=0)) as model:

@@ -39,6 +39,7 @@ class BoundWeight:
     # (linear()'s checks and branches are a quarter of a small matvec's time)
     fast: object = field(default=None, repr=False)
     dense_rows: int = 0  # from this many rows of x on, dequantize a block at a time and multiply densely (0: never)
+    dense_dtype: torch.dtype | None = None  # the dtype that dense multiply runs in (None: `dtype`)
     fast_numel: int = field(default=sys.maxsize, repr=False)  # x.numel() below which `fast` serves (dense_rows · K)
 
     def __post_init__(self) -> None:
@@ -81,21 +82,23 @@ def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16
     device = torch.device(device)
     path = kernel_path(packed.format, dtype, device) if kernel else "scratch"
     if path in ("int4", "int8"):
-        rows = dense_rows(path, dtype, device)
+        rows, in_dtype = dense_plan(path, dtype, device)
         made = layout.int4_for_kernel(packed, dtype, device) if path == "int4" else layout.int8_for_kernel(packed, dtype, device)
-        return BoundWeight(packed.format, dtype, device, path, kernel=made, dense_rows=rows)
+        return BoundWeight(packed.format, dtype, device, path, kernel=made, dense_rows=rows, dense_dtype=in_dtype)
     # gguf's dequantize runs on the host, so raw blocks stay there; only the float weight goes to the device
     portable = packed if packed.format.kind == "gguf" else packed.to(device)
     return BoundWeight(packed.format, dtype, device, path, portable=portable)
 
 
-def dense_rows(path: str, dtype: torch.dtype, device) -> int:
-    """From how many rows of x a weight bound for `path` in `dtype` is multiplied densely (0: never): the probe's
-    crossover, measured for the kernel's fastest dtype, where dense.py can dequantize this device's kernel form."""
+def dense_plan(path: str, dtype: torch.dtype, device) -> tuple[int, torch.dtype | None]:
+    """(from how many rows of x a weight bound for `path` in `dtype` is multiplied densely, in which dtype); (0, None):
+    never. The probe's crossover, measured for the kernel's fastest dtype, where dense.py can read this device's
+    kernel form."""
     caps = capabilities(device)
     if not dense.supported(path, device) or caps.fastest(path) != dtypes.short_name(dtype):
-        return 0
-    return caps.dense_from(path)
+        return 0, None
+    rows, in_dtype = caps.dense_from(path)
+    return (rows, dtypes.torch_dtype(in_dtype)) if rows else (0, None)
 
 
 def _fast_call(weight: BoundWeight):

@@ -6,7 +6,7 @@ torch's CPU int4 kernel is a matrix-vector kernel run once per row of x: on an A
 is 4.7x faster. The probe (probe.py) measures from how many rows that holds on this machine (`dense_rows`);
 below it the kernel runs, as it does for every decode step.
 
-    out = dense_linear(x, bound)    # x [M, K] contiguous in bound.dtype -> [M, N]
+    out = dense_linear(x, bound)    # x [M, K] contiguous in bound.dtype -> [M, N], multiplied in bound.dense_dtype
 
 The weight never exists whole in float: CHUNK_VALUES of it at a time are dequantized into the scratch buffer and
 multiplied, so the extra memory is a few MiB whatever the layer's size.
@@ -34,9 +34,12 @@ def supported(path: str, device: torch.device) -> bool:
 
 
 def dense_linear(x: torch.Tensor, weight, scratch: Scratch = SCRATCH) -> torch.Tensor:
-    """x [M, K] contiguous in weight.dtype -> x·Wᵀ [M, N] for a weight bound for the int4 or int8 kernel (compute.BoundWeight)."""
+    """x [M, K] contiguous in weight.dtype -> x·Wᵀ [M, N] in weight.dtype for a weight bound for the int4 or int8 kernel
+    (compute.BoundWeight), multiplied in weight.dense_dtype (fp32 where the probe found bf16 matmuls slow)."""
     n, k = weight.format.shape
-    dtype, device = weight.dtype, x.device
+    dtype, device = weight.dense_dtype or weight.dtype, x.device
+    if x.dtype != dtype:
+        return dense_linear(x.to(dtype), weight, scratch).to(x.dtype)
     rows = min(n, max(ROW_ALIGN, CHUNK_VALUES // k // ROW_ALIGN * ROW_ALIGN))
     groups = k // weight.format.group if weight.path == "int4" else 1
     wide = dtype == torch.float32

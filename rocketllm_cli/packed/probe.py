@@ -9,7 +9,8 @@ gives a wrong answer (a layout this code does not know) is simply not used, and 
 the scratch buffer instead.
 
 For the fastest dtype it also finds from how many rows of x a dense multiply (dense.py: dequantize a block of rows,
-F.linear) beats the kernel, whose time grows with every row: halving from DENSE_ROWS[0] while dense stays faster.
+F.linear) beats the kernel, whose time grows with every row, and in which dtype: the kernel's own or fp32, whichever
+multiplies DENSE_ROWS[0] rows faster (bf16 matmuls are slow without native bf16), then halving while dense stays faster.
 
 Which dtype is fastest is timed so that a busy machine cannot reverse the answer: the dtypes take turns, round
 after round, on one thread, and each keeps its fastest call. Timed one dtype after another on every core, a
@@ -37,7 +38,7 @@ TIMING_ROUNDS = 12  # each dtype's best of this many turns, after a warm-up call
 TIMING_BUDGET_S = 0.25  # rounds stop once they have taken this long (at least three are run)
 DENSE_ROWS = (512, 256, 128, 64, 32, 16)  # rows of x tried for the dense crossover, largest first
 DENSE_ROUNDS = 3  # each side's best of this many turns at each row count
-PROBE_FORMAT = 3  # stored answers of another method are probed again (1: one dtype after another, all cores; 2: no dense rows)
+PROBE_FORMAT = 4  # stored answers of another method are probed again (1: one dtype after another, all cores; 2-3: no dense dtype)
 
 _CACHE: dict[str, Capabilities] = {}
 
@@ -50,7 +51,7 @@ class Capabilities:
     int4: tuple[str, ...]
     int8: tuple[str, ...]
     seconds: tuple[tuple[str, str, float], ...] = ()  # (kind, dtype, best seconds of a decode-shaped call)
-    dense: tuple[tuple[str, int], ...] = ()  # (kind, rows of x from which the dense multiply was faster; 0: never)
+    dense: tuple[tuple[str, int, str], ...] = ()  # (kind, rows of x from which a dense multiply was faster (0: never), its dtype)
 
     def supports(self, kind: str, dtype: torch.dtype) -> bool:
         return dtypes.short_name(dtype) in getattr(self, kind, ())
@@ -60,9 +61,10 @@ class Capabilities:
         timed = [(t, d) for k, d, t in self.seconds if k == kind]
         return min(timed)[1] if timed else None
 
-    def dense_from(self, kind: str) -> int:
-        """Rows of x from which `kind`'s weights multiply faster dequantized than through the kernel (0: never)."""
-        return next((rows for k, rows in self.dense if k == kind), 0)
+    def dense_from(self, kind: str) -> tuple[int, str | None]:
+        """(rows of x from which `kind`'s weights multiply faster dequantized than through the kernel, in which dtype);
+        (0, None): never."""
+        return next(((rows, dtype) for k, rows, dtype in self.dense if k == kind and rows), (0, None))
 
 
 def capabilities(device="cpu") -> Capabilities:
@@ -93,7 +95,7 @@ def _stored(key: str) -> Capabilities | None:
         if doc is None or doc.get("probe_format") != PROBE_FORMAT:
             return None
         seconds = tuple((str(k), str(d), float(t)) for k, d, t in doc.get("seconds", ()))
-        dense = tuple((str(k), int(rows)) for k, rows in doc.get("dense_rows", {}).items())
+        dense = tuple((str(k), int(rows), str(dtype)) for k, (rows, dtype) in doc.get("dense_rows", {}).items())
         return Capabilities(key, tuple(doc["int4"]), tuple(doc["int8"]), seconds, dense)
     except (OSError, KeyError, TypeError, ValueError):
         return None  # unreadable or of another shape: probe again
@@ -107,7 +109,7 @@ def _store(caps: Capabilities) -> None:
         doc = read_json(path) or {}
         doc.pop("cache_format", None)
         doc[caps.device] = {"int4": list(caps.int4), "int8": list(caps.int8), "seconds": [list(s) for s in caps.seconds],
-                            "dense_rows": dict(caps.dense), "probe_format": PROBE_FORMAT}
+                            "dense_rows": {k: [rows, dtype] for k, rows, dtype in caps.dense}, "probe_format": PROBE_FORMAT}
         write_json(path, doc)
     except OSError:
         pass  # a read-only cache: the answer stays this process's
@@ -121,7 +123,7 @@ def probe(device) -> Capabilities:
     x = torch.randn(TRIAL_ROWS, TRIAL_SHAPE[1], generator=generator)
     found: dict[str, list[str]] = {"int4": [], "int8": []}
     timed: list[tuple[str, str, float]] = []
-    dense_from: list[tuple[str, int]] = []
+    dense_from: list[tuple[str, int, str]] = []
     for kind, bits, group in (("int4", 4, 32), ("int8", 8, None)):
         packed = quantize_rtn(weight, bits=bits, group=group)
         reference = torch.nn.functional.linear(x, dequantize(packed))
@@ -136,7 +138,7 @@ def probe(device) -> Capabilities:
         best = _time_in_turns(kind, bits, group, [dtypes.torch_dtype(n) for n in found[kind]], device)
         timed += [(kind, name, best[name]) for name in found[kind]]
         if best and dense.supported(kind, device):
-            dense_from.append((kind, _dense_crossover(kind, bits, group, dtypes.torch_dtype(min(best, key=best.get)), device)))
+            dense_from.append((kind, *_dense_crossover(kind, bits, group, dtypes.torch_dtype(min(best, key=best.get)), device)))
     return Capabilities(str(device), tuple(found["int4"]), tuple(found["int8"]), tuple(timed), tuple(dense_from))
 
 
@@ -179,9 +181,9 @@ def _time_in_turns(kind: str, bits: int, group, candidates: list[torch.dtype], d
     return best
 
 
-def _dense_crossover(kind: str, bits: int, group, dtype: torch.dtype, device) -> int:
-    """The fewest rows of x (of DENSE_ROWS) from which dense.dense_linear beat the kernel at TIMING_SHAPE and at
-    every larger count tried; 0 where it lost at the most rows. Both take turns on one thread, as above."""
+def _dense_crossover(kind: str, bits: int, group, dtype: torch.dtype, device) -> tuple[int, str]:
+    """(the fewest rows of x, of DENSE_ROWS, from which dense.dense_linear beat the kernel at TIMING_SHAPE and at every
+    larger count tried (0: it lost at the most rows), the dtype it multiplied in). Sides take turns on one thread."""
     import time
 
     from .compute import BoundWeight
@@ -190,15 +192,19 @@ def _dense_crossover(kind: str, bits: int, group, dtype: torch.dtype, device) ->
     weight = torch.randn(TIMING_SHAPE, generator=torch.Generator().manual_seed(2))
     packed = quantize_rtn(weight, bits=bits, group=group)
     made = layout.int4_for_kernel(packed, dtype, device) if kind == "int4" else layout.int8_for_kernel(packed, dtype, device)
-    bound = BoundWeight(packed.format, dtype, torch.device(device), kind, kernel=made)
+    choices = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
+    bounds = {d: BoundWeight(packed.format, dtype, torch.device(device), kind, kernel=made, dense_dtype=d) for d in choices}
     scratch = Scratch()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    found = 0
+    found, chosen = 0, choices[0]
     try:
         for rows in DENSE_ROWS:
             x = torch.randn(rows, TIMING_SHAPE[1]).to(device, dtype)
-            sides = {"kernel": lambda: bound.fast(x), "dense": lambda: dense.dense_linear(x, bound, scratch)}
+            kernel = bounds[chosen].fast
+            sides = {"kernel": lambda: kernel(x)}
+            for d in (choices if rows == DENSE_ROWS[0] else [chosen]):  # the dtype is chosen at the most rows
+                sides[d] = lambda b=bounds[d]: dense.dense_linear(x, b, scratch)
             best = {side: float("inf") for side in sides}
             for run in sides.values():
                 run()  # warm-up
@@ -207,12 +213,14 @@ def _dense_crossover(kind: str, bits: int, group, dtype: torch.dtype, device) ->
                     started = time.perf_counter()
                     run()
                     best[side] = min(best[side], time.perf_counter() - started)
-            if best["dense"] >= best["kernel"]:
+            kernel_s = best.pop("kernel")
+            chosen = min(best, key=best.get)
+            if best[chosen] >= kernel_s:
                 break
             found = rows
     finally:
         torch.set_num_threads(threads)
-    return found
+    return found, dtypes.short_name(chosen)
 
 
 def _run(kind: str, packed, x: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:

@@ -166,11 +166,11 @@ def _direct_int4(fmt: PackedFormat, device: torch.device, dtype: torch.dtype):
     stored = dtypes.torch_dtype(fmt.scale_dtype)
     codes_end, sz_end = codes_at + n * k // 2, sz_at + fmt.groups * 2 * n * stored.itemsize
     tiles = layout.inner_k_tiles(k)
-    dense_rows = compute.dense_rows("int4", dtype, device)
+    dense_rows, dense_dtype = compute.dense_plan("int4", dtype, device)
 
     def bound(data: torch.Tensor):
         sz = data[sz_at:sz_end].view(stored).view(fmt.groups, n, 2)
         kernel = {"weight": data[codes_at:codes_end].view(n, k // 2), "scales_and_zeros": sz if stored == dtype else sz.to(dtype), "tiles": tiles}
-        return compute.BoundWeight(fmt, dtype, device, "int4", kernel=kernel, dense_rows=dense_rows)
+        return compute.BoundWeight(fmt, dtype, device, "int4", kernel=kernel, dense_rows=dense_rows, dense_dtype=dense_dtype)
 
     return bound
