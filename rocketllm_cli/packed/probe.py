@@ -144,10 +144,7 @@ def probe(device) -> Capabilities:
 
 def _time_in_turns(kind: str, bits: int, group, candidates: list[torch.dtype], device) -> dict[str, float]:
     """Per dtype (short name): best seconds of one [1, K] x [K, N] call at TIMING_SHAPE, what a decode step asks
-    of the kernel. The dtypes take turns (one call each per round), so a burst of other work slows all of them
-    alike, and on a CPU they run on one thread, so no call waits for a partner thread descheduled by that work."""
-    import time
-
+    of the kernel."""
     weight = torch.randn(TIMING_SHAPE, generator=torch.Generator().manual_seed(1))
     packed = quantize_rtn(weight, bits=bits, group=group)
     runs = {}
@@ -156,36 +153,12 @@ def _time_in_turns(kind: str, bits: int, group, candidates: list[torch.dtype], d
         x = torch.randn(1, TIMING_SHAPE[1]).to(device, dtype)
         runs[dtypes.short_name(dtype)] = (lambda x=x, kernel=kernel: layout.int4_mm(x, kernel, group)) if kind == "int4" \
             else (lambda x=x, kernel=kernel: layout.int8_mm(x, kernel))
-    best = {name: float("inf") for name in runs}
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        for run in runs.values():
-            run()  # warm-up: first-call allocations and lazy initialisation
-        began = time.perf_counter()
-        for turn in range(TIMING_ROUNDS):
-            if turn >= 3 and time.perf_counter() - began > TIMING_BUDGET_S:
-                break  # the slow dtypes' calls are long enough that three turns rank them
-            for name, run in runs.items():
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                started = time.perf_counter()
-                run()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                best[name] = min(best[name], time.perf_counter() - started)
-    finally:
-        if device.type == "cpu":
-            torch.set_num_threads(threads)
-    return best
+    return _best_in_turns(runs, device, TIMING_ROUNDS, TIMING_BUDGET_S)
 
 
 def _dense_crossover(kind: str, bits: int, group, dtype: torch.dtype, device) -> tuple[int, str]:
     """(the fewest rows of x, of DENSE_ROWS, from which dense.dense_linear beat the kernel at TIMING_SHAPE and at every
-    larger count tried (0: it lost at the most rows), the dtype it multiplied in). Sides take turns on one thread."""
-    import time
-
+    larger count tried (0: it lost at the most rows), the dtype it multiplied in)."""
     from .compute import BoundWeight
     from .scratch import Scratch
 
@@ -195,32 +168,51 @@ def _dense_crossover(kind: str, bits: int, group, dtype: torch.dtype, device) ->
     choices = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
     bounds = {d: BoundWeight(packed.format, dtype, torch.device(device), kind, kernel=made, dense_dtype=d) for d in choices}
     scratch = Scratch()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     found, chosen = 0, choices[0]
-    try:
-        for rows in DENSE_ROWS:
-            x = torch.randn(rows, TIMING_SHAPE[1]).to(device, dtype)
-            kernel = bounds[chosen].fast
-            sides = {"kernel": lambda: kernel(x)}
-            for d in (choices if rows == DENSE_ROWS[0] else [chosen]):  # the dtype is chosen at the most rows
-                sides[d] = lambda b=bounds[d]: dense.dense_linear(x, b, scratch)
-            best = {side: float("inf") for side in sides}
-            for run in sides.values():
-                run()  # warm-up
-            for _ in range(DENSE_ROUNDS):
-                for side, run in sides.items():
-                    started = time.perf_counter()
-                    run()
-                    best[side] = min(best[side], time.perf_counter() - started)
-            kernel_s = best.pop("kernel")
-            chosen = min(best, key=best.get)
-            if best[chosen] >= kernel_s:
-                break
-            found = rows
-    finally:
-        torch.set_num_threads(threads)
+    for rows in DENSE_ROWS:
+        x = torch.randn(rows, TIMING_SHAPE[1]).to(device, dtype)
+        runs = {"kernel": lambda kernel=bounds[chosen].fast: kernel(x)}
+        for d in (choices if rows == DENSE_ROWS[0] else [chosen]):  # the dtype is chosen at the most rows
+            runs[d] = lambda b=bounds[d]: dense.dense_linear(x, b, scratch)
+        best = _best_in_turns(runs, device, DENSE_ROUNDS)
+        kernel_s = best.pop("kernel")
+        chosen = min(best, key=best.get)
+        if best[chosen] >= kernel_s:
+            break
+        found = rows
     return found, dtypes.short_name(chosen)
+
+
+def _best_in_turns(runs: dict, device, rounds: int, budget_s: float | None = None) -> dict:
+    """Best seconds of each run after a warm-up call each, the runs taking turns (one call each per round, at least
+    three rounds, fewer than `rounds` once `budget_s` is spent), so a burst of other work slows them all alike; on a
+    CPU on one thread, so no call waits for a partner thread descheduled by that work."""
+    import time
+
+    best = {name: float("inf") for name in runs}
+    cpu, cuda = torch.device(device).type == "cpu", torch.device(device).type == "cuda"
+    threads = torch.get_num_threads()
+    if cpu:
+        torch.set_num_threads(1)
+    try:
+        for run in runs.values():
+            run()  # warm-up: first-call allocations and lazy initialisation
+        began = time.perf_counter()
+        for turn in range(rounds):
+            if turn >= 3 and budget_s is not None and time.perf_counter() - began > budget_s:
+                break  # the slow runs' calls are long enough that three turns rank them
+            for name, run in runs.items():
+                if cuda:
+                    torch.cuda.synchronize(device)
+                started = time.perf_counter()
+                run()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                best[name] = min(best[name], time.perf_counter() - started)
+    finally:
+        if cpu:
+            torch.set_num_threads(threads)
+    return best
 
 
 def _run(kind: str, packed, x: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
