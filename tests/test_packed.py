@@ -355,10 +355,8 @@ def test_a_burst_of_other_work_does_not_reverse_which_dtype_is_fastest(monkeypat
     caps = probe_module.probe("cpu")
     assert stalls["left"] == 0 and torch.get_num_threads() == threads  # stalled as planned; the thread count restored
     seconds = {d: t for k, d, t in caps.seconds if k == "int4"}
-    assert seconds["bf16"] < 0.05 and set(seconds) == set(caps.int4)
+    assert seconds["bf16"] < 0.05 and set(seconds) == set(caps.int4)  # bf16's time is a call the stall did not hit
     assert caps.fastest("int4") == min(seconds, key=seconds.get)
-    if "bf16" in caps.int4 and "fp16" in caps.int4:  # torch's CPU int4 kernel: bf16 is vectorised, fp16 is not
-        assert caps.fastest("int4") != "fp16"
 
 
 def test_an_answer_timed_by_the_earlier_method_is_probed_again(monkeypatch, tmp_path):
