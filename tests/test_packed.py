@@ -353,6 +353,8 @@ def test_a_burst_of_other_work_does_not_reverse_which_dtype_is_fastest(monkeypat
     monkeypatch.setattr(probe_module.layout, "int4_mm", stalled)
     threads = torch.get_num_threads()
     caps = probe_module.probe("cpu")
+    if "bf16" not in caps.int4:
+        pytest.skip("this CPU's int4 kernel does not take bf16 activations")
     assert stalls["left"] == 0 and torch.get_num_threads() == threads  # stalled as planned; the thread count restored
     seconds = {d: t for k, d, t in caps.seconds if k == "int4"}
     assert seconds["bf16"] < 0.05 and set(seconds) == set(caps.int4)  # bf16's time is a call the stall did not hit
