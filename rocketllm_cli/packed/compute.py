@@ -83,7 +83,7 @@ def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16
     path = kernel_path(packed.format, dtype, device) if kernel else "scratch"
     if path in ("int4", "int8"):
         rows, in_dtype = dense_plan(path, dtype, device)
-        made = layout.int4_for_kernel(packed, dtype, device) if path == "int4" else layout.int8_for_kernel(packed, dtype, device)
+        made = layout.for_kernel(path, packed, dtype, device)
         return BoundWeight(packed.format, dtype, device, path, kernel=made, dense_rows=rows, dense_dtype=in_dtype)
     # gguf's dequantize runs on the host, so raw blocks stay there; only the float weight goes to the device
     portable = packed if packed.format.kind == "gguf" else packed.to(device)

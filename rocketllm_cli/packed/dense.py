@@ -3,7 +3,7 @@ prefill, a perplexity window), where the low-bit kernel's time grows with every 
 
 torch's CPU int4 kernel is a matrix-vector kernel run once per row of x: on an AMX Xeon a [1536, 576] weight costs
 ~11 us a row (5.7 ms for 512 rows), while dequantizing it (0.7 ms) and multiplying in bf16 (0.5 ms for 512 rows)
-is 4.7x faster. The probe (probe.py) measures from how many rows that holds on this machine (`dense_rows`);
+is ~5x faster. The probe (probe.py) measures from how many rows that holds on this machine (`dense_rows`);
 below it the kernel runs, as it does for every decode step.
 
     out = dense_linear(x, bound)    # x [M, K] contiguous in bound.dtype -> [M, N], multiplied in bound.dense_dtype

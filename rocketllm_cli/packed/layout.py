@@ -97,3 +97,13 @@ def int8_for_kernel(packed: PackedTensor, dtype: torch.dtype, device) -> dict:
 def int8_mm(x: torch.Tensor, kernel: dict) -> torch.Tensor:
     """x [M, K] contiguous -> [M, N]."""
     return INT8_MM(x, kernel["weight"], kernel["scales"])
+
+
+def for_kernel(kind: str, packed: PackedTensor, dtype: torch.dtype, device) -> dict:
+    """The kernel form of `packed` for `kind` ("int4" or "int8") on `device` computing in `dtype`."""
+    return int4_for_kernel(packed, dtype, device) if kind == "int4" else int8_for_kernel(packed, dtype, device)
+
+
+def kernel_mm(kind: str, x: torch.Tensor, kernel: dict, group: int | None) -> torch.Tensor:
+    """x [M, K] contiguous -> [M, N] through `kind`'s kernel (group: the int4 weight's; unused for int8)."""
+    return int4_mm(x, kernel, group) if kind == "int4" else int8_mm(x, kernel)

@@ -149,10 +149,9 @@ def _time_in_turns(kind: str, bits: int, group, candidates: list[torch.dtype], d
     packed = quantize_rtn(weight, bits=bits, group=group)
     runs = {}
     for dtype in candidates:
-        kernel = layout.int4_for_kernel(packed, dtype, device) if kind == "int4" else layout.int8_for_kernel(packed, dtype, device)
+        kernel = layout.for_kernel(kind, packed, dtype, device)
         x = torch.randn(1, TIMING_SHAPE[1]).to(device, dtype)
-        runs[dtypes.short_name(dtype)] = (lambda x=x, kernel=kernel: layout.int4_mm(x, kernel, group)) if kind == "int4" \
-            else (lambda x=x, kernel=kernel: layout.int8_mm(x, kernel))
+        runs[dtypes.short_name(dtype)] = lambda x=x, kernel=kernel: layout.kernel_mm(kind, x, kernel, group)
     return _best_in_turns(runs, device, TIMING_ROUNDS, TIMING_BUDGET_S)
 
 
@@ -164,7 +163,7 @@ def _dense_crossover(kind: str, bits: int, group, dtype: torch.dtype, device) ->
 
     weight = torch.randn(TIMING_SHAPE, generator=torch.Generator().manual_seed(2))
     packed = quantize_rtn(weight, bits=bits, group=group)
-    made = layout.int4_for_kernel(packed, dtype, device) if kind == "int4" else layout.int8_for_kernel(packed, dtype, device)
+    made = layout.for_kernel(kind, packed, dtype, device)
     choices = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
     bounds = {d: BoundWeight(packed.format, dtype, torch.device(device), kind, kernel=made, dense_dtype=d) for d in choices}
     scratch = Scratch()
@@ -216,9 +215,7 @@ def _best_in_turns(runs: dict, device, rounds: int, budget_s: float | None = Non
 
 
 def _run(kind: str, packed, x: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-    if kind == "int4":
-        return layout.int4_mm(x, layout.int4_for_kernel(packed, dtype, device), packed.format.group)
-    return layout.int8_mm(x, layout.int8_for_kernel(packed, dtype, device))
+    return layout.kernel_mm(kind, x, layout.for_kernel(kind, packed, dtype, device), packed.format.group)
 
 
 def _key(device) -> str:
