@@ -271,12 +271,19 @@ class StreamingModel:
         self.ledger.end()
 
     # -- transformers surface -------------------------------------------------------------
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, json_schema: dict | None = None, grammar: str | None = None, **kwargs):
         """transformers' generate(), on the streamed model. A prompt plus max_new_tokens over the max_context knob
-        is refused first (ParameterError, with the numbers), as `generate` and `serve` refuse it."""
+        is refused first (ParameterError, with the numbers), as `generate` and `serve` refuse it.
+
+        json_schema (a JSON Schema as a dict) or grammar (Lark rules, llguidance's syntax) constrains every row's new
+        tokens (text/grammar.py); the model's tokenizer must be a fast one."""
         from .context import check_generate_call
 
         check_generate_call(self.__dict__.get("knobs"), args, kwargs, getattr(self.model, "generation_config", None), self.model.config)
+        if json_schema is not None or grammar is not None:
+            from ..text.grammar import constrained_kwargs
+
+            constrained_kwargs(self, args, kwargs, json_schema, grammar)
         if not any(kwargs.get(name) is not None for name in ("cache", "past_key_values")):
             cache = self.new_kv_cache()
             if cache is not None:

@@ -96,10 +96,12 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 class Streamer:
-    """transformers' streamer protocol over a batch: timestamps and read_bytes into `record`, tokens to each row."""
+    """transformers' streamer protocol over a batch: timestamps and read_bytes into `record`, tokens to each row.
+    on_step(tokens), when given, hears each plain step's tokens (one a row) before the next forward pass begins: the
+    grammar mask (text/grammar.py) computes the next mask meanwhile."""
 
-    def __init__(self, rows: list[Row], record: Record) -> None:
-        self.rows, self.record = rows, record
+    def __init__(self, rows: list[Row], record: Record, on_step: Callable[[list[int]], None] | None = None) -> None:
+        self.rows, self.record, self.on_step = rows, record, on_step
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -116,7 +118,10 @@ class Streamer:
                 self.rows[0].add(int(token))
             return
         self.record.counts.append(1)
-        for row, token in zip(self.rows, value.reshape(-1).tolist()):
+        tokens = value.reshape(-1).tolist()
+        if self.on_step is not None:
+            self.on_step(tokens)
+        for row, token in zip(self.rows, tokens):
             row.add(int(token))
 
     def end(self) -> None:
