@@ -324,7 +324,7 @@ MESSAGES = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ma
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content", "takes text only"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format", "no constrained decoding"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format", "must be text, json_object or json_schema"),
     ("/v1/completions", {"model": MODEL, "max_tokens": 2}, "prompt", "missing required field 'prompt'"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}, "max_tokens", "but the context allows 2048"),
 ])

@@ -217,7 +217,8 @@ for _ in range(70):
     ("n > 1", {"n": 3}, "only n=1"),
     ("logprobs", {"logprobs": True}, "logprobs are not supported"),
     ("top_logprobs", {"top_logprobs": 2}, "logprobs are not supported"),
-    ("response_format json_schema", {"response_format": {"type": "json_schema", "json_schema": {}}}, "no constrained decoding"),
+    ("response_format json_schema a number", {"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+     "must be a JSON Schema object"),
     ("response_format a string", {"response_format": "json"}, "'response_format' must be an object"),
     ("temperature NaN as a string", {"temperature": "NaN"}, "must be a number"),
     ("stop a number", {"stop": 5}, "'stop' must be a string or a list of strings"),
@@ -300,7 +301,7 @@ OPENAI_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "te
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "user", "parallel_tool_calls"]
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "stream", "stop", "echo", "suffix", "best_of", "n", "logprobs", "seed"]
 ANTHROPIC_FIELDS = ["model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k", "tools",
-                    "tool_choice", "metadata", "thinking"]
+                    "tool_choice", "metadata", "thinking", "output_config", "output_format"]
 TOOL_OPENAI = {"type": "function", "function": {"name": "get_weather", "description": "Weather.",
                                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TOOL_ANTHROPIC = {"name": "get_weather", "description": "Weather.",

@@ -1,7 +1,7 @@
 """Tool calling: every sample of the corpus (tests/fixtures/tool_calls/<family>/) parses to what it should, whole
 or streamed in pieces; each family is detected from its chat template; and a call makes the round trip through
 a live server with each family's template (OpenAI and Anthropic clients, streamed and not). Only requests that
-offered tools are parsed; tool_choice none withholds them, required and named ones bias the prompt."""
+offered tools are parsed; tool_choice none withholds them, required and named ones instruct the model and open the call."""
 
 from __future__ import annotations
 
@@ -224,19 +224,21 @@ def test_only_requests_that_offered_tools_are_parsed(plain_server):
     assert "<tools>" not in script.prompt_text()  # tool_choice none: the tools are not shown either
 
 
-def test_required_and_named_tool_choice_bias_the_prompt_and_say_so(plain_server):
+def test_required_and_named_tool_choice_instruct_the_model_and_open_the_call(plain_server):
+    """Constrained decoding enforces them (tests/test_structured_output.py); the prompt still asks, and ends with the
+    call's opening that the server wrote itself."""
     server, script = plain_server
     client = server.openai()
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "tools": TOOLS}
     required = client.chat.completions.with_raw_response.create(**ask, tool_choice="required")
-    assert required.headers["x-rocketllm-tool-choice"] == "prompted, not enforced"
-    assert "Answer by calling one or more of the functions offered." in script.prompt_text()
-    named = client.chat.completions.with_raw_response.create(**ask, tool_choice={"type": "function", "function": {"name": "get_time"}})
-    assert named.headers["x-rocketllm-tool-choice"] == "prompted, not enforced"
+    assert "x-rocketllm-tool-choice" not in required.headers
+    prompt = script.prompt_text()
+    assert "Answer by calling one or more of the functions offered." in prompt and prompt.endswith("<|im_start|>assistant\n<tool_call>\n")
+    client.chat.completions.with_raw_response.create(**ask, tool_choice={"type": "function", "function": {"name": "get_time"}})
     prompt = script.prompt_text()
     assert "Answer by calling the function get_time." in prompt and "get_weather" not in prompt
-    auto = client.chat.completions.with_raw_response.create(**ask)
-    assert "x-rocketllm-tool-choice" not in auto.headers
-    assert len([line for line in server.logs if "tool_choice" in line]) == 1
+    assert prompt.endswith('<tool_call>\n{"name": "get_time", "arguments": ')
+    client.chat.completions.with_raw_response.create(**ask)
+    assert script.prompt_text().endswith("<|im_start|>assistant\n")
     response = server.http().post("/v1/chat/completions", json={**ask, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert response.status_code == 400 and "not among the tools" in response.json()["error"]["message"]

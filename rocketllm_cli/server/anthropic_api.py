@@ -29,10 +29,11 @@ from .common import (
     tool_list,
     tool_schema,
 )
+from ..text.grammar import Constraint
 from .images import anthropic_image
 from .openai_api import tool_choice
 from .prompts import PromptError
-from .tools import StreamSplitter
+from .structured import Structure, plan
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
@@ -142,14 +143,40 @@ def _tool(i: int, t: object) -> dict:
                          tool_schema(required(t, "input_schema", f"tools[{i}]."), f"tools[{i}].input_schema"))
 
 
-def _tool_choice(value: object, tools: list[dict]) -> object:
+def _tool_choice(value: object, tools: list[dict]) -> tuple[object, bool]:
+    """(choice in the OpenAI terms the prompt builder takes, whether parallel calls are allowed)."""
     if value is None:
-        return tool_choice(None, tools)
+        return tool_choice(None, tools), True
     if not isinstance(value, dict) or value.get("type") not in ("auto", "any", "tool", "none"):
         raise bad("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}", "tool_choice")
     kind = value["type"]
     mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {"name": value.get("name")}
-    return tool_choice(mapped, tools)
+    disable = value.get("disable_parallel_tool_use", False)
+    if not isinstance(disable, bool):
+        raise bad("'tool_choice.disable_parallel_tool_use' must be true or false", "tool_choice")
+    return tool_choice(mapped, tools), not disable
+
+
+def _output_format(body: dict):
+    """output_config.format (or the beta's output_format) as a Constraint; None for a free reply."""
+    config = body.get("output_config")
+    fmt, where = None, "output_config"
+    if config is not None:
+        if not isinstance(config, dict):
+            raise bad("'output_config' must be an object such as {\"format\": {\"type\": \"json_schema\", \"schema\": {...}}}", where)
+        unknown = sorted(set(config) - {"format"})
+        if unknown:
+            raise bad(f"'output_config.{unknown[0]}' is not supported here (only 'format' is)", where)
+        fmt, where = config.get("format"), "output_config.format"
+    if body.get("output_format") is not None:
+        if fmt is not None:
+            raise bad("give 'output_config.format' or 'output_format', not both", "output_format")
+        fmt, where = body["output_format"], "output_format"
+    if fmt is None:
+        return None, where
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad(f"'{where}' must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", where)
+    return Constraint.json_schema(fmt["schema"]), where
 
 
 def _system(value: object, state) -> str:
@@ -158,8 +185,8 @@ def _system(value: object, state) -> str:
     return _text_of(value, "system", state)
 
 
-def _prompt(body: dict, state) -> tuple[list[int], bool, dict, dict]:
-    """(prompt ids, whether to parse tool calls, response headers, the processor's tensors for pictures) for a Messages request."""
+def _prompt(body: dict, state) -> tuple[list[int], bool, Structure, dict | None]:
+    """(prompt ids, whether to parse tool calls, the structure enforced, the processor's tensors for pictures) for a Messages request."""
     check_model(body, state)
     raw = required(body, "messages")
     if not isinstance(raw, list) or not raw:
@@ -171,29 +198,31 @@ def _prompt(body: dict, state) -> tuple[list[int], bool, dict, dict]:
     if system:
         messages.insert(0, {"role": "system", "content": system})
     tools = _tools(body.get("tools"))
-    choice = _tool_choice(body.get("tool_choice"), tools)
+    choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") == "enabled":
         raise bad("extended thinking is not supported", "thinking")
+    answer, answer_param = _output_format(body)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    structure = plan(state, tools, choice, parallel, answer, answer_param)
+    if prefill and (structure.prefill or structure.constraint is not None):
+        raise bad("the last message is an assistant prefill, which the reply would continue, but "
+                  f"{'tool_choice' if tools and choice != 'none' else answer_param} constrains the whole reply; drop one", "messages")
     try:
         ids, inputs = state.builder.chat_inputs(messages, tools, choice, continue_final=prefill)
     except PromptError as exc:
         raise bad(str(exc), "messages") from None
-    headers: dict = {}
-    if choice == "required" or isinstance(choice, dict):
-        headers["x-rocketllm-tool-choice"] = "prompted, not enforced"
-        state.notice_once("tool_choice", "tool_choice 'any' and named tools bias the prompt but are not enforced")
-    return ids, bool(tools) and choice != "none", headers, inputs
+    return ids + state.builder.prefill_ids(structure.prefill), bool(tools) and choice != "none", structure, inputs
 
 
 def prepare_messages(body: dict, state) -> Prepared:
     max_tokens = number(body, "max_tokens", 1, integer=True, needed=True)
-    ids, use_tools, headers, inputs = _prompt(body, state)
+    ids, use_tools, structure, inputs = _prompt(body, state)
     max_tokens = check_context(len(ids), max_tokens, state.max_context, "max_tokens", state.context_why, state.context_int4)
     params = sampling(body, max_tokens, 1.0)
     stop = stop_strings(body.get("stop_sequences"), "stop_sequences")
-    return Prepared(GenerationRequest(ids, params, stop, model_inputs=inputs), boolean(body, "stream"), use_tools, False, headers)
+    request = GenerationRequest(ids, params, stop, model_inputs=inputs, constraint=structure.constraint)
+    return Prepared(request, boolean(body, "stream"), use_tools, False, {}, structure=structure)
 
 
 def count_tokens(body: dict, state) -> dict:
@@ -222,9 +251,9 @@ def _tool_id(call) -> str:
 
 
 def message_response(outcome, prepared: Prepared, state) -> dict:
-    text, calls = outcome.text, []
+    text, calls = prepared.reply_text(outcome), []
     if prepared.tools:
-        text, calls = state.builder.parser.parse(outcome.text)
+        text, calls = state.builder.parser.parse(text)
     content: list[dict] = [{"type": "text", "text": text}] if text or not calls else []
     content += [{"type": "tool_use", "id": _tool_id(c), "name": c.name, "input": c.arguments} for c in calls]
     return {
@@ -238,7 +267,7 @@ async def message_stream(job, prepared: Prepared, state):
                "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": len(prepared.request.prompt_ids), "output_tokens": 0}}
     yield sse({"type": "message_start", "message": message}, "message_start")
-    splitter = StreamSplitter(state.builder.parser) if prepared.tools else None
+    splitter = prepared.splitter(state.builder.parser)
     index = -1
     text_open = False
 
@@ -271,7 +300,9 @@ async def message_stream(job, prepared: Prepared, state):
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             calls = []
             if splitter:
+                held = splitter.feed(prepared.closing(payload))
                 rest, calls = splitter.finish()
+                rest = held + rest
                 if rest:
                     if not text_open:
                         yield open_text()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..errors import ParameterError
 from ..text.loop import GenerationOutcome, GenerationRequest
 from ..text.sampling import SamplingParams
+from .structured import FREE, Structure
 from .worker import STOP_WAIT_S
 
 
@@ -31,6 +32,25 @@ class Prepared:
     include_usage: bool = False
     headers: dict = field(default_factory=dict)  # extra response headers (ignored settings, tool_choice not enforced)
     echo: str = ""  # the prompt text a completion echoes before its reply
+    structure: Structure = FREE  # what constrained decoding enforces, and the text the server writes around the reply
+
+    def reply_text(self, outcome) -> str:
+        """The whole reply: the structure's prefill and closing around the generated text."""
+        return self.structure.prefill + outcome.text + self.closing(outcome)
+
+    def closing(self, outcome) -> str:
+        """The structure's closing, where the grammar ran to its end (not after max_tokens or a stop string cut it)."""
+        return self.structure.closing if outcome.finish_reason == "stop" and outcome.stop_sequence is None else ""
+
+    def splitter(self, parser):
+        """A StreamSplitter for this reply's tool calls, holding the prefill already (None when tools are not parsed)."""
+        if not self.tools:
+            return None
+        from .tools import StreamSplitter
+
+        splitter = StreamSplitter(parser)
+        splitter.feed(self.structure.prefill)  # a call's opening: held back with the call
+        return splitter
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:

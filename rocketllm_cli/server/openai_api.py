@@ -24,9 +24,10 @@ from .common import (
     tool_list,
     tool_schema,
 )
+from ..text.grammar import Constraint
 from .images import openai_image
 from .prompts import PromptError
-from .tools import StreamSplitter
+from .structured import plan
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 PENALTIES = ("presence_penalty", "frequency_penalty")
@@ -160,11 +161,8 @@ def prepare_chat(body: dict, state) -> Prepared:
     messages = [_message(m, i, state) for i, m in enumerate(raw)]
     tools = _tools(body.get("tools"))
     choice = tool_choice(body.get("tool_choice"), tools)
-    fmt = body.get("response_format")
-    if fmt is not None and not isinstance(fmt, dict):
-        raise bad("'response_format' must be an object such as {\"type\": \"text\"}", "response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise bad(f"response_format {fmt.get('type')!r} is not supported (no constrained decoding); ask for JSON in the prompt", "response_format")
+    answer = response_format(body.get("response_format"))
+    parallel = boolean(body, "parallel_tool_calls", default=True)
     headers: dict = {}
     _common(body, state, headers)
     stream = boolean(body, "stream")
@@ -175,17 +173,41 @@ def prepare_chat(body: dict, state) -> Prepared:
     if max_tokens is None:
         max_tokens, param = number(body, "max_tokens", 1, integer=True), "max_tokens"
     stop = stop_strings(body.get("stop"), "stop")
+    structure = plan(state, tools, choice, parallel, answer, "response_format")
     try:
         ids, inputs = state.builder.chat_inputs(messages, tools, choice)
     except PromptError as exc:
         raise bad(str(exc), "messages") from None
-    if choice == "required" or isinstance(choice, dict):
-        headers["x-rocketllm-tool-choice"] = "prompted, not enforced"
-        state.notice_once("tool_choice", "tool_choice 'required' and named functions bias the prompt but are not enforced")
+    ids = ids + state.builder.prefill_ids(structure.prefill)
     max_tokens = check_context(len(ids), max_tokens, state.max_context, param, state.context_why, state.context_int4)
     params = sampling(body, max_tokens, 2.0)
     use_tools = bool(tools) and choice != "none"
-    return Prepared(GenerationRequest(ids, params, stop, model_inputs=inputs), stream, use_tools, include_usage, headers)
+    request = GenerationRequest(ids, params, stop, model_inputs=inputs, constraint=structure.constraint)
+    return Prepared(request, stream, use_tools, include_usage, headers, structure=structure)
+
+
+def response_format(value: object):
+    """response_format as a Constraint: None for text; json_object and json_schema (strict or not) are enforced."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("'response_format' must be an object such as {\"type\": \"json_object\"}", "response_format")
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind != "json_schema":
+        raise bad(f"'response_format.type' must be text, json_object or json_schema (got {kind!r})", "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("'response_format.json_schema' must be an object with 'name' and 'schema'", "response_format")
+    if "strict" in spec and not isinstance(spec["strict"], bool):
+        raise bad("'response_format.json_schema.strict' must be true or false", "response_format")
+    schema = spec.get("schema", {})  # no schema: any JSON (OpenAI's own default)
+    if not isinstance(schema, (dict, bool)):
+        raise bad("'response_format.json_schema.schema' must be a JSON Schema object", "response_format")
+    return Constraint.json_schema(schema)
 
 
 def prepare_completion(body: dict, state) -> Prepared:
@@ -236,9 +258,9 @@ def _tool_call(call, index: int | None = None) -> dict:
 
 
 def chat_response(outcome, prepared: Prepared, state) -> dict:
-    content, calls = outcome.text, []
+    content, calls = prepared.reply_text(outcome), []
     if prepared.tools:
-        content, calls = state.builder.parser.parse(outcome.text)
+        content, calls = state.builder.parser.parse(content)
     message: dict = {"role": "assistant", "content": content if (content or not calls) else None}
     if calls:
         message["tool_calls"] = [_tool_call(c) for c in calls]
@@ -266,7 +288,7 @@ async def chat_stream(job, prepared: Prepared, state):
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
         return sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
 
-    splitter = StreamSplitter(state.builder.parser) if prepared.tools else None
+    splitter = prepared.splitter(state.builder.parser)
     yield chunk({"role": "assistant", "content": ""})
     async for kind, payload in job_events(job):
         if kind == "heartbeat":
@@ -281,7 +303,9 @@ async def chat_stream(job, prepared: Prepared, state):
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             calls = []
             if splitter:
+                held = splitter.feed(prepared.closing(payload))
                 rest, calls = splitter.finish()
+                rest = held + rest
                 if rest:
                     yield chunk({"content": rest})
                 if calls:

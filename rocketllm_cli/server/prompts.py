@@ -7,8 +7,8 @@ OpenAI-style function schemas. A template that ignores tools (found once, at sta
 probe tool) gets them in a system message in the chosen parser family's format instead, with earlier
 calls and results written as that family writes them.
 
-tool_choice: "none" withholds the tools; "auto" offers them; "required" and a named function only bias
-the prompt (an instruction, and for a named one only that tool is offered): nothing enforces them.
+tool_choice: "none" withholds the tools; "auto" offers them; "required" and a named function add an instruction (and
+for a named one only that tool is offered); constrained decoding enforces them (server/structured.py).
 """
 
 from __future__ import annotations
@@ -85,6 +85,11 @@ class PromptBuilder:
         if isinstance(prompt, list):
             return [int(t) for t in prompt]
         return list(self.tokenizer(prompt).input_ids)
+
+    def prefill_ids(self, text: str) -> list[int]:
+        """The ids of text the server writes at the start of a reply (a forced tool call's opening): no special
+        tokens added, markers the tokenizer knows as tokens kept as those tokens."""
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

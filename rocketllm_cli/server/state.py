@@ -16,6 +16,7 @@ from ..text.prompts import context_reason, int4_context
 from ..text.reuse import reuse_for
 from .metrics import Metrics
 from .prompts import PromptBuilder
+from .structured import lark_literal
 from .tools import FAMILIES, choose
 from .worker import STOP_TIMEOUT_S, Job, Worker
 
@@ -73,6 +74,7 @@ class ServerState:
         self.family, self.family_reason = choose(model.tokenizer, tool_parser)
         self.image_refusal = image_refusal(model)  # None: the model takes pictures (its tower and processor are here)
         self.builder = PromptBuilder(model.tokenizer, self.family, getattr(model, "processor", None) if self.image_refusal is None else None)
+        self.lark_literal = lark_literal(model.tokenizer)  # the family's markers in grammars (server/structured.py)
         knobs = model.knobs
         # 0 is a real answer (the memory holds no context: every request is refused with the numbers), None is none
         self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") is not None else \

@@ -90,6 +90,14 @@ def _json_calls(body: str, arg_keys: tuple[str, ...]) -> tuple[list[ToolCall], s
 
 class ToolParser:
     family = ""
+    # How the family writes calls, for constrained decoding (server/structured.py): a reply that calls tools is
+    # MARKER + AFTER_MARKER + call (+ BETWEEN + call ...) + CLOSE, each call {"name": ..., ARGS: {...}}.
+    MARKER = ""
+    AFTER_MARKER = ""
+    BETWEEN = ""
+    CLOSE = ""
+    ARGS = "arguments"
+    MARKER_OPTIONAL = False  # the call may also open the reply without the marker (llama3_json's bare JSON)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content without the calls, calls); a reply whose calls do not parse is all content."""
@@ -125,7 +133,8 @@ def _tool_lines(tools: list[dict]) -> str:
 
 class HermesParser(ToolParser):
     family = "hermes"
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    OPEN, CLOSE_TAG = "<tool_call>", "</tool_call>"
+    MARKER, AFTER_MARKER, BETWEEN, CLOSE = OPEN, "\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.OPEN not in text:
@@ -133,7 +142,7 @@ class HermesParser(ToolParser):
         calls: list[ToolCall] = []
         content = []
         pos = 0
-        for match in re.finditer(re.escape(self.OPEN) + r"(.*?)(?:" + re.escape(self.CLOSE) + r"|$)", text, re.S):
+        for match in re.finditer(re.escape(self.OPEN) + r"(.*?)(?:" + re.escape(self.CLOSE_TAG) + r"|$)", text, re.S):
             found = _json_calls(match.group(1).strip(), ("arguments", "parameters"))
             if found is None:
                 return text, []  # a malformed call: give the model's text back as it is
@@ -156,7 +165,7 @@ class HermesParser(ToolParser):
         )
 
     def render_call(self, call: dict) -> str:
-        return f"{self.OPEN}\n{json.dumps({'name': call['name'], 'arguments': call['arguments']}, ensure_ascii=False)}\n{self.CLOSE}"
+        return f"{self.OPEN}\n{json.dumps({'name': call['name'], 'arguments': call['arguments']}, ensure_ascii=False)}\n{self.CLOSE_TAG}"
 
     def render_result(self, content: str) -> str:
         return f"<tool_response>\n{content}\n</tool_response>"
@@ -165,6 +174,7 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     family = "llama3_json"
     TAG = "<|python_tag|>"
+    MARKER, BETWEEN, ARGS, MARKER_OPTIONAL = TAG, "; ", "parameters", True
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.strip()
@@ -199,6 +209,7 @@ class Llama3JsonParser(ToolParser):
 class MistralParser(ToolParser):
     family = "mistral"
     MARK = "[TOOL_CALLS]"
+    MARKER, AFTER_MARKER, BETWEEN, CLOSE = MARK, " [", ", ", "]"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         at = text.find(self.MARK)
