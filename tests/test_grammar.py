@@ -14,8 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.stream.auto import AutoModel
-from rocketllm_cli.text.grammar import SAFE_INTEGER, Constraint, GrammarError, GrammarMask, for_generation
+from rocketllm_cli.text.constraints import SAFE_INTEGER, Constraint, GrammarError, for_generation
+from rocketllm_cli.text.grammar import GrammarMask
 from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.prefix import PrefixCache
 from rocketllm_cli.text.sampling import SamplingParams
@@ -226,3 +228,57 @@ def test_a_repeated_digit_ends_within_the_safe_integers(resident):
     number = grammars.matcher(Constraint.json_schema({"type": "number"}))
     ids = tokenizer("-3.14159", add_special_tokens=False).input_ids
     assert number.validate_tokens(ids) == len(ids)
+
+
+# -- the command line and the Python API --------------------------------------------------------------
+def cli(*args, input: str | None = None):
+    from typer.testing import CliRunner
+
+    from rocketllm_cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
+
+
+def test_generate_json_schema_and_grammar_flags(source, tmp_path):
+    schema_file = tmp_path / "person.json"
+    schema_file.write_text(json.dumps(PERSON))
+    for given in (schema_file, json.dumps(PERSON)):
+        result = cli("generate", source, "A person:", "--raw", "-n", BUDGET, "--json-schema", given, "--speculate", "off")
+        assert result.exit_code == 0, result.stderr
+        jsonschema.validate(json.loads(result.stdout), PERSON)
+    lark = tmp_path / "answer.lark"
+    lark.write_text('start: "yes" | "no"\n')
+    result = cli("generate", source, "Yes or no?", "--raw", "-n", 8, "--grammar", lark, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["text"] in ("yes", "no"), result.output
+    batch = cli("generate", source, "--raw", "-n", BUDGET, "--batch", "--json", "--json-schema", schema_file, input="one\ntwo\n")
+    assert batch.exit_code == 0, batch.stderr
+    for row in json.loads(batch.stdout)["results"]:
+        jsonschema.validate(json.loads(row["text"]), PERSON)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--json-schema", "{not json"), "the JSON Schema is not valid JSON"),
+    (("--json-schema", "missing-file.json"), "neither inline JSON nor a file"),
+    (("--json-schema", '{"$ref": "#/nowhere"}'), "JSON Schema the engine cannot use"),
+    (("--grammar", "missing.lark"), "--grammar missing.lark: no such file"),
+    (("--json-schema", "{}", "--grammar", "x.lark"), "give --json-schema or --grammar, not both"),
+    (("--grammar", "x.lark", "--server", "http://127.0.0.1:9"), "--grammar goes with a model loaded here"),
+])
+def test_bad_constraint_flags_are_one_line_errors(source, tmp_path, monkeypatch, args, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.lark").write_text('start: "x"\n')
+    result = cli("generate", source, "hi", *args)
+    assert result.exit_code == 1 and words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_python_api_takes_json_schema_and_grammar(resident, prompt):
+    import torch
+
+    ids = torch.tensor([prompt, prompt])
+    out = resident.generate(ids, max_new_tokens=BUDGET, do_sample=False, json_schema=PERSON)
+    for row in out[:, ids.shape[1]:]:
+        jsonschema.validate(json.loads(resident.tokenizer.decode(row, skip_special_tokens=True)), PERSON)
+    yes_no = resident.generate(ids[:1], max_new_tokens=8, do_sample=False, grammar='start: "yes" | "no"')
+    assert resident.tokenizer.decode(yes_no[0, ids.shape[1]:], skip_special_tokens=True) in ("yes", "no")
+    with pytest.raises(ParameterError, match="not both"):
+        resident.generate(ids, max_new_tokens=2, json_schema=PERSON, grammar="start: x")

@@ -276,3 +276,25 @@ def test_the_real_model_makes_forced_calls_through_both_sdks(smol_server):
     message = smol_server.anthropic().messages.create(model="smol", max_tokens=60, messages=ask, tools=anthropic_tools,
                                                       tool_choice={"type": "tool", "name": "get_weather"})
     assert message.stop_reason == "tool_use" and message.content[-1].input == {"city": "Paris"}
+
+
+def test_a_keyword_the_engine_lacks_is_a_400_when_strict_and_named_in_a_header_when_not(server):
+    """uniqueItems (like not, dependencies, an unknown format) is not implemented by the engine: a strict request is refused
+    naming it; a request that did not ask for strictness gets the rest of the schema enforced and is told what was not."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2, "uniqueItems": True}},
+              "required": ["tags"]}
+    body = {"model": MODEL, "messages": ASK, "max_tokens": BUDGET, "temperature": 0}
+    strict = server.http().post("/v1/chat/completions", json={**body, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}})
+    assert strict.status_code == 400 and "uniqueItems" in strict.json()["error"]["message"]
+    loose = server.http().post("/v1/chat/completions", json={**body, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}})
+    assert loose.status_code == 200 and "uniqueItems" in loose.headers["x-rocketllm-schema-relaxed"]
+    value = json.loads(loose.json()["choices"][0]["message"]["content"])
+    jsonschema.validate(value, {**schema, "properties": {"tags": {**schema["properties"]["tags"], "uniqueItems": False}}})  # the rest held
+    anthropic = server.http().post("/v1/messages", json={**body, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert anthropic.status_code == 400 and "uniqueItems" in anthropic.json()["error"]["message"]
+    tool = {"type": "function", "function": {"name": "tag", "parameters": schema}}
+    forced = {**body, "tools": [tool], "tool_choice": "required"}
+    assert server.http().post("/v1/chat/completions", json=forced).headers.get("x-rocketllm-schema-relaxed")
+    strict_tool = {**forced, "tools": [{"type": "function", "function": {**tool["function"], "strict": True}}]}
+    assert server.http().post("/v1/chat/completions", json=strict_tool).status_code == 400

@@ -37,6 +37,7 @@ With --image PATH (repeatable) a vision-language model sees the pictures before 
 and chat template (PNG, JPEG, WebP, GIF or BMP; needs Pillow: pip install 'rocketllm[vision]').
 
 Example: echo "The capital of France is" | rocketllm generate ./SmolLM2.gguf --raw --max-new-tokens 8
+Example: rocketllm generate ./SmolLM2.gguf "Name a city and its country" --json-schema city.json
 Example: rocketllm generate ./Qwen2.5-VL-3B "What is in this picture?" --image photo.jpg
 """
 
@@ -57,17 +58,22 @@ def run(
     batch: Annotated[bool, typer.Option("--batch", help="One prompt per stdin line, generated as one batch; one output line per prompt, in order (newlines in outputs written as \\n).")] = False,
     image: Annotated[Optional[list[str]], typer.Option("--image", metavar="PATH", help="A picture for a vision-language model to see before the prompt (repeatable).", show_default=False)] = None,
     server: Annotated[Optional[str], typer.Option("--server", envvar="ROCKETLLM_SERVER", metavar="URL", help="Send the prompt to the rocketllm serve at URL instead of loading MODEL here: no start-up cost.", show_default=False)] = None,
+    json_schema: Annotated[Optional[str], typer.Option("--json-schema", metavar="SCHEMA", help="The output is JSON valid against SCHEMA: inline JSON or a file holding it (constrained decoding).", show_default=False)] = None,
+    grammar: Annotated[Optional[str], typer.Option("--grammar", metavar="FILE", help="The output follows the Lark grammar in FILE (llguidance's syntax, a 'start:' rule; constrained decoding).", show_default=False)] = None,
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
     output = Output(as_json=json)
+    from ..text.constraints import from_flags
+
+    constraint = from_flags(json_schema, grammar)  # a schema that is not JSON, or a missing file, is refused before anything loads
     if image and (server or batch):
         raise RocketError(f"--image goes with one prompt generated here; drop {'--server' if server else '--batch'}")
     if image and chat is False:
         raise RocketError("--image needs the chat template, which places each picture in the prompt; drop --raw")
     if server:
         return _through_server(server, model, prompt, model_option, SamplingParams(max_new_tokens, temperature, top_p, top_k, seed),
-                               chat, system, stats, batch, json, knob_flags or {}, output)
+                               chat, system, stats, batch, json, knob_flags or {}, output, constraint)
     if model_option is not None and prompt is None:  # `generate --model M PROMPT`: the one word is the prompt
         model, prompt = None, model
     model = pick_model(model, model_option)
@@ -101,10 +107,13 @@ def run(
             check_context(len(one), params.max_new_tokens, *limit)
         on_text = None if json or batch else output.stream
         generator = Generator(streamed)
+        if constraint is not None:
+            generator.grammars.compile(constraint)  # a schema the engine cannot use: one line, before any forward pass
         asked = streamed.knobs["speculate"]
         if asked.overridden and asked.value in ("prompt-lookup", "draft") and not generator.speculation.on:
             output.log(f"note: speculative decoding {generator.speculation.reason}")
-        results = generator.run_batch([GenerationRequest(one, params, on_text=on_text, model_inputs=inputs) for one in ids])
+        results = generator.run_batch([GenerationRequest(one, params, on_text=on_text, model_inputs=inputs, constraint=constraint)
+                                       for one in ids])
         figures = {**results[0].stats.to_dict(), "residency": streamed.plan.describe(streamed.manifest), "device": str(streamed.device),
                  "compute_dtype": str(streamed.dtype).replace("torch.", ""), **({"batch": len(results)} if batch else {}),
                  "load_s": load_s}  # total_s stays generation alone
@@ -162,10 +171,14 @@ def _with_images(streamed, model: str, text: str, system: str | None, pictures: 
     return [ids], inputs
 
 
-def _through_server(url, model, prompt, model_option, params, chat, system, stats, batch, json, knob_flags, output) -> None:
+def _through_server(url, model, prompt, model_option, params, chat, system, stats, batch, json, knob_flags, output, constraint) -> None:
     """generate --server: the same prompt rules and output, the generation done by a running server."""
     from ..server.client import default_model_id, remote_generate, served_model
 
+    if constraint is not None and (constraint.kind != "json_schema" or chat is False):
+        raise RocketError("--grammar goes with a model loaded here (the server's APIs take JSON Schemas); drop --server" if
+                          constraint.kind != "json_schema" else
+                          "--json-schema with --server goes through the chat API; drop --raw, or drop --server")
     if batch:
         raise RocketError("--batch runs the prompts as one batch in this process; with --server send them one by one, or drop --server")
     if knob_flags:
@@ -184,7 +197,7 @@ def _through_server(url, model, prompt, model_option, params, chat, system, stat
         raise RocketError(f"the server at {url} serves '{served}', not '{default_model_id(model)}'; "
                           "start a server for that model, or drop MODEL to use the one it serves")
     result = remote_generate(url, served, text, chat=chat, system=system, params=params,
-                             on_text=None if json else output.stream)
+                             on_text=None if json else output.stream, json_schema=constraint.source if constraint is not None else None)
     if json:
         output.json({k: result[k] for k in ("text", "prompt_tokens", "new_tokens")} | {"stats": result["stats"], "model": served})
         return

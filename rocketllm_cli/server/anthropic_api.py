@@ -29,11 +29,11 @@ from .common import (
     tool_list,
     tool_schema,
 )
-from ..text.grammar import Constraint
+from ..text.constraints import Constraint
 from .images import anthropic_image
 from .openai_api import tool_choice
 from .prompts import PromptError
-from .structured import Structure, plan
+from .structured import Structure, plan, relaxed_header
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
@@ -204,7 +204,9 @@ def _prompt(body: dict, state) -> tuple[list[int], bool, Structure, dict | None]
         raise bad("extended thinking is not supported", "thinking")
     answer, answer_param = _output_format(body)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
-    structure = plan(state, tools, choice, parallel, answer, answer_param)
+    # Anthropic's structured outputs promise adherence: a schema the engine cannot enforce whole is a 400; tools only when marked strict
+    strict = answer is not None or any(isinstance(t, dict) and t.get("strict") is True for t in body.get("tools") or [])
+    structure = plan(state, tools, choice, parallel, answer, answer_param, strict)
     if prefill and (structure.prefill or structure.constraint is not None):
         raise bad("the last message is an assistant prefill, which the reply would continue, but "
                   f"{'tool_choice' if tools and choice != 'none' else answer_param} constrains the whole reply; drop one", "messages")
@@ -222,7 +224,7 @@ def prepare_messages(body: dict, state) -> Prepared:
     params = sampling(body, max_tokens, 1.0)
     stop = stop_strings(body.get("stop_sequences"), "stop_sequences")
     request = GenerationRequest(ids, params, stop, model_inputs=inputs, constraint=structure.constraint)
-    return Prepared(request, boolean(body, "stream"), use_tools, False, {}, structure=structure)
+    return Prepared(request, boolean(body, "stream"), use_tools, False, relaxed_header(structure), structure=structure)
 
 
 def count_tokens(body: dict, state) -> dict:

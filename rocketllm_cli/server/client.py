@@ -39,10 +39,11 @@ def served_model(url: str) -> str:
 
 
 def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, system: str | None, params,
-                    on_text: Callable[[str], None] | None) -> dict:
+                    on_text: Callable[[str], None] | None, json_schema: str | None = None) -> dict:
     """Generate through the server; {text, prompt_tokens, new_tokens, finish_reason, stats} with the client's timings.
 
-    chat None: the chat endpoint, which applies the model's template when it has one (as a local run does)."""
+    chat None: the chat endpoint, which applies the model's template when it has one (as a local run does).
+    json_schema: a JSON Schema as JSON text the reply must follow (response_format json_schema; chat only)."""
     body: dict = {"model": model_id, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
                   "top_p": params.top_p, "stream": True, "stream_options": {"include_usage": True}}
     if params.top_k:
@@ -56,6 +57,8 @@ def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, 
     else:
         path = "/v1/chat/completions"
         body["messages"] = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
+        if json_schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": json.loads(json_schema)}}
     started = time.perf_counter()
     first = None
     pieces: list[str] = []

@@ -24,10 +24,10 @@ from .common import (
     tool_list,
     tool_schema,
 )
-from ..text.grammar import Constraint
+from ..text.constraints import Constraint
 from .images import openai_image
 from .prompts import PromptError
-from .structured import plan
+from .structured import plan, relaxed_header
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 PENALTIES = ("presence_penalty", "frequency_penalty")
@@ -161,8 +161,9 @@ def prepare_chat(body: dict, state) -> Prepared:
     messages = [_message(m, i, state) for i, m in enumerate(raw)]
     tools = _tools(body.get("tools"))
     choice = tool_choice(body.get("tool_choice"), tools)
-    answer = response_format(body.get("response_format"))
+    answer, strict = response_format(body.get("response_format"))
     parallel = boolean(body, "parallel_tool_calls", default=True)
+    strict = strict or strict_tools(body.get("tools"))
     headers: dict = {}
     _common(body, state, headers)
     stream = boolean(body, "stream")
@@ -173,7 +174,7 @@ def prepare_chat(body: dict, state) -> Prepared:
     if max_tokens is None:
         max_tokens, param = number(body, "max_tokens", 1, integer=True), "max_tokens"
     stop = stop_strings(body.get("stop"), "stop")
-    structure = plan(state, tools, choice, parallel, answer, "response_format")
+    structure = plan(state, tools, choice, parallel, answer, "response_format", strict)
     try:
         ids, inputs = state.builder.chat_inputs(messages, tools, choice)
     except PromptError as exc:
@@ -183,20 +184,27 @@ def prepare_chat(body: dict, state) -> Prepared:
     params = sampling(body, max_tokens, 2.0)
     use_tools = bool(tools) and choice != "none"
     request = GenerationRequest(ids, params, stop, model_inputs=inputs, constraint=structure.constraint)
-    return Prepared(request, stream, use_tools, include_usage, headers, structure=structure)
+    return Prepared(request, stream, use_tools, include_usage, {**headers, **relaxed_header(structure)}, structure=structure)
 
 
-def response_format(value: object):
-    """response_format as a Constraint: None for text; json_object and json_schema (strict or not) are enforced."""
+def strict_tools(tools: object) -> bool:
+    """Whether any function tool asks for strict adherence to its schema (function.strict: true)."""
+    return isinstance(tools, list) and any(isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
+                                           for t in tools)
+
+
+def response_format(value: object) -> tuple:
+    """response_format as (a Constraint, whether strict adherence is asked for): None for text; json_object and
+    json_schema are enforced, a strict schema wholly (or a 400), another without what the engine does not implement."""
     if value is None:
-        return None
+        return None, False
     if not isinstance(value, dict):
         raise bad("'response_format' must be an object such as {\"type\": \"json_object\"}", "response_format")
     kind = value.get("type")
     if kind in (None, "text"):
-        return None
+        return None, False
     if kind == "json_object":
-        return Constraint.json_object()
+        return Constraint.json_object(), False
     if kind != "json_schema":
         raise bad(f"'response_format.type' must be text, json_object or json_schema (got {kind!r})", "response_format")
     spec = value.get("json_schema")
@@ -207,7 +215,7 @@ def response_format(value: object):
     schema = spec.get("schema", {})  # no schema: any JSON (OpenAI's own default)
     if not isinstance(schema, (dict, bool)):
         raise bad("'response_format.json_schema.schema' must be a JSON Schema object", "response_format")
-    return Constraint.json_schema(schema)
+    return Constraint.json_schema(schema), spec.get("strict") is True
 
 
 def prepare_completion(body: dict, state) -> Prepared:

@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
-from .grammar import Constraint, Grammars
+from .constraints import Constraint
+from .grammar import Grammars
 from .sampling import SamplingParams
 from .speculate import UNCROPPABLE, Speculation, speculation_for
 from .stats import GenerationStats, Record, measure
