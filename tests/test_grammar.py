@@ -282,3 +282,16 @@ def test_the_python_api_takes_json_schema_and_grammar(resident, prompt):
     assert resident.tokenizer.decode(yes_no[0, ids.shape[1]:], skip_special_tokens=True) in ("yes", "no")
     with pytest.raises(ParameterError, match="not both"):
         resident.generate(ids, max_new_tokens=2, json_schema=PERSON, grammar="start: x")
+
+
+def test_bench_json_schema_times_constrained_and_free_replies_of_the_same_length(source, tmp_path):
+    schema = tmp_path / "list.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 8}))
+    result = cli("bench", source, "--json-schema", schema, "--regime", "resident", "--tokens", 8, "--json")
+    assert result.exit_code == 0, result.stderr
+    run = json.loads(result.stdout)["runs"][0]
+    assert run["status"] == "measured" and len(run["tokens"]) == 3 and all(t == 10 for t in run["tokens"])  # 1 + warm-up + 8: cut
+    assert run["constrained_ms"] > 0 and run["free_ms"] > 0 and run["overhead"] == round(run["constrained_ms"] / run["free_ms"] - 1, 4)
+    assert run["blocking_ms_per_mask"] >= 0
+    text = cli("bench", source, "--json-schema", schema, "--regime", "resident", "--tokens", 8)
+    assert "| resident | 10, 10, 10 |" in text.stdout and "ms/token with the schema" in text.stdout

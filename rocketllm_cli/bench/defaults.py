@@ -7,3 +7,4 @@ BATCH_REGIME = "storage"  # a batch sweep measures one regime: by default the on
 CONVERSATION_REGIME = "resident"  # where prefix reuse pays; a streaming regime shows that it does not
 PERPLEXITY_WINDOW = 512  # tokens per --perplexity pass (less where the model's context is shorter); stride: half of it
 PERPLEXITY_REGIME = "storage"  # every pass streams every weight: the cost a window's tokens share
+GRAMMAR_TOKENS = 64  # tokens a --json-schema reply may run to (and its free twin then runs exactly as far)

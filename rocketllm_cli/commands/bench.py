@@ -10,6 +10,7 @@ from ..bench.defaults import (
     BATCH_REGIME,
     CONVERSATION_REGIME,
     DECODE_TOKENS,
+    GRAMMAR_TOKENS,
     PERPLEXITY_REGIME,
     PERPLEXITY_WINDOW,
     PROMPT_TOKENS,
@@ -37,6 +38,7 @@ Examples:
   rocketllm bench --synthetic llama:1B --tokens 4
   rocketllm bench ./SmolLM2.gguf --batch 1 4 8
   rocketllm bench ./SmolLM2.gguf --conversation 3
+  rocketllm bench ./SmolLM2.gguf --json-schema benchmarks/schemas/cities.json
   rocketllm bench ./SmolLM2-Q4.gguf --perplexity tests/fixtures/perplexity.txt --reference ./SmolLM2-bf16
 """
 
@@ -48,6 +50,7 @@ ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", metavar="REF
 WindowOpt = Annotated[Optional[int], typer.Option("--window", help=f"With --perplexity: tokens per pass. [default: {PERPLEXITY_WINDOW}, or the model's context if shorter]", show_default=False)]
 StrideOpt = Annotated[Optional[int], typer.Option("--stride", help="With --perplexity: tokens between window starts; each token is scored once. [default: half the window]", show_default=False)]
 BatchOpt = Annotated[Optional[list[int]], typer.Option("--batch", help="Batch sizes to sweep (e.g. --batch 1 4 8): throughput vs N in one regime.", show_default=False)]
+SchemaOpt = Annotated[Optional[str], typer.Option("--json-schema", metavar="SCHEMA", help=f"What constrained decoding costs: ms/token of replies constrained by SCHEMA (inline JSON or a file) beside free replies of as many tokens, per regime (resident and storage unless --regime; --tokens default {GRAMMAR_TOKENS}).", show_default=False)]
 
 
 @with_knob_options
@@ -65,6 +68,7 @@ def run(
     reference: ReferenceOpt = None,
     window: WindowOpt = None,
     stride: StrideOpt = None,
+    json_schema: SchemaOpt = None,
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
@@ -83,6 +87,9 @@ def run(
         raise UsageError("--reference, --window and --stride go with --perplexity FILE")
     if conversation is not None:
         _conversation(model, synthetic, conversation, tokens, regime, baseline, batch, knob_flags or {}, output)
+        return
+    if json_schema is not None:
+        _grammar(model, synthetic, json_schema, tokens, regime, baseline, batch, knob_flags or {}, output)
         return
     tokens = DECODE_TOKENS if tokens is None else tokens
     regimes = () if "all" in regime else tuple(dict.fromkeys(regime))  # () = every regime that applies to the model
@@ -139,6 +146,27 @@ def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob
         output.json(doc)
     else:
         output.result(render_conversation(doc))
+
+
+def _grammar(model, synthetic, schema, tokens, regime, baseline, batch, knob_flags, output) -> None:
+    from ..bench import REGIMES
+    from ..bench.grammar import GrammarRequest, render_grammar, run_grammar
+    from ..errors import UsageError
+    from ..text.constraints import json_schema_of
+
+    if baseline or batch:
+        raise UsageError("--json-schema measures RocketLLM alone: drop --baseline and --batch")
+    regimes = tuple(dict.fromkeys(r for name in regime for r in (REGIMES if name == "all" else (name,))))
+    for name in regimes:
+        if name not in REGIMES:
+            raise UsageError(f"bad --regime {name!r}: expected {', '.join(REGIMES)} or all")
+    req = GrammarRequest(model, synthetic, json_schema_of(schema), GRAMMAR_TOKENS if tokens is None else tokens, regimes, knob_flags)
+    with output.progress("constrained and free replies", announce=False):
+        doc = run_grammar(req, output.log)
+    if output.as_json:
+        output.json(doc)
+    else:
+        output.result(render_grammar(doc))
 
 
 def _perplexity(model, synthetic, text_file, reference, window, stride, regime, baseline, batch, conversation, knob_flags, output) -> None:

@@ -273,6 +273,7 @@ def format_stats(stats: dict, prompt_tokens: int, new_tokens: int) -> str:
         f"bytes per token: {tiers or 'n/a'}; storage read witnessed {format_bytes(witnessed) if witnessed is not None else 'n/a'}",
         *([_experts_line(stats)] if stats.get("experts_per_token") is not None else []),
         *([speculation_line(stats["speculation"])] if stats.get("speculation") else []),
+        *([grammar_line(stats["grammar"])] if stats.get("grammar") else []),
         f"peak RSS: {format_bytes(stats.get('peak_rss_bytes'))}",
         stats.get("residency", ""),
     ])
@@ -285,6 +286,12 @@ def speculation_line(spec: dict) -> str:
     rate = f" ({100 * spec['acceptance']:.0f}%)" if spec.get("acceptance") is not None else ""
     return (f"speculative decoding ({spec['mode']}, up to {spec['draft_tokens']} drafted per pass): {spec['proposed']} tokens proposed, "
             f"{spec['accepted']} accepted{rate}; {spec['tokens']} tokens in {spec['passes']} passes = {spec['tokens_per_pass']} tokens per pass")
+
+
+def grammar_line(grammar: dict) -> str:
+    """One line on constrained decoding: the masks applied and what they cost the generating thread."""
+    return (f"grammar: {grammar['masks']} masks over {grammar['rows']} constrained row(s); the generating thread waited "
+            f"{grammar['blocking_ms_per_mask']} ms per mask (computed while the forward pass ran)")
 
 
 def _experts_line(stats: dict) -> str:

@@ -19,6 +19,7 @@ Import cost: llguidance is imported only when a constraint is used.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -203,6 +204,7 @@ class GrammarMask(LogitsProcessor):
         self.eos_ids = list(eos_ids)
         self._pending: Future | None = None
         self.mask_calls = 0
+        self.blocking_s = 0.0  # time generate's thread spent here: waiting for a mask computed ahead, or computing it
 
     @property
     def matchers(self) -> list:
@@ -228,6 +230,7 @@ class GrammarMask(LogitsProcessor):
             pending.result()
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         self._wait()
         self.mask_calls += 1
         generated = input_ids[:, self.width :]
@@ -244,7 +247,13 @@ class GrammarMask(LogitsProcessor):
                 continue
             row.fill()
             _apply(scores[b], row.bits[0], self.vocab)
+        self.blocking_s += time.perf_counter() - started
         return scores
+
+    def figures(self) -> dict:
+        """What Record.grammar reports: rows constrained, masks applied, the generating thread's time on them."""
+        return {"rows": sum(r is not None for r in self.rows), "masks": self.mask_calls,
+                "blocking_ms_per_mask": round(1000 * self.blocking_s / self.mask_calls, 4) if self.mask_calls else None}
 
     def _only_eos(self, scores: torch.Tensor) -> None:
         keep = scores[self.eos_ids].clone()

@@ -236,6 +236,7 @@ class Generator:
         finally:
             if grammar is not None:
                 grammar.close()
+                record.grammar = grammar.figures()
 
     def _grammar_mask(self, requests: list[GenerationRequest], width: int):
         """The logits processor for the rows' constraints (a matcher per row), or None when no row has one."""

@@ -28,6 +28,7 @@ class Record:
     pass_tokens: list[int] = field(default_factory=list)  # positions each pass of the target computed (counted when speculating)
     prompt_new: int = 0  # prompt tokens the first pass computed (those after a reused prefix)
     speculation: dict = field(default_factory=dict)  # mode and reason (text/speculate.py)
+    grammar: dict = field(default_factory=dict)  # constrained rows: masks applied, time the generating thread spent on them
 
 
 @dataclass
@@ -43,6 +44,7 @@ class GenerationStats:
     served_bytes: dict = field(default_factory=dict)  # tier -> bytes over every pass, warm-up included
     peak_rss_bytes: int | None = None
     speculation: dict = field(default_factory=dict)  # mode, reason; proposed, accepted, passes, tokens_per_pass when on
+    grammar: dict = field(default_factory=dict)  # masks, blocking_ms (the generating thread's wait on them), per step
 
     @property
     def decode_tokens(self) -> int:
@@ -102,6 +104,7 @@ class GenerationStats:
             "expert_cache": self.expert_cache,
             "peak_rss_bytes": self.peak_rss_bytes,
             "speculation": self.speculation or None,
+            "grammar": self.grammar or None,
         }
 
 
@@ -126,7 +129,7 @@ def measure(record: Record, warmup: int = 0) -> GenerationStats:
     return GenerationStats(
         ttft_s=times[0] - record.start if times else None, gaps_s=gaps, total_s=record.end - record.start, ledger=ledger,
         read_bytes_per_step=witnessed, served_bytes=served, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        step_tokens=counts, speculation=speculation_figures(record),
+        step_tokens=counts, speculation=speculation_figures(record), grammar=dict(record.grammar),
     )
 
 
