@@ -178,18 +178,25 @@ def test_a_seed_makes_sampling_repeatable(server):
     assert a == b and isinstance(c, str)
 
 
-def test_penalties_are_accepted_not_applied_and_said_once(server):
+def test_presence_and_frequency_penalties_take_effect(server):
+    """OpenAI's penalties change the reply as the loop's processor computes them (text/loop.py, Penalties)."""
     client = server.openai()
-    before = [line for line in server.logs if "presence_penalty" in line]
-    for _ in range(2):
-        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                               max_tokens=2, presence_penalty=0.5, **GREEDY)
-        assert raw.headers["x-rocketllm-ignored"] == "presence_penalty"
-        assert raw.parse().choices[0].message.content is not None
-    plain = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=24, **GREEDY)
+    plain = client.chat.completions.with_raw_response.create(**ask)
     assert "x-rocketllm-ignored" not in plain.headers
-    logged = [line for line in server.logs if "presence_penalty" in line]
-    assert len(logged) == 1 and len(before) <= 1
+    text = plain.parse().choices[0].message.content
+    assert client.chat.completions.create(**ask, frequency_penalty=0.0).choices[0].message.content == text
+    assert client.chat.completions.create(**ask, frequency_penalty=2.0, presence_penalty=2.0).choices[0].message.content != text
+
+
+def test_penalties_match_their_definition():
+    import torch
+
+    from rocketllm_cli.text.loop import Penalties
+
+    ids = torch.tensor([[9, 9, 1, 2, 2, 2, 3]])  # prompt 9 9, reply 1 2 2 2 3
+    out = Penalties(2, presence=0.5, frequency=0.25)(ids, torch.zeros(1, 6))
+    assert out[0].tolist() == [0.0, -0.75, -1.25, -0.75, 0.0, 0.0]
 
 
 def test_a_repeated_prompt_reuses_its_prefix_and_gives_the_same_text(server, reference):
@@ -406,3 +413,28 @@ def test_a_completion_prompt_may_be_token_ids(server, reference):
     assert whole.choices[0].text == reference["raw"].text
     error = openai_error(server.http().post("/v1/completions", json={"model": MODEL, "prompt": [1, 99999]}), 400)
     assert "outside the vocabulary" in error["message"]
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "object"}}, "guided_json", "unknown field 'guided_json'"),
+    ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "text only"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", "legacy functions API"),
+    ("/v1/chat/completions", {**CHAT, "store": True}, "store", "keeps no completions"),
+    ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True, "x": 1}}, "stream_options", "include_usage"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "messages": []}, "messages", "unknown field 'messages'"),
+])
+def test_a_field_that_would_be_dropped_is_a_400_naming_it(server, path, body, param, words):
+    error = openai_error(server.http().post(path, json=body), 400)
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_informational_fields_are_accepted_as_they_do_not_change_the_reply(server):
+    body = {**CHAT, "user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "store": False, "modalities": ["text"],
+            "safety_identifier": "s", "prompt_cache_key": "p", "stream_options": None}
+    assert server.http().post("/v1/chat/completions", json=body).status_code == 200
+    anthropic = {**MESSAGES, "metadata": {"user_id": "u"}, "thinking": {"type": "disabled"}}
+    assert server.http().post("/v1/messages", json=anthropic).status_code == 200
+    for extra, words in (({"mcp_servers": [{}]}, "MCP"), ({"top_n": 3}, "unknown field 'top_n'"),
+                         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking is not supported")):
+        error = anthropic_error(server.http().post("/v1/messages", json={**MESSAGES, **extra}), 400)
+        assert words in error["message"], error

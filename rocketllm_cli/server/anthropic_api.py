@@ -16,6 +16,7 @@ from .common import (
     bad,
     boolean,
     check_context,
+    check_fields,
     check_model,
     function_tool,
     job_events,
@@ -34,6 +35,11 @@ from .images import anthropic_image
 from .openai_api import tool_choice
 from .prompts import PromptError
 from .structured import Structure, plan, relaxed_header
+
+FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k", "tools",
+                    "tool_choice", "thinking", "output_config", "output_format"})
+REFUSED = {"container": "this server runs no code containers", "mcp_servers": "this server connects to no MCP servers",
+           "context_management": "this server edits no context"}
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
@@ -188,6 +194,7 @@ def _system(value: object, state) -> str:
 def _prompt(body: dict, state) -> tuple[list[int], bool, Structure, dict | None]:
     """(prompt ids, whether to parse tool calls, the structure enforced, the processor's tensors for pictures) for a Messages request."""
     check_model(body, state)
+    check_fields(body, FIELDS, REFUSED)
     raw = required(body, "messages")
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty list", "messages")
@@ -200,8 +207,8 @@ def _prompt(body: dict, state) -> tuple[list[int], bool, Structure, dict | None]
     tools = _tools(body.get("tools"))
     choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-        raise bad("extended thinking is not supported", "thinking")
+    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
+        raise bad("extended thinking is not supported; send thinking {\"type\": \"disabled\"} or leave it out", "thinking")
     answer, answer_param = _output_format(body)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     # Anthropic's structured outputs promise adherence: a schema the engine cannot enforce whole is a 400; tools only when marked strict

@@ -190,6 +190,25 @@ def tool_schema(value: object, where: str) -> dict:
     return value
 
 
+# Fields that do not change a reply by their nature (an end user's id, tags, a routing or caching hint): accepted as
+# they are, documented in README's Serve section. Everything else a request carries must take effect, or be a 400.
+INFORMATIONAL = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"})
+
+
+def check_fields(body: dict, takes: frozenset[str], refused: dict[str, str] | None = None) -> None:
+    """A 400 for the first field the endpoint does not take: one of `refused` (name -> why) when it is set, any other
+    unknown name always, so nothing a client asks for is dropped silently."""
+    for name, value in body.items():
+        if name in takes or name in INFORMATIONAL:
+            continue
+        if refused and name in refused:
+            if value is None or value is False:
+                continue
+            raise bad(f"'{name}' is not supported: {refused[name]}", name)
+        raise bad(f"unknown field '{name}'; this endpoint takes {', '.join(sorted(takes))} (and {', '.join(sorted(INFORMATIONAL))}, "
+                  "which do not change the reply)", name)
+
+
 def required(body: dict, name: str, where: str = "") -> object:
     if name not in body or body[name] is None:
         raise bad(f"missing required field '{where}{name}'", f"{where}{name}")
@@ -255,6 +274,8 @@ def sampling(body: dict, max_tokens: int, temperature_max: float, temperature_de
         top_k=max(0, top_k),  # -1 (some clients' "off") is 0 here
         seed=number(body, "seed", integer=True),
         repetition_penalty=number(body, "repetition_penalty", 0, low_open=True, default=1.0),
+        presence_penalty=number(body, "presence_penalty", -2, 2, default=0.0),
+        frequency_penalty=number(body, "frequency_penalty", -2, 2, default=0.0),
     )
     try:
         return SamplingParams(**settings)

@@ -10,6 +10,7 @@ from .common import (
     bad,
     boolean,
     check_context,
+    check_fields,
     check_model,
     function_tool,
     job_events,
@@ -30,7 +31,17 @@ from .prompts import PromptError
 from .structured import plan, relaxed_header
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
-PENALTIES = ("presence_penalty", "frequency_penalty")
+SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream", "stream_options", "stop",
+                      "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty"})
+CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                          "response_format", "store", "modalities"}
+COMPLETION_FIELDS = SAMPLING | {"prompt", "echo", "suffix", "best_of"}
+REFUSED = {  # OpenAI fields with an effect this server does not have
+    "audio": "this server replies in text only",
+    "prediction": "predicted outputs are not implemented", "web_search_options": "this server has no web search",
+    "functions": "the legacy functions API is not implemented; send 'tools'", "function_call": "send 'tool_choice' with 'tools'",
+    "reasoning_effort": "the model has no reasoning effort setting", "verbosity": "the model has no verbosity setting",
+}
 
 
 ERROR_TYPES = {429: "rate_limit_error"}
@@ -137,20 +148,22 @@ def tool_choice(value: object, tools: list[dict], param: str = "tool_choice") ->
     return value
 
 
-def _common(body: dict, state, headers: dict) -> None:
-    """Checks shared by both endpoints; settings accepted but not applied are named in a header (and logged once)."""
+def _common(body: dict, state, headers: dict, takes: frozenset[str]) -> None:
+    """Checks shared by both endpoints: every field takes effect, or is a 400 naming it."""
+    check_fields(body, takes, REFUSED)
+    if body.get("modalities") not in (None, ["text"]):
+        raise bad("'modalities' must be [\"text\"]: this server replies in text only", "modalities")
+    if body.get("store") is True:
+        raise bad("'store' is not supported: this server keeps no completions to retrieve later", "store")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}):
+        raise bad("'stream_options' must be an object with 'include_usage' (and 'include_obfuscation')", "stream_options")
     if number(body, "n", 1, integer=True, default=1) != 1:
         raise bad("only n=1 is supported (one model instance, no batching)", "n")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
         raise bad("logprobs are not supported", "logprobs")
     if body.get("logit_bias"):
         raise bad("logit_bias is not supported", "logit_bias")
-    ignored = tuple(name for name in PENALTIES if number(body, name, -2, 2, default=0.0))
-    for name in ignored:
-        state.notice_once(name, f"{name} is accepted for compatibility but not applied (first seen now; responses of requests that set it "
-                                "carry the header x-rocketllm-ignored)")
-    if ignored:
-        headers["x-rocketllm-ignored"] = ", ".join(ignored)
 
 
 def prepare_chat(body: dict, state) -> Prepared:
@@ -165,7 +178,7 @@ def prepare_chat(body: dict, state) -> Prepared:
     parallel = boolean(body, "parallel_tool_calls", default=True)
     strict = strict or strict_tools(body.get("tools"))
     headers: dict = {}
-    _common(body, state, headers)
+    _common(body, state, headers, CHAT_FIELDS)
     stream = boolean(body, "stream")
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
@@ -235,7 +248,7 @@ def prepare_completion(body: dict, state) -> Prepared:
     if number(body, "best_of", 1, integer=True, default=1) != 1:
         raise bad("only best_of=1 is supported", "best_of")
     headers: dict = {}
-    _common(body, state, headers)
+    _common(body, state, headers, COMPLETION_FIELDS)
     stream = boolean(body, "stream")
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True

@@ -216,6 +216,8 @@ class Generator:
         processors = LogitsProcessorList()
         if params.min_new_tokens and self.eos_ids:
             processors.append(HoldEndOfSequence(ids.shape[1], params.min_new_tokens, self.eos_ids))
+        if params.presence_penalty or params.frequency_penalty:
+            processors.append(Penalties(ids.shape[1], params.presence_penalty, params.frequency_penalty))
         # transformers runs these before its temperature, top-k and top-p warpers, so those only see allowed tokens
         grammar = self._grammar_mask(requests, ids.shape[1])
         if grammar is not None:
@@ -293,6 +295,21 @@ class HoldEndOfSequence(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] < self.until:
             scores[..., self.eos] = -math.inf
+        return scores
+
+
+class Penalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties: each token the reply has used loses `presence` once and `frequency`
+    per use from its logit (the prompt's tokens do not count, as vLLM and llama.cpp's server have it)."""
+
+    def __init__(self, prompt_width: int, presence: float, frequency: float) -> None:
+        self.width, self.presence, self.frequency = prompt_width, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.width :]
+        if generated.shape[1]:
+            counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones(generated.shape, dtype=scores.dtype, device=scores.device))
+            scores = scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
         return scores
 
 

@@ -24,6 +24,8 @@ class SamplingParams:
     seed: int | None = None
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token the reply has used
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per use of a token in the reply
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -36,12 +38,16 @@ class SamplingParams:
             raise ParameterError(f"{{top_k}} must be >= 0 (got {self.top_k}); 0 disables it", "top_k")
         if self.repetition_penalty <= 0:
             raise ParameterError(f"{{repetition_penalty}} must be > 0 (got {self.repetition_penalty})", "repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ParameterError(f"{{{name}}} must be between -2 and 2 (got {getattr(self, name)})", name)
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ParameterError(f"{{min_new_tokens}} must be between 0 and {{max_new_tokens}} ({self.max_new_tokens}) "
                                  f"(got {self.min_new_tokens})", "min_new_tokens", "max_new_tokens")
 
     def generate_kwargs(self) -> dict:
-        """The keywords transformers' generate takes for these settings (min_new_tokens aside: the loop holds it)."""
+        """The keywords transformers' generate takes for these settings (min_new_tokens and the presence and frequency
+        penalties aside: the loop applies them, text/loop.py)."""
         if self.temperature == 0:
             return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None,
                     "repetition_penalty": self.repetition_penalty}
