@@ -327,7 +327,7 @@ MESSAGES = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ma
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens", "'max_tokens' must be >= 1"),
     ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature", "must be a number"),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p", "'top_p' must be > 0"),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, "n", "only n=1"),
+    ("/v1/chat/completions", {**CHAT, "n": 65}, "n", "'n' must be <= 64"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content", "takes text only"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "needs 'tools'"),

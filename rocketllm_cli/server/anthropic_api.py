@@ -259,7 +259,8 @@ def _tool_id(call) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-def message_response(outcome, prepared: Prepared, state) -> dict:
+def message_response(outcomes: list, prepared: Prepared, state) -> dict:
+    outcome = outcomes[0]
     text, calls = prepared.reply_text(outcome), []
     if prepared.tools:
         text, calls = state.builder.parser.parse(text)
@@ -299,7 +300,8 @@ async def message_stream(job, prepared: Prepared, state):
         if kind == "heartbeat":
             yield sse({"type": "ping"}, "ping")
         elif kind == "text":
-            text = splitter.feed(payload) if splitter else payload
+            piece = payload[1]
+            text = splitter.feed(piece) if splitter else piece
             if text:
                 if not text_open:
                     yield open_text()

@@ -21,15 +21,16 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from . import anthropic_api, openai_api
-from .common import APIError, parse_body, unknown_model
+from . import anthropic_api, openai_api, responses_api, tokens
+from .common import APIError, outcomes_of, parse_body, unknown_model
 from .state import ServerState
 from .worker import SHUTTING_DOWN, Job, QueueFull
 
 QUEUE_HEADER = "x-rocketllm-queue-position"
 JOB_HEADER = "x-rocketllm-job"  # the job's number in arrival order, as logs and /health's history name it
 DISCONNECT_POLL_S = 0.2  # how often a waiting non-streaming request checks that its client is still there
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
+          "/metrics", "/tokenize", "/detokenize", "/tokenizer_info")
 OPEN = ("/health",)  # served without the key: a liveness probe carries no secret
 
 
@@ -125,7 +126,8 @@ def create_app(state: ServerState) -> FastAPI:
         api = _api_of(request.url.path)
         if exc.status_code == 404:
             err = APIError(404, f"no route {request.method} {request.url.path}; this server has /v1/chat/completions, "
-                                "/v1/completions, /v1/messages, /v1/models, /health and /metrics")
+                                "/v1/completions, /v1/responses, /v1/messages, /v1/models, /tokenize, /detokenize, /tokenizer_info, "
+                                "/health and /metrics")
         elif exc.status_code == 405:
             err = APIError(405, f"{request.method} is not allowed on {request.url.path}")
         else:
@@ -202,6 +204,37 @@ def create_app(state: ServerState) -> FastAPI:
         return await _generate(request, "/v1/completions", "openai", openai_api.prepare_completion,
                                openai_api.completion_response, openai_api.completion_stream)
 
+    @app.post("/v1/responses")
+    @guarded
+    async def responses(request: Request):
+        return await _generate(request, "/v1/responses", "openai", responses_api.prepare_response,
+                               responses_api.response_body, responses_api.response_stream)
+
+    # -- the tokenizer (llama-server's and vLLM's shapes: lm-evaluation-harness's remote tokenizer uses them) ---------
+    async def _tokenizer_route(request: Request, endpoint: str, answer):
+        try:
+            result = await prepared_body(request, answer)
+        except APIError as err:
+            state.metrics.request(endpoint, err.status)
+            return _error("openai", err)
+        state.metrics.request(endpoint, 200)
+        return result
+
+    @app.post("/tokenize")
+    @guarded
+    async def tokenize(request: Request):
+        return await _tokenizer_route(request, "/tokenize", tokens.tokenize)
+
+    @app.post("/detokenize")
+    @guarded
+    async def detokenize(request: Request):
+        return await _tokenizer_route(request, "/detokenize", tokens.detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        state.metrics.request("/tokenizer_info", 200)
+        return tokens.tokenizer_info(state)
+
     @app.post("/v1/messages")
     @guarded
     async def messages(request: Request):
@@ -234,7 +267,7 @@ def create_app(state: ServerState) -> FastAPI:
         except APIError as err:
             state.metrics.request(endpoint, err.status)
             return _error(api, err)
-        job = Job(prepared.request, endpoint)
+        job = Job(prepared.rows(), endpoint)
         job.attach(asyncio.get_running_loop(), prepared.stream)
         try:
             position = state.worker.submit(job)
@@ -258,7 +291,7 @@ def create_app(state: ServerState) -> FastAPI:
             state.metrics.request(endpoint, 500)
             return _error(api, APIError(500, f"generation failed: {type(payload).__name__}: {payload}"), headers)
         state.metrics.request(endpoint, 200)
-        return JSONResponse(respond(payload, prepared, state), headers=headers)
+        return JSONResponse(respond(outcomes_of(job, payload), prepared, state), headers=headers)
 
     async def _wait(job: Job, request: Request):
         """The job's final event, or "stopping" (the server stops); a client that disconnects meanwhile has its job cancelled."""
@@ -270,7 +303,7 @@ def create_app(state: ServerState) -> FastAPI:
                     state.worker.cancel(job)
                     return "cancelled", None
                 continue
-            if kind != "text":
+            if kind not in ("text", "logprobs"):
                 return kind, payload
 
     async def _streamed(job: Job, events, endpoint: str):

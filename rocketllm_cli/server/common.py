@@ -33,6 +33,15 @@ class Prepared:
     headers: dict = field(default_factory=dict)  # extra response headers (ignored settings, tool_choice not enforced)
     echo: str = ""  # the prompt text a completion echoes before its reply
     structure: Structure = FREE  # what constrained decoding enforces, and the text the server writes around the reply
+    n: int = 1  # choices: rows of one batch, one streaming pass for all of them
+    echo_ids: list[int] | None = None  # an echoed prompt's ids, whose log-probabilities a completion returns first
+    settings: dict = field(default_factory=dict)  # what a response repeats of its request (the Responses API's object)
+
+    def rows(self) -> list[GenerationRequest]:
+        """The request as the worker runs it: n rows sharing one cancel event (a client that leaves stops them all)."""
+        import dataclasses
+
+        return [self.request] + [dataclasses.replace(self.request) for _ in range(self.n - 1)]
 
     def reply_text(self, outcome) -> str:
         """The whole reply: the structure's prefill and closing around the generated text."""
@@ -264,7 +273,7 @@ def stop_strings(value: object, name: str) -> tuple[str, ...]:
     return tuple(s for s in value if s)
 
 
-def sampling(body: dict, max_tokens: int, temperature_max: float, temperature_default: float = 1.0) -> SamplingParams:
+def sampling(body: dict, max_tokens: int, temperature_max: float, temperature_default: float = 1.0, logit_bias: tuple = ()) -> SamplingParams:
     """Sampling settings from a request body (after max_tokens is known). Temperature 0 is greedy."""
     top_k = number(body, "top_k", -1, integer=True, default=0)
     settings = dict(
@@ -276,6 +285,7 @@ def sampling(body: dict, max_tokens: int, temperature_max: float, temperature_de
         repetition_penalty=number(body, "repetition_penalty", 0, low_open=True, default=1.0),
         presence_penalty=number(body, "presence_penalty", -2, 2, default=0.0),
         frequency_penalty=number(body, "frequency_penalty", -2, 2, default=0.0),
+        logit_bias=logit_bias,
     )
     try:
         return SamplingParams(**settings)
@@ -335,8 +345,9 @@ HEARTBEAT_S = 5.0  # a stream quiet this long (waiting in the queue, a slow pref
 
 
 async def job_events(job, heartbeat: float = HEARTBEAT_S):
-    """A job's events as they come: ("text", piece), ("heartbeat", None), then one of ("done", outcome),
-    ("cancelled", outcome) or ("failed", exception). A stream sees "cancelled" only when the server stops (a client
+    """A job's events as they come: ("text", (index, piece)), ("logprobs", (index, entries)), ("heartbeat", None), then
+    one of ("done", outcome), ("cancelled", outcome) or ("failed", exception) (outcome: the first row's; every row's are
+    in outcomes_of(job, outcome)). A stream sees "cancelled" only when the server stops (a client
     that left reads no more): once told "stopping", this waits at most STOP_WAIT_S for the running step's outcome,
     so a long step cannot hold the stream open."""
     import asyncio
@@ -358,8 +369,13 @@ async def job_events(job, heartbeat: float = HEARTBEAT_S):
         if kind == "cancelled" and payload is None:  # cancelled before it ran
             payload = _nothing_more(job)
         yield kind, payload
-        if kind != "text":
+        if kind not in ("text", "logprobs"):
             return
+
+
+def outcomes_of(job, outcome) -> list:
+    """Every row's outcome once a job ended (the one given for each row when it never ran or the server stopped)."""
+    return list(job.outcomes) if len(job.outcomes) == len(job.requests) else [outcome] * len(job.requests)
 
 
 def _nothing_more(job) -> GenerationOutcome:

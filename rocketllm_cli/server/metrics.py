@@ -49,10 +49,11 @@ class Metrics:
         with self._lock:
             self.refused_full += 1
 
-    def generation(self, outcome) -> None:
+    def generation(self, outcome, other_rows_generated: int = 0) -> None:
+        """One job's figures: its first row's (a batch of n choices shares one record), every row's generated tokens."""
         with self._lock:
             self.tokens["prompt"] += outcome.prompt_tokens
-            self.tokens["generated"] += outcome.new_tokens
+            self.tokens["generated"] += outcome.new_tokens + other_rows_generated
             self.tokens["reused"] += outcome.reused_tokens
             if outcome.finish_reason == "cancelled":
                 self.cancelled += 1

@@ -3,6 +3,8 @@ stream-chunk and error shapes."""
 
 from __future__ import annotations
 
+from ..text.constraints import Constraint
+from ..text.logprobs import MAX_TOP
 from ..text.loop import GenerationRequest
 from .common import (
     APIError,
@@ -16,6 +18,7 @@ from .common import (
     job_events,
     new_id,
     now,
+    outcomes_of,
     number,
     required,
     sampling,
@@ -25,8 +28,8 @@ from .common import (
     tool_list,
     tool_schema,
 )
-from ..text.constraints import Constraint
 from .images import openai_image
+from .logprob_shapes import chat_content, chat_logprobs, completion_logprobs, echoed
 from .prompts import PromptError
 from .structured import plan, relaxed_header
 
@@ -158,12 +161,35 @@ def _common(body: dict, state, headers: dict, takes: frozenset[str]) -> None:
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}):
         raise bad("'stream_options' must be an object with 'include_usage' (and 'include_obfuscation')", "stream_options")
-    if number(body, "n", 1, integer=True, default=1) != 1:
-        raise bad("only n=1 is supported (one model instance, no batching)", "n")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise bad("logprobs are not supported", "logprobs")
-    if body.get("logit_bias"):
-        raise bad("logit_bias is not supported", "logit_bias")
+
+
+MAX_N = 64  # choices per request at most; the context check bounds it further by memory
+
+
+def _choices(body: dict, prompt_tokens: int, max_tokens: int, state) -> int:
+    """n: choices generated as rows of one batch, each holding its own KV cache, so all of them must fit the context."""
+    n = number(body, "n", 1, MAX_N, integer=True, default=1)
+    if n > 1 and n * (prompt_tokens + max_tokens) > state.max_context:
+        raise bad(f"n={n} choices of {prompt_tokens} prompt tokens and {max_tokens} new ones need {n * (prompt_tokens + max_tokens)} tokens "
+                  f"of KV cache, but the memory holds {state.max_context}; lower n or max_tokens", "n")
+    return n
+
+
+def logit_bias(value: object, state) -> tuple:
+    """logit_bias {token id: bias in [-100, 100]} as the sampling settings' pairs."""
+    if value is None or value == {}:
+        return ()
+    if not isinstance(value, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    vocab = int(getattr(state.model.config, "vocab_size", 0) or 0)
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.lstrip("-").isdigit()) or not (vocab == 0 or 0 <= int(key) < vocab):
+            raise bad(f"'logit_bias' key {key!r} is not a token id of this model (0..{vocab - 1})", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad(f"'logit_bias' of token {key} must be a number between -100 and 100 (got {bias!r})", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def prepare_chat(body: dict, state) -> Prepared:
@@ -194,10 +220,20 @@ def prepare_chat(body: dict, state) -> Prepared:
         raise bad(str(exc), "messages") from None
     ids = ids + state.builder.prefill_ids(structure.prefill)
     max_tokens = check_context(len(ids), max_tokens, state.max_context, param, state.context_why, state.context_int4)
-    params = sampling(body, max_tokens, 2.0)
+    n = _choices(body, len(ids), max_tokens, state)
+    params = sampling(body, max_tokens, 2.0, logit_bias=logit_bias(body.get("logit_bias"), state))
     use_tools = bool(tools) and choice != "none"
-    request = GenerationRequest(ids, params, stop, model_inputs=inputs, constraint=structure.constraint)
-    return Prepared(request, stream, use_tools, include_usage, {**headers, **relaxed_header(structure)}, structure=structure)
+    request = GenerationRequest(ids, params, stop, model_inputs=inputs, constraint=structure.constraint, logprobs=_chat_logprobs(body))
+    return Prepared(request, stream, use_tools, include_usage, {**headers, **relaxed_header(structure)}, structure=structure, n=n)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """logprobs: true (and top_logprobs 0-20): the count of most likely tokens to report with each token, else None."""
+    wanted = boolean(body, "logprobs")
+    top = number(body, "top_logprobs", 0, MAX_TOP, integer=True)
+    if top is not None and not wanted:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def strict_tools(tools: object) -> bool:
@@ -252,25 +288,29 @@ def prepare_completion(body: dict, state) -> Prepared:
     stream = boolean(body, "stream")
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    max_tokens = number(body, "max_tokens", 1, integer=True, default=16)  # the completions API's own default
+    echo = boolean(body, "echo")
+    top = number(body, "logprobs", 0, 5, integer=True)
+    # max_tokens 0 with echo: score the prompt, generate nothing (lm-evaluation-harness's loglikelihood asks so)
+    max_tokens = number(body, "max_tokens", 0 if echo else 1, integer=True, default=16)  # the completions API's own default
     ids = state.builder.completion(prompt)
     vocab = int(getattr(state.model.config, "vocab_size", 0) or 0)
     if vocab and any(not 0 <= t < vocab for t in ids):
         raise bad(f"'prompt' has token ids outside the vocabulary (0..{vocab - 1})", "prompt")
     max_tokens = check_context(len(ids), max_tokens, state.max_context, "max_tokens", state.context_why, state.context_int4)
-    params = sampling(body, max_tokens, 2.0)
-    echo = ""
-    if boolean(body, "echo"):
-        echo = prompt if isinstance(prompt, str) else state.builder.decode(ids)
-    return Prepared(GenerationRequest(ids, params, stop_strings(body.get("stop"), "stop")), stream, False, include_usage, headers,
-                    echo=echo)
+    n = _choices(body, len(ids), max_tokens, state)
+    params = sampling(body, max(1, max_tokens), 2.0, logit_bias=logit_bias(body.get("logit_bias"), state))
+    text = (prompt if isinstance(prompt, str) else state.builder.decode(ids)) if echo else ""
+    request = GenerationRequest(ids, params, stop_strings(body.get("stop"), "stop"), logprobs=top,
+                                prompt_logprobs=top if echo and top is not None else None, score_only=max_tokens == 0)
+    return Prepared(request, stream, False, include_usage, headers, echo=text, n=n, echo_ids=ids if echo else None)
 
 
 # -- responses -----------------------------------------------------------------------------------------
-def usage(outcome) -> dict:
-    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.new_tokens,
-            "total_tokens": outcome.prompt_tokens + outcome.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": outcome.reused_tokens}}
+def usage(outcomes: list) -> dict:
+    first = outcomes[0]
+    generated = sum(o.new_tokens for o in outcomes)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": generated, "total_tokens": first.prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": first.reused_tokens}}
 
 
 def _tool_call(call, index: int | None = None) -> dict:
@@ -278,88 +318,135 @@ def _tool_call(call, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
-def chat_response(outcome, prepared: Prepared, state) -> dict:
+def _reply_message(outcome, prepared: Prepared, state) -> tuple[dict, str]:
     content, calls = prepared.reply_text(outcome), []
     if prepared.tools:
         content, calls = state.builder.parser.parse(content)
     message: dict = {"role": "assistant", "content": content if (content or not calls) else None}
     if calls:
         message["tool_calls"] = [_tool_call(c) for c in calls]
-    return {
-        "id": new_id("chatcmpl-"), "object": "chat.completion", "created": now(), "model": state.model_id,
-        "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": "tool_calls" if calls else FINISH[outcome.finish_reason]}],
-        "usage": usage(outcome), "system_fingerprint": None,
-    }
+    return message, "tool_calls" if calls else FINISH[outcome.finish_reason]
 
 
-def completion_response(outcome, prepared: Prepared, state) -> dict:
-    return {
-        "id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": state.model_id,
-        "choices": [{"index": 0, "text": prepared.echo + outcome.text, "logprobs": None, "finish_reason": FINISH[outcome.finish_reason]}],
-        "usage": usage(outcome),
-    }
+def chat_response(outcomes: list, prepared: Prepared, state) -> dict:
+    choices = []
+    for index, outcome in enumerate(outcomes):
+        message, finish = _reply_message(outcome, prepared, state)
+        choices.append({"index": index, "message": message, "finish_reason": finish,
+                        "logprobs": chat_logprobs(outcome.logprobs, state.token_text)})
+    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": now(), "model": state.model_id, "choices": choices,
+            "usage": usage(outcomes), "system_fingerprint": None}
+
+
+def _completion_logprobs(outcome, prepared: Prepared, state) -> dict | None:
+    if outcome.logprobs is None:
+        return None
+    entries = (echoed(prepared.echo_ids, outcome.prompt_logprobs) if prepared.echo_ids is not None else []) + list(outcome.logprobs)
+    return completion_logprobs(entries, state.token_text)
+
+
+def completion_response(outcomes: list, prepared: Prepared, state) -> dict:
+    choices = [{"index": index, "text": prepared.echo + outcome.text, "logprobs": _completion_logprobs(outcome, prepared, state),
+                "finish_reason": FINISH[outcome.finish_reason]} for index, outcome in enumerate(outcomes)]
+    return {"id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": state.model_id, "choices": choices,
+            "usage": usage(outcomes)}
 
 
 async def chat_stream(job, prepared: Prepared, state):
-    """chat.completion.chunk events: the role, content pieces, tool calls whole at the end, finish_reason, usage, [DONE]."""
+    """chat.completion.chunk events: each choice's role, content pieces (with the log-probabilities of the tokens they
+    carry), tool calls whole at the end, finish_reason; then usage and [DONE]."""
     base = {"id": new_id("chatcmpl-"), "object": "chat.completion.chunk", "created": now(), "model": state.model_id,
             "system_fingerprint": None}
+    n = prepared.n
+    splitters = [prepared.splitter(state.builder.parser) for _ in range(n)]
+    pending: list[list] = [[] for _ in range(n)]  # log-probabilities of tokens whose text has not gone out yet
+    wants = prepared.request.logprobs is not None
 
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        return sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
+    def chunk(index: int, delta: dict, finish: str | None = None, **extra) -> str:
+        entries, pending[index] = pending[index], []
+        logprobs = {"content": chat_content(entries, state.token_text), "refusal": None} if wants and (entries or finish) else None
+        return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra})
 
-    splitter = prepared.splitter(state.builder.parser)
-    yield chunk({"role": "assistant", "content": ""})
+    for index in range(n):
+        yield chunk(index, {"role": "assistant", "content": ""})
     async for kind, payload in job_events(job):
         if kind == "heartbeat":
             yield ": keep-alive\n\n"
+        elif kind == "logprobs":
+            pending[payload[0]].extend(payload[1])
         elif kind == "text":
-            text = splitter.feed(payload) if splitter else payload
+            index, piece = payload
+            text = splitters[index].feed(piece) if splitters[index] else piece
             if text:
-                yield chunk({"content": text})
+                yield chunk(index, {"content": text})
         elif kind == "failed":
             yield sse({"error": {"message": f"generation failed: {payload}", "type": "server_error", "param": None, "code": None}})
             yield sse("[DONE]")
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
-            calls = []
-            if splitter:
-                held = splitter.feed(prepared.closing(payload))
-                rest, calls = splitter.finish()
-                rest = held + rest
-                if rest:
-                    yield chunk({"content": rest})
-                if calls:
-                    yield chunk({"tool_calls": [_tool_call(c, i) for i, c in enumerate(calls)]})
-            finish = "tool_calls" if calls else FINISH[payload.finish_reason]
+            outcomes = outcomes_of(job, payload)
+            for index, outcome in enumerate(outcomes):
+                calls, splitter = [], splitters[index]
+                if splitter:
+                    held = splitter.feed(prepared.closing(outcome))
+                    rest, calls = splitter.finish()
+                    rest = held + rest
+                    if rest:
+                        yield chunk(index, {"content": rest})
+                    if calls:
+                        yield chunk(index, {"tool_calls": [_tool_call(c, i) for i, c in enumerate(calls)]})
+                finish = "tool_calls" if calls else FINISH[outcome.finish_reason]
+                last = index == n - 1 and not prepared.include_usage
+                yield chunk(index, {}, finish, **({"usage": usage(outcomes)} if last else {}))
             if prepared.include_usage:
-                yield chunk({}, finish)
-                yield sse({**base, "choices": [], "usage": usage(payload)})
-            else:
-                yield chunk({}, finish, usage=usage(payload))
+                yield sse({**base, "choices": [], "usage": usage(outcomes)})
             yield sse("[DONE]")
 
 
 async def completion_stream(job, prepared: Prepared, state):
+    """text_completion chunks: an echoed prompt first (with its log-probabilities once the job has them), then each
+    choice's pieces with the log-probabilities of the tokens they carry, finish_reason, usage, [DONE]."""
     base = {"id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": state.model_id}
+    n = prepared.n
+    pending: list[list] = [[] for _ in range(n)]
+    offsets = [len(prepared.echo)] * n  # text_offset of the next token, per choice
+    wants = prepared.request.logprobs is not None
 
-    def chunk(text: str, finish: str | None = None, **extra) -> str:
-        return sse({**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra})
+    def chunk(index: int, text: str, finish: str | None = None, **extra) -> str:
+        entries, pending[index] = pending[index], []
+        logprobs = None
+        if wants and entries:
+            logprobs = completion_logprobs(entries, state.token_text, offsets[index])
+            offsets[index] += sum(len(t or "") for t in logprobs["tokens"])
+        return sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}], **extra})
 
-    if prepared.echo:
-        yield chunk(prepared.echo)
+    echoing = prepared.echo and not (wants and prepared.echo_ids is not None)  # with log-probabilities the echo waits for them
+    if echoing:
+        for index in range(n):
+            yield chunk(index, prepared.echo)
     async for kind, payload in job_events(job):
         if kind == "heartbeat":
             yield ": keep-alive\n\n"
+        elif kind == "logprobs":
+            pending[payload[0]].extend(payload[1])
         elif kind == "text":
-            yield chunk(payload)
+            yield chunk(*payload)
         elif kind == "failed":
             yield sse({"error": {"message": f"generation failed: {payload}", "type": "server_error", "param": None, "code": None}})
             yield sse("[DONE]")
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
+            outcomes = outcomes_of(job, payload)
+            for index, outcome in enumerate(outcomes):
+                if prepared.echo and not echoing:  # the prompt's log-probabilities came with the outcome
+                    scored = outcome.prompt_logprobs or [None] * len(prepared.echo_ids)
+                    entries = echoed(prepared.echo_ids, scored)
+                    echo_lp = completion_logprobs(entries, state.token_text, 0)
+                    yield sse({**base, "choices": [{"index": index, "text": prepared.echo, "logprobs": echo_lp, "finish_reason": None}]})
+                    if outcome.logprobs:  # a reply that streamed no text: its tokens' log-probabilities go out here
+                        pending[index] = list(outcome.logprobs)
+                        offsets[index] = len(prepared.echo)
+                        yield chunk(index, outcome.text)
+                last = index == n - 1 and not prepared.include_usage
+                yield chunk(index, "", FINISH[outcome.finish_reason], **({"usage": usage(outcomes)} if last else {}))
             if prepared.include_usage:
-                yield chunk("", FINISH[payload.finish_reason])
-                yield sse({**base, "choices": [], "usage": usage(payload)})
-            else:
-                yield chunk("", FINISH[payload.finish_reason], usage=usage(payload))
+                yield sse({**base, "choices": [], "usage": usage(outcomes)})
             yield sse("[DONE]")

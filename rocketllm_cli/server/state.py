@@ -15,6 +15,7 @@ from ..text.prefix import PrefixCache, decide
 from ..text.prompts import context_reason, int4_context
 from ..text.reuse import reuse_for
 from .metrics import Metrics
+from .logprob_shapes import TokenText
 from .prompts import PromptBuilder
 from .structured import lark_literal
 from .tools import FAMILIES, choose
@@ -75,6 +76,7 @@ class ServerState:
         self.image_refusal = image_refusal(model)  # None: the model takes pictures (its tower and processor are here)
         self.builder = PromptBuilder(model.tokenizer, self.family, getattr(model, "processor", None) if self.image_refusal is None else None)
         self.lark_literal = lark_literal(model.tokenizer)  # the family's markers in grammars (server/structured.py)
+        self.token_text = TokenText(self.builder.tokenizer)  # each token's text, for log-probabilities
         knobs = model.knobs
         # 0 is a real answer (the memory holds no context: every request is refused with the numbers), None is none
         self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") is not None else \
@@ -204,7 +206,7 @@ class ServerState:
 
     def _finished(self, job: Job) -> None:
         if job.outcome is not None:
-            self.metrics.generation(job.outcome)
+            self.metrics.generation(job.outcome, sum(o.new_tokens for o in job.outcomes[1:]))
         if job.error is not None:
             message = one_line(f"{type(job.error).__name__}: {job.error}")
             self.last_error = {"message": f"the latest generation failed: {message}", "endpoint": job.endpoint,

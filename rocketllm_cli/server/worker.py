@@ -37,12 +37,15 @@ class QueueFull(Exception):
 
 @dataclass
 class Job:
-    request: GenerationRequest
+    """One request: its prompt generated once, or as n rows of one batch (OpenAI's `n` choices, each streaming under
+    its index). Events: ("text", (index, piece)), ("logprobs", (index, [TokenLogprob])), then done/cancelled/failed."""
+
+    requests: list[GenerationRequest]
     endpoint: str = ""
     id: int = 0
     position: int = 0
     state: str = "new"  # queued | running | done | cancelled | failed
-    outcome: GenerationOutcome | None = None
+    outcomes: list[GenerationOutcome] = field(default_factory=list)
     error: BaseException | None = None
     enqueued_at: float = 0.0
     started_at: float | None = None
@@ -50,12 +53,23 @@ class Job:
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     _events: asyncio.Queue | None = field(default=None, repr=False)
 
+    @property
+    def request(self) -> GenerationRequest:
+        return self.requests[0]
+
+    @property
+    def outcome(self) -> GenerationOutcome | None:
+        return self.outcomes[0] if self.outcomes else None
+
     def attach(self, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
-        """Deliver events into `loop`; text pieces only when `stream`."""
+        """Deliver events into `loop`; text pieces (and log-probabilities) only when `stream`."""
         self._loop = loop
         self._events = asyncio.Queue()
         if stream:
-            self.request.on_text = lambda piece: self._emit("text", piece)
+            for index, request in enumerate(self.requests):
+                request.on_text = lambda piece, i=index: self._emit("text", (i, piece))
+                if request.logprobs is not None:
+                    request.on_logprobs = lambda entries, i=index: self._emit("logprobs", (i, entries))
 
     async def next_event(self, timeout: float | None = None) -> tuple[str, object]:
         assert self._events is not None
@@ -71,7 +85,7 @@ class Job:
         o = self.outcome
         return {
             "id": self.id, "endpoint": self.endpoint, "state": self.state, "position": self.position,
-            "prompt_tokens": len(self.request.prompt_ids), "generated_tokens": o.new_tokens if o else 0,
+            "prompt_tokens": len(self.request.prompt_ids), "generated_tokens": sum(x.new_tokens for x in self.outcomes),
             "reused_tokens": o.reused_tokens if o else 0, "finish_reason": o.finish_reason if o else None,
             "max_new_tokens": self.request.params.max_new_tokens,
             "waited_s": round((self.started_at or self.finished_at or time.monotonic()) - self.enqueued_at, 4),
@@ -138,7 +152,7 @@ class Worker:
 
     def cancel(self, job: Job) -> None:
         """The client went away: drop the job if it waits, stop it after the current step if it runs."""
-        job.request.cancel.set()
+        job.request.cancel.set()  # the rows of a job share one cancel event
         with self._cv:
             if job.state == "queued" and job in self._queue:
                 self._queue.remove(job)
@@ -199,7 +213,7 @@ class Worker:
                 job.state = "running"
                 job.started_at = time.monotonic()
             try:
-                job.outcome = self.generator.run(job.request)
+                job.outcomes = self.generator.run_batch(job.requests)
             except BaseException as exc:  # noqa: BLE001 - reported to the request; the worker keeps serving
                 job.error = exc
                 with self._cv:

@@ -23,6 +23,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaL
 
 from .constraints import Constraint
 from .grammar import Grammars
+from .logprobs import LogprobRecorder, prompt_logprobs
 from .sampling import SamplingParams
 from .speculate import UNCROPPABLE, Speculation, speculation_for
 from .stats import GenerationStats, Record, measure
@@ -42,6 +43,10 @@ class GenerationRequest:
     # Such a prompt runs alone and never touches the prefix cache: two pictures' placeholder tokens are the same ids.
     model_inputs: dict | None = None
     constraint: Constraint | None = None  # what the output must be (text/grammar.py): a JSON Schema, a grammar ...
+    logprobs: int | None = None  # record each generated token's log-probability, with this many most likely (text/logprobs.py)
+    prompt_logprobs: int | None = None  # also each prompt token's, given those before it (an echo), with this many most likely
+    on_logprobs: Callable[[list], None] | None = None  # called on the generating thread with each new token's TokenLogprob
+    score_only: bool = False  # generate nothing: only the prompt's log-probabilities (an echo with max_tokens 0)
 
     @property
     def has_images(self) -> bool:
@@ -58,6 +63,8 @@ class GenerationOutcome:
     reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     record: Record = field(default_factory=Record)  # what the generation saw, step by step (shared by a batch's rows)
     stats: GenerationStats = field(default_factory=GenerationStats)  # measure(record): every step counted
+    logprobs: list | None = None  # TokenLogprob of each of token_ids, when the request asked for them
+    prompt_logprobs: list | None = None  # None, then TokenLogprob of each later prompt token, when the request asked
 
     @property
     def new_tokens(self) -> int:
@@ -134,6 +141,9 @@ class Generator:
             raise ValueError("min_new_tokens holds end-of-sequence off, which a grammar may need: give one or the other")
         if all(r.cancel.is_set() for r in requests):
             return [GenerationOutcome("", [], len(r.prompt_ids), "cancelled") for r in requests]
+        if all(r.score_only for r in requests):
+            return [GenerationOutcome("", [], len(r.prompt_ids), "length", logprobs=[],
+                                      prompt_logprobs=self.score(r.prompt_ids, r.prompt_logprobs or 0)) for r in requests]
         single = requests[0] if len(requests) == 1 else None
         record = Record(start=time.perf_counter())  # the prefill time includes restoring a cached prefix
         spec = self.speculation if single is not None else self.speculation.off(
@@ -141,6 +151,9 @@ class Generator:
         if single is not None and single.has_images and spec.on:
             spec = spec.off("off: the prompt carries images (a draft cannot see them, and their placeholder tokens "
                             "of two different pictures are identical)")
+        if spec.on and any(r.logprobs is not None for r in requests):
+            spec = spec.off("off: log-probabilities are read from each plain step's scores")
+        scored = [self.score(r.prompt_ids, r.prompt_logprobs) if r.prompt_logprobs is not None else None for r in requests]
         # transformers' assisted generation feeds its first pass the whole prompt even over a restored cache, so a
         # speculative run computes its prompt afresh (where layers stream, a prefill is one pass whatever its length).
         hit = self.prefix_cache.lookup(list(single.prompt_ids)) if self._caching(single) and not spec.on else None
@@ -154,7 +167,7 @@ class Generator:
             extra["return_dict_in_generate"] = True  # the output then carries the cache to store
         feed_from = hit.feed_from if hit is not None else 0  # a cache generate cannot count is given only the new tokens
         ids, mask = self._left_padded([r.prompt_ids[feed_from:] for r in requests])
-        rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel) for r in requests]
+        rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel, r.on_logprobs) for r in requests]
         record.prompt_new = len(single.prompt_ids) - (hit.tokens if hit is not None else 0) if single is not None else 0
         record.speculation = {"mode": spec.mode, "reason": spec.reason, **({"draft_tokens": spec.tokens} if spec.on else {})}
         if spec.on and self._caching(single):
@@ -173,7 +186,7 @@ class Generator:
                 self.speculation = spec = spec.off(f"off: {type(self.model).__name__}'s cache cannot be cropped back to before a "
                                                    "rejected drafted token (found on its first pass)")
                 record.speculation = {"mode": "off", "reason": spec.reason}
-                rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel) for r in requests]
+                rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel, r.on_logprobs) for r in requests]
                 out = self._generate(ids, mask, params, rows, record, ledger, spec, extra, requests)
         finally:
             for hook in (counting, taking):
@@ -201,6 +214,8 @@ class Generator:
                 text=row.finish(new), token_ids=new, prompt_tokens=len(request.prompt_ids),
                 finish_reason=self._finish_reason(row, request, new), stop_sequence=row.stop_sequence,
                 reused_tokens=hit.tokens if hit is not None else 0, record=record, stats=stats,
+                logprobs=[e.trimmed(request.logprobs) for e in row.logprobs[: len(new)]] if request.logprobs is not None else None,
+                prompt_logprobs=scored[i],
             ))
         del out
         return outcomes
@@ -214,10 +229,16 @@ class Generator:
             ledger.reset()
         record.times, record.marks, record.counts, record.pass_tokens = [], [], [], []
         processors = LogitsProcessorList()
+        wanted = [r.logprobs for r in requests if r.logprobs is not None]
+        recorder = LogprobRecorder(max(wanted)) if wanted else None
+        if recorder is not None:  # first: it reads the scores before penalties, grammar and warpers change them
+            processors.append(recorder)
         if params.min_new_tokens and self.eos_ids:
             processors.append(HoldEndOfSequence(ids.shape[1], params.min_new_tokens, self.eos_ids))
         if params.presence_penalty or params.frequency_penalty:
             processors.append(Penalties(ids.shape[1], params.presence_penalty, params.frequency_penalty))
+        if params.logit_bias:
+            processors.append(LogitBias(params.logit_bias))
         # transformers runs these before its temperature, top-k and top-p warpers, so those only see allowed tokens
         grammar = self._grammar_mask(requests, ids.shape[1])
         if grammar is not None:
@@ -226,7 +247,7 @@ class Generator:
             with torch.inference_mode():
                 return self.model.generate(
                     ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
-                    streamer=Streamer(rows, record, grammar.advance if grammar is not None else None),
+                    streamer=Streamer(rows, record, grammar.advance if grammar is not None else None, recorder),
                     stopping_criteria=StoppingCriteriaList([StopWhen(rows)]), pad_token_id=self.pad_id,
                     **params.generate_kwargs(), **spec.generate_kwargs(), **({"logits_processor": processors} if processors else {}),
                     **extra,
@@ -239,6 +260,11 @@ class Generator:
             if grammar is not None:
                 grammar.close()
                 record.grammar = grammar.figures()
+
+    def score(self, prompt_ids: list[int], top: int = 0) -> list:
+        """Each prompt token's log-probability given the ones before it (None for the first), with the TOP most likely:
+        one forward pass over the prompt, nothing generated (an echo with max_tokens 0, or before generating)."""
+        return prompt_logprobs(self.model, list(prompt_ids), top)
 
     def _grammar_mask(self, requests: list[GenerationRequest], width: int):
         """The logits processor for the rows' constraints (a matcher per row), or None when no row has one."""
@@ -310,6 +336,18 @@ class Penalties(LogitsProcessor):
         if generated.shape[1]:
             counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones(generated.shape, dtype=scores.dtype, device=scores.device))
             scores = scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
+        return scores
+
+
+class LogitBias(LogitsProcessor):
+    """OpenAI's logit_bias: a fixed amount added to chosen tokens' logits at every step (-100 bans, 100 forces)."""
+
+    def __init__(self, pairs: tuple[tuple[int, float], ...]) -> None:
+        self.ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
+        self.bias = torch.tensor([b for _, b in pairs], dtype=torch.float32)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.ids] += self.bias.to(scores.dtype)
         return scores
 
 

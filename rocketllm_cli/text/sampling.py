@@ -26,6 +26,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token the reply has used
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per use of a token in the reply
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to that token's logit at every step
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -25,8 +25,9 @@ class Row:
     """One sequence's text as its tokens come. Decodes as it goes only when someone reads it (on_text or stop strings)."""
 
     def __init__(self, tokenizer, eos_ids: set[int], stop: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None) -> None:
-        self.tokenizer, self.eos_ids, self.on_text = tokenizer, eos_ids, on_text
+                 cancel: threading.Event | None = None, on_logprobs: Callable[[list], None] | None = None) -> None:
+        self.tokenizer, self.eos_ids, self.on_text, self.on_logprobs = tokenizer, eos_ids, on_text, on_logprobs
+        self.logprobs: list = []  # TokenLogprob of each of `ids`, when the loop records them (text/logprobs.py)
         self.stop = tuple(s for s in stop if s)
         self.cancel = cancel or threading.Event()
         self.ids: list[int] = []  # this row's tokens until it ended (an end-of-sequence id, or a stop string's step)
@@ -39,11 +40,15 @@ class Row:
         self._live = on_text is not None or bool(self.stop)
         self._longest = max((len(s) for s in self.stop), default=0)
 
-    def add(self, token: int) -> None:
+    def add(self, token: int, logprob=None) -> None:
         if self._ended:
             return  # a finished row of a batch goes on receiving padding
         self.ids.append(token)
         self._ended = token in self.eos_ids
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            if self.on_logprobs is not None:  # before the text it belongs to is handed on
+                self.on_logprobs([logprob])
         if self._live:
             self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             if self.stop:
@@ -100,8 +105,9 @@ class Streamer:
     on_step(tokens), when given, hears each plain step's tokens (one a row) before the next forward pass begins: the
     grammar mask (text/grammar.py) computes the next mask meanwhile."""
 
-    def __init__(self, rows: list[Row], record: Record, on_step: Callable[[list[int]], None] | None = None) -> None:
+    def __init__(self, rows: list[Row], record: Record, on_step: Callable[[list[int]], None] | None = None, recorder=None) -> None:
         self.rows, self.record, self.on_step = rows, record, on_step
+        self.recorder = recorder  # a LogprobRecorder: each plain step's tokens get their log-probabilities from it
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -121,8 +127,9 @@ class Streamer:
         tokens = value.reshape(-1).tolist()
         if self.on_step is not None:
             self.on_step(tokens)
-        for row, token in zip(self.rows, tokens):
-            row.add(int(token))
+        logprobs = self.recorder.chosen(tokens) if self.recorder is not None else [None] * len(tokens)
+        for row, token, logprob in zip(self.rows, tokens, logprobs):
+            row.add(int(token), logprob)
 
     def end(self) -> None:
         pass  # the loop finishes each row once generate has returned its ids
