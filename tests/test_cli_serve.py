@@ -485,6 +485,13 @@ def test_the_key_guards_every_endpoint_and_no_key_or_prompt_reaches_a_log_line_o
         metrics = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=30).text
         assert 'rocketllm_requests_total{endpoint="/v1/chat/completions",status="401"} 2' not in metrics  # one 401 there
         assert 'rocketllm_requests_total{endpoint="/v1/chat/completions",status="401"} 1' in metrics
+        # generate --server sends the key from ROCKETLLM_API_KEY or --api-key; without one it says how to give it
+        keyed_cli = remote_generate("--server", url, PROMPT, "-n", "3", "--raw", env={"ROCKETLLM_API_KEY": KEY})
+        assert keyed_cli.returncode == 0, keyed_cli.stderr
+        flagged = remote_generate("--server", url, PROMPT, "-n", "3", "--raw", "--api-key", KEY, env={"ROCKETLLM_API_KEY": ""})
+        assert flagged.returncode == 0 and flagged.stdout == keyed_cli.stdout, flagged.stderr
+        keyless = remote_generate("--server", url, PROMPT, "-n", "3", env={"ROCKETLLM_API_KEY": ""})
+        assert keyless.returncode == 1 and "--api-key or ROCKETLLM_API_KEY" in keyless.stderr.splitlines()[0]
     finally:
         code, err = server.stop()
     assert code == 0, err

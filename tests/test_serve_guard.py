@@ -275,6 +275,20 @@ def test_bytes_no_json_reader_should_take_are_400_in_each_shape(server, raw, wor
     still_serving(server)
 
 
+def test_pythons_urllib_reads_the_413_of_a_large_body(server):
+    """The body is drained before the answer: urllib sends all of it before reading, and saw "connection reset" when the
+    server answered and closed first."""
+    import urllib.error
+    import urllib.request
+
+    huge = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * (4 * server.state.max_body)}]}).encode()
+    request = urllib.request.Request(f"{server.url}/v1/chat/completions", data=huge, headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=60)
+    assert err.value.code == 413 and "at most" in json.loads(err.value.read())["error"]["message"]
+    still_serving(server)
+
+
 def test_a_body_over_the_limit_is_413_declared_or_streamed(server):
     http = server.http()
     limit = server.state.max_body

@@ -58,6 +58,7 @@ def run(
     batch: Annotated[bool, typer.Option("--batch", help="One prompt per stdin line, generated as one batch; one output line per prompt, in order (newlines in outputs written as \\n).")] = False,
     image: Annotated[Optional[list[str]], typer.Option("--image", metavar="PATH", help="A picture for a vision-language model to see before the prompt (repeatable).", show_default=False)] = None,
     server: Annotated[Optional[str], typer.Option("--server", envvar="ROCKETLLM_SERVER", metavar="URL", help="Send the prompt to the rocketllm serve at URL instead of loading MODEL here: no start-up cost.", show_default=False)] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="ROCKETLLM_API_KEY", show_envvar=True, show_default=False, help="With --server: the server's key (serve --api-key); prefer the environment variable, which other users cannot read from the process list.")] = None,
     json_schema: Annotated[Optional[str], typer.Option("--json-schema", metavar="SCHEMA", help="The output is JSON valid against SCHEMA: inline JSON or a file holding it (constrained decoding).", show_default=False)] = None,
     grammar: Annotated[Optional[str], typer.Option("--grammar", metavar="FILE", help="The output follows the Lark grammar in FILE (llguidance's syntax, a 'start:' rule; constrained decoding).", show_default=False)] = None,
     json: JsonOpt = False,
@@ -73,7 +74,7 @@ def run(
         raise RocketError("--image needs the chat template, which places each picture in the prompt; drop --raw")
     if server:
         return _through_server(server, model, prompt, model_option, SamplingParams(max_new_tokens, temperature, top_p, top_k, seed),
-                               chat, system, stats, batch, json, knob_flags or {}, output, constraint)
+                               chat, system, stats, batch, json, knob_flags or {}, output, constraint, api_key)
     if model_option is not None and prompt is None:  # `generate --model M PROMPT`: the one word is the prompt
         model, prompt = None, model
     model = pick_model(model, model_option)
@@ -171,7 +172,8 @@ def _with_images(streamed, model: str, text: str, system: str | None, pictures: 
     return [ids], inputs
 
 
-def _through_server(url, model, prompt, model_option, params, chat, system, stats, batch, json, knob_flags, output, constraint) -> None:
+def _through_server(url, model, prompt, model_option, params, chat, system, stats, batch, json, knob_flags, output, constraint,
+                    api_key=None) -> None:
     """generate --server: the same prompt rules and output, the generation done by a running server."""
     from ..server.client import default_model_id, remote_generate, served_model
 
@@ -187,7 +189,7 @@ def _through_server(url, model, prompt, model_option, params, chat, system, stat
         flag = KNOBS_BY_NAME[sorted(knob_flags)[0]].flag
         raise RocketError(f"{flag} tunes the engine of this process, but --server uses the server's; "
                           "set it on `rocketllm serve`, or drop --server")
-    served = served_model(url)
+    served = served_model(url, api_key)
     if model_option is None and prompt is None and model is not None and not _names_model(model, served):
         model, prompt = None, model  # one argument with --server, not a model: the server has the model, this is the prompt
     model = pick_model(model, model_option, required=False)
@@ -197,7 +199,8 @@ def _through_server(url, model, prompt, model_option, params, chat, system, stat
         raise RocketError(f"the server at {url} serves '{served}', not '{default_model_id(model)}'; "
                           "start a server for that model, or drop MODEL to use the one it serves")
     result = remote_generate(url, served, text, chat=chat, system=system, params=params,
-                             on_text=None if json else output.stream, json_schema=constraint.source if constraint is not None else None)
+                             on_text=None if json else output.stream, json_schema=constraint.source if constraint is not None else None,
+                             api_key=api_key)
     if json:
         output.json({k: result[k] for k in ("text", "prompt_tokens", "new_tokens")} | {"stats": result["stats"], "model": served})
         return

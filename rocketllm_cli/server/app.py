@@ -89,17 +89,28 @@ class KeyCheck:
         await _error(api, err, extra)(scope, receive, send)
 
 
+DRAIN_MAX = 64 << 20  # bytes of a refused body read and dropped before the 413, so the client gets to read the reply
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past `limit` bytes: by its declared length before anything is read, or as it arrives."""
+    """The request body, refused with 413 past `limit` bytes, declared or as it arrives. The rest of a refused body is
+    read and dropped (up to max(DRAIN_MAX, 4 x limit)) before answering: a server that answers and closes while the
+    client still sends makes clients such as Python's urllib report "connection reset" instead of the 413."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body is {int(declared)} bytes; this server takes at most {limit} (a context's worth of prompt)")
-    chunks, size = [], 0
+    size, chunks = 0, []
+    over = declared is not None and declared.strip().isdigit() and int(declared) > limit
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body is over {limit} bytes; this server takes at most {limit} (a context's worth of prompt)")
+        over = over or size > limit
+        if over:
+            chunks = []
+            if size > max(DRAIN_MAX, 4 * limit):
+                break
+            continue
         chunks.append(chunk)
+    if over:
+        shown = int(declared) if declared is not None and declared.strip().isdigit() else f"over {limit}"
+        raise APIError(413, f"the request body is {shown} bytes; this server takes at most {limit} (a context's worth of prompt)")
     return b"".join(chunks)
 
 

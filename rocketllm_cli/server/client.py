@@ -29,9 +29,9 @@ def default_model_id(model: str) -> str:
     return str(model)
 
 
-def served_model(url: str) -> str:
+def served_model(url: str, api_key: str | None = None) -> str:
     """The model id the server at `url` serves (GET /v1/models)."""
-    body = _call(url, "/v1/models", None)
+    body = _call(url, "/v1/models", None, api_key)
     models = body.get("data") if isinstance(body, dict) else None
     if not models or not isinstance(models[0], dict) or "id" not in models[0]:
         raise RocketError(f"{url} answered GET /v1/models without a model id: is it a rocketllm serve?")
@@ -39,11 +39,12 @@ def served_model(url: str) -> str:
 
 
 def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, system: str | None, params,
-                    on_text: Callable[[str], None] | None, json_schema: str | None = None) -> dict:
+                    on_text: Callable[[str], None] | None, json_schema: str | None = None, api_key: str | None = None) -> dict:
     """Generate through the server; {text, prompt_tokens, new_tokens, finish_reason, stats} with the client's timings.
 
     chat None: the chat endpoint, which applies the model's template when it has one (as a local run does).
-    json_schema: a JSON Schema as JSON text the reply must follow (response_format json_schema; chat only)."""
+    json_schema: a JSON Schema as JSON text the reply must follow (response_format json_schema; chat only).
+    api_key: the server's key (`serve --api-key`), sent as OpenAI clients send it."""
     body: dict = {"model": model_id, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
                   "top_p": params.top_p, "stream": True, "stream_options": {"include_usage": True}}
     if params.top_k:
@@ -64,7 +65,7 @@ def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, 
     pieces: list[str] = []
     usage: dict = {}
     finish = None
-    for event in _events(url, path, body):
+    for event in _events(url, path, body, api_key):
         for choice in event.get("choices") or []:
             piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
             if piece:
@@ -87,17 +88,20 @@ def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, 
     }
 
 
-def _request(url: str, path: str, body: dict | None) -> urllib.request.Request:
+def _request(url: str, path: str, body: dict | None, api_key: str | None = None) -> urllib.request.Request:
     data = None if body is None else json.dumps(body).encode()
     headers = {"content-type": "application/json", "accept": "text/event-stream" if body and body.get("stream") else "application/json"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
     return urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers, method="GET" if body is None else "POST")
 
 
-def _open(url: str, path: str, body: dict | None):
+def _open(url: str, path: str, body: dict | None, api_key: str | None = None):
     try:
-        return urllib.request.urlopen(_request(url, path, body), timeout=TIMEOUT_S)
+        return urllib.request.urlopen(_request(url, path, body, api_key), timeout=TIMEOUT_S)
     except urllib.error.HTTPError as exc:
-        raise RocketError(f"the server at {url} refused the request: {_error_text(exc)}") from None
+        hint = "; give its key with --api-key or ROCKETLLM_API_KEY" if exc.code == 401 else ""
+        raise RocketError(f"the server at {url} refused the request: {_error_text(exc)}{hint}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise RocketError(f"no server answers at {url} ({reason}); start one with `rocketllm serve MODEL`, "
@@ -106,17 +110,17 @@ def _open(url: str, path: str, body: dict | None):
         raise RocketError(f"--server {url!r} is not an http(s) URL ({exc}); e.g. --server http://127.0.0.1:8000") from None
 
 
-def _call(url: str, path: str, body: dict | None) -> dict:
-    with _open(url, path, body) as response:
+def _call(url: str, path: str, body: dict | None, api_key: str | None = None) -> dict:
+    with _open(url, path, body, api_key) as response:
         try:
             return json.loads(response.read())
         except ValueError:
             raise RocketError(f"{url}{path} did not answer JSON: is it a rocketllm serve?") from None
 
 
-def _events(url: str, path: str, body: dict):
+def _events(url: str, path: str, body: dict, api_key: str | None = None):
     """The JSON payloads of a server-sent event stream, up to [DONE]; an error event raises."""
-    with _open(url, path, body) as response:
+    with _open(url, path, body, api_key) as response:
         done = False
         for raw in response:
             line = raw.decode("utf-8", errors="replace").strip()

@@ -306,8 +306,8 @@ def refused(exc: ParameterError) -> APIError:
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, param: str, why: str = "",
-                  int4: int | None = None) -> int:
-    """max_tokens, or what the context leaves when it is not given; a prompt that does not fit is a 400.
+                  int4: int | None = None, default: int | None = None) -> int:
+    """max_tokens, or when it is not given `default` within what the context leaves; a prompt that does not fit is a 400.
     `why`: how max_context was reached (text.prompts.context_reason); `int4`: what a server with an int4 KV cache
     would admit in the same memory (text.prompts.int4_context), said where that holds the request."""
     reason = f" ({why})" if why else ""
@@ -321,7 +321,7 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, 
         if left < 1:
             raise bad(f"the prompt is {prompt_tokens} tokens, but the context allows {max_context}{reason}; shorten the prompt"
                       + suggestion(prompt_tokens + 1), "messages", "context_length_exceeded")
-        return left
+        return left if default is None else min(left, default)
     if prompt_tokens + max_tokens > max_context:
         raise bad(f"the prompt is {prompt_tokens} tokens and {param} is {max_tokens}, but the context allows {max_context}{reason}; "
                   f"shorten the prompt or lower {param}" + suggestion(prompt_tokens + max_tokens), param, "context_length_exceeded")

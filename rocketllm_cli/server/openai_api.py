@@ -219,7 +219,8 @@ def prepare_chat(body: dict, state) -> Prepared:
     except PromptError as exc:
         raise bad(str(exc), "messages") from None
     ids = ids + state.builder.prefill_ids(structure.prefill)
-    max_tokens = check_context(len(ids), max_tokens, state.max_context, param, state.context_why, state.context_int4)
+    max_tokens = check_context(len(ids), max_tokens, state.max_context, param, state.context_why, state.context_int4,
+                               state.default_max_tokens)
     n = _choices(body, len(ids), max_tokens, state)
     params = sampling(body, max_tokens, 2.0, logit_bias=logit_bias(body.get("logit_bias"), state))
     use_tools = bool(tools) and choice != "none"

@@ -13,6 +13,7 @@ from ..text.images import refusal as image_refusal
 from ..text.loop import Generator
 from ..text.prefix import PrefixCache, decide
 from ..text.prompts import context_reason, int4_context
+from ..text.sampling import DEFAULT_MAX_NEW_TOKENS
 from ..text.reuse import reuse_for
 from .metrics import Metrics
 from .logprob_shapes import TokenText
@@ -56,6 +57,10 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+def _inputs(inputs: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in inputs.items())
+
+
 def one_line(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -82,6 +87,11 @@ class ServerState:
         self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") is not None else \
             int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
         self.context_why = context_reason(knobs)
+        # the reply length of a request that sets none: what the projected speed fits in a minute (the knob's formula)
+        knob = knobs["default_max_tokens"] if knobs is not None else None
+        self.default_max_tokens = int(knob.value) if knob is not None and knob.value is not None else DEFAULT_MAX_NEW_TOKENS
+        self.default_max_tokens_why = (f"from {knob.source}" if knob.overridden else f"= {knob.formula} with {_inputs(knob.inputs)}") \
+            if knob is not None else "generate's default"
         self.context_int4 = int4_context(knobs, getattr(model, "config", None))  # what an int4 KV cache would admit instead
         setting = str(knobs.value("prefix_cache")) if knobs is not None else "auto"
         self.prefix_on, self.prefix_reason = decide(setting, model.plan, model.manifest)
@@ -147,6 +157,7 @@ class ServerState:
             f"tool parser: {self.family} ({self.family_reason}); tools {tool_note}",
             f"prefix cache: {self.prefix_reason}",
             f"speculative decoding: {self.generator.speculation.reason}",
+            f"default max_tokens: {self.default_max_tokens} ({self.default_max_tokens_why}); a request's max_tokens wins",
             (f"queue: at most {self.max_queue} requests waiting (= {self.max_queue_formula}); more get 429 with retry-after; "
              f"request bodies up to {self.max_body} bytes (= {self.max_body_formula}), larger get 413"),
             "api key: " + ("required (OpenAI: Authorization: Bearer, Anthropic: x-api-key; every endpoint but /health)"
@@ -180,6 +191,7 @@ class ServerState:
             "last_error": {k: v for k, v in self.last_error.items() if k != "current"} if self.last_error else None,
             "error": self.last_error["message"] if failing else None,
             "max_context": self.max_context,
+            "default_max_tokens": self.default_max_tokens,
             "speculation": {"mode": self.generator.speculation.mode, "reason": self.generator.speculation.reason},
             "prefix_cache": {"enabled": self.prefix_on, "reason": self.prefix_reason, "mode": self.prefix_mode,
                              **(self.prefix_cache.to_dict() if self.prefix_cache is not None else {})},

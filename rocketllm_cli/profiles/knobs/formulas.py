@@ -25,6 +25,7 @@ FALLBACK_COMPUTE_DTYPE = "fp32"  # runs on every device
 FALLBACK_PREFETCH_DEPTH = 2  # double buffering
 FALLBACK_DIRECT_IO = False  # buffered reads work on every filesystem
 DEFAULT_EXPERT_CACHE_POLICY = "lfu"  # why: see expert_cache_policy() below
+DEFAULT_REPLY_TOKENS = 256  # default_max_tokens where no speed can be projected (generate's own default, text/sampling.py)
 DEFAULT_DRAFT_TOKENS = 10  # transformers' prompt-lookup default; a streaming pass costs its bytes, not its tokens
 NAMESPACE = {"min": min, "max": max, "floor": floor, "ceil": ceil, "__builtins__": {}}
 
@@ -333,6 +334,30 @@ def draft_tokens(c: Context) -> Derivation:
                       "accepted costs only its share of one pass's compute)")
 
 
+REPLY_BUDGET_S = 60  # what a request that gives no max_tokens may run for, at the projected speed
+REPLY_TOKENS_MIN, REPLY_TOKENS_MAX = 64, 2048
+
+
+def default_max_tokens(c: Context) -> Derivation:
+    """The reply length `serve` gives a request that sets none: what the cost model projects fits in a minute, within
+    [64, 2048] and the context (a reply with no bound ran for 12 minutes of noise on a streamed model)."""
+    from ..cost import project
+
+    bounds = {"reply_budget_s": REPLY_BUDGET_S, "min_tokens": REPLY_TOKENS_MIN, "max_tokens": REPLY_TOKENS_MAX}
+    if c.model is None:
+        return Derivation(str(DEFAULT_REPLY_TOKENS), {}, "default", "needs a model to project its speed: pass --model")
+    v = c.values
+    device = min(c.model.total_bytes, int(v["device_cache_bytes"] or 0))
+    host = min(c.model.total_bytes - device, int(v["host_cache_bytes"] or 0))
+    projection = project(c.profile, c.model, {"device": device, "host": host, "storage": c.model.total_bytes - device - host})
+    seconds = projection.overlapped_seconds or projection.serial_seconds
+    if not seconds:
+        return Derivation(str(DEFAULT_REPLY_TOKENS), {}, "default", f"no projected speed ({projection.reason or 'unmeasured'})")
+    inputs = {**bounds, "seconds_per_token": round(seconds, 6), "max_context": v["max_context"] if v["max_context"] is not None else 1 << 30}
+    return Derivation("min(max_context, max(min_tokens, min(max_tokens, floor(reply_budget_s / seconds_per_token))))", inputs,
+                      note="the cost model's projected seconds per token at this residency; a request's max_tokens wins")
+
+
 def expert_cache_policy(c: Context) -> Derivation:
     return Derivation(repr(DEFAULT_EXPERT_CACHE_POLICY), {}, "default",
                       "measured: a decode pass walks the layers in a cycle, so LRU with room for fewer experts "
@@ -346,4 +371,5 @@ DERIVATIONS = {
     "io_workers": io_workers, "prefetch_depth": prefetch_depth, "device_cache_bytes": device_cache_bytes,
     "host_cache_bytes": host_cache_bytes, "max_context": max_context, "pin_memory": pin_memory, "prefix_cache": prefix_cache,
     "draft_model": draft_model, "speculate": speculate, "draft_tokens": draft_tokens, "expert_cache_policy": expert_cache_policy,
+    "default_max_tokens": default_max_tokens,
 }

@@ -102,6 +102,8 @@ KNOB_SPECS: tuple[KnobSpec, ...] = (
     KnobSpec("speculate", "choice", "Speculative decoding: each pass verifies drafted tokens, from the prompt and text so far (prompt-lookup) "
              "or from --draft-model (draft); auto turns it on where layers stream.", choices=SPECULATION_MODES),
     KnobSpec("draft_tokens", "int", "Tokens drafted for each pass to verify when speculating.", minimum=1),
+    KnobSpec("default_max_tokens", "int", "serve: the reply length of a request that sets no max_tokens (derived from the projected "
+             "speed: what fits in a minute).", minimum=1),
     KnobSpec("expert_cache_policy", "choice", "Which experts a mixture-of-experts model keeps in its expert cache: the most often routed "
              "(lfu) or the most recently routed (lru).", choices=EXPERT_CACHE_POLICIES),
 )
