@@ -96,3 +96,21 @@ def test_streamed_logprobs_come_before_their_text(model, prompt):
     assert [e.token for e in sent][: out.new_tokens] == out.token_ids
     first_text = next(i for i, (kind, _) in enumerate(events) if kind == "text")
     assert events[0][0] == "logprobs" and first_text > 0
+
+
+def test_generate_logprobs_in_its_json(source, model, prompt):
+    from typer.testing import CliRunner
+
+    from rocketllm_cli.app import app
+
+    result = CliRunner().invoke(app, ["generate", str(source), "the cat sat on the mat and", "--raw", "-n", "4", "--json", "--logprobs", "2",
+                                      "--speculate", "off"])
+    assert result.exit_code == 0, result.stderr
+    import json
+
+    doc = json.loads(result.stdout)
+    expected = Generator(model, speculate="off").run(GenerationRequest(list(prompt), SamplingParams(max_new_tokens=4), logprobs=2))
+    assert [e["token"] for e in doc["logprobs"]] == expected.token_ids and all(len(e["top"]) == 2 for e in doc["logprobs"])
+    assert max(abs(e["logprob"] - x.logprob) for e, x in zip(doc["logprobs"], expected.logprobs)) < 1e-4
+    refused = CliRunner().invoke(app, ["generate", str(source), "hi", "--logprobs", "2"])
+    assert refused.exit_code == 1 and "add --json" in refused.stderr

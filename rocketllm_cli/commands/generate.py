@@ -59,12 +59,17 @@ def run(
     image: Annotated[Optional[list[str]], typer.Option("--image", metavar="PATH", help="A picture for a vision-language model to see before the prompt (repeatable).", show_default=False)] = None,
     server: Annotated[Optional[str], typer.Option("--server", envvar="ROCKETLLM_SERVER", metavar="URL", help="Send the prompt to the rocketllm serve at URL instead of loading MODEL here: no start-up cost.", show_default=False)] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="ROCKETLLM_API_KEY", show_envvar=True, show_default=False, help="With --server: the server's key (serve --api-key); prefer the environment variable, which other users cannot read from the process list.")] = None,
+    logprobs: Annotated[Optional[int], typer.Option("--logprobs", metavar="K", min=0, max=20, help="With --json: each generated token's log-probability and the K most likely at its step (the model's distribution before sampling settings).", show_default=False)] = None,
     json_schema: Annotated[Optional[str], typer.Option("--json-schema", metavar="SCHEMA", help="The output is JSON valid against SCHEMA: inline JSON or a file holding it (constrained decoding).", show_default=False)] = None,
     grammar: Annotated[Optional[str], typer.Option("--grammar", metavar="FILE", help="The output follows the Lark grammar in FILE (llguidance's syntax, a 'start:' rule; constrained decoding).", show_default=False)] = None,
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
     output = Output(as_json=json)
+    if logprobs is not None and not json:
+        raise RocketError("--logprobs goes in the --json document; add --json")
+    if logprobs is not None and server:
+        raise RocketError("--logprobs reads this process's own scores; drop --server (or ask the server's API for logprobs)")
     from ..text.constraints import from_flags
 
     constraint = from_flags(json_schema, grammar)  # a schema that is not JSON, or a missing file, is refused before anything loads
@@ -113,8 +118,8 @@ def run(
         asked = streamed.knobs["speculate"]
         if asked.overridden and asked.value in ("prompt-lookup", "draft") and not generator.speculation.on:
             output.log(f"note: speculative decoding {generator.speculation.reason}")
-        results = generator.run_batch([GenerationRequest(one, params, on_text=on_text, model_inputs=inputs, constraint=constraint)
-                                       for one in ids])
+        results = generator.run_batch([GenerationRequest(one, params, on_text=on_text, model_inputs=inputs, constraint=constraint,
+                                                         logprobs=logprobs) for one in ids])
         figures = {**results[0].stats.to_dict(), "residency": streamed.plan.describe(streamed.manifest), "device": str(streamed.device),
                  "compute_dtype": str(streamed.dtype).replace("torch.", ""), **({"batch": len(results)} if batch else {}),
                  "load_s": load_s}  # total_s stays generation alone
@@ -221,7 +226,11 @@ def _names_model(word: str, served: str) -> bool:
 
 
 def _result(outcome) -> dict:
-    return {"text": outcome.text, "prompt_tokens": outcome.prompt_tokens, "new_tokens": outcome.new_tokens}
+    doc = {"text": outcome.text, "prompt_tokens": outcome.prompt_tokens, "new_tokens": outcome.new_tokens}
+    if outcome.logprobs is not None:
+        doc["logprobs"] = [{"token": e.token, "logprob": round(e.logprob, 6), "top": [[t, round(lp, 6)] for t, lp in e.top]}
+                           for e in outcome.logprobs]
+    return doc
 
 
 def _read_prompt(prompt: Optional[str], output: Output) -> str:
