@@ -198,10 +198,12 @@ def test_serve_runs_logs_its_decisions_and_stops_on_ctrl_c(tiny):
                         "tools described in a system message (the chat template does not render tools)")
     assert lines[3] == "prefix cache: on: auto, and every weight is resident, so a reused prefix skips its prefill compute"
     assert lines[4] == "speculative decoding: off: auto, and every unit is in memory, so a pass costs its compute, which grows with its tokens"
+    assert re.fullmatch(r"default max_tokens: \d+ \(= min\(max_context, max\(min_tokens, min\(max_tokens, floor\(reply_budget_s / "
+                        r"seconds_per_token\)\)\)\) with reply_budget_s=60, .*\); a request's max_tokens wins", lines[5]), lines[5]
     assert re.fullmatch(r"queue: at most \d+ requests waiting \(= min\(256, open-file limit \d+ // 4\)\); more get 429 with retry-after; "
-                        r"request bodies up to 1048576 bytes \(= max\(1 MiB, 64 B x context \d+\)\), larger get 413", lines[5]), lines[5]
-    assert lines[6] == "api key: none (every client is served)"
-    assert lines[7] == f"listening on {server.info['url']} (OpenAI: {server.info['url']}/v1, Anthropic: {server.info['url']}); Ctrl-C stops"
+                        r"request bodies up to 1048576 bytes \(= max\(1 MiB, 64 B x context \d+\)\), larger get 413", lines[6]), lines[6]
+    assert lines[7] == "api key: none (every client is served)"
+    assert lines[8] == f"listening on {server.info['url']} (OpenAI: {server.info['url']}/v1, Anthropic: {server.info['url']}); Ctrl-C stops"
     assert lines[-1] == "stopped" and "Traceback" not in err
 
 

@@ -46,36 +46,14 @@ class ConversationRequest:
 
 
 def run_conversation(req: ConversationRequest, log) -> dict:
-    from ..stream.auto import ensure_shards
-    from .regimes import REGIME_KNOBS, skip_reason
-    from .report import hardware_line, load_average
-    from .sources import synthetic_checkpoint
-    from .suite import _profile_and_facts, _ram_available
+    from .frame import over_regimes
 
-    load = {"before": load_average()}
-    source = str(synthetic_checkpoint(req.synthetic, log)) if req.synthetic else req.model
-    manifest, shards = ensure_shards(source, log=log)
-    flags = {k: v for k, v in req.knob_flags.items() if k not in (*REGIME_KNOBS, "prefix_cache")}
-    for name in set(req.knob_flags) - set(flags):
-        log(f"warning: --{name.replace('_', '-')} is set by the conversation bench; the flag is ignored")
-    runs, profile = [], None
-    for regime in req.regimes:
-        why = skip_reason(regime, manifest.total_bytes, _ram_available(), bool(manifest.experts))
-        if why:
-            log(f"{regime}: skipped, {why}")
-            runs.append({"regime": regime, "status": "skipped", "reason": why, "turns": []})
-            continue
+    def measure(shards, regime: str, flags: dict):
         log(f"{regime}: replaying a {req.turns}-turn conversation with prefix reuse off and on")
-        run, profile = _replay(shards, regime, req, flags, log)
-        runs.append(run)
-    if profile is None:
-        profile, _ = _profile_and_facts(shards, manifest)
-    load["after"], load["cores"] = load_average(), profile.cpu_cores
-    from pathlib import Path
+        return _replay(shards, regime, req, flags, log)
 
-    return {"hardware": hardware_line(profile), "model": {"name": req.synthetic or Path(req.model).name, "dtype": manifest.dtype,
-                                                         "total_bytes": manifest.total_bytes, "num_layers": len(manifest.layers)},
-            "turns": req.turns, "reply_tokens": req.reply_tokens, "repeats": REPEATS, "load": load, "runs": runs}
+    doc = over_regimes(req.model, req.synthetic, req.regimes, req.knob_flags, ("prefix_cache",), "conversation", measure, log)
+    return {**doc, "turns": req.turns, "reply_tokens": req.reply_tokens, "repeats": REPEATS}
 
 
 def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> tuple[dict, object]:

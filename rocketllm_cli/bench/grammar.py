@@ -40,34 +40,14 @@ class GrammarRequest:
 
 
 def run_grammar(req: GrammarRequest, log) -> dict:
-    from pathlib import Path
+    from .frame import over_regimes
 
-    from ..stream.auto import ensure_shards
-    from .regimes import REGIME_KNOBS, skip_reason
-    from .report import hardware_line, load_average
-    from .sources import synthetic_checkpoint
-    from .suite import _profile_and_facts, _ram_available
-
-    load = {"before": load_average()}
-    source = str(synthetic_checkpoint(req.synthetic, log)) if req.synthetic else req.model
-    manifest, shards = ensure_shards(source, log=log)
-    flags = {k: v for k, v in req.knob_flags.items() if k not in (*REGIME_KNOBS, "speculate")}
-    runs, profile = [], None
-    for regime in req.regimes:
-        why = skip_reason(regime, manifest.total_bytes, _ram_available(), bool(manifest.experts))
-        if why:
-            log(f"{regime}: skipped, {why}")
-            runs.append({"regime": regime, "status": "skipped", "reason": why})
-            continue
+    def measure(shards, regime: str, flags: dict):
         log(f"{regime}: {REPEATS} constrained and {REPEATS} free replies, interleaved")
-        run, profile = _measure(shards, regime, req, flags, log)
-        runs.append(run)
-    if profile is None:
-        profile, _ = _profile_and_facts(shards, manifest)
-    load["after"], load["cores"] = load_average(), profile.cpu_cores
-    return {"hardware": hardware_line(profile), "model": {"name": req.synthetic or Path(req.model).name, "dtype": manifest.dtype,
-                                                         "total_bytes": manifest.total_bytes, "num_layers": len(manifest.layers)},
-            "tokens": req.tokens, "repeats": REPEATS, "load": load, "runs": runs}
+        return _measure(shards, regime, req, flags, log)
+
+    doc = over_regimes(req.model, req.synthetic, req.regimes, req.knob_flags, ("speculate",), "--json-schema", measure, log)
+    return {**doc, "tokens": req.tokens, "repeats": REPEATS}
 
 
 def _measure(shards, regime: str, req: GrammarRequest, flags: dict, log) -> tuple[dict, object]:

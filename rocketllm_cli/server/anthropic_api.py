@@ -311,9 +311,7 @@ async def message_stream(job, prepared: Prepared, state):
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             calls = []
             if splitter:
-                held = splitter.feed(prepared.closing(payload))
-                rest, calls = splitter.finish()
-                rest = held + rest
+                rest, calls = prepared.finish(splitter, payload)
                 if rest:
                     if not text_open:
                         yield open_text()

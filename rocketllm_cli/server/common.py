@@ -51,6 +51,12 @@ class Prepared:
         """The structure's closing, where the grammar ran to its end (not after max_tokens or a stop string cut it)."""
         return self.structure.closing if outcome.finish_reason == "stop" and outcome.stop_sequence is None else ""
 
+    def finish(self, splitter, outcome) -> tuple[str, list]:
+        """What a streamed reply's splitter still holds once OUTCOME ended, its closing written: (content not sent, calls)."""
+        held = splitter.feed(self.closing(outcome))
+        rest, calls = splitter.finish()
+        return held + rest, calls
+
     def splitter(self, parser):
         """A StreamSplitter for this reply's tool calls, holding the prefill already (None when tools are not parsed)."""
         if not self.tools:

@@ -388,9 +388,7 @@ async def chat_stream(job, prepared: Prepared, state):
             for index, outcome in enumerate(outcomes):
                 calls, splitter = [], splitters[index]
                 if splitter:
-                    held = splitter.feed(prepared.closing(outcome))
-                    rest, calls = splitter.finish()
-                    rest = held + rest
+                    rest, calls = prepared.finish(splitter, outcome)
                     if rest:
                         yield chunk(index, {"content": rest})
                     if calls:

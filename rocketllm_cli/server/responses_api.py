@@ -236,9 +236,7 @@ async def response_stream(job, prepared: Prepared, state):
         elif kind in ("done", "cancelled"):
             calls = []
             if splitter:
-                held = splitter.feed(prepared.closing(payload))
-                rest, calls = splitter.finish()
-                rest = held + rest
+                rest, calls = prepared.finish(splitter, payload)
                 if rest:
                     if not opened:
                         opened = True
