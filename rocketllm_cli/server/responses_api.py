@@ -212,24 +212,28 @@ async def response_stream(job, prepared: Prepared, state):
     splitter = prepared.splitter(state.builder.parser)
     message_id, text, opened = new_id("msg_"), "", False
 
-    def open_message():
-        item = {"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}
-        return [event("response.output_item.added", output_index=0, item=item),
-                event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                      part={"type": "output_text", "text": "", "annotations": []})]
+    def message(piece: str) -> list[str]:
+        """The events for a piece of the message's text ("" only opens it): the item and its part first, once."""
+        nonlocal opened, text
+        out = []
+        if not opened:
+            opened = True
+            item = {"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}
+            out += [event("response.output_item.added", output_index=0, item=item),
+                    event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": []})]
+        if piece:
+            text += piece
+            out.append(event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=piece))
+        return out
 
     async for kind, payload in job_events(job):
         if kind == "heartbeat":
             yield ": keep-alive\n\n"
         elif kind == "text":
             piece = splitter.feed(payload[1]) if splitter else payload[1]
-            if piece:
-                if not opened:
-                    opened = True
-                    for line in open_message():
-                        yield line
-                text += piece
-                yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=piece)
+            for line in message(piece) if piece else []:
+                yield line
         elif kind == "failed":
             yield event("response.failed", response={**response, "status": "failed",
                                                      "error": {"code": "server_error", "message": f"generation failed: {payload}"}})
@@ -237,18 +241,12 @@ async def response_stream(job, prepared: Prepared, state):
             calls = []
             if splitter:
                 rest, calls = prepared.finish(splitter, payload)
-                if rest:
-                    if not opened:
-                        opened = True
-                        for line in open_message():
-                            yield line
-                    text += rest
-                    yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=rest)
+                for line in message(rest) if rest else []:
+                    yield line
             items = []
             if opened or not calls:
-                if not opened:
-                    for line in open_message():
-                        yield line
+                for line in message(""):
+                    yield line
                 part = {"type": "output_text", "text": text, "annotations": []}
                 yield event("response.output_text.done", item_id=message_id, output_index=0, content_index=0, text=text)
                 yield event("response.content_part.done", item_id=message_id, output_index=0, content_index=0, part=part)
