@@ -167,3 +167,14 @@ def test_tokenize_detokenize_and_tokenizer_info_in_both_shapes(server):
     assert http.post("/detokenize", json={"tokens": [-1]}).status_code == 400
     chat = http.post("/tokenize", json={"messages": ASK}).json()["tokens"]
     assert chat == server.state.builder.chat(ASK)
+
+
+def test_a_streamed_echo_with_logprobs_sends_the_prompt_first_and_each_token_once(server):
+    client = server.openai()
+    whole = client.completions.create(model=MODEL, prompt="the cat", echo=True, logprobs=1, max_tokens=4, **GREEDY)
+    chunks = [c for c in client.completions.create(model=MODEL, prompt="the cat", echo=True, logprobs=1, max_tokens=4, stream=True, **GREEDY)
+              if c.choices]
+    assert chunks[0].choices[0].text == "the cat" and chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == whole.choices[0].logprobs.tokens

@@ -402,13 +402,15 @@ async def chat_stream(job, prepared: Prepared, state):
 
 
 async def completion_stream(job, prepared: Prepared, state):
-    """text_completion chunks: an echoed prompt first (with its log-probabilities once the job has them), then each
-    choice's pieces with the log-probabilities of the tokens they carry, finish_reason, usage, [DONE]."""
+    """text_completion chunks: an echoed prompt first, then each choice's pieces with the log-probabilities of the
+    tokens they carry, finish_reason, usage, [DONE]. An echo with log-probabilities waits for the prompt's, which come
+    with the outcome: its choices are then sent whole at the end, the echo first."""
     base = {"id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": state.model_id}
     n = prepared.n
     pending: list[list] = [[] for _ in range(n)]
     offsets = [len(prepared.echo)] * n  # text_offset of the next token, per choice
     wants = prepared.request.logprobs is not None
+    whole = bool(prepared.echo) and wants  # the echo's log-probabilities come with the outcome: send each choice whole
 
     def chunk(index: int, text: str, finish: str | None = None, **extra) -> str:
         entries, pending[index] = pending[index], []
@@ -418,16 +420,15 @@ async def completion_stream(job, prepared: Prepared, state):
             offsets[index] += sum(len(t or "") for t in logprobs["tokens"])
         return sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}], **extra})
 
-    echoing = prepared.echo and not (wants and prepared.echo_ids is not None)  # with log-probabilities the echo waits for them
-    if echoing:
+    if prepared.echo and not whole:
         for index in range(n):
             yield chunk(index, prepared.echo)
     async for kind, payload in job_events(job):
         if kind == "heartbeat":
             yield ": keep-alive\n\n"
-        elif kind == "logprobs":
+        elif kind == "logprobs" and not whole:
             pending[payload[0]].extend(payload[1])
-        elif kind == "text":
+        elif kind == "text" and not whole:
             yield chunk(*payload)
         elif kind == "failed":
             yield sse({"error": {"message": f"generation failed: {payload}", "type": "server_error", "param": None, "code": None}})
@@ -435,14 +436,12 @@ async def completion_stream(job, prepared: Prepared, state):
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             outcomes = outcomes_of(job, payload)
             for index, outcome in enumerate(outcomes):
-                if prepared.echo and not echoing:  # the prompt's log-probabilities came with the outcome
-                    scored = outcome.prompt_logprobs or [None] * len(prepared.echo_ids)
-                    entries = echoed(prepared.echo_ids, scored)
-                    echo_lp = completion_logprobs(entries, state.token_text, 0)
-                    yield sse({**base, "choices": [{"index": index, "text": prepared.echo, "logprobs": echo_lp, "finish_reason": None}]})
-                    if outcome.logprobs:  # a reply that streamed no text: its tokens' log-probabilities go out here
-                        pending[index] = list(outcome.logprobs)
-                        offsets[index] = len(prepared.echo)
+                if whole:
+                    echo = completion_logprobs(echoed(prepared.echo_ids, outcome.prompt_logprobs), state.token_text) \
+                        if outcome.prompt_logprobs else None
+                    yield sse({**base, "choices": [{"index": index, "text": prepared.echo, "logprobs": echo, "finish_reason": None}]})
+                    pending[index] = list(outcome.logprobs or [])
+                    if outcome.text or pending[index]:
                         yield chunk(index, outcome.text)
                 last = index == n - 1 and not prepared.include_usage
                 yield chunk(index, "", FINISH[outcome.finish_reason], **({"usage": usage(outcomes)} if last else {}))
