@@ -274,7 +274,8 @@ def test_the_real_model_makes_forced_calls_through_both_sdks(smol_server):
     assert json.loads(reply.message.tool_calls[0].function.arguments) == {"city": "Paris"}
     anthropic_tools = [{"name": "get_weather", "description": "Get the weather in a city", "input_schema": weather[0]["function"]["parameters"]}]
     message = smol_server.anthropic().messages.create(model="smol", max_tokens=60, messages=ask, tools=anthropic_tools,
-                                                      tool_choice={"type": "tool", "name": "get_weather"})
+                                                      tool_choice={"type": "tool", "name": "get_weather"},
+                                                      extra_body={"temperature": 0})  # greedy (this SDK has no temperature argument)
     assert message.stop_reason == "tool_use" and message.content[-1].input == {"city": "Paris"}
 
 
