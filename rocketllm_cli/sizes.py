@@ -42,3 +42,26 @@ def format_rate(bytes_per_second: float | None) -> str:
     if not bytes_per_second:
         return "unavailable"
     return f"{bytes_per_second / 1e9:.2f} GB/s"
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from '300', '30s', '5m', '1.5h' (ollama's keep-alive spelling); ValueError otherwise."""
+    raw = str(text).strip().lower()
+    unit = raw[-1:] if raw[-1:] in ("s", "m", "h") else ""
+    number = float(raw[: len(raw) - len(unit)])
+    if number < 0 or number != number:
+        raise ValueError(text)
+    return number * _DURATION_UNITS[unit]
+
+
+def format_duration(seconds: float) -> str:
+    """'1h', '5m', '4m42s', '30s', '0.5s': the largest units that say it exactly, to the second."""
+    if seconds < 60:
+        return f"{round(seconds, 1):g}s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return "".join(f"{n}{unit}" for n, unit in ((hours, "h"), (minutes, "m"), (secs, "s")) if n)

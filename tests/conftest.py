@@ -31,6 +31,8 @@ def isolated_user_state(tmp_path_factory):
     """No test reads or writes the user's cache (subprocesses inherit the variable)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("ROCKETLLM_CACHE", str(tmp_path_factory.mktemp("rocketllm-cache")))
+        patch.setenv("ROCKETLLM_KEEP_ALIVE", "0")  # generate loads and exits, as before; tests/test_warm.py turns it on
+        patch.delenv("XDG_RUNTIME_DIR", raising=False)  # warm servers' sockets under the isolated cache
         yield
 
 

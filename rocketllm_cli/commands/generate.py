@@ -22,6 +22,7 @@ from ..output import Output
 from ..text.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 
 NAME = "generate"
+DEFAULT_KEEP_ALIVE = "5m"  # ollama's: how long a model stays loaded after a generate
 NO_ARGS_IS_HELP = True
 HELP = """Generate text from PROMPT (or stdin) with MODEL streamed layer by layer.
 
@@ -58,6 +59,7 @@ def run(
     batch: Annotated[bool, typer.Option("--batch", help="One prompt per stdin line, generated as one batch; one output line per prompt, in order (newlines in outputs written as \\n).")] = False,
     image: Annotated[Optional[list[str]], typer.Option("--image", metavar="PATH", help="A picture for a vision-language model to see before the prompt (repeatable).", show_default=False)] = None,
     server: Annotated[Optional[str], typer.Option("--server", envvar="ROCKETLLM_SERVER", metavar="URL", help="Send the prompt to the rocketllm serve at URL instead of loading MODEL here: no start-up cost.", show_default=False)] = None,
+    keep_alive: Annotated[Optional[str], typer.Option("--keep-alive", envvar="ROCKETLLM_KEEP_ALIVE", show_envvar=True, metavar="DURATION", help=f"Keep the model loaded in a background server this long after each request (30s, 5m, 1h), so the next generate of it answers at once; 0 loads, answers and exits. Default {DEFAULT_KEEP_ALIVE}.", show_default=False)] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="ROCKETLLM_API_KEY", show_envvar=True, show_default=False, help="With --server: the server's key (serve --api-key); prefer the environment variable, which other users cannot read from the process list.")] = None,
     logprobs: Annotated[Optional[int], typer.Option("--logprobs", metavar="K", min=0, max=20, help="With --json: each generated token's log-probability and the K most likely at its step (the model's distribution before sampling settings).", show_default=False)] = None,
     json_schema: Annotated[Optional[str], typer.Option("--json-schema", metavar="SCHEMA", help="The output is JSON valid against SCHEMA: inline JSON or a file holding it (constrained decoding).", show_default=False)] = None,
@@ -91,6 +93,15 @@ def run(
     system = None if system is None else _argument_text(system, "--system", output)
     prompts = [line for line in text.splitlines() if line.strip()] if batch else [text]
     pictures = _read_images(image or [], model)  # a bad picture, or pictures for a text-only model, refused before loading
+    keep_s = _keep_alive(keep_alive)
+    if keep_s > 0:
+        cold = _cold_reason(batch, bool(pictures), logprobs, constraint, chat)
+        if cold is None:
+            from ..shard.source import check_locatable
+
+            check_locatable(model)  # a mistyped path is one line here, not a server that fails to start
+            return _warm(model, text, params, chat, system, stats, json, knob_flags or {}, output, constraint, keep_s)
+        output.log(f"note: {cold}, so the model loads in this process (no warm server)")
 
     # cheap: from_pretrained checks MODEL before torch and transformers are imported
     from ..stream.auto import AutoModel
@@ -203,6 +214,13 @@ def _through_server(url, model, prompt, model_option, params, chat, system, stat
     if model is not None and default_model_id(model) != served:
         raise RocketError(f"the server at {url} serves '{served}', not '{default_model_id(model)}'; "
                           "start a server for that model, or drop MODEL to use the one it serves")
+    _remote(url, served, text, chat, system, params, stats, json, output, constraint, api_key)
+
+
+def _remote(url, served, text, chat, system, params, stats, json, output, constraint=None, api_key=None) -> None:
+    """Generate through the server at URL (a running serve, or a warm model's socket) and print as a local run does."""
+    from ..server.client import remote_generate
+
     result = remote_generate(url, served, text, chat=chat, system=system, params=params,
                              on_text=None if json else output.stream, json_schema=constraint.source if constraint is not None else None,
                              api_key=api_key)
@@ -216,6 +234,42 @@ def _through_server(url, model, prompt, model_option, params, chat, system, stat
                    f"{result['new_tokens']} generated; time to first token {figures['time_to_first_token_s']} s\n"
                    f"time: {figures['total_s']} s through {url}; decode {figures['decode_tokens_per_s']} tok/s "
                    "(bytes per tier: the server's /metrics)")
+
+
+def _keep_alive(value: str | None) -> float:
+    from ..sizes import parse_duration
+
+    try:
+        return parse_duration(DEFAULT_KEEP_ALIVE if value is None or not value.strip() else value)
+    except ValueError:
+        raise RocketError(f"bad --keep-alive {value!r} (or ROCKETLLM_KEEP_ALIVE): expected seconds or a duration such as 30s, 5m "
+                          "or 1h; 0 loads, answers and exits") from None
+
+
+def _cold_reason(batch: bool, pictures: bool, logprobs, constraint, chat) -> str | None:
+    """Why this generate runs in its own process rather than through a warm server (None: it can go warm)."""
+    if batch:
+        return "--batch runs its prompts as one batch"
+    if pictures:
+        return "--image goes through this process's processor"
+    if logprobs is not None:
+        return "--logprobs reads this process's own scores"
+    if constraint is not None and (constraint.kind != "json_schema" or chat is False):
+        return "--grammar (or --json-schema with --raw) is applied by this process"
+    return None
+
+
+def _warm(model, text, params, chat, system, stats, json, knob_flags, output, constraint, keep_s) -> None:
+    """generate with a warm model: attach to its background server, or start one that stays loaded for keep_s seconds
+    after each request (docs/ARCHITECTURE.md, "A warm model"); this process imports neither torch nor transformers."""
+    from ..sizes import format_duration
+    from ..warm.launch import warm_server
+
+    entry, started = warm_server(model, knob_flags, keep_s, output.log)
+    if started:
+        output.log(f"note: {entry.model_id} stays loaded for {format_duration(keep_s)} after each request, in a background server "
+                   f"(pid {entry.pid}): `rocketllm ps` lists it, `rocketllm stop` ends it, --keep-alive 0 loads and exits as before")
+    _remote(f"unix:{entry.socket}", entry.model_id, text, chat, system, params, stats, json, output, constraint)
 
 
 def _names_model(word: str, served: str) -> bool:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import gc
+import os
 import socket
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -40,6 +42,9 @@ def run(
                                                           "Default: min(256, open-file limit // 4).")] = None,
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log one line per request on stderr.")] = True,
     json: Annotated[bool, typer.Option("--json", help="Once listening, print one JSON document on stdout: URL, model id, residency, tool parser, prefix cache.")] = False,
+    unix: Annotated[Optional[str], typer.Option("--unix", metavar="PATH", help="Listen on a unix socket at PATH (mode 0600: this user only) instead of TCP; --host and --port are then unused.", show_default=False)] = None,
+    keep_alive: Annotated[Optional[str], typer.Option("--keep-alive", metavar="DURATION", help="Stop after this long without a request (300, 30s, 5m, 1h); default: serve until stopped.", show_default=False)] = None,
+    warm_key: Annotated[Optional[str], typer.Option("--warm-key", hidden=True, help="The warm-model registry key generate started this server under.")] = None,
     knob_flags: dict | None = None,
 ) -> None:
     from ..options import validate_knob_flags
@@ -58,6 +63,14 @@ def run(
     if api_key is not None and not api_key.strip():
         raise RocketError("--api-key is empty (or ROCKETLLM_API_KEY is set but empty); give a key, or leave both out")
     validate_knob_flags(knob_flags or {})
+    idle_s = None
+    if keep_alive is not None:
+        from ..sizes import parse_duration
+
+        try:
+            idle_s = parse_duration(keep_alive)
+        except ValueError:
+            raise RocketError(f"bad --keep-alive {keep_alive!r}: expected seconds or a duration such as 30s, 5m or 1h") from None
     from ..shard.source import check_locatable
 
     check_locatable(model)  # a mistyped path is refused before the server, torch and transformers are imported
@@ -66,14 +79,18 @@ def run(
         import uvicorn  # noqa: F401
     except ImportError:
         raise RocketError(MISSING_EXTRA) from None
-    sock = bind(host, port)
+    sock = bind_unix(unix) if unix else bind(host, port)
     try:
-        _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags or {}, output, api_key, max_queue)
+        _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags or {}, output, api_key, max_queue,
+               idle_s, warm_key)
     finally:
         sock.close()
+        if unix:
+            Path(unix).unlink(missing_ok=True)
 
 
-def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output, api_key=None, max_queue=None) -> None:
+def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output, api_key=None, max_queue=None,
+           idle_s=None, warm_key=None) -> None:
     from ..server.client import default_model_id
     from ..server.serving import make_server, sigterm_as_ctrl_c
     from ..server.state import ServerState
@@ -86,10 +103,16 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
         state = ServerState(streamed, served_model_name or default_model_id(model), tool_parser, log=output.log,
                             api_key=api_key, max_queue=max_queue, host=host)
         server = make_server(state, access_log)
+        if idle_s is not None:
+            state.keep_alive(idle_s, server)
         freeze_loaded_heap()
-        bound_host, bound_port = sock.getsockname()[:2]
-        url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
+        if sock.family == socket.AF_UNIX:
+            url = f"unix:{sock.getsockname()}"
+        else:
+            bound_host, bound_port = sock.getsockname()[:2]
+            url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
         sock.listen(BACKLOG)  # from here a client that connects waits in the backlog until uvicorn accepts it
+        entry = _register(warm_key, sock, model, state, knob_flags, idle_s) if warm_key else None
         with sigterm_as_ctrl_c():
             try:
                 for line in state.startup_lines(url):
@@ -101,6 +124,9 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
                 server.run(sockets=[sock])
             except KeyboardInterrupt:
                 pass  # Ctrl-C or SIGTERM: uvicorn stopped and raised it again, or it came before uvicorn took the signals
+            finally:
+                if entry is not None:
+                    entry.remove()
     finally:
         if state is None or state.close(STOP_WAIT_S):
             streamed.close()
@@ -110,6 +136,37 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
     # Nothing is left to collect: spare the interpreter's exit a pass over every object torch and transformers
     # made (seconds of a loaded CPU, for a server that has already stopped).
     gc.freeze()
+
+
+def _register(key: str, sock, model: str, state, knob_flags: dict, idle_s):
+    """The warm-model registry's entry for this server (generate started it), written once it listens."""
+    import time
+
+    from ..warm.registry import Entry
+
+    path = Path(str(model)).expanduser()
+    entry = Entry(key=key, pid=os.getpid(), model=str(path.resolve()) if path.exists() else str(model), model_id=state.model_id,
+                  socket=sock.getsockname(), knobs=dict(knob_flags), keep_alive_s=idle_s or 0.0, started=time.time(),
+                  log=str(Path(sock.getsockname()).with_suffix(".log")))
+    entry.write()
+    return entry
+
+
+def bind_unix(path: str) -> socket.socket:
+    """A unix socket at PATH that only this user can connect to (made 0600 before it listens)."""
+    target = Path(path).expanduser()
+    target.unlink(missing_ok=True)  # a stale socket of a server that died
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    previous = os.umask(0o177)
+    try:
+        sock.bind(str(target))
+    except OSError as exc:
+        sock.close()
+        raise RocketError(f"cannot listen on the unix socket {target} ({exc.strerror}); give another --unix path") from None
+    finally:
+        os.umask(previous)
+    target.chmod(0o600)
+    return sock
 
 
 def freeze_loaded_heap() -> None:

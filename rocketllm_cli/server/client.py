@@ -8,6 +8,7 @@ raw text, /v1/chat/completions when the chat template applies, streamed as serve
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -96,7 +97,41 @@ def _request(url: str, path: str, body: dict | None, api_key: str | None = None)
     return urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers, method="GET" if body is None else "POST")
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket (a warm model's server, warm/): the standard library's connection, another address."""
+
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        import socket
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+def _open_unix(url: str, path: str, body: dict | None, api_key: str | None):
+    request = _request("http://localhost", path, body, api_key)
+    connection = _UnixConnection(url.removeprefix("unix:"), TIMEOUT_S)
+    try:
+        connection.request(request.get_method(), path, body=request.data, headers=dict(request.header_items()))
+        response = connection.getresponse()
+    except OSError as exc:
+        raise RocketError(f"the warm server at {url} does not answer ({exc}); `rocketllm stop` it and run again") from None
+    if response.status >= 400:
+        try:
+            detail = f"{_message(json.loads(response.read()))} (HTTP {response.status})"
+        except (ValueError, OSError):
+            detail = f"HTTP {response.status}"
+        raise RocketError(f"the server at {url} refused the request: {detail}")
+    return response
+
+
 def _open(url: str, path: str, body: dict | None, api_key: str | None = None):
+    if url.startswith("unix:"):
+        return _open_unix(url, path, body, api_key)
     try:
         return urllib.request.urlopen(_request(url, path, body, api_key), timeout=TIMEOUT_S)
     except urllib.error.HTTPError as exc:

@@ -125,6 +125,31 @@ class ServerState:
         self._noticed: set[str] = set()
         self._notice_lock = threading.Lock()
         self.worker = Worker(self.generator, on_finish=self._finished, max_queue=self.max_queue)
+        self.idle_s: float | None = None  # stop after this long without a request (a warm model's keep-alive)
+        self.last_active = time.monotonic()
+
+    # -- keep-alive ------------------------------------------------------------------------------
+    def keep_alive(self, idle_s: float, server) -> None:
+        """Stop SERVER once nothing has run or waited for IDLE_S seconds; each request starts the wait again."""
+        self.idle_s = idle_s
+        self.last_active = time.monotonic()  # loading took its time: the wait starts as it begins to listen
+
+        def watch() -> None:
+            while not server.should_exit:
+                if self.worker.busy or self.worker.queue_length:
+                    self.last_active = time.monotonic()
+                elif time.monotonic() - self.last_active > idle_s:
+                    self.log(f"idle for {idle_s:g} s (keep-alive): stopping")
+                    server.should_exit = True
+                    return
+                time.sleep(0.2)
+
+        threading.Thread(target=watch, name="rocketllm-keep-alive", daemon=True).start()
+
+    def expires_in(self) -> float | None:
+        if self.idle_s is None:
+            return None
+        return round(max(0.0, self.idle_s - (0 if self.worker.busy else time.monotonic() - self.last_active)), 1)
 
     # -- the key ---------------------------------------------------------------------------------
     @property
@@ -192,6 +217,8 @@ class ServerState:
             "error": self.last_error["message"] if failing else None,
             "max_context": self.max_context,
             "default_max_tokens": self.default_max_tokens,
+            "keep_alive_s": self.idle_s,
+            "expires_in_s": self.expires_in(),
             "speculation": {"mode": self.generator.speculation.mode, "reason": self.generator.speculation.reason},
             "prefix_cache": {"enabled": self.prefix_on, "reason": self.prefix_reason, "mode": self.prefix_mode,
                              **(self.prefix_cache.to_dict() if self.prefix_cache is not None else {})},
@@ -217,6 +244,7 @@ class ServerState:
         return self.worker.stop(timeout)
 
     def _finished(self, job: Job) -> None:
+        self.last_active = time.monotonic()
         if job.outcome is not None:
             self.metrics.generation(job.outcome, sum(o.new_tokens for o in job.outcomes[1:]))
         if job.error is not None:

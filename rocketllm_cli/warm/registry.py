@@ -1,0 +1,141 @@
+"""Where warm servers are: a directory only this user can enter ($XDG_RUNTIME_DIR/rocketllm, else the cache's run/),
+holding for each model and set of load-time knobs `<key>.sock` (the server's unix socket, mode 0600), `<key>.json`
+(written by the server once it listens, removed when it stops) and `<key>.lock` (held while one is started)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import RocketError
+
+
+@dataclass
+class Entry:
+    key: str
+    pid: int
+    model: str  # what the user gave: a path (resolved) or a hub id
+    model_id: str  # what the server serves it as
+    socket: str
+    knobs: dict = field(default_factory=dict)  # the load-time knob flags it was started with
+    keep_alive_s: float = 0.0
+    started: float = 0.0  # time.time() when it began listening
+    log: str = ""  # its stderr
+
+    def write(self) -> None:
+        path = Path(self.socket).with_suffix(".json")
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(asdict(self)))
+        partial.replace(path)  # a reader sees the whole entry or none
+
+    def remove(self) -> None:
+        for suffix in (".json", ".sock"):
+            with contextlib.suppress(FileNotFoundError):
+                Path(self.socket).with_suffix(suffix).unlink()
+
+
+def run_dir() -> Path:
+    """The directory of warm servers, created with mode 0700 (sockets and entries of this user only)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime) and os.access(runtime, os.W_OK):
+        path = Path(runtime) / "rocketllm"
+    else:
+        from ..profiles.cache import cache_dir
+
+        path = cache_dir() / "run"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.chmod(0o700)
+    except OSError as exc:
+        raise RocketError(f"cannot use {path} for warm models ({exc.strerror}); set ROCKETLLM_CACHE to a writable "
+                          "directory, or pass --keep-alive 0") from None
+    return path
+
+
+def key_for(model: str, knob_flags: dict) -> str:
+    """The same model with the same load-time knobs is the same warm server."""
+    path = Path(str(model)).expanduser()
+    name = str(path.resolve()) if path.exists() else str(model)
+    return hashlib.sha256(json.dumps([name, sorted(knob_flags.items())]).encode()).hexdigest()[:16]
+
+
+def socket_path(key: str) -> Path:
+    return run_dir() / f"{key}.sock"
+
+
+def entries() -> list[Entry]:
+    """Every registered warm server, alive or not (see alive())."""
+    found = []
+    for path in sorted(run_dir().glob("*.json")):
+        try:
+            found.append(Entry(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # being written or removed: not an entry yet
+    return found
+
+
+def find(key: str) -> Entry | None:
+    path = run_dir() / f"{key}.json"
+    try:
+        return Entry(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def alive(entry: Entry, timeout: float = 1.0) -> bool:
+    """The process is there and its socket accepts a connection (a stale entry, of a server killed, is neither)."""
+    try:
+        os.kill(entry.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # another user's process took the pid: not ours
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(entry.socket)
+        except OSError:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def starting(key: str):
+    """Held while a server for KEY is found or started: two first calls at once start one server."""
+    import fcntl
+
+    with open(run_dir() / f"{key}.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def process_rss(pid: int) -> int | None:
+    """Resident memory of PID in bytes (Linux /proc), None where it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Whether PID has exited within TIMEOUT seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
