@@ -69,7 +69,8 @@ def test_too_little_space_is_refused_up_front_with_nothing_written(twelve, need,
         line = one_line(result.stderr, result.stdout)
         assert line.startswith(f"error: not enough disk space for shards: need {format_bytes(need)} plus 64.00 MiB headroom, "
                                f"{format_bytes(need)} free at "), line
-        assert line.endswith("; free space or pass --out on another disk")
+        assert line.endswith("; free space, or put the shards on another disk (`rocketllm shard --out DIR`, or ROCKETLLM_CACHE=DIR "
+                             "for every command)")
         assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()] == []  # no partial, no lock
 
 

@@ -191,8 +191,9 @@ def _with_images(streamed, model: str, text: str, system: str | None, pictures: 
 def _through_server(url, model, prompt, model_option, params, chat, system, stats, batch, json, knob_flags, output, constraint,
                     api_key=None) -> None:
     """generate --server: the same prompt rules and output, the generation done by a running server."""
-    from ..server.client import default_model_id, remote_generate, served_model
+    from ..server.client import default_model_id, served_model, server_url
 
+    url = server_url(url)
     if constraint is not None and (constraint.kind != "json_schema" or chat is False):
         raise RocketError("--grammar goes with a model loaded here (the server's APIs take JSON Schemas); drop --server" if
                           constraint.kind != "json_schema" else

@@ -21,6 +21,14 @@ from ..errors import RocketError
 TIMEOUT_S = 600.0  # a streamed reply's events may be far apart when layers stream from a slow disk
 
 
+def server_url(url: str) -> str:
+    """--server as given: a URL, or host:port (localhost:8000), which means http://host:port."""
+    url = url.strip()
+    if "://" not in url and not url.startswith("unix:"):
+        return "http://" + url
+    return url
+
+
 def default_model_id(model: str) -> str:
     """The name clients use: the model directory's name, a .gguf file's name without the suffix, or the hub id."""
     path = Path(str(model)).expanduser()

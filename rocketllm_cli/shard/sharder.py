@@ -129,7 +129,7 @@ def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mappi
         done = sum(r.tensor_bytes for r in journal.resumable(partial, source.fingerprint(), packs.key(dtype)).values())
         raise ShardError(
             f"cannot write shards ({os.strerror(exc.errno)}): need {format_bytes(max(0, need - done))} more, "
-            f"{format_bytes(free_bytes(final.parent))} free at {final.parent}; free space or pass --out on another disk, "
+            f"{format_bytes(free_bytes(final.parent))} free at {final.parent}; free space, or put the shards on another disk (`rocketllm shard --out DIR`, or ROCKETLLM_CACHE=DIR for every command), "
             "then re-run `rocketllm shard` to resume (finished units are kept)"
         ) from None
 
