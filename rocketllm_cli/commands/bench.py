@@ -125,20 +125,13 @@ def _spread(words: list[str], regime: list[str], baseline: list[str], batch: lis
 
 
 def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob_flags, output) -> None:
-    from ..bench import REGIMES
     from ..bench.conversation import (
         ConversationRequest,
         render_conversation,
         run_conversation,
     )
-    from ..errors import UsageError
 
-    if baseline or batch:
-        raise UsageError("--conversation measures RocketLLM alone: drop --baseline and --batch")
-    regimes = tuple(dict.fromkeys(r for name in regime for r in (REGIMES if name == "all" else (name,))))
-    for name in regimes:
-        if name not in REGIMES:
-            raise UsageError(f"bad --regime {name!r}: expected {', '.join(REGIMES)} or all")
+    regimes = _alone("--conversation", regime, baseline, batch)
     req = ConversationRequest(model, synthetic, turns, REPLY_TOKENS if tokens is None else tokens, regimes, knob_flags)
     with output.progress(f"conversation: {turns} turns", announce=False):  # a status line beside the bench's own log lines
         doc = run_conversation(req, output.log)
@@ -148,18 +141,25 @@ def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob
         output.result(render_conversation(doc))
 
 
-def _grammar(model, synthetic, schema, tokens, regime, baseline, batch, knob_flags, output) -> None:
+def _alone(mode: str, regime: list[str], baseline: list, batch: list) -> tuple[str, ...]:
+    """The regimes a mode that measures RocketLLM alone runs (--regime all: every one), refusing baselines and batches."""
     from ..bench import REGIMES
-    from ..bench.grammar import GrammarRequest, render_grammar, run_grammar
     from ..errors import UsageError
-    from ..text.constraints import json_schema_of
 
     if baseline or batch:
-        raise UsageError("--json-schema measures RocketLLM alone: drop --baseline and --batch")
+        raise UsageError(f"{mode} measures RocketLLM alone: drop --baseline and --batch")
     regimes = tuple(dict.fromkeys(r for name in regime for r in (REGIMES if name == "all" else (name,))))
     for name in regimes:
         if name not in REGIMES:
             raise UsageError(f"bad --regime {name!r}: expected {', '.join(REGIMES)} or all")
+    return regimes
+
+
+def _grammar(model, synthetic, schema, tokens, regime, baseline, batch, knob_flags, output) -> None:
+    from ..bench.grammar import GrammarRequest, render_grammar, run_grammar
+    from ..text.constraints import json_schema_of
+
+    regimes = _alone("--json-schema", regime, baseline, batch)
     req = GrammarRequest(model, synthetic, json_schema_of(schema), GRAMMAR_TOKENS if tokens is None else tokens, regimes, knob_flags)
     with output.progress("constrained and free replies", announce=False):
         doc = run_grammar(req, output.log)
