@@ -50,7 +50,7 @@ def main() -> None:
                              "tokenizer_backend=remote,tokenized_requests=True,num_concurrent=1,max_retries=1")
     local, local_acc = run("hf", f"pretrained={args.hf},dtype={args.dtype},device=cpu")
     worst = max(abs(a - b) for s, h in zip(served, local) for a, b in zip(s, h))
-    print(f"| question | choice | local-completions (rocketllm serve) | hf | difference |\n|---|---|---|---|---|")
+    print("| question | choice | local-completions (rocketllm serve) | hf | difference |\n|---|---|---|---|---|")
     for q, (s, h) in enumerate(zip(served, local)):
         for c, (a, b) in enumerate(zip(s, h)):
             print(f"| {q} | {c} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")

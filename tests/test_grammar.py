@@ -242,8 +242,8 @@ def cli(*args, input: str | None = None):
 def test_generate_json_schema_and_grammar_flags(source, tmp_path):
     schema_file = tmp_path / "person.json"
     schema_file.write_text(json.dumps(PERSON))
-    for given in (schema_file, json.dumps(PERSON)):
-        result = cli("generate", source, "A person:", "--raw", "-n", BUDGET, "--json-schema", given, "--speculate", "off")
+    for schema_arg in (schema_file, json.dumps(PERSON)):
+        result = cli("generate", source, "A person:", "--raw", "-n", BUDGET, "--json-schema", schema_arg, "--speculate", "off")
         assert result.exit_code == 0, result.stderr
         jsonschema.validate(json.loads(result.stdout), PERSON)
     lark = tmp_path / "answer.lark"

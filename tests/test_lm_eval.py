@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from serve_helpers import LiveServer
 
 from rocketllm_cli.stream.auto import AutoModel
