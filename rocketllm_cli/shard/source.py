@@ -300,16 +300,39 @@ def _open_gguf(path: Path) -> Source:
     return source
 
 
+def gguf_special_token_flags(path: Path) -> dict[str, bool]:
+    """`add_bos_token` / `add_eos_token` as the GGUF at `path` declares them (`tokenizer.ggml.add_*_token`); only
+    those it declares."""
+    try:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(path).fields
+    except Exception:  # noqa: BLE001 - unreadable here: the tokenizer as transformers made it
+        return {}
+    flags = {}
+    for flag in ("add_bos_token", "add_eos_token"):
+        field = fields.get(f"tokenizer.ggml.{flag}")
+        if field is not None and field.data:
+            flags[flag] = bool(field.parts[field.data[0]][0])
+    return flags
+
+
 def save_tokenizer(source: Source, dest: Path) -> bool:
     """Copy the tokenizer (and generation config) beside the shards so they are self-contained."""
     if source.kind == "gguf":
         from transformers import AutoTokenizer
 
         try:
-            AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name).save_pretrained(dest)
-            return True
+            tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
         except Exception:  # noqa: BLE001 - a model without a tokenizer still shards
             return False
+        # The file says whether a prompt starts with BOS (and ends with EOS), as llama.cpp reads it; transformers
+        # 4.x's conversion turns BOS on for every Llama-family GGUF, so the same file tokenized differently by line.
+        for flag, value in gguf_special_token_flags(source.path).items():
+            if getattr(tokenizer, flag, value) != value:
+                setattr(tokenizer, flag, value)
+        tokenizer.save_pretrained(dest)
+        return True
     copied = False
     for name in TOKENIZER_FILES:
         f = source.path / name
