@@ -4,6 +4,7 @@ witnessed by /proc/self/io; resident bytes per token = the whole model on the de
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -76,6 +77,8 @@ def test_the_prompt_starts_as_the_gguf_says(smollm2_gguf, smol):
     tokenizer = AutoTokenizer.from_pretrained(smol)
     ids = tokenizer(PROMPT)["input_ids"]
     assert ids[0] != tokenizer.bos_token_id and tokenizer.decode(ids) == PROMPT
+    # and names a class both lines load (5.x's own `TokenizersBackend` is unknown to 4.x)
+    assert json.loads((smol / "tokenizer_config.json").read_text())["tokenizer_class"] != "TokenizersBackend"
 
 
 def test_chat_form_says_paris(smol):

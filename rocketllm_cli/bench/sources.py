@@ -73,9 +73,10 @@ def hf_checkpoint(model: str, manifest, log=lambda m: None) -> tuple[Path | None
 
 def _save_gguf_copy(path: Path, dest: Path, dtype: str, log) -> None:
     """Dequantize the GGUF once and save it as safetensors, as the baselines' common source."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from ..compat import dtype_kwargs
+    from ..shard.source import save_gguf_tokenizer
 
     log(f"saving a {dtype} safetensors copy of {path.name} for the baselines (once)")
     from ..dtypes import torch_dtype
@@ -88,7 +89,7 @@ def _save_gguf_copy(path: Path, dest: Path, dtype: str, log) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(partial)
-    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(partial)
+    save_gguf_tokenizer(path, partial)
     del model
     (partial / DONE).write_text(path.name + "\n")
     shutil.rmtree(dest, ignore_errors=True)

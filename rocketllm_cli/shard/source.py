@@ -317,22 +317,41 @@ def gguf_special_token_flags(path: Path) -> dict[str, bool]:
     return flags
 
 
+def _portable_tokenizer_class(dest: Path) -> None:
+    """Name the tokenizer class as every supported transformers line reads it: 5.x writes its generic
+    `TokenizersBackend`, which 4.x cannot load; `PreTrainedTokenizerFast` is the same tokenizer to both."""
+    path = dest / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def save_gguf_tokenizer(path: Path, dest: Path) -> bool:
+    """The tokenizer in the GGUF at `path`, saved in `dest` as transformers files; False when it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception:  # noqa: BLE001 - a model without a tokenizer still shards
+        return False
+    # The file says whether a prompt starts with BOS (and ends with EOS), as llama.cpp reads it; transformers
+    # 4.x's conversion turns BOS on for every Llama-family GGUF, so the same file tokenized differently by line.
+    for flag, value in gguf_special_token_flags(path).items():
+        if getattr(tokenizer, flag, value) != value:
+            setattr(tokenizer, flag, value)
+    tokenizer.save_pretrained(dest)
+    _portable_tokenizer_class(dest)
+    return True
+
+
 def save_tokenizer(source: Source, dest: Path) -> bool:
     """Copy the tokenizer (and generation config) beside the shards so they are self-contained."""
     if source.kind == "gguf":
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
-        except Exception:  # noqa: BLE001 - a model without a tokenizer still shards
-            return False
-        # The file says whether a prompt starts with BOS (and ends with EOS), as llama.cpp reads it; transformers
-        # 4.x's conversion turns BOS on for every Llama-family GGUF, so the same file tokenized differently by line.
-        for flag, value in gguf_special_token_flags(source.path).items():
-            if getattr(tokenizer, flag, value) != value:
-                setattr(tokenizer, flag, value)
-        tokenizer.save_pretrained(dest)
-        return True
+        return save_gguf_tokenizer(source.path, dest)
     copied = False
     for name in TOKENIZER_FILES:
         f = source.path / name
