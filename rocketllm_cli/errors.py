@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -61,13 +62,33 @@ def describe(exc: BaseException) -> tuple[str, int]:
         return "out of memory: lower --device-cache-bytes or --host-cache-bytes, or free memory", 1
     if isinstance(exc, FileNotFoundError):
         return _one_line(f"file not found: {exc.filename or exc}"), 1
+    if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        cache = _in_cache(exc.filename)
+        if cache is not None:
+            return _one_line(f"cannot write {exc.filename} ({exc.strerror}): the cache directory {cache} is not writable; "
+                             "set ROCKETLLM_CACHE to a writable directory"), 1
     if isinstance(exc, PermissionError):
         return _one_line(f"permission denied: {exc.filename or exc}"), 1
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return _one_line(f"read-only file system: {exc.filename or exc}"), 1
     if isinstance(exc, OSError) and exc.errno == 28:
         return _one_line(f"no space left on device: {exc.filename or ''} (free space, or shard with --out on another disk)"), 1
     if isinstance(exc, ValueError):
         return _one_line(f"invalid value: {exc}"), 1
     return _one_line(f"internal error ({type(exc).__name__}: {exc}); rerun with ROCKETLLM_DEBUG=1 and report it"), 1
+
+
+def _in_cache(filename) -> str | None:
+    """The cache directory when `filename` lies in it (or is it), else None."""
+    if not filename:
+        return None
+    from pathlib import Path
+
+    from .profiles.cache import cache_root
+
+    root = cache_root().absolute()
+    path = Path(os.fsdecode(filename)).absolute()
+    return str(root) if path == root or root in path.parents else None
 
 
 def _one_line(message: str) -> str:

@@ -11,17 +11,38 @@ from pathlib import Path
 CACHE_FORMAT = 1
 
 
-def cache_dir() -> Path:
-    """ROCKETLLM_CACHE if set, else $XDG_CACHE_HOME/rocketllm or ~/.cache/rocketllm; created on demand."""
+def cache_root() -> Path:
+    """ROCKETLLM_CACHE if set, else $XDG_CACHE_HOME/rocketllm or ~/.cache/rocketllm; never created here."""
     explicit = os.environ.get("ROCKETLLM_CACHE")
     if explicit:
-        path = Path(explicit).expanduser()
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = Path(xdg).expanduser() if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-        path = base / "rocketllm"
-    path.mkdir(parents=True, exist_ok=True)
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "rocketllm"
+
+
+def cache_dir() -> Path:
+    """cache_root(), created on demand. A directory that cannot be created (a read-only disk) is still returned:
+    what reads the cache finds nothing, and what writes there fails naming it (errors.describe)."""
+    path = cache_root()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass
     return path
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why nothing can be written in `directory` (created if missing), or None when a file can be: the reason as
+    the system gives it. Root writes through mode bits, so this creates a file rather than asking access()."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def profile_dir(fingerprint: str) -> Path:

@@ -79,14 +79,18 @@ class HardwareProfile:
         from_cache = host is not None and disk is not None
         if not measure and not from_cache:
             return None
+        unsaved = []
         if host is None:
             host = _measure_host(log)
-            write_json(where / "host.json", host)
+            unsaved += _save(where / "host.json", host)
         if disk is None:
             disk = _measure_filesystem(fs, log)
             if disk.pop("cacheable"):
-                write_json(where / f"{fs.key}.json", disk)
-        if not from_cache:
+                unsaved += _save(where / f"{fs.key}.json", disk)
+        if unsaved:
+            log(redact(f"warning: the profile was measured but not cached: cannot write {where} ({unsaved[0]}); every "
+                       "command will measure again: set ROCKETLLM_CACHE to a writable directory"))
+        elif not from_cache:
             log(redact(f"profile cached in {where} (--refresh re-measures)"))
         ram_total, ram_available = memory()
         vram_total, vram_free = _guarded(lambda: device_memory(host["compute_device"]), lambda why: (None, None))
@@ -179,6 +183,15 @@ class HardwareProfile:
         doc["measurements"] = {k: Measurement.from_dict(v) for k, v in doc.get("measurements", {}).items()}
         doc["capabilities"] = {k: Capability.from_dict(v) for k, v in doc.get("capabilities", {}).items()}
         return cls(**doc)
+
+
+def _save(path: Path, doc: dict) -> list[str]:
+    """Cache one part of the profile; [] when written, else [why not] (a read-only or full cache)."""
+    try:
+        write_json(path, doc)
+    except OSError as exc:
+        return [exc.strerror or str(exc)]
+    return []
 
 
 def _measure_host(log: Log) -> dict:

@@ -25,6 +25,7 @@ from ..errors import ParameterError, ShardError
 from ..output import BLINK_S, no_progress
 from ..sizes import format_bytes
 from . import journal, stfile
+from ..profiles.cache import unwritable
 from .checks import DISK_FULL, check_space, free_bytes
 from .discover import Layout, build_meta_model, discover
 from .journal import JOURNAL
@@ -91,6 +92,10 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
         log(note)
     need = _bytes_needed(source, mapping, dtype, packs)
     partial = partial_of(final)
+    why = unwritable(final.parent)
+    if why is not None:
+        raise ShardError(f"cannot write shards in {final.parent} ({why}): put them on a writable disk (`rocketllm shard --out DIR`, "
+                         "or ROCKETLLM_CACHE=DIR for every command)")
     check_space(final.parent, need - sum(r.tensor_bytes for r in journal.resumable(partial, fingerprint, key).values()))
     final.parent.mkdir(parents=True, exist_ok=True)
     with exclusive(final, log):

@@ -40,15 +40,18 @@ class Entry:
                 Path(self.socket).with_suffix(suffix).unlink()
 
 
-def run_dir() -> Path:
-    """The directory of warm servers, created with mode 0700 (sockets and entries of this user only)."""
+def _run_path() -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isabs(runtime) and os.access(runtime, os.W_OK):
-        path = Path(runtime) / "rocketllm"
-    else:
-        from ..profiles.cache import cache_dir
+        return Path(runtime) / "rocketllm"
+    from ..profiles.cache import cache_root
 
-        path = cache_dir() / "run"
+    return cache_root() / "run"
+
+
+def run_dir() -> Path:
+    """The directory of warm servers, created with mode 0700 (sockets and entries of this user only)."""
+    path = _run_path()
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.chmod(0o700)
@@ -72,7 +75,8 @@ def socket_path(key: str) -> Path:
 def entries() -> list[Entry]:
     """Every registered warm server, alive or not (see alive())."""
     found = []
-    for path in sorted(run_dir().glob("*.json")):
+    directory = _run_path()  # only read: where it cannot be made there are no warm models to list
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
         try:
             found.append(Entry(**json.loads(path.read_text())))
         except (OSError, ValueError, TypeError):
@@ -81,7 +85,7 @@ def entries() -> list[Entry]:
 
 
 def find(key: str) -> Entry | None:
-    path = run_dir() / f"{key}.json"
+    path = _run_path() / f"{key}.json"
     try:
         return Entry(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
