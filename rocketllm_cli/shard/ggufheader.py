@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 from ..errors import ModelError
+from ..sizes import format_bytes
 
 # value type id -> struct format of a scalar; 8 = string, 9 = array
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -34,14 +35,48 @@ def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, int]]:
     return meta, sizes
 
 
+class Truncated(ValueError):
+    """The file ends before its header says it does: `expected` bytes (a lower bound when `in_header`)."""
+
+    def __init__(self, expected: int, actual: int, in_header: bool) -> None:
+        super().__init__(f"truncated: {expected} > {actual}")
+        self.expected, self.actual, self.in_header = expected, actual, in_header
+
+    def message(self, name: str) -> str:
+        if self.actual == 0:
+            what = "the file is empty"
+        elif self.in_header:
+            what = f"it ends inside its header, at {self.actual:,} bytes ({format_bytes(self.actual)})"
+        else:
+            what = (f"its header describes {self.expected:,} bytes ({format_bytes(self.expected)}), the file has "
+                    f"{self.actual:,} ({format_bytes(self.actual)})")
+        return f"{name} is truncated: {what}; download it again (an interrupted download or a full disk cuts a file short)"
+
+
 def read_gguf_tensors(path: Path) -> tuple[dict[str, object], dict[str, int], dict[str, tuple[int, tuple[int, ...]]]]:
     """read_gguf plus each tensor's (ggml type id, dims as GGUF lists them, innermost first)."""
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _parse(mm, len(mm))
+        with open(path, "rb") as f:
+            if f.seek(0, 2) == 0:
+                raise Truncated(4, 0, True)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                return _parse(mm, len(mm))
+    except Truncated as exc:
+        raise ModelError(exc.message(path.name)) from None
     except (struct.error, IndexError, UnicodeDecodeError, ValueError, OverflowError) as exc:
-        why = str(exc) if isinstance(exc, ValueError) and "truncated" in str(exc) else type(exc).__name__
-        raise ModelError(f"{path.name}: not a readable GGUF file ({why})") from None
+        raise ModelError(f"{path.name}: not a readable GGUF file ({type(exc).__name__})") from None
+
+
+def truncation(path: Path) -> str | None:
+    """The one-line problem when the GGUF at `path` is shorter than its own header says, else None (whole, or
+    unreadable for another reason: the reader that follows says what)."""
+    try:
+        read_gguf_tensors(path)
+    except ModelError as exc:
+        return str(exc) if " is truncated: " in str(exc) else None
+    except OSError:
+        return None
+    return None
 
 
 def shard_sizes(infos: dict[str, tuple[int, tuple[int, ...]]], itemsize: int = 2) -> dict[str, int]:
@@ -67,8 +102,19 @@ def shard_sizes(infos: dict[str, tuple[int, tuple[int, ...]]], itemsize: int = 2
 
 
 def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int], dict[str, tuple[int, tuple[int, ...]]]]:
+    if size < 4:
+        if bytes(mm[:size]) == b"GGUF"[:size]:
+            raise Truncated(4, size, True)
+        raise ValueError("bad magic")
     if mm[:4] != b"GGUF":
         raise ValueError("bad magic")
+    try:
+        return _parse_header(mm, size)
+    except (struct.error, IndexError) as exc:  # a read past the end of the file: cut inside the header
+        raise Truncated(size + 1, size, True) from exc
+
+
+def _parse_header(mm, size: int) -> tuple[dict[str, object], dict[str, int], dict[str, tuple[int, tuple[int, ...]]]]:
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
     if version < 2 or n_tensors > 10**6 or n_kv > 10**6:
         raise ValueError("unsupported header")
@@ -101,9 +147,9 @@ def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int], dict[str, 
             exact[name] = -(-numel // per) * nbytes
     align = int(meta.get("general.alignment", 32) or 32)
     data_start = -(-pos // align) * align
-    for offset, name in offsets:
-        if data_start + offset + exact.get(name, 0) > size:
-            raise ValueError(f"tensor {name[:60]} runs past the end of the file (truncated)")
+    end = max((data_start + offset + exact.get(name, 0) for offset, name in offsets), default=data_start)
+    if end > size:
+        raise Truncated(end, size, False)
     offsets.sort()
     ends = [o for o, _ in offsets[1:]] + [size - data_start]
     # Each tensor runs to the next one's start (alignment padding of < 32 bytes included).
@@ -114,6 +160,8 @@ def _string(mm, pos: int) -> tuple[str, int]:
     (n,) = struct.unpack_from("<Q", mm, pos)
     if n > 1 << 24:
         raise ValueError("string too long")
+    if pos + 8 + n > len(mm):
+        raise IndexError("string runs past the end of the file")
     return bytes(mm[pos + 8 : pos + 8 + n]).decode("utf-8"), pos + 8 + n
 
 

@@ -262,6 +262,11 @@ def _open_bin(path: Path, config, files: list[Path]) -> Source:
 def _open_gguf(path: Path) -> Source:
     """A GGUF read one tensor at a time (ggufsource.py); where transformers' processor must see the whole file,
     dequantized by transformers as a whole (memory: the full model, once)."""
+    from .ggufheader import truncation
+
+    problem = truncation(path)  # before any reader trips over the missing end
+    if problem is not None:
+        raise ModelError(problem)
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
