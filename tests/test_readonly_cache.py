@@ -115,6 +115,14 @@ def test_what_only_reads_it_still_works(readonly_cache):
     assert generated.exit_code == 0, generated.stderr
 
 
+def test_generate_asked_to_keep_warm_loads_here_and_says_why(readonly_cache):
+    result = invoke("generate", readonly_cache / "shards" / "tiny-set", "--raw", "hello", "-n", 2, "--keep-alive", "5m")
+    assert result.exit_code == 0, result.stderr
+    note = next(line for line in result.stderr.splitlines() if "cannot hold warm models" in line)
+    assert note.startswith(f"note: {readonly_cache / 'run'} cannot hold warm models (") and "ROCKETLLM_CACHE" in note
+    assert note.endswith("so the model loads in this process (no warm server)") and not (readonly_cache / "run").exists()
+
+
 def test_a_failed_write_in_the_cache_names_it_and_the_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
     for code in (errno.EROFS, errno.EACCES):

@@ -95,7 +95,7 @@ def run(
     pictures = _read_images(image or [], model)  # a bad picture, or pictures for a text-only model, refused before loading
     keep_s = _keep_alive(keep_alive)
     if keep_s > 0:
-        cold = _cold_reason(batch, bool(pictures), logprobs, constraint, chat)
+        cold = _cold_reason(batch, bool(pictures), logprobs, constraint, chat) or _no_run_dir()
         if cold is None:
             from ..shard.source import check_locatable
 
@@ -257,6 +257,19 @@ def _cold_reason(batch: bool, pictures: bool, logprobs, constraint, chat) -> str
         return "--logprobs reads this process's own scores"
     if constraint is not None and (constraint.kind != "json_schema" or chat is False):
         return "--grammar (or --json-schema with --raw) is applied by this process"
+    return None
+
+
+def _no_run_dir() -> str | None:
+    """Why warm servers cannot be kept here (their directory cannot be made or written), or None."""
+    from ..profiles.cache import unwritable
+    from ..warm.registry import run_path, run_dir
+
+    try:
+        run_dir()
+    except RocketError:
+        path = run_path()
+        return f"{path} cannot hold warm models ({unwritable(path) or 'not usable'}; ROCKETLLM_CACHE moves it)"
     return None
 
 

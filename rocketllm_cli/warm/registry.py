@@ -40,7 +40,8 @@ class Entry:
                 Path(self.socket).with_suffix(suffix).unlink()
 
 
-def _run_path() -> Path:
+def run_path() -> Path:
+    """Where warm servers are registered; nothing is created here."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isabs(runtime) and os.access(runtime, os.W_OK):
         return Path(runtime) / "rocketllm"
@@ -51,7 +52,7 @@ def _run_path() -> Path:
 
 def run_dir() -> Path:
     """The directory of warm servers, created with mode 0700 (sockets and entries of this user only)."""
-    path = _run_path()
+    path = run_path()
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.chmod(0o700)
@@ -75,7 +76,7 @@ def socket_path(key: str) -> Path:
 def entries() -> list[Entry]:
     """Every registered warm server, alive or not (see alive())."""
     found = []
-    directory = _run_path()  # only read: where it cannot be made there are no warm models to list
+    directory = run_path()  # only read: where it cannot be made there are no warm models to list
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
         try:
             found.append(Entry(**json.loads(path.read_text())))
@@ -85,7 +86,7 @@ def entries() -> list[Entry]:
 
 
 def find(key: str) -> Entry | None:
-    path = _run_path() / f"{key}.json"
+    path = run_path() / f"{key}.json"
     try:
         return Entry(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
