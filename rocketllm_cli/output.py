@@ -96,6 +96,9 @@ class Output:
                     self._bars = None
 
 
+_line_open = [False]  # the last text written to stdout did not end its line
+
+
 def write_stdout(text: str) -> None:
     """Write and flush a result; a reader that went away ends the command with StdoutClosed, not a traceback."""
     try:
@@ -103,6 +106,8 @@ def write_stdout(text: str) -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         raise stdout_closed() from None
+    if text:
+        _line_open[0] = not text.endswith("\n")
 
 
 def stdout_closed() -> StdoutClosed:
@@ -113,11 +118,24 @@ def stdout_closed() -> StdoutClosed:
 
 
 def write_stderr(line: str) -> None:
-    """One line on stderr. A closed stderr drops it and every later line: diagnostics never stop the work."""
+    """One line on stderr. A closed stderr drops it and every later line: diagnostics never stop the work.
+
+    Where stdout and stderr are one terminal and streamed text left its line open (a reply cut by Ctrl-C), the line
+    starts on a line of its own; a pipe or a file gets the text exactly as generated."""
     try:
+        if _line_open[0] and _same_terminal():
+            line = "\n" + line
+            _line_open[0] = False
         print(line, file=sys.stderr, flush=True)
     except BrokenPipeError:
         _to_devnull(sys.stderr)
+
+
+def _same_terminal() -> bool:
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _to_devnull(stream) -> None:

@@ -125,3 +125,21 @@ def test_bytes_that_are_not_utf8_become_u_fffd_with_one_warning(where, shards):
     where_named = "stdin" if where == "--batch stdin" else where
     assert done.stderr.decode().splitlines() == [
         f"warning: {where_named} is not valid UTF-8 (first bad byte at offset {offset}); undecodable bytes were replaced with U+FFFD"]
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_message_after_text_cut_mid_line_starts_its_own_line_on_a_terminal(terminal, monkeypatch, capsys):
+    """Ctrl-C during a streamed reply: on a terminal `error: interrupted` is not glued to the cut text; a pipe or
+    a file gets stdout and stderr exactly as written."""
+    from rocketllm_cli import output
+
+    monkeypatch.setattr(output, "_same_terminal", lambda: terminal)
+    monkeypatch.setattr(output, "_line_open", [False])
+    output.write_stdout("The capital of France is Par")
+    output.write_stderr("error: interrupted")
+    output.write_stderr("a second line")
+    output.write_stdout("whole line\n")
+    output.write_stderr("after a whole line")
+    captured = capsys.readouterr()
+    assert captured.out == "The capital of France is Parwhole line\n"
+    assert captured.err == ("\n" if terminal else "") + "error: interrupted\na second line\nafter a whole line\n"
