@@ -10,7 +10,9 @@ GPT-2's output head) cannot be read one tensor at a time; such a file is dequant
 
 from __future__ import annotations
 
+import functools
 import inspect
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -145,6 +147,20 @@ class LazyGGUF:
         return result.weights is probe and result.name == tensor.name
 
 
+@contextmanager
+def _one_name_map():
+    """transformers' name mapping walks every submodule and builds gguf's whole TensorNameMap at each (hundreds of
+    times, ~10 s for a 30-layer model); the map depends only on (architecture, layers), so build it once."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
 def open_lazy(path: Path, config, meta_model) -> LazyGGUF | None:
     """A per-tensor reader of the GGUF at `path`, or None when its processor must see the whole file."""
     try:
@@ -169,7 +185,8 @@ def open_lazy(path: Path, config, meta_model) -> LazyGGUF | None:
     # transformers 5 takes the processor; 4.x derives the names from the model type alone
     takes_processor = "processor" in inspect.signature(get_gguf_hf_weights_map).parameters
     try:
-        gguf_to_hf = get_gguf_hf_weights_map(meta_model, processor) if takes_processor else get_gguf_hf_weights_map(meta_model)
+        with _one_name_map():
+            gguf_to_hf = get_gguf_hf_weights_map(meta_model, processor) if takes_processor else get_gguf_hf_weights_map(meta_model)
     except (NotImplementedError, ValueError, KeyError):
         return None
     params = dict(meta_model.named_parameters(remove_duplicate=False))

@@ -308,18 +308,14 @@ def _open_gguf(path: Path) -> Source:
 def gguf_special_token_flags(path: Path) -> dict[str, bool]:
     """`add_bos_token` / `add_eos_token` as the GGUF at `path` declares them (`tokenizer.ggml.add_*_token`); only
     those it declares."""
-    try:
-        from gguf import GGUFReader
+    from .ggufheader import read_gguf
 
-        fields = GGUFReader(path).fields
-    except Exception:  # noqa: BLE001 - unreadable here: the tokenizer as transformers made it
+    try:
+        meta, _ = read_gguf(path)
+    except (ModelError, OSError):  # unreadable here: the tokenizer as transformers made it
         return {}
-    flags = {}
-    for flag in ("add_bos_token", "add_eos_token"):
-        field = fields.get(f"tokenizer.ggml.{flag}")
-        if field is not None and field.data:
-            flags[flag] = bool(field.parts[field.data[0]][0])
-    return flags
+    return {flag: bool(meta[f"tokenizer.ggml.{flag}"]) for flag in ("add_bos_token", "add_eos_token")
+            if f"tokenizer.ggml.{flag}" in meta}
 
 
 def _portable_tokenizer_class(dest: Path) -> None:
