@@ -18,6 +18,12 @@ class UsageError(RocketError):
     exit_code = 2
 
 
+class Interrupted(RocketError):
+    """Ctrl-C (SIGINT) during a command that says what it leaves behind. Exit code 130, as for any interrupt."""
+
+    exit_code = 130
+
+
 class ModelError(RocketError):
     """The model path, checkpoint or architecture cannot be used."""
 

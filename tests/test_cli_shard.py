@@ -177,7 +177,8 @@ def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_by
 
     monkeypatch.setattr(sharder, "_write_unit", interrupted_after_three)
     result = invoke("shard", source, "--out", out)
-    assert result.exit_code == 130 and result.stderr.strip() == "error: interrupted"
+    assert result.exit_code == 130
+    assert result.stderr.strip().splitlines()[-1] == "error: interrupted: 3 of 7 units are written and kept; run the same command again to resume"
     assert not out.exists()  # nothing that loads
     journal = (partial / JOURNAL).read_text().splitlines()
     assert len(journal) == 3 and sorted(p.name for p in partial.glob("*.safetensors")) == sorted(calls)
@@ -194,13 +195,31 @@ def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_by
         return real_write(directory, file, plan, tensors, mapping, formats)
 
     monkeypatch.setattr(sharder, "_write_unit", counting)
-    doc = shard_json(source, out)
+    result = invoke("shard", source, "--out", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    # the journal's torn line is dropped and the cut unit is written again: two of the three are kept
+    assert f"resuming: 2 of 7 units already written (in {partial})" in result.stderr.splitlines()
+    doc = json.loads(result.stdout)
     assert doc["reused"] is False
     assert len(rewritten) == 7 - 3 + 1 and calls[1] in rewritten and calls[0] not in rewritten
     assert not partial.exists() and not (out / JOURNAL).exists()
     resumed, clean = Manifest.load(out), Manifest.load(good_set)
     assert [(u.name, u.file, u.bytes, u.sha256) for u in resumed.units] == [(u.name, u.file, u.bytes, u.sha256) for u in clean.units]
     assert invoke("shard", out, "--verify").exit_code == 0
+
+
+@pytest.mark.parametrize("where", ["reading", "planning", "the first unit"])
+def test_an_interrupt_before_any_unit_says_there_is_nothing_to_resume(where, tiny_factory, tmp_path, monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    target = {"reading": (sharder, "open_source"), "planning": (sharder, "plan_packing"), "the first unit": (sharder, "_write_unit")}
+    monkeypatch.setattr(*target[where], interrupt)
+    out = tmp_path / "out"
+    result = invoke("shard", tiny_factory("llama"), "--out", out)
+    assert result.exit_code == 130, (result.stdout, result.stderr)
+    assert result.stderr.strip().splitlines()[-1] == "error: interrupted before the first unit was written: nothing to resume"
+    assert not out.exists()
 
 
 # -- bad inputs ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -161,10 +162,35 @@ def _one_name_map():
         gguf.get_tensor_name_map = original
 
 
+@contextmanager
+def shared_reader(path: Path):
+    """Within the block, every `gguf.GGUFReader(path)` (transformers' config, tokenizer and weight loading, and
+    open_lazy) is one reader: a GGUF's metadata is ~10^5 small fields (the vocabulary), seconds to parse each time."""
+    import gguf
+
+    original = gguf.GGUFReader
+    target = os.path.realpath(path)
+    made: list = []
+
+    def reader(file, mode="r"):
+        if mode == "r" and os.path.realpath(os.fspath(file)) == target:
+            if not made:
+                made.append(original(file, mode))
+            return made[0]
+        return original(file, mode)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def open_lazy(path: Path, config, meta_model) -> LazyGGUF | None:
     """A per-tensor reader of the GGUF at `path`, or None when its processor must see the whole file."""
     try:
-        from gguf import GGMLQuantizationType, GGUFReader
+        import gguf
+        from gguf import GGMLQuantizationType
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS,
             TensorProcessor,
@@ -173,7 +199,7 @@ def open_lazy(path: Path, config, meta_model) -> LazyGGUF | None:
     except ImportError:  # transformers without the per-tensor helpers: the whole-model path
         return None
     try:
-        reader = GGUFReader(path)
+        reader = gguf.GGUFReader(path)  # shared_reader's, where it is in effect
     except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
         raise ModelError(f"{path.name}: not a readable GGUF model ({' '.join(str(exc).split())[:160]})") from None
     field = reader.fields.get("general.architecture")

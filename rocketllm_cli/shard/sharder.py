@@ -21,7 +21,7 @@ import torch
 
 from ..dtypes import NAMES as DTYPES
 from ..dtypes import short_name, torch_dtype
-from ..errors import ParameterError, ShardError
+from ..errors import Interrupted, ParameterError, ShardError
 from ..output import BLINK_S, no_progress
 from ..sizes import format_bytes
 from . import journal, stfile
@@ -59,11 +59,20 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
         found = find_existing(located, dtype, packing)
         if found is not None:
             return found[0], found[1], {"reused": True, **summarize(found[0], 0.0)}
-    # Reading a GGUF's metadata can take long; off a terminal it stays silent, so a bad input's error stays one line.
-    with phase(f"reading {located.name}", after=BLINK_S, announce=False):
-        source = open_source(located)
+    # Reading a GGUF's metadata can take seconds: off a terminal its line comes once it lasts ANNOUNCE_AFTER_S,
+    # so a bad input refused at once stays one error line. transformers is imported first: its import (seconds on
+    # a busy machine) is not the reading, and would announce a phase that a bad config then ends at once.
+    import transformers.models.auto.configuration_auto  # noqa: F401
+
+    with phase(f"reading {located.name}", after=BLINK_S):
+        try:
+            source = open_source(located)
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted before the first unit was written: nothing to resume") from None
     try:
         return _shard(source, out, dtype, progress, log, started, rebuild, packing)
+    except KeyboardInterrupt:  # while planning, before a unit is written (the writing says what it kept)
+        raise Interrupted("interrupted before the first unit was written: nothing to resume") from None
     finally:
         source.close()
 
@@ -128,6 +137,12 @@ def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mappi
     partial = partial_of(final)
     try:
         return _write_units(source, final, partial, dtype, model, layout, mapping, need, progress, log, started, packs)
+    except KeyboardInterrupt:
+        kept = len(journal.resumable(partial, source.fingerprint(), packs.key(dtype)))
+        if kept:
+            raise Interrupted(f"interrupted: {kept} of {len(layout.units)} units are written and kept; run the same command "
+                              "again to resume") from None
+        raise Interrupted("interrupted before the first unit was written: nothing to resume") from None
     except OSError as exc:
         if exc.errno not in DISK_FULL:
             raise
@@ -148,10 +163,13 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
     partial.mkdir(parents=True, exist_ok=True)
 
     done = journal.resumable(partial, fingerprint, key)
+    files = [f"{index:04d}-{plan.name}.safetensors" for index, plan in enumerate(layout.units)]
+    kept = sum(1 for plan, file in zip(layout.units, files) if (r := done.get(plan.name)) is not None and r.file == file)
+    if kept:
+        log(f"resuming: {kept} of {len(layout.units)} units already written (in {partial})")
     units: list[UnitRecord] = []
     with (progress or no_progress)(f"sharding {source.name}", need, units=len(layout.units)) as bar:
-        for index, plan in enumerate(layout.units):
-            file = f"{index:04d}-{plan.name}.safetensors"
+        for plan, file in zip(layout.units, files):
             record = done.get(plan.name)
             if record is None or record.file != file:
                 tensors, formats = {}, {}
@@ -187,7 +205,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
         int4_layout=packs.int4_layout,
         format_version=PACKED_VERSION if packs.params else FORMAT_VERSION,
     )
-    with (progress or no_progress)(f"saving the config and tokenizer of {source.name}", after=BLINK_S, announce=False):
+    with (progress or no_progress)(f"saving the config and tokenizer of {source.name}", after=BLINK_S):
         source.config.save_pretrained(partial)
         save_tokenizer(source, partial)
     manifest.save(partial)  # before the journal goes, so a run killed in between still resumes every unit

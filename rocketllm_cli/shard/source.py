@@ -70,6 +70,8 @@ class Source:
     # a per-tensor reader that presents the weights transformers loads: a GGUF's (ggufsource.LazyGGUF), or a
     # pre-quantized safetensors checkpoint's (quantsource.QuantizedSafetensors)
     _lazy: object = field(default=None, repr=False)
+    # a GGUF's tokenizer, converted while the file's metadata was parsed for the config (None: it has none)
+    _tokenizer: object = field(default=None, repr=False)
 
     def fingerprint(self) -> str:
         return self.located.fingerprint()
@@ -261,28 +263,41 @@ def _open_bin(path: Path, config, files: list[Path]) -> Source:
 
 def _open_gguf(path: Path) -> Source:
     """A GGUF read one tensor at a time (ggufsource.py); where transformers' processor must see the whole file,
-    dequantized by transformers as a whole (memory: the full model, once)."""
+    dequantized by transformers as a whole (memory: the full model, once). The file's metadata is parsed once for
+    the config, the tensor map and the tokenizer (ggufsource.shared_reader)."""
     from .ggufheader import truncation
 
     problem = truncation(path)  # before any reader trips over the missing end
     if problem is not None:
         raise ModelError(problem)
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        from .ggufsource import shared_reader
     except ImportError:
         raise ModelError("reading .gguf needs the gguf package: pip install gguf") from None
-    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
+    try:
+        with shared_reader(path):
+            return _open_gguf_shared(path, AutoConfig)
+    except ImportError:
+        raise ModelError("reading .gguf needs the gguf package: pip install gguf") from None
+
+
+def _open_gguf_shared(path: Path, AutoConfig) -> Source:
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:  # noqa: BLE001 - a foreign file
         raise ModelError(f"{path.name}: not a readable GGUF model ({' '.join(str(exc).split())[:160]})") from None
     from .discover import build_meta_model
     from .ggufsource import open_lazy
 
+    tokenizer = _gguf_tokenizer(path)  # before open_lazy lets the vocabulary's metadata go
     lazy = open_lazy(path, config, build_meta_model(config))
     if lazy is not None:
-        return Source("gguf", path, path.stem, config, shapes=dict(lazy.shapes), _lazy=lazy)
+        return Source("gguf", path, path.stem, config, shapes=dict(lazy.shapes), _lazy=lazy, _tokenizer=tokenizer)
     try:
         import torch
+        from transformers import AutoModelForCausalLM
 
         from ..compat import dtype_kwargs
 
@@ -300,7 +315,7 @@ def _open_gguf(path: Path) -> Source:
         raise ModelError(f"{path.name}: cannot dequantize this GGUF ({' '.join(str(exc).split())[:160]})") from None
     config = model.config
     state = {k: v for k, v in model.state_dict().items()}
-    source = Source("gguf", path, path.stem, config, _state=state)
+    source = Source("gguf", path, path.stem, config, _state=state, _tokenizer=tokenizer)
     source.shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
     return source
 
@@ -331,19 +346,29 @@ def _portable_tokenizer_class(dest: Path) -> None:
         path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def save_gguf_tokenizer(path: Path, dest: Path) -> bool:
-    """The tokenizer in the GGUF at `path`, saved in `dest` as transformers files; False when it has none."""
+def _gguf_tokenizer(path: Path):
+    """The tokenizer in the GGUF at `path` as transformers converts it, with the file's own BOS/EOS flags; None
+    when it has none."""
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception:  # noqa: BLE001 - a model without a tokenizer still shards
-        return False
+        return None
     # The file says whether a prompt starts with BOS (and ends with EOS), as llama.cpp reads it; transformers
     # 4.x's conversion turns BOS on for every Llama-family GGUF, so the same file tokenized differently by line.
     for flag, value in gguf_special_token_flags(path).items():
         if getattr(tokenizer, flag, value) != value:
             setattr(tokenizer, flag, value)
+    return tokenizer
+
+
+def save_gguf_tokenizer(path: Path, dest: Path, tokenizer=None) -> bool:
+    """The tokenizer in the GGUF at `path` (or `tokenizer`, already converted from it), saved in `dest` as
+    transformers files; False when it has none."""
+    tokenizer = tokenizer if tokenizer is not None else _gguf_tokenizer(path)
+    if tokenizer is None:
+        return False
     tokenizer.save_pretrained(dest)
     _portable_tokenizer_class(dest)
     return True
@@ -352,7 +377,7 @@ def save_gguf_tokenizer(path: Path, dest: Path) -> bool:
 def save_tokenizer(source: Source, dest: Path) -> bool:
     """Copy the tokenizer (and generation config) beside the shards so they are self-contained."""
     if source.kind == "gguf":
-        return save_gguf_tokenizer(source.path, dest)
+        return save_gguf_tokenizer(source.path, dest, source._tokenizer)
     copied = False
     for name in TOKENIZER_FILES:
         f = source.path / name
