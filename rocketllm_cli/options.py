@@ -101,12 +101,30 @@ class _PlainHelp:
         return params
 
     def format_help(self, ctx, formatter) -> None:
+        # Typer reads help as rich markup, so `pip install 'rocketllm[vision]'` would lose `[vision]` and a
+        # hand-written `[default: 16]` would vanish: every text is shown as written.
+        self.help, self.epilog = _as_written(self.help), _as_written(self.epilog)
+        for param in self.params:
+            if getattr(param, "help", None):
+                param.help = _as_written(param.help)
         try:
             super().format_help(ctx, formatter)
         except BrokenPipeError:
             raise stdout_closed() from None
         except SystemExit:  # rich's own answer to a broken pipe: stdout already at /dev/null, then exit 1
             raise StdoutClosed() from None
+
+
+class _Written(str):
+    """Help text already escaped for rich markup (so a second help in one process does not escape it twice)."""
+
+
+def _as_written(text: str | None) -> str | None:
+    if not text or isinstance(text, _Written):
+        return text
+    from rich.markup import escape
+
+    return _Written(escape(text))
 
 
 _TYPE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "path": "PATH"}  # click's names for them
@@ -183,6 +201,9 @@ class KnobHelpCommand(PlainCommand):
         super().format_help(ctx, formatter)
 
 
+LIVE_INPUTS = {"memory_available", "ram_available", "vram_free"}  # measured when a command starts, not cached
+
+
 def derived_defaults() -> dict[str, str]:
     """knob -> how its default reads on this machine now, from the cached profile; empty without one."""
     try:
@@ -206,6 +227,11 @@ def derived_defaults() -> dict[str, str]:
             out[name] = "Default: none"
         elif knob.value is None:
             out[name] = "Default: derived at start from the model"
+        elif LIVE_INPUTS & set(getattr(knob, "inputs", {}) or {}):
+            # from the memory free when the command starts: a figure that differs from one run to the next
+            model = knob.note.startswith(("no model", "needs a model"))
+            out[name] = (f"Default: derived at start from the memory free then{', and from the model' if model else ''} "
+                         f"({knob.display()} now{', before a model' if model else ''})")
         elif knob.note.startswith(("no model", "needs a model")):
             out[name] = f"Default on this machine: {knob.display()} before the model's size is known (derived again for the model at start)"
         else:

@@ -55,6 +55,30 @@ def test_arguments_and_options_read_as_words():
     assert re.search(r"--model +PATH ", render_help(["doctor"]))
 
 
+def test_help_text_is_shown_as_written_not_read_as_markup():
+    """Typer reads help as rich markup: brackets in our text (an extra's name, a hand-written default) stay."""
+    flat = lambda words: " ".join(render_help(words).replace("│", " ").split())  # noqa: E731
+    assert "pip install 'rocketllm[vision]'" in flat(["generate"])
+    assert "pip install 'rocketllm[server]'" in flat(["serve"])
+    assert re.search(r"--tokens INTEGER Decode tokens measured \(after one warm-up token\)\. \[default: \d+\]", flat(["bench"]))
+    assert flat(["bench"]) == flat(["bench"])  # a second help in one process is not escaped twice
+
+
+def test_byte_defaults_that_follow_free_memory_say_so():
+    """The caches' sizes come from the memory free when a command starts: help says so rather than print a figure
+    as if it were fixed (it differs between two runs of --help)."""
+    from rocketllm_cli.profiles import HardwareProfile
+
+    HardwareProfile.load()  # help shows derived values only from a cached profile (the session's)
+    text = " ".join(render_help(["generate"]).replace("│", " ").split())
+    for flag in ("--device-cache-bytes", "--kv-cache-bytes"):
+        described = text.split(flag, 1)[1].split(" --", 1)[0]
+        assert "Default on this machine" not in described, described
+        assert "Default: derived at start from the memory free then" in described and " now" in described, described
+    reserve = text.split("--reserve-bytes", 1)[1].split(" --", 1)[0]  # from the total memory: the same every run
+    assert re.search(r"Default on this machine: [\d.]+ [KMG]iB\.", reserve), reserve
+
+
 # -- MODEL as --model ----------------------------------------------------------------------------------------
 def invoke(*args):
     return CliRunner().invoke(app, [*map(str, args)])
