@@ -101,7 +101,7 @@ class _PlainHelp:
         return params
 
     def format_help(self, ctx, formatter) -> None:
-        # Typer reads help as rich markup, so `pip install 'rocketllm[vision]'` would lose `[vision]` and a
+        # Typer reads help as rich markup, so `pip install -e '.[vision]'` would lose `[vision]` and a
         # hand-written `[default: 16]` would vanish: every text is shown as written.
         self.help, self.epilog = _as_written(self.help), _as_written(self.epilog)
         for param in self.params:

@@ -58,8 +58,8 @@ def test_arguments_and_options_read_as_words():
 def test_help_text_is_shown_as_written_not_read_as_markup():
     """Typer reads help as rich markup: brackets in our text (an extra's name, a hand-written default) stay."""
     flat = lambda words: " ".join(render_help(words).replace("│", " ").split())  # noqa: E731
-    assert "pip install 'rocketllm[vision]'" in flat(["generate"])
-    assert "pip install 'rocketllm[server]'" in flat(["serve"])
+    assert "pip install -e '.[vision]'" in flat(["generate"])
+    assert "pip install -e '.[server]'" in flat(["serve"])
     assert re.search(r"--tokens INTEGER Decode tokens measured \(after one warm-up token\)\. \[default: \d+\]", flat(["bench"]))
     assert flat(["bench"]) == flat(["bench"])  # a second help in one process is not escaped twice
 

@@ -58,7 +58,7 @@ def test_help_shows_the_derived_defaults_from_the_cached_profile(tiny, tmp_path)
     for flag in ("--host", "--port", "--served-model-name", "--tool-parser", "--prefix-cache", "--device-cache-bytes", "--max-context"):
         assert flag in text
     assert "Default on this machine:" in text and "Default: auto, which turns it on only when every weight is resident" in text
-    assert "pip install 'rocketllm[server]'" in text  # not eaten as markup
+    assert "pip install -e '.[server]'" in text  # not eaten as markup
     assert re.search(r"--io-workers .*Accepts an integer >= 1\. Default on this machine: \d+\.", text)
 
 

@@ -25,7 +25,7 @@ from rocketllm_cli.text.images import MAX_IMAGES
 from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.sampling import SamplingParams
 
-Image = pytest.importorskip("PIL.Image", reason="the vision tests need Pillow (pip install 'rocketllm[vision]')")
+Image = pytest.importorskip("PIL.Image", reason="the vision tests need Pillow (pip install -e '.[vision]')")
 
 N = 6
 QUESTION = "What is in the picture?"

@@ -125,7 +125,7 @@ def _run_airllm(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
     try:
         import airllm
     except Exception as exc:  # noqa: BLE001 - ImportError, or a dependency failing at import
-        raise Skip(f"airllm not importable ({type(exc).__name__}: {exc}); pip install 'rocketllm[bench]'") from None
+        raise Skip(f"airllm not importable ({type(exc).__name__}: {exc}); pip install -e '.[bench]' in the rocketllm source directory") from None
     split = work / "airllm" / hf_dir.name
     model = airllm.AutoModel.from_pretrained(str(hf_dir), device="cpu", dtype=dtype, layer_shards_saving_path=str(split))
     model.model.register_forward_pre_hook(ColdFiles(sorted(split.rglob("*.safetensors"))))

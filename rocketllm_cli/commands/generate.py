@@ -35,7 +35,7 @@ a lone argument is then the PROMPT unless it is the served model's id or an exis
 must be what that server serves.
 
 With --image PATH (repeatable) a vision-language model sees the pictures before the prompt, through its own processor
-and chat template (PNG, JPEG, WebP, GIF or BMP; needs Pillow: pip install 'rocketllm[vision]').
+and chat template (PNG, JPEG, WebP, GIF or BMP; needs Pillow: pip install -e '.[vision]' in the rocketllm source directory).
 
 Example: echo "The capital of France is" | rocketllm generate ./SmolLM2.gguf --raw --max-new-tokens 8
 Example: rocketllm generate ./SmolLM2.gguf "Name a city and its country" --json-schema city.json

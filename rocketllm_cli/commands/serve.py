@@ -19,11 +19,11 @@ NAME = "serve"
 NO_ARGS_IS_HELP = True
 HELP = """Serve MODEL over HTTP with the OpenAI and Anthropic APIs, streamed layer by layer.
 
-POST /v1/chat/completions, /v1/completions and /v1/messages (each with stream: true); GET /v1/models, /health and /metrics. One model instance: requests queue and run one at a time, and a client that disconnects has its generation cancelled. Listens on 127.0.0.1 unless --host says otherwise. Needs the server extra: pip install 'rocketllm[server]'.
+POST /v1/chat/completions, /v1/completions and /v1/messages (each with stream: true); GET /v1/models, /health and /metrics. One model instance: requests queue and run one at a time, and a client that disconnects has its generation cancelled. Listens on 127.0.0.1 unless --host says otherwise. Needs the server extra: pip install -e '.[server]' in the rocketllm source directory.
 
 Example: rocketllm serve ./SmolLM2.gguf --port 8000, then point an OpenAI client at http://127.0.0.1:8000/v1 or an Anthropic client at http://127.0.0.1:8000 (any API key, unless --api-key or ROCKETLLM_API_KEY sets one).
 """
-MISSING_EXTRA = "rocketllm serve needs the server extra: pip install 'rocketllm[server]'"
+MISSING_EXTRA = "rocketllm serve needs the server extra: pip install -e '.[server]' in the rocketllm source directory (or pip install fastapi uvicorn)"
 BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them
 @with_knob_options
 def run(

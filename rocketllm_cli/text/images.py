@@ -19,7 +19,7 @@ MAX_IMAGES = 8  # per prompt: each picture is a prefill of hundreds of placehold
 MAX_IMAGE_BYTES = 20 << 20
 MAX_PIXELS = 8192 * 8192  # a decoded picture larger than this is refused before its pixels are decoded
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
-NEEDS_PILLOW = "images need the Pillow package: pip install 'rocketllm[vision]'"
+NEEDS_PILLOW = "images need the Pillow package: pip install -e '.[vision]' in the rocketllm source directory (or pip install pillow)"
 
 
 def accepted() -> str:
