@@ -1,4 +1,4 @@
-"""The few places where transformers 4.x (>= 4.49) and 5.x differ in what this project calls.
+"""The few places where transformers 4.x (>= 4.57) and 5.x differ in what this project calls.
 
 Everything version-dependent is decided here, once, from the installed version, so the
 rest of the code calls one spelling and the differences stay listed in one file.

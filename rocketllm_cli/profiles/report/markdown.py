@@ -91,7 +91,7 @@ def _projection(p: dict | None) -> list[str]:
     lines = _table(["tier", "bytes/token", "bandwidth", "seconds", "measured as"], rows)
     plan = p["plan"]
     lines += ["", f"- plan: device_cache_bytes {format_bytes(plan['device_cache_bytes'])}, host_cache_bytes {format_bytes(plan['host_cache_bytes'])}",
-              f"- serial (sum of tiers): {_secs(p['serial_seconds'])}; io (host + storage): {_secs(p['io_seconds'])}",
+              f"- serial (sum of tiers: moving the bytes alone, no compute): {_secs(p['serial_seconds'])}; io (host + storage): {_secs(p['io_seconds'])}",
               f"- compute: {_secs(p['compute_seconds'])} via {p['compute_bandwidth']}",
               f"- overlapped max(io, compute): {_secs(p['overlapped_seconds'])}"
               + (f" -> {p['tokens_per_second']:.3g} tokens/s" if p["tokens_per_second"] else "")]
