@@ -72,10 +72,12 @@ def test_projection_limit_and_efficiency_recompute_from_printed_inputs(bench_doc
         io = sum(unique[t] / tiers[t]["bandwidth_bps"] for t in ("host", "storage") if unique[t])
         # the floor is the fastest tenth of a resident run's tokens, never another run's median
         floor = fastest[("transformers", "resident")] if row["regime"] == "resident" else \
-            min(fastest[("rocketllm", "resident")], fastest[("transformers", "resident")])
+            min(fastest[("rocketllm", "resident")], fastest[("transformers", "resident")], fastest[("rocketllm", row["regime"])])
         limit = max(1000 * io, floor)
         assert row["limit_ms"] == pytest.approx(limit, abs=0.01)
         assert row["efficiency"] == pytest.approx(limit / row["ms_per_token"]["median"], abs=0.002)
+        if row["regime"] != "resident" and limit > 1000 * io:  # compute-bound: no row beats its own floor
+            assert row["efficiency"] <= 1
     resident = next(r for r in bench_doc["rows"] if r["name"] == "rocketllm" and r["regime"] == "resident")
     assert resident["speedup"]["transformers"] == pytest.approx(measured[("transformers", "resident")] / measured[("rocketllm", "resident")], abs=0.01)
 
@@ -175,3 +177,15 @@ def test_dense_model_has_no_expert_cache_regime(tiny_checkpoint):
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)["rows"]
     assert [(r["regime"], r["status"], r["reason"]) for r in rows] == [("expert-cache", "skipped", "not a mixture-of-experts model")]
+
+
+def test_the_resident_row_is_kept_for_doctor_to_project_from(bench_doc):
+    """bench records the resident row's decode time per set and compute dtype (profiles/probe/decodecompute.py)."""
+    from rocketllm_cli.profiles import HardwareProfile, cache_dir
+    from rocketllm_cli.profiles.probe.decodecompute import FILE
+
+    resident = next(r for r in bench_doc["rows"] if r["name"] == "rocketllm" and r["regime"] == "resident")
+    stored = json.loads((cache_dir() / "profiles" / HardwareProfile.load().fingerprint / FILE).read_text())
+    entries = [e for k, e in stored.items() if k != "cache_format" and e["compute_dtype"] == resident["knobs"]["compute_dtype"]
+               and e["seconds"] == pytest.approx(resident["ms_per_token"]["median"] / 1000)]
+    assert entries and entries[0]["p10_seconds"] == pytest.approx(resident["ms_per_token"]["p10"] / 1000)

@@ -58,6 +58,36 @@ def test_report_with_a_model_directory(tiny_checkpoint):
     assert doc["projection"]["tiers"]["device"]["bytes"] == doc["model"]["total_bytes"]  # a tiny model fits
 
 
+def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint, tmp_path):
+    """Until bench has measured a set, compute is the matvec floor and the report says what that leaves out; once
+    bench recorded its resident decode here, every regime is projected from it: compute as measured, io as before."""
+    from rocketllm_cli.profiles import HardwareProfile
+    from rocketllm_cli.profiles.probe.decodecompute import record
+    from rocketllm_cli.shard.manifest import Manifest
+
+    shards = tmp_path / "set"
+    assert CliRunner().invoke(app, ["shard", str(tiny_checkpoint), "--out", str(shards)]).exit_code == 0
+    before = json.loads(doctor("--model", str(shards), "--json").stdout)
+    assert "left out until `rocketllm bench` measures this set" in before["model"]["note"]
+    assert before["projection"]["compute_bandwidth"].startswith("decode-shaped matvec")
+    text = doctor("--model", str(shards)).stdout
+    assert "(an upper bound: per-layer work is left out" in text
+
+    resident = before["projection"]["regimes"]["resident"]  # each of bench's regimes, measured or not
+    assert set(before["projection"]["regimes"]) == {"resident", "host", "storage"} and resident["tiers"]["device"]["bytes"] > 0
+    compute_dtype = next(c["value"] for c in before["capabilities"] if c["name"] == "compute_dtype")
+    record(HardwareProfile.load(), shards, Manifest.load(shards), compute_dtype, {"median": 40.0, "p10": 35.0, "n": 8}, "1 of 2")
+    after = json.loads(doctor("--model", str(shards), "--json").stdout)
+    projection = after["projection"]
+    assert projection["compute_seconds"] == pytest.approx(0.040)
+    assert "measured by `rocketllm bench`" in projection["compute_bandwidth"] and "1 of 2 compute threads" in projection["compute_bandwidth"]
+    for regime, r in projection["regimes"].items():  # max(io of every byte from the regime's tier, measured compute)
+        assert r["overlapped_seconds"] == pytest.approx(max(r["io_seconds"], 0.040)), regime
+    assert projection["regimes"]["resident"]["overlapped_seconds"] == pytest.approx(0.040)
+    assert "as `rocketllm bench` measured this set" in after["model"]["note"]
+    assert "(an upper bound" not in doctor("--model", str(shards)).stdout
+
+
 def test_report_without_a_model_says_so():
     result = doctor()
     assert result.exit_code == 0

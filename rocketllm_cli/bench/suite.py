@@ -95,6 +95,10 @@ def run_bench(req: BenchRequest, log, progress=None) -> dict:
             row = run_regime(shards, regime, req.tokens, req.prompt_tokens, flags, log)
         profile, facts = row.pop("_profile"), row.pop("_facts")
         dtype = row["knobs"]["compute_dtype"]
+        if regime == "resident" and row.get("status") == "measured" and (row.get("speculation") or {}).get("mode", "off") == "off":
+            from ..profiles.probe.decodecompute import record
+
+            record(profile, shards, manifest, dtype, row["ms_per_token"], str(row.get("compute_threads") or "").split(":")[0] or None)
         residency[regime] = row["residency"]
         rows.append(row)
         for name in req.baselines:

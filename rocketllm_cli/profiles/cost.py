@@ -82,6 +82,13 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
         rate = profile.device_memory_bps
         how = f"device memory copy speed ({rate / 1e9:.2f} GB/s)" if rate else "unavailable: neither matvec nor device memory measured"
     compute = total / rate if rate else None
+    measured = model.decode_compute
+    if measured and total:
+        floor = f"; the matvec floor alone: {1000 * compute:.1f} ms" if compute else ""
+        compute = float(measured["seconds"])
+        threads = f", {measured['threads']} compute threads" if measured.get("threads") else ""
+        how = (f"this set's resident decode, measured by `rocketllm bench` ({measured.get('measured_at', '?')}{threads}): "
+               f"layers' own work and kernels included{floor}")
     overlapped = max(io, compute) if io is not None and compute is not None else None
     reason = f"unmeasured tier(s): {', '.join(missing)}" if missing else ""
     return Projection(model.name, tiers, serial, io, compute, how, overlapped, reason)

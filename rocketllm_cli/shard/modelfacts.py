@@ -55,6 +55,9 @@ class ModelFacts:
     # How this machine reads the set's own units cold (profiles/probe/unitreads.py, UnitReads.to_dict()), where the
     # model streams from storage and it was measured; None: the storage probe's 16 MiB figures stand.
     unit_reads: dict | None = None
+    # What a decode token of the set costs to compute here, as bench measured it resident
+    # (profiles/probe/decodecompute.py); None: the cost model's matvec floor stands.
+    decode_compute: dict | None = None
 
     @property
     def bytes_per_token(self) -> int:

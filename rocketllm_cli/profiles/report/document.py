@@ -51,11 +51,16 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
             from ..probe.unitreads import with_own_reads
 
             model, knobs = with_own_reads(profile, model, model_path, knobs, lambda f: resolve_knobs(profile, f), log, always=True)
+            model = _with_decode_compute(profile, model, model_path, knobs)
         tier_bytes = plan_tier_bytes(model, knobs)
         doc["model"] = {**model.to_dict(), "source": model_source, "note": _model_note(model)}
+        per_token = model.bytes_per_token
         doc["projection"] = {
             **project(profile, model, tier_bytes).to_dict(),
             "plan": {"device_cache_bytes": knobs.value("device_cache_bytes"), "host_cache_bytes": knobs.value("host_cache_bytes")},
+            # each of bench's regimes: every byte a token reads from that one tier
+            "regimes": {regime: project(profile, model, {**{t: 0 for t in ("device", "host", "storage")}, tier: per_token}).to_dict()
+                        for regime, tier in (("resident", "device"), ("host", "host"), ("storage", "storage"))},
         }
     return _redacted(doc)
 
@@ -87,8 +92,30 @@ def _packed_kernels(device: str) -> list[dict]:
     return rows
 
 
+def _with_decode_compute(profile: HardwareProfile, model: ModelFacts, model_path, knobs) -> ModelFacts:
+    """The facts with the set's resident decode as bench measured it here, where it has (decodecompute.py)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from ...shard.manifest import Manifest
+    from ..probe.decodecompute import lookup
+
+    directory = Path(model_path)
+    if not (directory / "manifest.json").is_file():
+        return model
+    try:
+        measured = lookup(profile, directory, Manifest.load(directory), str(knobs.value("compute_dtype")))
+    except Exception:  # noqa: BLE001 - an unreadable record: the floor stands
+        return model
+    return replace(model, decode_compute=measured) if measured else model
+
+
 def _model_note(model: ModelFacts) -> str:
-    notes = ["bytes only: per-layer framework overhead is not in the projection (`bench` shows measured next to projected)"]
+    if model.decode_compute:
+        notes = ["compute as `rocketllm bench` measured this set resident here (per-layer work and kernels included)"]
+    else:
+        notes = ["bytes and the matvec floor only: per-layer work (attention, norms, the framework's calls) and packed kernels' "
+                 "own speed are left out until `rocketllm bench` measures this set once (doctor then projects from that)"]
     if model.dtype.startswith("gguf"):
         notes.insert(0, "sizes of the bf16 shard set `shard` writes by default, predicted from the GGUF header (Q4_0, Q4_1 and "
                         "Q4_K matrices stay int4, Q8_0 int8, the rest bf16); run doctor on the shard directory for the set itself")

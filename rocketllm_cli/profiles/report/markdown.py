@@ -94,9 +94,19 @@ def _projection(p: dict | None) -> list[str]:
               f"- serial (sum of tiers: moving the bytes alone, no compute): {_secs(p['serial_seconds'])}; io (host + storage): {_secs(p['io_seconds'])}",
               f"- compute: {_secs(p['compute_seconds'])} via {p['compute_bandwidth']}",
               f"- overlapped max(io, compute): {_secs(p['overlapped_seconds'])}"
-              + (f" -> {p['tokens_per_second']:.3g} tokens/s" if p["tokens_per_second"] else "")]
+              + (f" -> {p['tokens_per_second']:.3g} tokens/s" if p["tokens_per_second"] else "")
+              + ("" if "rocketllm bench" in p["compute_bandwidth"] else
+                 " (an upper bound: per-layer work is left out until `rocketllm bench` measures this set; see the model's note)")]
     if p["reason"]:
         lines.append(f"- {p['reason']}")
+    regimes = p.get("regimes") or {}
+    if regimes:
+        lines += ["", "Each of `rocketllm bench`'s regimes (every byte a token reads from the one tier):", ""]
+        rows = [[regime, f"{1000 * r['overlapped_seconds']:.1f}" if r["overlapped_seconds"] else "unavailable",
+                 f"{r['tokens_per_second']:.3g}" if r["tokens_per_second"] else "-",
+                 "io" if (r["io_seconds"] or 0) > (r["compute_seconds"] or 0) else "compute"]
+                for regime, r in regimes.items()]
+        lines += _table(["regime", "projected ms/token", "tokens/s", "bound by"], rows)
     return lines
 
 
