@@ -60,7 +60,18 @@ def test_the_second_generate_attaches_and_prints_what_a_cold_run_prints(tiny, co
     assert second.returncode == 0 and second.stdout == cold, second.stderr
     assert "stays loaded" not in second.stderr and second.stderr.strip().splitlines()[-1] == "imported torch: False"
     as_json = cli("generate", tiny, PROMPT, "--raw", "-n", "6", "--json")
-    assert json.loads(as_json.stdout)["text"] + "\n" == cold
+    doc = json.loads(as_json.stdout)
+    assert doc["text"] + "\n" == cold
+    # the figures a cold run reports, measured by the server for this request: bytes per tier, residency, peak RSS
+    cold_doc = json.loads(cli("generate", tiny, PROMPT, "--raw", "-n", "6", "--json", keep="0").stdout)
+    assert doc["stats"]["bytes_per_token"] == cold_doc["stats"]["bytes_per_token"]
+    assert doc["stats"]["residency"] == cold_doc["stats"]["residency"] and doc["stats"]["peak_rss_bytes"] > 0
+    assert {"speculation", "compute_dtype", "device", "per_token_ms"} <= set(doc["stats"]) and "load_s" not in doc["stats"]
+    with_stats = cli("generate", tiny, PROMPT, "--raw", "-n", "6", "--stats")
+    lines = with_stats.stderr.splitlines()
+    for start in ("tokens: ", "time: ", "decode: ", "bytes per token: device ", "speculative decoding", "peak RSS: ", "residency: "):
+        assert any(line.startswith(start) for line in lines), (start, with_stats.stderr)
+    assert "the model already loaded" in with_stats.stderr and "from the server's prefix cache" in with_stats.stderr
     assert [m["pid"] for m in warm_models()] == [model["pid"]]
     stopped = cli("stop", tiny)
     assert stopped.returncode == 0 and f"pid {model['pid']}" in stopped.stderr and warm_models() == []

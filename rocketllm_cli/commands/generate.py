@@ -230,11 +230,7 @@ def _remote(url, served, text, chat, system, params, stats, json, output, constr
         return
     output.stream("\n")
     if stats:
-        figures = result["stats"]
-        output.log(f"tokens: {result['prompt_tokens']} prompt ({figures['cached_prompt_tokens'] or 0} from the server's prefix cache), "
-                   f"{result['new_tokens']} generated; time to first token {figures['time_to_first_token_s']} s\n"
-                   f"time: {figures['total_s']} s through {url}; decode {figures['decode_tokens_per_s']} tok/s "
-                   "(bytes per tier: the server's /metrics)")
+        output.log(format_stats(result["stats"], result["prompt_tokens"], result["new_tokens"]))
 
 
 def _keep_alive(value: str | None) -> float:
@@ -343,9 +339,19 @@ def format_stats(stats: dict, prompt_tokens: int, new_tokens: int) -> str:
     per = stats.get("bytes_per_token") or {}
     tiers = ", ".join(f"{t} {format_bytes(b)}" for t, b in per.items())
     witnessed = stats.get("storage_bytes_per_token_witnessed")
+    server = stats.get("server")  # through a warm model or --server: the model was loaded already
+    cached = f" ({stats.get('cached_prompt_tokens') or 0} from the server's prefix cache)" if server else ""
+    if server:
+        when = f"time: {stats.get('total_s')} s through {server}, the model already loaded (nothing to find, write or load)"
+    else:
+        when = f"time: {stats.get('load_s')} s to find or write the shards and load them, then {stats.get('total_s')} s to generate"
+    if server and "bytes_per_token" not in stats:  # a server that sends no figures of its own (another version)
+        return "\n".join([f"tokens: {prompt_tokens} prompt{cached}, {new_tokens} generated; time to first token "
+                          f"{stats.get('time_to_first_token_s')} s", when + f"; decode {stats.get('decode_tokens_per_s')} tok/s",
+                          "bytes per tier: the server's /metrics"])
     return "\n".join([
-        f"tokens: {prompt_tokens} prompt, {new_tokens} generated; time to first token {stats.get('time_to_first_token_s')} s",
-        f"time: {stats.get('load_s')} s to find or write the shards and load them, then {stats.get('total_s')} s to generate",
+        f"tokens: {prompt_tokens} prompt{cached}, {new_tokens} generated; time to first token {stats.get('time_to_first_token_s')} s",
+        when,
         (f"decode: {stats.get('per_token_ms')} ms per step of a batch of {stats['batch']} "
          f"({stats['batch'] * (stats.get('decode_tokens_per_s') or 0):.2f} tok/s) on {stats.get('device')} in {stats.get('compute_dtype')}"
          if stats.get("batch") else

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from . import anthropic_api, openai_api, responses_api, tokens
-from .common import APIError, outcomes_of, parse_body, unknown_model
+from .common import STATS_HEADER, APIError, outcomes_of, parse_body, unknown_model
 from .state import ServerState
 from .worker import SHUTTING_DOWN, Job, QueueFull
 
@@ -278,6 +278,7 @@ def create_app(state: ServerState) -> FastAPI:
         except APIError as err:
             state.metrics.request(endpoint, err.status)
             return _error(api, err)
+        prepared.stats = request.headers.get(STATS_HEADER) == "1"
         job = Job(prepared.rows(), endpoint)
         job.attach(asyncio.get_running_loop(), prepared.stream)
         try:

@@ -73,6 +73,7 @@ def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, 
     first = None
     pieces: list[str] = []
     usage: dict = {}
+    engine: dict = {}  # the server's own figures for this generation (STATS_HEADER), where it sends them
     finish = None
     for event in _events(url, path, body, api_key):
         for choice in event.get("choices") or []:
@@ -85,21 +86,30 @@ def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, 
                     on_text(piece)
             finish = choice.get("finish_reason") or finish
         usage = event.get("usage") or usage
+        engine = event.get("x_rocketllm_stats") or engine
     total = time.perf_counter() - started
     new = int(usage.get("completion_tokens") or 0)
     decode = (new - 1) / (total - first) if first is not None and new > 1 and total > first else None
     return {
         "text": "".join(pieces), "prompt_tokens": int(usage.get("prompt_tokens") or 0), "new_tokens": new,
         "finish_reason": finish,
-        "stats": {"server": url, "time_to_first_token_s": round(first, 3) if first is not None else None,
-                  "total_s": round(total, 3), "decode_tokens_per_s": round(decode, 2) if decode else None,
+        # the engine's figures first, then what this client measured (time to first token and total include the socket)
+        "stats": {**engine, "server": url, "time_to_first_token_s": round(first, 3) if first is not None else None,
+                  "total_s": round(total, 3),
+                  "decode_tokens_per_s": engine.get("decode_tokens_per_s") or (round(decode, 2) if decode else None),
                   "cached_prompt_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")},
     }
 
 
+# Sent by generate: the last (usage) chunk of a streamed reply then carries `x_rocketllm_stats`, the figures a local
+# run prints (bytes per tier, residency, peak RSS); other clients get the API's chunks as they are.
+STATS_HEADER = "x-rocketllm-stats"
+
+
 def _request(url: str, path: str, body: dict | None, api_key: str | None = None) -> urllib.request.Request:
     data = None if body is None else json.dumps(body).encode()
-    headers = {"content-type": "application/json", "accept": "text/event-stream" if body and body.get("stream") else "application/json"}
+    headers = {"content-type": "application/json", "accept": "text/event-stream" if body and body.get("stream") else "application/json",
+               STATS_HEADER: "1"}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     return urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers, method="GET" if body is None else "POST")

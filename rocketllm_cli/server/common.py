@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..errors import ParameterError
 from ..text.loop import GenerationOutcome, GenerationRequest
 from ..text.sampling import SamplingParams
+from .client import STATS_HEADER  # "1": a streamed reply's usage chunk carries the engine's figures
 from .structured import FREE, Structure
 from .worker import STOP_WAIT_S
 
@@ -20,6 +21,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Prepared:
     n: int = 1  # choices: rows of one batch, one streaming pass for all of them
     echo_ids: list[int] | None = None  # an echoed prompt's ids, whose log-probabilities a completion returns first
     settings: dict = field(default_factory=dict)  # what a response repeats of its request (the Responses API's object)
+    stats: bool = False  # the caller asked for the engine's figures (STATS_HEADER): bytes per tier, residency, peak RSS
 
     def rows(self) -> list[GenerationRequest]:
         """The request as the worker runs it: n rows sharing one cancel event (a client that leaves stops them all)."""

@@ -307,6 +307,17 @@ def prepare_completion(body: dict, state) -> Prepared:
 
 
 # -- responses -----------------------------------------------------------------------------------------
+def engine_stats(outcomes: list, prepared: Prepared, state) -> dict:
+    """{"x_rocketllm_stats": the figures a local `generate --stats` prints} for a caller that asked with STATS_HEADER
+    (generate through a warm model or --server); {} for everyone else. Jobs run one at a time, so a request's bytes
+    per tier are its own."""
+    if not prepared.stats or not outcomes or outcomes[0].stats is None:
+        return {}
+    model = state.model
+    return {"x_rocketllm_stats": {**outcomes[0].stats.to_dict(), "residency": state.residency, "device": str(model.device),
+                                  "compute_dtype": str(model.dtype).replace("torch.", "")}}
+
+
 def usage(outcomes: list) -> dict:
     first = outcomes[0]
     generated = sum(o.new_tokens for o in outcomes)
@@ -397,7 +408,7 @@ async def chat_stream(job, prepared: Prepared, state):
                 last = index == n - 1 and not prepared.include_usage
                 yield chunk(index, {}, finish, **({"usage": usage(outcomes)} if last else {}))
             if prepared.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(outcomes)})
+                yield sse({**base, "choices": [], "usage": usage(outcomes), **engine_stats(outcomes, prepared, state)})
             yield sse("[DONE]")
 
 
@@ -446,5 +457,5 @@ async def completion_stream(job, prepared: Prepared, state):
                 last = index == n - 1 and not prepared.include_usage
                 yield chunk(index, "", FINISH[outcome.finish_reason], **({"usage": usage(outcomes)} if last else {}))
             if prepared.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(outcomes)})
+                yield sse({**base, "choices": [], "usage": usage(outcomes), **engine_stats(outcomes, prepared, state)})
             yield sse("[DONE]")
