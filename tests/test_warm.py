@@ -94,6 +94,21 @@ def test_keep_alive_ends_the_server_and_a_killed_one_is_replaced(tiny, cold):
     assert [m["pid"] for m in warm_models()] != [model["pid"]] and len(warm_models()) == 1
 
 
+def test_each_request_sets_the_keep_alive_from_then_on(tiny, cold):
+    """As ollama's per-request keep_alive: the same server, its keep-alive what the latest generate asked for."""
+    assert cli("generate", tiny, PROMPT, "--raw", "-n", "6", keep="60s").returncode == 0
+    [model] = warm_models()
+    assert model["keep_alive_s"] == 60
+    assert cli("generate", tiny, PROMPT, "--raw", "-n", "6", keep="1h").stdout == cold
+    [longer] = warm_models()
+    assert longer["pid"] == model["pid"] and longer["keep_alive_s"] == 3600 and longer["expires_in_s"] > 3000
+    assert cli("generate", tiny, PROMPT, "--raw", "-n", "6", keep="1s").stdout == cold
+    deadline = time.monotonic() + 30
+    while warm_models() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert warm_models() == [] and not Path(model["socket"]).exists()
+
+
 def test_two_first_calls_start_one_server_and_other_knobs_replace_it(tiny, cold):
     args = [sys.executable, "-c", CLIENT, "generate", str(tiny), PROMPT, "--raw", "-n", "6"]
     env = {**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"}

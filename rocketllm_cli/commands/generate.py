@@ -218,13 +218,14 @@ def _through_server(url, model, prompt, model_option, params, chat, system, stat
     _remote(url, served, text, chat, system, params, stats, json, output, constraint, api_key)
 
 
-def _remote(url, served, text, chat, system, params, stats, json, output, constraint=None, api_key=None) -> None:
-    """Generate through the server at URL (a running serve, or a warm model's socket) and print as a local run does."""
+def _remote(url, served, text, chat, system, params, stats, json, output, constraint=None, api_key=None, keep_s=None) -> None:
+    """Generate through the server at URL (a running serve, or a warm model's socket) and print as a local run does.
+    keep_s: a warm model's keep-alive from this request on (the server takes each request's, as ollama does)."""
     from ..server.client import remote_generate
 
     result = remote_generate(url, served, text, chat=chat, system=system, params=params,
                              on_text=None if json else output.stream, json_schema=constraint.source if constraint is not None else None,
-                             api_key=api_key)
+                             api_key=api_key, keep_alive_s=keep_s)
     if json:
         output.json({k: result[k] for k in ("text", "prompt_tokens", "new_tokens")} | {"stats": result["stats"], "model": served})
         return
@@ -279,7 +280,7 @@ def _warm(model, text, params, chat, system, stats, json, knob_flags, output, co
     if started:
         output.log(f"note: {entry.model_id} stays loaded for {format_duration(keep_s)} after each request, in a background server "
                    f"(pid {entry.pid}): `rocketllm ps` lists it, `rocketllm stop` ends it, --keep-alive 0 loads and exits as before")
-    _remote(f"unix:{entry.socket}", entry.model_id, text, chat, system, params, stats, json, output, constraint)
+    _remote(f"unix:{entry.socket}", entry.model_id, text, chat, system, params, stats, json, output, constraint, keep_s=keep_s)
 
 
 def _names_model(word: str, served: str) -> bool:

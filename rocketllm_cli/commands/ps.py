@@ -27,8 +27,10 @@ def run(json: JsonOpt = False) -> None:
         if not alive(entry):
             entry.remove()  # a server that died without removing its entry
             continue
+        health = _health(entry)
         rows.append({"model": entry.model_id, "path": entry.model, "pid": entry.pid, "rss_bytes": process_rss(entry.pid),
-                     "knobs": entry.knobs, "keep_alive_s": entry.keep_alive_s, "expires_in_s": _expires_in(entry),
+                     "knobs": entry.knobs, "keep_alive_s": health.get("keep_alive_s", entry.keep_alive_s),
+                     "expires_in_s": health.get("expires_in_s"),
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(entry.started)), "socket": entry.socket})
     if json:
         output.json({"models": rows})
@@ -46,11 +48,12 @@ def run(json: JsonOpt = False) -> None:
     output.result("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table))
 
 
-def _expires_in(entry) -> float | None:
-    """When the server stops unless a request comes (its /health says), None where it does not answer in time."""
+def _health(entry) -> dict:
+    """The server's /health: its keep-alive now (a request may have changed it) and when it stops unless a request
+    comes; {} where it does not answer in time (the entry's keep-alive stands, the expiry reads "?")."""
     from ..server.client import _call
 
     try:
-        return _call(f"unix:{entry.socket}", "/health", None).get("expires_in_s")
-    except Exception:  # noqa: BLE001 - a server that is busy or going away: the column says "?"
-        return None
+        return _call(f"unix:{entry.socket}", "/health", None)
+    except Exception:  # noqa: BLE001 - a server that is busy or going away
+        return {}

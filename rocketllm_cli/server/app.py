@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from . import anthropic_api, openai_api, responses_api, tokens
+from .client import KEEP_ALIVE_HEADER
 from .common import STATS_HEADER, APIError, outcomes_of, parse_body, unknown_model
 from .state import ServerState
 from .worker import SHUTTING_DOWN, Job, QueueFull
@@ -279,6 +280,7 @@ def create_app(state: ServerState) -> FastAPI:
             state.metrics.request(endpoint, err.status)
             return _error(api, err)
         prepared.stats = request.headers.get(STATS_HEADER) == "1"
+        state.set_keep_alive(request.headers.get(KEEP_ALIVE_HEADER))
         job = Job(prepared.rows(), endpoint)
         job.attach(asyncio.get_running_loop(), prepared.stream)
         try:

@@ -48,7 +48,8 @@ def served_model(url: str, api_key: str | None = None) -> str:
 
 
 def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, system: str | None, params,
-                    on_text: Callable[[str], None] | None, json_schema: str | None = None, api_key: str | None = None) -> dict:
+                    on_text: Callable[[str], None] | None, json_schema: str | None = None, api_key: str | None = None,
+                    keep_alive_s: float | None = None) -> dict:
     """Generate through the server; {text, prompt_tokens, new_tokens, finish_reason, stats} with the client's timings.
 
     chat None: the chat endpoint, which applies the model's template when it has one (as a local run does).
@@ -75,7 +76,7 @@ def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, 
     usage: dict = {}
     engine: dict = {}  # the server's own figures for this generation (STATS_HEADER), where it sends them
     finish = None
-    for event in _events(url, path, body, api_key):
+    for event in _events(url, path, body, api_key, keep_alive_s):
         for choice in event.get("choices") or []:
             piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
             if piece:
@@ -104,12 +105,16 @@ def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, 
 # Sent by generate: the last (usage) chunk of a streamed reply then carries `x_rocketllm_stats`, the figures a local
 # run prints (bytes per tier, residency, peak RSS); other clients get the API's chunks as they are.
 STATS_HEADER = "x-rocketllm-stats"
+# Sent by generate to a warm model: its keep-alive in seconds from this request on (`--keep-alive`, as ollama's
+# per-request keep_alive); a server started without one ignores it.
+KEEP_ALIVE_HEADER = "x-rocketllm-keep-alive"
 
 
-def _request(url: str, path: str, body: dict | None, api_key: str | None = None) -> urllib.request.Request:
+def _request(url: str, path: str, body: dict | None, api_key: str | None = None,
+             keep_alive_s: float | None = None) -> urllib.request.Request:
     data = None if body is None else json.dumps(body).encode()
     headers = {"content-type": "application/json", "accept": "text/event-stream" if body and body.get("stream") else "application/json",
-               STATS_HEADER: "1"}
+               STATS_HEADER: "1", **({KEEP_ALIVE_HEADER: f"{keep_alive_s:g}"} if keep_alive_s is not None else {})}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     return urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers, method="GET" if body is None else "POST")
@@ -130,8 +135,8 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock.connect(self.socket_path)
 
 
-def _open_unix(url: str, path: str, body: dict | None, api_key: str | None):
-    request = _request("http://localhost", path, body, api_key)
+def _open_unix(url: str, path: str, body: dict | None, api_key: str | None, keep_alive_s: float | None = None):
+    request = _request("http://localhost", path, body, api_key, keep_alive_s)
     connection = _UnixConnection(url.removeprefix("unix:"), TIMEOUT_S)
     try:
         connection.request(request.get_method(), path, body=request.data, headers=dict(request.header_items()))
@@ -147,11 +152,11 @@ def _open_unix(url: str, path: str, body: dict | None, api_key: str | None):
     return response
 
 
-def _open(url: str, path: str, body: dict | None, api_key: str | None = None):
+def _open(url: str, path: str, body: dict | None, api_key: str | None = None, keep_alive_s: float | None = None):
     if url.startswith("unix:"):
-        return _open_unix(url, path, body, api_key)
+        return _open_unix(url, path, body, api_key, keep_alive_s)
     try:
-        return urllib.request.urlopen(_request(url, path, body, api_key), timeout=TIMEOUT_S)
+        return urllib.request.urlopen(_request(url, path, body, api_key, keep_alive_s), timeout=TIMEOUT_S)
     except urllib.error.HTTPError as exc:
         hint = "; give its key with --api-key or ROCKETLLM_API_KEY" if exc.code == 401 else ""
         raise RocketError(f"the server at {url} refused the request: {_error_text(exc)}{hint}") from None
@@ -171,9 +176,9 @@ def _call(url: str, path: str, body: dict | None, api_key: str | None = None) ->
             raise RocketError(f"{url}{path} did not answer JSON: is it a rocketllm serve?") from None
 
 
-def _events(url: str, path: str, body: dict, api_key: str | None = None):
+def _events(url: str, path: str, body: dict, api_key: str | None = None, keep_alive_s: float | None = None):
     """The JSON payloads of a server-sent event stream, up to [DONE]; an error event raises."""
-    with _open(url, path, body, api_key) as response:
+    with _open(url, path, body, api_key, keep_alive_s) as response:
         done = False
         for raw in response:
             line = raw.decode("utf-8", errors="replace").strip()

@@ -138,13 +138,28 @@ class ServerState:
             while not server.should_exit:
                 if self.worker.busy or self.worker.queue_length:
                     self.last_active = time.monotonic()
-                elif time.monotonic() - self.last_active > idle_s:
-                    self.log(f"idle for {idle_s:g} s (keep-alive): stopping")
+                elif time.monotonic() - self.last_active > self.idle_s:  # a request may have set another keep-alive
+                    self.log(f"idle for {self.idle_s:g} s (keep-alive): stopping")
                     server.should_exit = True
                     return
                 time.sleep(0.2)
 
         threading.Thread(target=watch, name="rocketllm-keep-alive", daemon=True).start()
+
+    def set_keep_alive(self, value: str | None) -> None:
+        """A request's keep-alive (KEEP_ALIVE_HEADER, seconds), as ollama takes one per request: from now on the server
+        stops that long after its last request (0: once this one is answered). Only a server that has a keep-alive
+        takes it; a malformed value is ignored (the client parsed it already)."""
+        if value is None or self.idle_s is None:
+            return
+        try:
+            seconds = float(value)
+        except ValueError:
+            return
+        if seconds >= 0 and seconds == seconds and seconds != self.idle_s:
+            self.log(f"keep-alive now {seconds:g} s (set by a request)")
+            self.idle_s = seconds
+        self.last_active = time.monotonic()
 
     def expires_in(self) -> float | None:
         if self.idle_s is None:
