@@ -122,6 +122,38 @@ def test_two_first_calls_start_one_server_and_other_knobs_replace_it(tiny, cold)
     assert model["knobs"] == {"prefetch_depth": "1"}
 
 
+def test_another_model_loads_beside_when_memory_holds_it(tiny, tiny_factory, cold):
+    assert cli("generate", tiny, PROMPT, "--raw", "-n", "6").returncode == 0
+    [first] = warm_models()
+    other = tiny_factory("llama", seed=102)
+    beside = cli("generate", other, PROMPT, "--raw", "-n", "6")
+    assert beside.returncode == 0, beside.stderr
+    note = next(line for line in beside.stderr.splitlines() if "loads beside" in line)
+    assert note.startswith(f"note: {other.name} loads beside 1 warm model ({tiny.name}): ") and " free, " in note and "needed" in note
+    pids = [m["pid"] for m in warm_models()]
+    assert len(pids) == 2 and first["pid"] in pids
+    assert cli("generate", tiny, PROMPT, "--raw", "-n", "6").stdout == cold  # the first is still warm, and answers
+
+
+def test_what_does_not_fit_stops_the_oldest_first(tmp_path, monkeypatch):
+    """The policy alone: a model whose weights (plus a quarter and the reserve) exceed the memory free does not fit;
+    one that is small does; a hub id, whose size is unknown before it loads, does not."""
+    import psutil
+
+    from rocketllm_cli.warm import launch
+
+    weights = tmp_path / "m.gguf"
+    weights.write_bytes(bytes(1 << 20))
+    total = 16 << 30
+    free = lambda available: type("Memory", (), {"total": total, "available": available})()  # noqa: E731
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: free(2 << 30))
+    fits, words = launch.room_for(str(weights))
+    assert fits and words.startswith("2.00 GiB free, ") and "1.00 MiB of weights" in words and "1.60 GiB reserve" in words
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: free(1 << 30))
+    assert launch.room_for(str(weights))[0] is False  # 1 GiB free < 1.25 MiB + 1.6 GiB reserve
+    assert launch.room_for("org/some-model") == (False, "its size is not known before it loads")
+
+
 def test_ctrl_c_of_a_client_leaves_the_server(tiny, cold):
     assert cli("generate", tiny, PROMPT, "--raw", "-n", "2").returncode == 0
     [model] = warm_models()

@@ -1,7 +1,9 @@
 """Find the warm server for a model and its load-time knobs, or start one: `rocketllm serve MODEL --unix SOCKET
---keep-alive S` in a session of its own, its stderr in a log beside the socket. One warm model at a time: starting
-another stops the others (each holds a model's memory), saying so. While a server starts, its start-up lines
-(sharding, loading) are relayed to the caller's stderr; if it exits instead, its last error line is the caller's error.
+--keep-alive S` in a session of its own, its stderr in a log beside the socket. The same model with other knobs
+replaces its server; another model loads beside the warm ones when the memory free now holds it (its weights plus a
+quarter for the KV cache and buffers, plus the reserve), else the oldest are stopped until it does, saying which and
+why. While a server starts, its start-up lines (sharding, loading) are relayed to the caller's stderr; if it exits
+instead, its last error line is the caller's error.
 """
 
 from __future__ import annotations
@@ -32,11 +34,56 @@ def warm_server(model: str, knob_flags: dict, keep_alive_s: float, log) -> tuple
             return entry, False
         if entry is not None:
             entry.remove()  # stale: its process died or no longer answers
-        for other in registry.entries():
-            if other.key != key and registry.alive(other):
-                log(f"note: stopping the warm server of {other.model} (pid {other.pid}) to make room for {model}")
-                stop(other)
+        others = sorted((o for o in registry.entries() if o.key != key and registry.alive(o)), key=lambda o: o.started)
+        name = registry.model_name(model)
+        for other in [o for o in others if o.model == name]:  # superseded: the same weights with other knobs
+            log(f"note: stopping the warm server of {other.model} (pid {other.pid}): it was started with other knobs")
+            stop(other)
+        others = [o for o in others if o.model != name]
+        while others:
+            fits, words = room_for(model)
+            if fits:
+                log(f"note: {Path(name).name} loads beside {len(others)} warm model{'s' if len(others) > 1 else ''} "
+                    f"({', '.join(Path(o.model).name for o in others)}): {words}")
+                break
+            oldest = others.pop(0)
+            log(f"note: stopping the warm server of {oldest.model} (pid {oldest.pid}) to make room for {model}: {words}")
+            stop(oldest)
         return _start(key, model, knob_flags, keep_alive_s, log), True
+
+
+KV_SHARE = 0.25  # room beside the weights for the KV cache, streaming buffers and the interpreter
+
+
+def room_for(model: str) -> tuple[bool, str]:
+    """Whether MODEL can load beside the warm servers running now: (fits, the figures in words). From the memory free
+    now (what the running servers hold is already taken) against its weights on disk plus KV_SHARE plus the reserve
+    (a tenth of RAM, at least 1 GiB, as the reserve knob's floor); a size not known before loading does not fit."""
+    import psutil
+
+    from ..sizes import format_bytes
+
+    weights = model_bytes(model)
+    memory = psutil.virtual_memory()
+    if weights is None:
+        return False, "its size is not known before it loads"
+    reserve = max(1 << 30, memory.total // 10)
+    need = int(weights * (1 + KV_SHARE)) + reserve
+    words = (f"{format_bytes(memory.available)} free, {format_bytes(need)} needed ({format_bytes(weights)} of weights, "
+             f"+{KV_SHARE:.0%}, + {format_bytes(reserve)} reserve)")
+    return memory.available >= need, words
+
+
+def model_bytes(model: str) -> int | None:
+    """The weights' bytes on disk: a file's size, or a directory's weight files (shards, safetensors, .bin, .gguf);
+    None for a hub id or an empty directory."""
+    path = Path(str(model)).expanduser()
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return None
+    total = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.gguf") for f in path.glob(pattern) if f.is_file())
+    return total or None
 
 
 def _start(key: str, model: str, knob_flags: dict, keep_alive_s: float, log) -> registry.Entry:
@@ -75,7 +122,8 @@ def _relay(log_path: Path, done: int, log) -> int:
     lines = text.splitlines()
     complete = lines if text.endswith("\n") else lines[:-1]  # a line still being written waits
     for line in complete[done:]:
-        if line.startswith(("note:", "warning:", "sharded", "resident modules:", "measuring")):
+        if line.startswith(("note:", "warning:", "sharded", "resident modules:", "measuring", "reading ", "sharding ", "saving the ",
+                            "resuming:", "loading ")):
             log(line)
     return max(done, len(complete))
 

@@ -62,11 +62,15 @@ def run_dir() -> Path:
     return path
 
 
+def model_name(model: str) -> str:
+    """How an entry names its model: a path resolved, else what was given (a hub id)."""
+    path = Path(str(model)).expanduser()
+    return str(path.resolve()) if path.exists() else str(model)
+
+
 def key_for(model: str, knob_flags: dict) -> str:
     """The same model with the same load-time knobs is the same warm server."""
-    path = Path(str(model)).expanduser()
-    name = str(path.resolve()) if path.exists() else str(model)
-    return hashlib.sha256(json.dumps([name, sorted(knob_flags.items())]).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([model_name(model), sorted(knob_flags.items())]).encode()).hexdigest()[:16]
 
 
 def socket_path(key: str) -> Path:
