@@ -18,8 +18,9 @@ class UsageError(RocketError):
     exit_code = 2
 
 
-class Interrupted(RocketError):
-    """Ctrl-C (SIGINT) during a command that says what it leaves behind. Exit code 130, as for any interrupt."""
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during work that says what it leaves behind. Still a KeyboardInterrupt to library callers
+    (`except Exception` does not swallow it); the CLI prints its message, exit code 130 as for any interrupt."""
 
     exit_code = 130
 
@@ -62,6 +63,8 @@ def describe(exc: BaseException) -> tuple[str, int]:
     """Map any exception to (one-line message, exit code)."""
     if isinstance(exc, RocketError):
         return _one_line(str(exc)), exc.exit_code
+    if isinstance(exc, Interrupted):
+        return _one_line(str(exc)), 130
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted", 130
     if isinstance(exc, MemoryError):

@@ -71,7 +71,9 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
             raise Interrupted("interrupted before the first unit was written: nothing to resume") from None
     try:
         return _shard(source, out, dtype, progress, log, started, rebuild, packing)
-    except KeyboardInterrupt:  # while planning, before a unit is written (the writing says what it kept)
+    except Interrupted:  # the writing said what it kept
+        raise
+    except KeyboardInterrupt:  # while planning, before a unit is written
         raise Interrupted("interrupted before the first unit was written: nothing to resume") from None
     finally:
         source.close()
