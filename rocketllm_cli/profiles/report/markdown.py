@@ -101,12 +101,17 @@ def _projection(p: dict | None) -> list[str]:
         lines.append(f"- {p['reason']}")
     regimes = p.get("regimes") or {}
     if regimes:
-        lines += ["", "Each of `rocketllm bench`'s regimes (every byte a token reads from the one tier):", ""]
-        rows = [[regime, f"{1000 * r['overlapped_seconds']:.1f}" if r["overlapped_seconds"] else "unavailable",
-                 f"{r['tokens_per_second']:.3g}" if r["tokens_per_second"] else "-",
-                 "io" if (r["io_seconds"] or 0) > (r["compute_seconds"] or 0) else "compute"]
-                for regime, r in regimes.items()]
-        lines += _table(["regime", "projected ms/token", "tokens/s", "bound by"], rows)
+        lines += ["", "Each of `rocketllm bench`'s regimes (every byte a token reads from the one tier), from reads fully "
+                      "overlapped with compute (max(io, compute), what prefetch can reach) to not at all (io + compute):", ""]
+        rows = []
+        for regime, r in regimes.items():
+            io, compute = r["io_seconds"], r["compute_seconds"]
+            if io is None or compute is None:
+                rows.append([regime, "unavailable", "-", "-", "-"])
+                continue
+            rows.append([regime, f"{1000 * max(io, compute):.1f}", f"{1000 * (io + compute):.1f}", f"{1 / max(io, compute):.3g}",
+                         "io" if io > compute else "compute"])
+        lines += _table(["regime", "overlapped ms/token", "serial ms/token", "tokens/s at best", "bound by"], rows)
     return lines
 
 
