@@ -171,37 +171,3 @@ def test_generate_reports_proposed_accepted_and_tokens_per_pass(source):
     assert spec["mode"] == "prompt-lookup" and spec["draft_tokens"] == 4 and spec["tokens"] == doc["new_tokens"] == 12
     stats = CliRunner().invoke(app, [*args, "--stats"]).stderr
     assert "tokens proposed" in stats and "tokens per pass" in stats
-
-
-def test_prompt_lookup_drafts_follow_what_the_target_keeps():
-    """The adaptive schedule (text/speculate.py): back to one more draft than were kept after a miss, two more after a
-    pass that kept them all, never above draft_tokens nor below one; a pass with no match drafts nothing and changes
-    nothing. Inside the block transformers' generate builds it; outside, transformers' own class is back."""
-    import torch
-    from transformers.generation import utils
-
-    from rocketllm_cli.text.speculate import adaptive_prompt_lookup
-
-    original = utils.PromptLookupCandidateGenerator
-    with adaptive_prompt_lookup(True):
-        lookup = utils.PromptLookupCandidateGenerator(num_output_tokens=10, max_length=1000)
-    assert utils.PromptLookupCandidateGenerator is original and isinstance(lookup, original)
-    repeated = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5, 6]])
-    candidates, _ = lookup.get_candidates(repeated)
-    assert lookup.proposed == candidates.shape[1] - repeated.shape[1] == 10
-    steps = []
-    # kept 0 of 10, 1 of 1 (all), 1 of 3, 2 of 2 (all), 3 of 4
-    for kept in (0, 1, 1, 2, 3):
-        lookup.update_candidate_strategy(repeated, None, kept)
-        steps.append(lookup.num_output_tokens)
-        lookup.proposed = lookup.num_output_tokens
-    assert steps == [1, 3, 2, 4, 3]
-    for _ in range(5):
-        lookup.update_candidate_strategy(repeated, None, lookup.proposed)
-        lookup.proposed = lookup.num_output_tokens
-    assert lookup.num_output_tokens == 10  # capped at draft_tokens
-    lookup.proposed = 0  # no match found: a plain one-token pass
-    lookup.update_candidate_strategy(repeated, None, 0)
-    assert lookup.num_output_tokens == 10
-    with adaptive_prompt_lookup(False):
-        assert utils.PromptLookupCandidateGenerator is original

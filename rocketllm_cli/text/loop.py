@@ -25,7 +25,7 @@ from .constraints import Constraint
 from .grammar import Grammars
 from .logprobs import LogprobRecorder, prompt_logprobs
 from .sampling import SamplingParams
-from .speculate import UNCROPPABLE, Speculation, adaptive_prompt_lookup, speculation_for
+from .speculate import UNCROPPABLE, Speculation, speculation_for
 from .stats import GenerationStats, Record, measure
 from .streamer import Row, StopWhen, Streamer
 
@@ -244,7 +244,7 @@ class Generator:
         if grammar is not None:
             processors.append(grammar)
         try:
-            with torch.inference_mode(), adaptive_prompt_lookup(spec.mode == "prompt-lookup"):
+            with torch.inference_mode():
                 return self.model.generate(
                     ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
                     streamer=Streamer(rows, record, grammar.advance if grammar is not None else None, recorder),

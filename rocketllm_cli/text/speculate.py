@@ -15,8 +15,6 @@ of one sequence).
 
 from __future__ import annotations
 
-import functools
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..errors import ParameterError
@@ -51,54 +49,6 @@ class Speculation:
             config.num_assistant_tokens_schedule = "constant"
             return {"assistant_model": self.draft}
         return {}
-
-
-@contextmanager
-def adaptive_prompt_lookup(active: bool):
-    """Within the block, transformers' generate drafts by prompt lookup with AdaptivePromptLookup (where `active`).
-
-    transformers' own generator drafts up to `draft_tokens` whenever any 1- or 2-gram of the text recurs, however
-    rarely its drafts are kept; each drafted position is one more row of every matmul of the verifying pass, which
-    packed (int4) weights pay nearly in full (SmolLM2 Q4_1 on a CPU: a pass of 11 positions costs 2.7 times one of 1).
-    On open-ended text (1% of drafts kept) speculation then made a streamed token slower than none."""
-    if not active:
-        yield
-        return
-    from transformers.generation import utils
-
-    original = utils.PromptLookupCandidateGenerator
-    utils.PromptLookupCandidateGenerator = _adaptive_class(original)
-    try:
-        yield
-    finally:
-        utils.PromptLookupCandidateGenerator = original
-
-
-@functools.cache
-def _adaptive_class(base: type) -> type:
-    class AdaptivePromptLookup(base):
-        """Drafts follow what the target keeps, as transformers' "heuristic" schedule does for a draft model: two more
-        after a pass that kept every draft (up to draft_tokens), back to one more than were kept after a miss."""
-
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.ceiling = self.num_output_tokens
-            self.proposed = 0
-
-        def get_candidates(self, input_ids, **kwargs):
-            candidates, logits = super().get_candidates(input_ids, **kwargs)
-            self.proposed = candidates.shape[1] - input_ids.shape[1]
-            return candidates, logits
-
-        def update_candidate_strategy(self, input_ids, scores, num_matches) -> None:
-            if self.proposed <= 0:
-                return
-            if num_matches >= self.proposed:
-                self.num_output_tokens = min(self.ceiling, self.num_output_tokens + 2)
-            else:
-                self.num_output_tokens = max(1, min(self.num_output_tokens - 1, int(num_matches) + 1))
-
-    return AdaptivePromptLookup
 
 
 def speculation_for(model, speculate: str | None = None, draft_model=None, draft_tokens: int | None = None) -> Speculation:
