@@ -23,8 +23,6 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-
-
 @dataclass
 class Prepared:
     """A checked request, ready for the worker, and what its response needs."""
