@@ -95,11 +95,13 @@ def run(
     pictures = _read_images(image or [], model)  # a bad picture, or pictures for a text-only model, refused before loading
     keep_s = _keep_alive(keep_alive)
     if keep_s > 0:
-        cold = _cold_reason(batch, bool(pictures), logprobs, constraint, chat) or _no_run_dir()
+        cold = _cold_reason(batch, bool(pictures), logprobs, constraint, chat)
         if cold is None:
             from ..shard.source import check_locatable
 
             check_locatable(model)  # a mistyped path is one line here, not a server that fails to start
+            cold = _no_run_dir()
+        if cold is None:
             return _warm(model, text, params, chat, system, stats, json, knob_flags or {}, output, constraint, keep_s)
         output.log(f"note: {cold}, so the model loads in this process (no warm server)")
 

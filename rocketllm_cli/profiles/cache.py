@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 # Bumped when the stored layout changes; a file of another format is re-measured, never misread.
@@ -35,6 +34,8 @@ def cache_dir() -> Path:
 def unwritable(directory: Path) -> str | None:
     """Why nothing can be written in `directory` (created if missing), or None when a file can be: the reason as
     the system gives it. Root writes through mode bits, so this creates a file rather than asking access()."""
+    import tempfile  # here, not at the top: the warm client's start-up reads this module
+
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
@@ -62,6 +63,8 @@ def read_json(path: Path) -> dict | None:
 
 def write_json(path: Path, doc: dict) -> None:
     """Write via a temporary file and rename, so a concurrent reader sees the old file or the new one."""
+    import tempfile
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
     try:
