@@ -43,6 +43,10 @@ from .source import Source, locate, open_source, save_tokenizer
 from .target import default_out, exclusive, find_existing, partial_of, reusable, swap_in
 
 
+# Ctrl-C before any unit reached the disk (reading, planning, or the first unit): the same words wherever it lands.
+NOTHING_KEPT = "interrupted before the first unit was written: nothing to resume"
+
+
 def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=print,
           rebuild: bool = False, packing: str = "auto") -> tuple[Manifest, Path, dict]:
     """Shard MODEL (or reuse a complete shard set). Returns (manifest, directory, summary).
@@ -68,13 +72,13 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
         try:
             source = open_source(located)
         except KeyboardInterrupt:
-            raise Interrupted("interrupted before the first unit was written: nothing to resume") from None
+            raise Interrupted(NOTHING_KEPT) from None
     try:
         return _shard(source, out, dtype, progress, log, started, rebuild, packing)
     except Interrupted:  # the writing said what it kept
         raise
     except KeyboardInterrupt:  # while planning, before a unit is written
-        raise Interrupted("interrupted before the first unit was written: nothing to resume") from None
+        raise Interrupted(NOTHING_KEPT) from None
     finally:
         source.close()
 
@@ -144,7 +148,7 @@ def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mappi
         if kept:
             raise Interrupted(f"interrupted: {kept} of {len(layout.units)} units are written and kept; run the same command "
                               "again to resume") from None
-        raise Interrupted("interrupted before the first unit was written: nothing to resume") from None
+        raise Interrupted(NOTHING_KEPT) from None
     except OSError as exc:
         if exc.errno not in DISK_FULL:
             raise
