@@ -109,6 +109,8 @@ def report(exc: BaseException) -> int:
     from .output import write_stderr
 
     message, code = describe(exc)
+    if getattr(exc, "rank0_reports", False) and os.environ.get("RANK", "0") != "0":
+        return code  # a pipeline's refusal every rank reached: rank 0 prints it once for all
     if debug_enabled():
         import traceback
 

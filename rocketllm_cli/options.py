@@ -27,7 +27,7 @@ ModelOpt = Annotated[Optional[str], typer.Option("--model", metavar="MODEL", hel
 # Short enough for an 80-column panel title; the variables get the help's last paragraph (KNOB_ENV_HINT).
 KNOB_PANEL = "Knobs (derived from the measured hardware unless set)"
 KNOB_ENV_HINT = "Every knob can also be set as ROCKETLLM_<NAME> in the environment (e.g. ROCKETLLM_PREFETCH_DEPTH=2); a flag wins over the variable."
-_KNOB_METAVARS = {"bytes": "BYTES", "int": "INTEGER", "bool": "BOOLEAN", "choice": "CHOICE", "path": "PATH"}  # the help lists the choices
+_KNOB_METAVARS = {"bytes": "BYTES", "int": "INTEGER", "bool": "BOOLEAN", "choice": "CHOICE", "path": "PATH", "stages": "COUNTS"}  # the help lists the choices
 
 
 def pick_model(positional: str | None, option: str | None, required: bool = True) -> str | None:

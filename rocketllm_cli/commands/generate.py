@@ -68,6 +68,14 @@ def run(
     knob_flags: dict | None = None,
 ) -> None:
     output = Output(as_json=json)
+    from ..distributed.launch import launched
+
+    launch = launched()  # under torchrun: rank 0 generates, the other ranks run their layers for it
+    if launch is not None and not launch.is_first:
+        from ..distributed.stages import run_later_stage
+
+        validate_knob_flags(knob_flags or {})
+        return run_later_stage(pick_model(model if model_option is None or prompt is not None else None, model_option), knob_flags)
     if logprobs is not None and not json:
         raise RocketError("--logprobs goes in the --json document; add --json")
     if logprobs is not None and server:
@@ -94,6 +102,8 @@ def run(
     prompts = [line for line in text.splitlines() if line.strip()] if batch else [text]
     pictures = _read_images(image or [], model)  # a bad picture, or pictures for a text-only model, refused before loading
     keep_s = _keep_alive(keep_alive)
+    if launch is not None:
+        keep_s = 0  # the stages are this launch's processes: they end with it
     if keep_s > 0:
         cold = _cold_reason(batch, bool(pictures), logprobs, constraint, chat)
         if cold is None:

@@ -95,7 +95,7 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
 
 
 def _tier(profile: HardwareProfile, tier: str, nbytes: int) -> TierCost:
-    bps, what, why = _bandwidth(profile, tier)
+    bps, what, why = tier_bandwidth(profile, tier)
     if nbytes == 0:
         return TierCost(tier, 0, bps, what, 0.0, True, "nothing served from this tier")
     if not bps:
@@ -103,7 +103,7 @@ def _tier(profile: HardwareProfile, tier: str, nbytes: int) -> TierCost:
     return TierCost(tier, nbytes, bps, what, nbytes / bps, True)
 
 
-def _bandwidth(profile: HardwareProfile, tier: str) -> tuple[float | None, str, str]:
+def tier_bandwidth(profile: HardwareProfile, tier: str) -> tuple[float | None, str, str]:
     """(bytes per second, measurement in words, why unavailable)."""
     m = profile.measurements
     if tier == "device":

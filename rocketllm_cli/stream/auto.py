@@ -189,9 +189,17 @@ class AutoModel:
         from .model import StreamingModel
         from .store import LOAD_PROGRESS
 
+        from ..distributed.launch import launched
+
+        launch = launched()  # under torchrun: this rank's share of the layers, the others' on their ranks
         loading = LOAD_PROGRESS.set(progress)  # the store's resident load gets the same kind of bar as sharding
         try:
-            streamed = StreamingModel(directory, config, manifest)
+            if launch is not None:
+                from ..distributed.stages import open_stages
+
+                streamed = open_stages(launch, directory, manifest, profile, knobs, facts, config, log)
+            else:
+                streamed = StreamingModel(directory, config, manifest)
         finally:
             LOAD_PROGRESS.reset(loading)
         if manifest.vision:  # the vision tower and projector: resident, read once, in the device budget (plan.py)
@@ -206,6 +214,8 @@ class AutoModel:
         streamed.knobs = knobs
         streamed.profile = profile
         streamed.facts = facts
+        if launch is not None and not launch.is_first:
+            return streamed  # a later stage: sampling, and so drafting, happen on rank 0
         try:
             streamed.draft = _load_draft(streamed, knobs, progress, log)
         except BaseException:

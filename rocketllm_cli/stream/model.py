@@ -164,6 +164,7 @@ class StreamingModel:
         self.processor, self.processor_error = load_processor(self.directory) if self.manifest.vision else (None, None)
         self.knobs = self.profile = self.facts = None  # filled in by AutoModel.from_pretrained
         self.draft = None  # the resident draft model speculative decoding drafts with (AutoModel loads it); closed with this one
+        self.stage = None  # under torchrun: this rank's place in the pipeline (distributed/stages.py); None in one process
         COMPUTE_THREADS.poll()  # the first sample: the first pass half a second on sets the thread count by the free cores
 
     # -- wiring -----------------------------------------------------------------------
@@ -312,6 +313,11 @@ class StreamingModel:
         if self.draft is not None:
             self.draft.close()
             self.draft = None
+        if self.stage is not None:
+            stage, self.stage = self.stage, None
+            stage.stop_all()  # rank 0: the other ranks end their serve loops
+            stage.close()
+            stage.group.close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

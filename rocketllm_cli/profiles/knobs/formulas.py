@@ -364,6 +364,19 @@ def expert_cache_policy(c: Context) -> Derivation:
                       "than one pass routes evicts each just before its layer comes round again (docs/ARCHITECTURE.md)")
 
 
+DEFAULT_STAGE_TIMEOUT_S = 30  # a pass streaming a large model from disk takes seconds; a heartbeat comes every timeout / 8
+
+
+def stages(c: Context) -> Derivation:
+    return Derivation("'auto'", {}, "default", "under torchrun, contiguous layer ranges that minimise the slowest stage's "
+                      "projected seconds per token, from every rank's own profile and measured link (distributed/plan.py)")
+
+
+def stage_timeout_s(c: Context) -> Derivation:
+    return Derivation(str(DEFAULT_STAGE_TIMEOUT_S), {}, "default", "a rank whose heartbeat has not moved this long is stopped or "
+                      "hung: the command exits naming it, the server answers 503")
+
+
 # Resolution order: each derivation may read the values resolved before it.
 DERIVATIONS = {
     "reserve_bytes": reserve_bytes, "compute_dtype": compute_dtype, "kv_cache_dtype": kv_cache_dtype,
@@ -371,5 +384,5 @@ DERIVATIONS = {
     "io_workers": io_workers, "prefetch_depth": prefetch_depth, "device_cache_bytes": device_cache_bytes,
     "host_cache_bytes": host_cache_bytes, "max_context": max_context, "pin_memory": pin_memory, "prefix_cache": prefix_cache,
     "draft_model": draft_model, "speculate": speculate, "draft_tokens": draft_tokens, "expert_cache_policy": expert_cache_policy,
-    "default_max_tokens": default_max_tokens,
+    "default_max_tokens": default_max_tokens, "stages": stages, "stage_timeout_s": stage_timeout_s,
 }

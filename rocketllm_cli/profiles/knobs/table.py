@@ -48,6 +48,8 @@ class KnobSpec:
             return "on/off (true/false, 1/0)"
         if self.kind == "path":
             return "a model directory, .gguf file, hub id or shard directory"
+        if self.kind == "stages":
+            return "auto, or one layer count per rank in rank order (20,10)"
         return "one of " + ", ".join(self.choices)
 
     def parse(self, raw: object, origin: str = "") -> object:
@@ -64,6 +66,11 @@ class KnobSpec:
             if self.kind == "path":
                 text = str(raw).strip()
                 if not text:
+                    raise ValueError
+                return text
+            if self.kind == "stages":
+                text = str(raw).replace(" ", "").lower()
+                if text != "auto" and not all(part.isdigit() and int(part) > 0 for part in text.split(",")):
                     raise ValueError
                 return text
             if self.kind == "bool":
@@ -104,6 +111,10 @@ KNOB_SPECS: tuple[KnobSpec, ...] = (
     KnobSpec("draft_tokens", "int", "Tokens drafted for each pass to verify when speculating.", minimum=1),
     KnobSpec("default_max_tokens", "int", "serve: the reply length of a request that sets no max_tokens (derived from the projected "
              "speed: what fits in a minute).", minimum=1),
+    KnobSpec("stages", "stages", "Under torchrun: the layers each rank runs, in rank order; auto splits them by every rank's measured "
+             "budgets, bandwidths and links (docs/DISTRIBUTED.md)."),
+    KnobSpec("stage_timeout_s", "int", "Under torchrun: seconds without a heartbeat before a rank counts as failed (and the rendezvous "
+             "wait at start).", minimum=1),
     KnobSpec("expert_cache_policy", "choice", "Which experts a mixture-of-experts model keeps in its expert cache: the most often routed "
              "(lfu) or the most recently routed (lru).", choices=EXPERT_CACHE_POLICIES),
 )
