@@ -145,7 +145,8 @@ def run(
                                                          logprobs=logprobs) for one in ids])
         figures = {**results[0].stats.to_dict(), "residency": streamed.plan.describe(streamed.manifest), "device": str(streamed.device),
                  "compute_dtype": str(streamed.dtype).replace("torch.", ""), **({"batch": len(results)} if batch else {}),
-                 "load_s": load_s}  # total_s stays generation alone
+                 "load_s": load_s,  # total_s stays generation alone
+                 **({"stages": streamed.stage.figures()} if streamed.stage is not None else {})}
     finally:
         streamed.close()
     if batch:
@@ -374,8 +375,16 @@ def format_stats(stats: dict, prompt_tokens: int, new_tokens: int) -> str:
         *([speculation_line(stats["speculation"])] if stats.get("speculation") else []),
         *([grammar_line(stats["grammar"])] if stats.get("grammar") else []),
         f"peak RSS: {format_bytes(stats.get('peak_rss_bytes'))}",
+        *([stages_line(stats["stages"])] if stats.get("stages") else []),
         stats.get("residency", ""),
     ])
+
+
+def stages_line(stages: dict) -> str:
+    """Under torchrun: the plan, and what the links and the other ranks took per pass (measured; the bytes per token
+    above are every rank's)."""
+    return (f"{stages['plan']}; measured over {stages['passes']} passes: stages: links {stages['link_ms_per_pass']} ms, other ranks "
+            f"computing {stages['other_ranks_ms_per_pass']} ms per pass; rank 0's own share below")
 
 
 def speculation_line(spec: dict) -> str:

@@ -106,11 +106,13 @@ class StageGroup:
         self.on_failure = self._exit_from_watchdog
         self._stop = threading.Event()
         self._failed_once = threading.Lock()
-        self.store = self._store()
         self.backend = "nccl" if device.startswith("cuda") and dist.is_nccl_available() else "gloo"
+        address = stage_address(launch) if self.backend == "gloo" else None  # a wildcard is refused before anything binds
+        self.store = self._store()
+        self._round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restarted group
+        self._gather()
         options = None
         if self.backend == "gloo":
-            address = stage_address(launch)
             if address is not None:
                 options = dist.ProcessGroupGloo._Options()
                 options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
@@ -125,6 +127,24 @@ class StageGroup:
         self._beats = {r: (-1, time.monotonic()) for r in range(self.world) if r != self.rank}
         self._thread = threading.Thread(target=self._watch, name="rocketllm-stage-watchdog", daemon=True)
         self._thread.start()
+
+    def _gather(self) -> None:
+        """Wait until every rank has reached the store, timeout_s at most: c10d's own wait is the op timeout (days)."""
+        key = f"rocketllm/{self._round}/joined"
+        joined = self.store.add(key, 1)
+        if joined == self.world:
+            self.store.set(f"rocketllm/{self._round}/all", "1")
+        try:
+            self.store.wait([f"rocketllm/{self._round}/all"], datetime.timedelta(seconds=self.timeout_s))
+        except (RuntimeError, OSError) as e:
+            try:
+                joined = self.store.add(key, 0)
+            except (RuntimeError, OSError):
+                pass
+            launch = self.launch
+            raise StageError(f"rank {self.rank} ({launch.host}) could not join the stages at {launch.master_addr}:{launch.master_port}: "
+                             f"{joined} of {self.world} ranks came within {self.timeout_s:.0f} s (--stage-timeout-s); start every rank "
+                             f"with the same --rdzv-endpoint and WORLD_SIZE ({_first_line(e)})") from None
 
     def _store(self):
         """The rendezvous store: torchrun's agent's, or rank 0's own (as env:// makes it); joining waits timeout_s at most."""

@@ -132,6 +132,14 @@ class Stage:
     def describe(self) -> str:
         return self.plan.describe()
 
+    def figures(self) -> dict:
+        """Rank 0: the plan and what the links and the other ranks took per pass, measured (--stats, bench, /health)."""
+        n = max(1, self.passes)
+        return {"plan": self.plan.describe(), "ranges": [list(r) for r in self.plan.ranges], "hosts": self.plan.hosts,
+                "passes": self.passes, "link_ms_per_pass": round(1000 * self.link_s / n, 3),
+                "other_ranks_ms_per_pass": round(1000 * self.remote_compute_s / n, 3),
+                "projected_link_ms_per_token": round(1000 * self.plan.link_seconds, 3)}
+
     # -- rank 0 ------------------------------------------------------------------------------------------------------
     def _capture(self, module, args, kwargs):
         cache = kwargs.get(self._cache_kw)

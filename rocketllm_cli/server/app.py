@@ -178,6 +178,9 @@ def create_app(state: ServerState) -> FastAPI:
     # -- information ------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        if state.pipeline_failure is not None:  # a load balancer's probe sees the pipeline is down
+            state.metrics.request("/health", 503)
+            return JSONResponse(state.health(), status_code=503)
         state.metrics.request("/health", 200)
         return state.health()
 
@@ -270,7 +273,17 @@ def create_app(state: ServerState) -> FastAPI:
         state.metrics.queue_full()
         return _error(api, APIError(429, str(full), None, "queue_full"), {"retry-after": str(full.retry_after)})
 
+    def pipeline_down(api: str, endpoint: str) -> JSONResponse | None:
+        down = state.pipeline_failure
+        if down is None:
+            return None
+        state.metrics.request(endpoint, 503)
+        return _error(api, APIError(503, f"the pipeline is down: {down}; restart the stages (torchrun)"))
+
     async def _generate(request: Request, endpoint: str, api: str, prepare, respond, stream):
+        down = pipeline_down(api, endpoint)
+        if down is not None:
+            return down
         full = state.worker.full()
         if full is not None:  # refused before its prompt is rendered: a full server spends nothing on what it turns away
             return queue_full(api, endpoint, full)
@@ -301,6 +314,8 @@ def create_app(state: ServerState) -> FastAPI:
         if kind == "cancelled":
             state.metrics.request(endpoint, 499)
             return Response(status_code=499, headers=headers)
+        if kind == "failed" and state.pipeline_failure is not None:
+            return pipeline_down(api, endpoint)
         if kind == "failed":
             state.metrics.request(endpoint, 500)
             return _error(api, APIError(500, f"generation failed: {type(payload).__name__}: {payload}"), headers)

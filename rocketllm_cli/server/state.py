@@ -29,6 +29,10 @@ BODY_BYTES_PER_TOKEN = 64  # a context's worth of prompt as JSON text, tools and
 API_KEY_ENV = "ROCKETLLM_API_KEY"
 
 
+PIPELINE_PREFIX = ("off: the model runs as pipeline stages, each rank keeping the KV cache of its own layers; a stored prefix "
+                   "would live on rank 0 only")
+
+
 def derive_max_queue() -> tuple[int, str]:
     """The queue limit and its formula: a waiting request holds a connection, so the open-file limit bounds the queue."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -95,6 +99,10 @@ class ServerState:
         self.context_int4 = int4_context(knobs, getattr(model, "config", None))  # what an int4 KV cache would admit instead
         setting = str(knobs.value("prefix_cache")) if knobs is not None else "auto"
         self.prefix_on, self.prefix_reason = decide(setting, model.plan, model.manifest)
+        self.stage = getattr(model, "stage", None)  # under torchrun: the pipeline this server's model is rank 0 of
+        if self.stage is not None:
+            self.prefix_on, self.prefix_reason = False, PIPELINE_PREFIX
+            self.stage.group.on_failure = self.pipeline_failed
         self.prefix_mode = None  # blocks | extend | exact: what the model's cache allows (text/reuse.py)
         if self.prefix_on:
             reuse = reuse_for(model)
@@ -190,10 +198,11 @@ class ServerState:
     def startup_lines(self, url: str | None = None) -> list[str]:
         tool_note = "rendered by the chat template" if self.builder.native_tools else \
             "described in a system message (the chat template does not render tools)"
+        layers = self.stage.plan.inputs["layers"] if self.stage is not None else len(self.model.manifest.layers)
         lines = [
-            f"model: {self.model_id} ({self.model.manifest.model_type}, {len(self.model.manifest.layers)} layers, "
+            f"model: {self.model_id} ({self.model.manifest.model_type}, {layers} layers, "
             f"{self.model.manifest.dtype}), context {self.max_context} tokens",
-            self.residency,
+            *([self.stage.describe(), f"rank 0's share: {self.residency}"] if self.stage is not None else [self.residency]),
             f"tool parser: {self.family} ({self.family_reason}); tools {tool_note}",
             f"prefix cache: {self.prefix_reason}",
             f"speculative decoding: {self.generator.speculation.reason}",
@@ -210,11 +219,28 @@ class ServerState:
             lines.append(f"listening on {url} (OpenAI: {url}/v1, Anthropic: {url}); Ctrl-C stops")
         return lines
 
+    @property
+    def pipeline_failure(self) -> str | None:
+        """Under torchrun: why the pipeline is down (a rank exited or hung), once it is; None while it serves."""
+        return self.stage.group.failure if self.stage is not None else None
+
+    def pipeline_failed(self, line: str) -> None:
+        """A rank failed (from the watchdog thread, or the worker's failed receive): every job waiting or running fails
+        with it, and every request from now on gets 503 (app.py); the process stays up to say so."""
+        from ..distributed.launch import StageError
+
+        self.log(f"error: {line}; answering 503 until the stages are restarted")
+        error = StageError(line)
+        self.worker.fail_all(error)
+
     def health(self) -> dict:
         """What /health reports; lock-free but for the queue's length, so it never waits behind a generation."""
         failing = self.last_error is not None and self.last_error.get("current")
+        down = self.pipeline_failure
         return {
-            "status": "degraded" if failing else "ok",
+            "status": "failed" if down else "degraded" if failing else "ok",
+            **({"stages": self.stage.plan.to_dict(), "stages_plan": self.stage.describe()} if self.stage is not None else {}),
+            **({"pipeline_error": down} if down else {}),
             "model": self.model_id,
             "residency": self.residency,
             "residency_plan": self.model.plan.to_dict()["tier"],

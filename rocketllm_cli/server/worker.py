@@ -191,6 +191,21 @@ class Worker:
         if running is not None:
             running._emit("stopping", None)
 
+    def fail_all(self, error: BaseException) -> None:
+        """The model cannot run any more (a pipeline rank failed): the queued jobs and the running one fail with ERROR
+        now, whether or not the running step ever returns; later submits are refused by the caller."""
+        with self._cv:
+            waiting = list(self._queue)
+            self._queue.clear()
+            running = self.current
+        for job in waiting:
+            job.error = error
+            self._finish(job, "failed")
+        if running is not None and not running.finished:
+            running.request.cancel.set()
+            running.error = error
+            running._emit("failed", error)
+
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
         """halt(), then wait for the worker thread until `timeout` s after the halt; False if it still runs."""
         self.halt()
