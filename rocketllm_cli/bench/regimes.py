@@ -79,6 +79,7 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
             "knobs": {k: streamed.knobs.value(k) for k in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers",
                                                            "direct_io", "compute_dtype")},
             "compute_threads": COMPUTE_THREADS.describe(),  # before close() gives torch its own count back
+            **({"stages": streamed.stage.figures()} if getattr(streamed, "stage", None) is not None else {}),
             "_facts": streamed.facts, "_profile": streamed.profile,
         }
     finally:

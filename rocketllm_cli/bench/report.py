@@ -95,6 +95,10 @@ def _notes(rows: list[dict]) -> list[str]:
                            f"{spec['tokens_per_pass']} tokens per pass; " if "proposed" in spec else
                            f"speculative decoding {spec['reason']}; " if spec.get("reason") else "")
             threads = f"compute threads {row['compute_threads']}; " if row.get("compute_threads") else ""
+            if row.get("stages"):
+                st = row["stages"]
+                threads += (f"{st['plan']}; measured: links {st['link_ms_per_pass']} ms, other ranks computing "
+                            f"{st['other_ranks_ms_per_pass']} ms per pass (bytes above are every rank's); rank 0's share: ")
             out.append(f"- {row['regime']}: limit {row.get('limit_basis')}; per-token phases {phases}; {experts}{speculation}"
                        f"{threads}{row.get('residency_text', '')}")
         elif row["status"] == "measured" and row.get("llamacpp"):

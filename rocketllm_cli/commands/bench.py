@@ -78,6 +78,21 @@ def run(
     validate_knob_flags(knob_flags or {})
     model, regime, baseline, batch = _spread(model or [], regime or [], baseline or [], batch or [])
     model = pick_model(model, model_option, required=False)  # no MODEL: --synthetic names one
+    from ..distributed.launch import launched
+
+    launch = launched()  # under torchrun: rank 0 benches the pipeline, the other ranks run their layers for each load
+    if launch is not None:
+        if synthetic is not None or model is None:
+            from ..errors import UsageError
+
+            raise UsageError("under torchrun, bench a MODEL path every rank can read (write a --synthetic model once without torchrun)")
+        if not launch.is_first:
+            from ..distributed.stages import run_later_stage
+
+            return run_later_stage(model, knob_flags)
+        from ..distributed.stages import join
+
+        join(launch, knob_flags)  # every rank joins now; rank 0 loads after
     if perplexity is not None:
         _perplexity(model, synthetic, perplexity, reference, window, stride, regime, baseline, batch, conversation, knob_flags or {}, output)
         return

@@ -58,6 +58,18 @@ def run(
     out = Output(as_json=json_output)
     profile = HardwareProfile.load(storage_path=model, refresh=refresh, log=out.log)
     document = report.build(profile, facts, source, model_path=model, log=out.log)
+    from ..distributed.launch import launched
+
+    launch = launched()  # under torchrun: every rank measures itself and its link; rank 0 reports the stage plan
+    if launch is not None:
+        if facts is None:
+            raise UsageError("under torchrun, doctor plans stages for a model: give --model PATH or --model-size")
+        from ..distributed.stages import plan_for_doctor
+        from ..profiles import resolve_knobs
+
+        document["stages"] = plan_for_doctor(launch, profile, facts, resolve_knobs(profile, facts))
+        if not launch.is_first:
+            return
     if json_output:
         out.json(document)
     else:

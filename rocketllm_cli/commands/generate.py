@@ -104,6 +104,9 @@ def run(
     keep_s = _keep_alive(keep_alive)
     if launch is not None:
         keep_s = 0  # the stages are this launch's processes: they end with it
+        from ..distributed.stages import join
+
+        join(launch, knob_flags)  # every rank joins now; rank 0 loads after
     if keep_s > 0:
         cold = _cold_reason(batch, bool(pictures), logprobs, constraint, chat)
         if cold is None:

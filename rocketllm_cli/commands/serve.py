@@ -87,6 +87,14 @@ def run(
     except ImportError:
         raise RocketError(MISSING_EXTRA) from None
     sock = bind_unix(unix) if unix else bind(host, port)
+    if launch is not None:
+        from ..distributed.stages import join
+
+        try:
+            join(launch, knob_flags)  # every rank joins now; rank 0 loads after
+        except BaseException:
+            sock.close()
+            raise
     try:
         _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags or {}, output, api_key, max_queue,
                idle_s, warm_key)

@@ -238,6 +238,19 @@ class StageGroup:
                           "rank 0 or its launcher ended")
                 return
 
+    def end(self) -> None:
+        """Rank 0, at exit: tell the other ranks no more models come (they leave run_later_stage), then close."""
+        if self.rank == 0 and not self.closed and self.failure is None:
+            try:
+                self.broadcast({"op": "end"})
+            except Exception:  # noqa: BLE001 - a rank already gone: nothing to tell it
+                pass
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
     def close(self) -> None:
         self._stop.set()
         try:

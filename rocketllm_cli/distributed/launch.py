@@ -3,6 +3,8 @@ without importing torch, so a single-process command pays nothing for them."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ipaddress
 import os
 import socket
@@ -38,8 +40,23 @@ class Launch:
         return socket.gethostname()
 
 
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("rocketllm_alone", default=False)
+
+
+@contextlib.contextmanager
+def alone():
+    """Within: models load in this process alone, whatever the launch (rank 0's draft model)."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
 def launched(env=os.environ) -> Launch | None:
     """The launch this process is part of, or None when it runs alone (no WORLD_SIZE, or 1)."""
+    if _ALONE.get():
+        return None
     world = env.get("WORLD_SIZE", "")
     if world in ("", "1"):
         return None

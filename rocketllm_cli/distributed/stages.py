@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 import weakref
 
@@ -412,9 +413,11 @@ def stage_inputs(manifest: Manifest, facts, hidden_bytes: int) -> dict:
             "first_bytes": first, "other_bytes": other, "hidden_bytes": hidden_bytes}
 
 
-def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, engine_config, log=None):
-    """This rank's StreamingModel of the pipeline LAUNCH describes: the group formed, the set and versions compared, the
-    links probed, the plan made (on rank 0, from every rank's measurements) and this rank's share opened."""
+def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, engine_config, log=None, overrides: dict | None = None):
+    """This rank's StreamingModel of the pipeline LAUNCH describes: the group joined (formed once per process), rank 0's
+    load announced (OVERRIDES: the knob keywords it was called with, which the other ranks load with too), the set and
+    versions compared, the links probed, the plan made (on rank 0, from every rank's measurements) and this rank's share
+    opened."""
     from transformers import AutoConfig
 
     from ..dtypes import ITEMSIZE
@@ -425,41 +428,108 @@ def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, en
     if manifest.vision:
         raise StageError("a vision-language set runs in one process: its tower and the picture's tokens live on rank 0 only; "
                          "launch it without torchrun")
-    group = StageGroup(launch, int(knobs.value("stage_timeout_s")), profile.compute_device)
+    group = group_for(launch, int(knobs.value("stage_timeout_s")), profile.compute_device)
+    if group.rank == 0:
+        group.broadcast({"op": "load", "overrides": _portable(overrides or {})})  # the other ranks wait in run_later_stage
+    _check_same(group, group.exchange(_identity(manifest)))
+    text = AutoConfig.from_pretrained(directory).get_text_config(decoder=True)
+    hidden_bytes = int(text.hidden_size) * ITEMSIZE[engine_config.compute_dtype]
+    link = probe_links(group, hidden_bytes)
+    ranks = group.exchange(_rank_facts(group, profile, knobs, facts, link))
+    override = str(knobs.value("stages"))
+    plan = group.broadcast(plan_stages(ranks, override=override, **stage_inputs(manifest, facts, hidden_bytes))
+                           if group.rank == 0 else None)
+    if group.rank == 0:
+        for f in ranks:
+            log(describe_rank(f))
+        log(f"{plan.describe()}; {plan.formula}")
+    start, stop = plan.ranges[group.rank]
+    streamed = StreamingModel(directory, engine_config, local_manifest(manifest, start, stop, group.rank == 0))
     try:
-        _check_same(group, group.exchange(_identity(manifest)))
-        text = AutoConfig.from_pretrained(directory).get_text_config(decoder=True)
-        hidden_bytes = int(text.hidden_size) * ITEMSIZE[engine_config.compute_dtype]
-        link = probe_links(group, hidden_bytes)
-        ranks = group.exchange(_rank_facts(group, profile, knobs, facts, link))
-        override = str(knobs.value("stages"))
-        plan = group.broadcast(plan_stages(ranks, override=override, **stage_inputs(manifest, facts, hidden_bytes))
-                               if group.rank == 0 else None)
-        if group.rank == 0:
-            for f in ranks:
-                log(describe_rank(f))
-            log(f"{plan.describe()}; {plan.formula}")
-        start, stop = plan.ranges[group.rank]
-        streamed = StreamingModel(directory, engine_config, local_manifest(manifest, start, stop, group.rank == 0))
-        try:
-            base, first_layer, last_layer = cut_stack(streamed.model, manifest.stack, start, stop)
-            streamed.stage = Stage(group, plan, streamed, base, first_layer, last_layer)
-        except BaseException:
-            streamed.close()
-            raise
-        return streamed
+        base, first_layer, last_layer = cut_stack(streamed.model, manifest.stack, start, stop)
+        streamed.stage = Stage(group, plan, streamed, base, first_layer, last_layer)
     except BaseException:
-        group.close()
+        streamed.close()
         raise
+    return streamed
+
+
+def _portable(overrides: dict) -> dict:
+    """Knob keywords as plain values every rank can parse (sizes and numbers as text)."""
+    return {k: v if isinstance(v, (bool, int, float, str)) or v is None else str(v) for k, v in overrides.items()}
+
+
+_GROUP: StageGroup | None = None
+
+
+def join(launch, flags: dict | None = None) -> StageGroup:
+    """Form the group at a command's start, on every rank alike, so no rank waits for another's sharding or
+    measuring to join (those run after, while the heartbeats say every rank is alive)."""
+    from ..profiles.knobs.formulas import DEFAULT_STAGE_TIMEOUT_S
+    from ..profiles.knobs.table import KNOBS_BY_NAME
+
+    flags = flags or {}
+    spec = KNOBS_BY_NAME["stage_timeout_s"]
+    raw = flags.get("stage_timeout_s") or os.environ.get(spec.env)
+    timeout = int(spec.parse(raw, spec.flag if flags.get("stage_timeout_s") else spec.env)) if raw else DEFAULT_STAGE_TIMEOUT_S
+    return group_for(launch, timeout)
+
+
+def group_for(launch, timeout_s: float, device: str = "cpu") -> StageGroup:
+    """The process's one StageGroup, formed on first use; rank 0 tells the others to end when it exits (atexit)."""
+    global _GROUP
+    if _GROUP is None or _GROUP.closed:
+        _GROUP = StageGroup(launch, timeout_s, device)
+        if _GROUP.rank == 0:
+            import atexit
+
+            atexit.register(_GROUP.end)
+    return _GROUP
 
 
 def run_later_stage(model, flags: dict | None) -> None:
-    """A rank other than 0 of `generate`, `serve` or `bench` under torchrun: open this rank's share of MODEL and run its
-    layers for rank 0 until rank 0 ends (its prompt, output and HTTP server are rank 0's alone)."""
+    """A rank other than 0 of `generate`, `serve` or `bench` under torchrun: for every model rank 0 loads, open this rank's
+    share of MODEL with rank 0's knob keywords and run its layers until rank 0 closes it; return when rank 0 ends (its
+    prompt, output and HTTP server are rank 0's alone)."""
     from ..stream.auto import AutoModel
+    from .launch import launched
 
-    streamed = AutoModel.from_pretrained(model, flags=flags or {})
+    flags = flags or {}
+    group = join(launched(), flags)
     try:
-        streamed.stage.serve()
+        while True:
+            order = group.broadcast(None)
+            if order.get("op") != "load":
+                return
+            streamed = AutoModel.from_pretrained(model, flags=flags, **order.get("overrides", {}))
+            try:
+                streamed.stage.serve()
+            finally:
+                streamed.close()
     finally:
-        streamed.close()
+        group.close()
+
+
+def plan_for_doctor(launch, profile, facts, knobs) -> dict:
+    """`doctor --model` under torchrun: every rank's measurements and links, and the plan rank 0 would make, from the
+    model's facts alone (layers of equal size: no shard set is read). Returns the plan's document on every rank."""
+    from ..dtypes import ITEMSIZE
+    from .plan import describe_rank, plan_stages
+
+    group = StageGroup(launch, int(knobs.value("stage_timeout_s")), profile.compute_device)
+    try:
+        # the hidden size from a layer's bytes (about 12 h^2 weights a layer), in the compute dtype: only the links use it
+        itemsize = ITEMSIZE.get(str(knobs.value("compute_dtype")), 2)
+        per_weight = ITEMSIZE.get(facts.dtype, 2)
+        hidden_bytes = int((max(1, facts.layer_bytes) / (12 * per_weight)) ** 0.5) * itemsize
+        link = probe_links(group, hidden_bytes)
+        ranks = group.exchange(_rank_facts(group, profile, knobs, facts, link))
+        n = max(1, facts.num_layers)
+        share = facts.bytes_per_token / facts.total_bytes if facts.total_bytes else 1.0
+        layer = (facts.total_bytes - facts.non_layer_bytes) // n
+        plan = plan_stages(ranks, [layer] * n, [int(layer * share)] * n, facts.non_layer_bytes, 0, hidden_bytes,
+                           override=str(knobs.value("stages")))
+        return {"plan": plan.to_dict(), "text": plan.describe(), "formula": plan.formula,
+                "ranks": [describe_rank(f) for f in ranks], "hidden_bytes": hidden_bytes}
+    finally:
+        group.close()

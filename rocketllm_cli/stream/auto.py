@@ -110,8 +110,11 @@ def _load_draft(target, knobs, progress, log):
             (log or (lambda m: None))(f"note: the draft model is not loaded: speculation is {mode} ({knobs['speculate'].formula})")
         return None
     everything = 1 << 62  # device_cache_bytes covering any model: every unit bound once, nothing streams
-    draft = AutoModel.from_pretrained(path, progress=progress, log=log, device_cache_bytes=everything, host_cache_bytes=0, speculate="off",
-                                      compute_dtype=str(target.dtype).removeprefix("torch."))
+    from ..distributed.launch import alone
+
+    with alone():  # under torchrun the draft is rank 0's own, whole and resident
+        draft = AutoModel.from_pretrained(path, progress=progress, log=log, device_cache_bytes=everything, host_cache_bytes=0,
+                                          speculate="off", compute_dtype=str(target.dtype).removeprefix("torch."))
     try:
         problem = _vocabulary_differs(target, draft)
     except BaseException:
@@ -197,7 +200,7 @@ class AutoModel:
             if launch is not None:
                 from ..distributed.stages import open_stages
 
-                streamed = open_stages(launch, directory, manifest, profile, knobs, facts, config, log)
+                streamed = open_stages(launch, directory, manifest, profile, knobs, facts, config, log, overrides=knob_overrides)
             else:
                 streamed = StreamingModel(directory, config, manifest)
         finally:

@@ -315,9 +315,8 @@ class StreamingModel:
             self.draft = None
         if self.stage is not None:
             stage, self.stage = self.stage, None
-            stage.stop_all()  # rank 0: the other ranks end their serve loops
+            stage.stop_all()  # rank 0: the other ranks close their share (the group stays for the next model)
             stage.close()
-            stage.group.close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

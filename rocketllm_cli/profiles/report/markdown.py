@@ -9,6 +9,10 @@ def render(doc: dict) -> str:
     lines = ["# RocketLLM doctor report", ""]
     for key, (heading, section) in SECTIONS.items():
         lines += [f"## {heading}", "", *section(doc[key]), ""]
+    if doc.get("stages"):  # under torchrun: every rank's measurements and the plan
+        st = doc["stages"]
+        lines += ["## Pipeline stages", "", *[f"- {r}" for r in st["ranks"]], f"- plan: {st['text']}", f"- formula: {st['formula']}",
+                  f"- hidden state crossing each link: {st['hidden_bytes']} bytes (estimated from the layer size)", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
