@@ -451,6 +451,7 @@ def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, en
     except BaseException:
         streamed.close()
         raise
+    group.exchange(None)  # every rank's share loaded before rank 0's first pass (else its wait counts as link time)
     return streamed
 
 
