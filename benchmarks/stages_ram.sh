@@ -12,12 +12,12 @@ with_ram=${WITH_RAM:?set WITH_RAM to the with-ram tool}
 py=${PYTHON:-python}
 prompt="The capital of France is"
 args=(generate "$shards" "$prompt" --raw -n "$tokens" --speculate off --json)
-stat() { "$py" -c 'import json,sys
-d=json.loads(sys.stdin.read()); s=d["stats"]; st=s.get("stages") or {}
-ph=s.get("phase_seconds_per_token") or {}
-print(f"{s[\"per_token_ms\"]:.1f} ms/token; served/token {s[\"bytes_per_token\"]}; witnessed storage (rank 0) {s.get(\"storage_bytes_per_token_witnessed\")}; "
-      f"links {1000*ph.get(\"stages: links\",0):.2f} ms/token; other ranks {1000*ph.get(\"stages: other ranks computing\",0):.1f} ms/token; "
-      f"{st.get(\"plan\",\"one process\")}")'; }
+stat() { "$py" -c '
+import json, sys
+d = json.loads(sys.stdin.read()); s = d["stats"]; st = s.get("stages") or {}; ph = s.get("phase_seconds_per_token") or {}
+print("%.1f ms/token; served/token %s; witnessed storage (rank 0) %s; links %.2f ms/token; other ranks %.1f ms/token; %s" % (
+    s["per_token_ms"], s["bytes_per_token"], s.get("storage_bytes_per_token_witnessed"), 1000 * ph.get("stages: links", 0),
+    1000 * ph.get("stages: other ranks computing", 0), st.get("plan", "one process")))'; }
 for run in $(seq "$runs"); do
   echo "== run $run: one process under $cap"
   ROCKETLLM_KEEP_ALIVE=0 "$with_ram" --evict "$shards" "$cap" -- "$py" -m rocketllm_cli "${args[@]}" 2>/tmp/stages-one.err | stat
