@@ -68,7 +68,7 @@ def pack(header: torch.Tensor, parts: list[torch.Tensor | None]) -> torch.Tensor
         chunks.append(raw)
         pad = -raw.numel() % 8
         if pad:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8))
+            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=raw.device))
     payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
     header[F_NBYTES] = payload.numel()
     return payload
@@ -106,7 +106,13 @@ class StageGroup:
         self.on_failure = self._exit_from_watchdog
         self._stop = threading.Event()
         self._failed_once = threading.Lock()
-        self.backend = "nccl" if device.startswith("cuda") and dist.is_nccl_available() else "gloo"
+        # NCCL where this rank computes on a CUDA device and the build has it (a capability, not a name); else gloo, whose
+        # messages are host tensors (a CUDA rank's hidden state is copied across)
+        self.backend = "nccl" if device.startswith("cuda") and torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+        self.device = torch.device("cpu")
+        if self.backend == "nccl":
+            torch.cuda.set_device(launch.local_rank % max(1, torch.cuda.device_count()))
+            self.device = torch.device("cuda", torch.cuda.current_device())
         address = stage_address(launch) if self.backend == "gloo" else None  # a wildcard is refused before anything binds
         self.store = self._store()
         self._round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restarted group
@@ -179,17 +185,18 @@ class StageGroup:
     # -- point to point --------------------------------------------------------------------------------------------
     def send(self, header: torch.Tensor, payload: torch.Tensor, dst: int) -> None:
         try:
-            dist.send(header, dst)
+            dist.send(header.to(self.device), dst)
             if payload.numel():
                 dist.send(payload, dst)
         except RuntimeError as e:
             raise self.fail(f"{self.name(dst)} stopped answering ({_first_line(e)})") from None
 
     def recv(self, src: int) -> tuple[torch.Tensor, torch.Tensor]:
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         try:
             dist.recv(header, src)
-            payload = torch.empty(int(header[F_NBYTES]), dtype=torch.uint8)
+            header = header.cpu()  # read field by field on the host
+            payload = torch.empty(int(header[F_NBYTES]), dtype=torch.uint8, device=self.device)
             if payload.numel():
                 dist.recv(payload, src)
         except RuntimeError as e:

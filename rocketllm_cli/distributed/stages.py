@@ -102,7 +102,7 @@ class Stage:
         self.group, self.plan, self.streamed, self.base = group, plan, streamed, base
         self.rank, self.world = group.rank, group.world
         self.start, self.stop = plan.ranges[self.rank]
-        self.wire = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
+        self.wire = group.device  # where messages live: the host for gloo, this rank's GPU for NCCL
         self.passes = 0
         self.link_s = 0.0  # rank 0: ring time not spent computing on another rank
         self.remote_compute_s = 0.0
@@ -328,8 +328,12 @@ def _versions() -> dict:
 
 
 def _identity(manifest: Manifest) -> dict:
-    return {"fingerprint": manifest.source.get("fingerprint", ""), "set": manifest.key, "layers": len(manifest.layers),
-            "units": len(manifest.units), **_versions()}
+    """What must be equal on every rank: the set's content (each unit's sha256, so a copy sharded on another host from
+    its own copy of the checkpoint is the same set), its dtype and packing, and the versions that compute on it."""
+    import hashlib
+
+    content = hashlib.sha256("\n".join(f"{u.name} {u.bytes} {u.sha256}" for u in manifest.units).encode()).hexdigest()[:16]
+    return {"fingerprint": content, "set": manifest.key, "layers": len(manifest.layers), "units": len(manifest.units), **_versions()}
 
 
 def _check_same(group: StageGroup, ids: list[dict]) -> None:
@@ -349,7 +353,7 @@ def probe_links(group: StageGroup, hidden_bytes: int, rounds: int = 20) -> tuple
     4 MiB message; every pair in turn so no two probes share the wire."""
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
+    device = group.device
     small = torch.zeros(max(1, hidden_bytes), dtype=torch.uint8, device=device)
     big = torch.zeros(4 << 20, dtype=torch.uint8, device=device)
     ack = torch.zeros(1, dtype=torch.uint8, device=device)
@@ -444,6 +448,8 @@ def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, en
             log(describe_rank(f))
         log(f"{plan.describe()}; {plan.formula}")
     start, stop = plan.ranges[group.rank]
+    if group.backend == "nccl":  # several ranks on one host: each on its own GPU
+        engine_config = dataclasses.replace(engine_config, device=str(group.device))
     streamed = StreamingModel(directory, engine_config, local_manifest(manifest, start, stop, group.rank == 0))
     try:
         base, first_layer, last_layer = cut_stack(streamed.model, manifest.stack, start, stop)
