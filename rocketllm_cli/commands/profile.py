@@ -33,10 +33,24 @@ def run(
         from ..profiles.probe.unitreads import with_own_reads
 
         facts, knobs = with_own_reads(profile, facts, model, knobs, lambda f: resolve_knobs(profile, f, flags=knob_flags), out.log)
+    from ..distributed.launch import launched
+
+    launch, stages = launched(), None  # under torchrun: every rank measures itself and its link; rank 0 shows the plan
+    if launch is not None:
+        if facts is None:
+            from ..errors import UsageError
+
+            raise UsageError("under torchrun, profile plans stages for a model: give --model PATH")
+        from ..distributed.stages import plan_for_doctor
+
+        stages = plan_for_doctor(launch, profile, facts, knobs, knob_flags)
+        if not launch.is_first:
+            return
     if json_output:
         out.json({
             "fingerprint": profile.fingerprint, "compute_device": profile.compute_device, "from_cache": profile.from_cache,
             "tiers": profile.tier_meaning(), "model": facts.to_dict() if facts else None, "knobs": knobs.to_dict(),
+            **({"stages": stages} if stages else {}),
         })
         return
     lines = [f"fingerprint {profile.fingerprint} ({'cached' if profile.from_cache else 'measured now'}), compute device {profile.compute_device}",
@@ -50,4 +64,6 @@ def run(
             lines.append("    with " + ", ".join(describe_input(k, v) for k, v in knob.inputs.items()))
         if knob.note:
             lines.append(f"    ({knob.note})")
+    if stages:
+        lines += ["", *stages["ranks"], stages["text"], f"    = {stages['formula']}"]
     out.result(redact("\n".join(lines)))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..dtypes import torch_dtype
-from .launch import Launch, StageError, stage_address
+from .launch import Launch, StageError, memory_cgroup, stage_address
 
 HEADER_LEN = 48
 OP_PASS, OP_STOP, OP_FAIL, OP_RESULT = 1, 2, 3, 4
@@ -129,7 +129,8 @@ class StageGroup:
         except (RuntimeError, ValueError, OSError) as e:
             raise StageError(f"rank {self.rank} ({launch.host}) could not join the stages at {launch.master_addr}:{launch.master_port} "
                              f"within {self.timeout_s:.0f} s: {_first_line(e)}") from None
-        self.hosts = self.exchange(launch.host)
+        self.places = self.exchange((launch.host, memory_cgroup()))  # each rank's host and memory cgroup
+        self.hosts = [host for host, _ in self.places]
         self._beats = {r: (-1, time.monotonic()) for r in range(self.world) if r != self.rank}
         self._thread = threading.Thread(target=self._watch, name="rocketllm-stage-watchdog", daemon=True)
         self._thread.start()

@@ -108,3 +108,16 @@ def local_address_towards(host: str) -> str:
             return s.getsockname()[0]
         except OSError as e:
             raise StageError(f"no route to MASTER_ADDR {host} ({e.strerror or e}); check the network between the hosts") from None
+
+
+def memory_cgroup() -> str:
+    """This process's memory cgroup (v1's memory controller, else v2's unified path); "" where /proc does not say."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return path
+    return next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), "")

@@ -44,7 +44,7 @@ from .group import (
     pack,
     unpack,
 )
-from .launch import StageError
+from .launch import StageError, memory_cgroup
 from .plan import StagePlan
 
 TIER_FIELDS = {"device": F_DEVICE_B, "host": F_HOST_B, "storage": F_STORAGE_B}
@@ -461,6 +461,19 @@ def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, en
     return streamed
 
 
+def shared_memory_profile(profile, group: StageGroup, log=None):
+    """PROFILE with the memory it sees divided among the ranks of its host that draw on the same memory (the same host
+    and memory cgroup, computing on the CPU), so the budgets derived from it add up to what the host has."""
+    mine = (group.launch.host, memory_cgroup())
+    sharing = sum(1 for other in group.places if other == mine) if not profile.compute_device.startswith("cuda") else 1
+    if sharing <= 1:
+        return profile
+    if group.rank == 0 and log is not None:
+        log(f"{sharing} ranks share this host's memory (the same memory cgroup): each derives its budgets from 1/{sharing} "
+            "of the memory available (give each rank its own cgroup, or --device-cache-bytes, to size them otherwise)")
+    return dataclasses.replace(profile, ram_available=profile.ram_available // sharing)
+
+
 def _portable(overrides: dict) -> dict:
     """Knob keywords as plain values every rank can parse (sizes and numbers as text)."""
     return {k: v if isinstance(v, (bool, int, float, str)) or v is None else str(v) for k, v in overrides.items()}
@@ -517,14 +530,19 @@ def run_later_stage(model, flags: dict | None) -> None:
         group.close()
 
 
-def plan_for_doctor(launch, profile, facts, knobs) -> dict:
+def plan_for_doctor(launch, profile, facts, knobs, flags: dict | None = None) -> dict:
     """`doctor --model` under torchrun: every rank's measurements and links, and the plan rank 0 would make, from the
     model's facts alone (layers of equal size: no shard set is read). Returns the plan's document on every rank."""
     from ..dtypes import ITEMSIZE
     from .plan import describe_rank, plan_stages
 
+    from ..profiles import resolve_knobs
+
     group = StageGroup(launch, int(knobs.value("stage_timeout_s")), profile.compute_device)
     try:
+        shared = shared_memory_profile(profile, group)
+        if shared is not profile:  # ranks on one host: each plans with its share of the memory
+            profile, knobs = shared, resolve_knobs(shared, facts, flags=flags or {})
         # the hidden size from a layer's bytes (about 12 h^2 weights a layer), in the compute dtype: only the links use it
         itemsize = ITEMSIZE.get(str(knobs.value("compute_dtype")), 2)
         per_weight = ITEMSIZE.get(facts.dtype, 2)

@@ -181,6 +181,13 @@ class AutoModel:
         with (progress or no_progress)("measuring this machine once (cached afterwards)", after=BLINK_S, announce=False):
             profile = HardwareProfile.load(storage_path=directory, refresh=refresh_profile)
         facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))
+        from ..distributed.launch import launched
+
+        launch = launched()  # under torchrun: this rank's share of the layers, the others' on their ranks
+        if launch is not None:
+            from ..distributed.stages import join, shared_memory_profile
+
+            profile = shared_memory_profile(profile, join(launch, flags), log)
         knobs = resolve_knobs(profile, facts, flags=flags or {}, kwargs=knob_overrides)
         # Streamed from storage: the read method and depth come from the set's own units read cold (once per set).
         with (progress or no_progress)("measuring this set's reads once (cached afterwards)", after=BLINK_S, announce=False):
@@ -192,9 +199,6 @@ class AutoModel:
         from .model import StreamingModel
         from .store import LOAD_PROGRESS
 
-        from ..distributed.launch import launched
-
-        launch = launched()  # under torchrun: this rank's share of the layers, the others' on their ranks
         loading = LOAD_PROGRESS.set(progress)  # the store's resident load gets the same kind of bar as sharding
         try:
             if launch is not None:
