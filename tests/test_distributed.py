@@ -160,6 +160,25 @@ def test_generate_under_torchrun_prints_what_one_process_prints(dense):
     assert "stages: links" in staged.stderr  # --stats shows the time the links took per token
 
 
+def test_bench_and_doctor_under_torchrun(dense):
+    """bench follows rank 0's loads on every rank (one per regime); doctor prints every rank's measurements and the plan."""
+    env = {**os.environ, "ROCKETLLM_KEEP_ALIVE": "0", "OMP_NUM_THREADS": "1"}
+    bench = subprocess.run(torchrun("bench", str(dense), "--regime", "resident", "storage", "--tokens", "4", "--prompt-tokens", "8",
+                                    "--json"), capture_output=True, text=True, env=env, timeout=300)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    rows = [r for r in json.loads(bench.stdout)["rows"] if r["name"] == "rocketllm"]
+    assert [r["regime"] for r in rows] == ["resident", "storage"] and all(r["status"] == "measured" for r in rows)
+    for row in rows:
+        assert row["stages"]["passes"] >= 5 and row["stages"]["ranges"][-1][1] == 6
+    # every rank's bytes: the storage regime serves the whole model from storage each decode token
+    assert rows[1]["bytes_per_token"]["storage"] > rows[1]["bytes_per_token"]["device"]
+    doctor = subprocess.run(torchrun("doctor", "--model", str(dense)), capture_output=True, text=True, env=env, timeout=300)
+    assert doctor.returncode == 0, doctor.stderr[-3000:]
+    section = doctor.stdout.split("## Pipeline stages", 1)[1]
+    assert "rank 0 (" in section and "rank 1 (" in section and "plan: stages (derived, --stages" in section
+    assert doctor.stdout.count("# RocketLLM doctor report") == 1  # rank 0 alone prints
+
+
 def _serve(dense, extra_args=(), extra_env=None):
     procs = launch(2, lambda r: [sys.executable, "-m", "rocketllm_cli", "serve", str(dense), "--port", "0", "--dtype", "fp32",
                                  "--stage-timeout-s", "3", *extra_args], extra_env)
@@ -198,6 +217,11 @@ def test_serve_answers_the_openai_client_then_503_when_a_rank_hangs(dense):
         assert reply.usage.completion_tokens == 12
         health = httpx.get(f"{url}/health").json()
         assert health["status"] == "ok" and health["stages"]["ranges"][-1][1] == 6
+        import anthropic
+
+        message = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0).messages.create(
+            model=dense.name, max_tokens=6, messages=[{"role": "user", "content": "hello"}])
+        assert message.usage.output_tokens >= 1 and message.stop_reason in ("max_tokens", "end_turn")
         procs[1].send_signal(signal.SIGSTOP)  # a host that hangs: no heartbeat, its socket still open
         started = time.monotonic()
         with pytest.raises(openai.InternalServerError) as hung:
