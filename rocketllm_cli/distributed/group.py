@@ -27,7 +27,7 @@ from .launch import Launch, StageError, memory_cgroup, stage_address
 HEADER_LEN = 48
 OP_PASS, OP_STOP, OP_FAIL, OP_RESULT = 1, 2, 3, 4
 # header fields
-F_OP, F_NBYTES, F_PAST, F_CACHE, F_SEQ, F_COMPUTE_US, F_DEVICE_B, F_HOST_B, F_STORAGE_B, F_PARTS = range(10)
+F_OP, F_NBYTES, F_PAST, F_CACHE, F_SEQ, F_COMPUTE_US, F_DEVICE_B, F_HOST_B, F_STORAGE_B, F_FINAL, F_PARTS = range(11)
 
 DTYPES = ("none", "bf16", "fp16", "fp32", "int64", "int32", "bool", "uint8")
 MAX_DIMS = 4
@@ -104,6 +104,7 @@ class StageGroup:
         # called once with the failure line, from the watchdog thread or a failed receive; by default a failure the main
         # thread will raise is left to it, and one the watchdog found (the main thread may be blocked for good) ends the process
         self.on_failure = self._exit_from_watchdog
+        self.open_stage = None  # the Stage of the model open now, if any (distributed/stages.py)
         self._stop = threading.Event()
         self._failed_once = threading.Lock()
         # NCCL where this rank computes on a CUDA device and the build has it (a capability, not a name); else gloo, whose
@@ -250,7 +251,10 @@ class StageGroup:
         """Rank 0, at exit: tell the other ranks no more models come (they leave run_later_stage), then close."""
         if self.rank == 0 and not self.closed and self.failure is None:
             try:
-                self.broadcast({"op": "end"})
+                if self.open_stage is not None:  # a model still open (a server whose close was cut short): the others
+                    self.open_stage.stop_all(final=True)  # wait in their serve loop, so the word goes round the ring
+                else:
+                    self.broadcast({"op": "end"})
             except Exception:  # noqa: BLE001 - a rank already gone: nothing to tell it
                 pass
         self.close()

@@ -29,6 +29,7 @@ from ..tiers import TIERS
 from .group import (
     F_CACHE,
     F_COMPUTE_US,
+    F_FINAL,
     F_DEVICE_B,
     F_HOST_B,
     F_OP,
@@ -104,6 +105,8 @@ class Stage:
         self.start, self.stop = plan.ranges[self.rank]
         self.wire = group.device  # where messages live: the host for gloo, this rank's GPU for NCCL
         self.passes = 0
+        self.stopped = False  # rank 0: the other ranks were told to close this model
+        group.open_stage = self
         self.link_s = 0.0  # rank 0: ring time not spent computing on another rank
         self.remote_compute_s = 0.0
         self._seq = itertools.count(1)
@@ -194,12 +197,14 @@ class Stage:
     def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device == self.wire else t.to(self.wire)
 
-    def stop_all(self) -> None:
-        """Rank 0: tell every other rank to end (they exit their serve loop); quiet if one is gone already."""
-        if self.rank != 0 or self.group.failure:
+    def stop_all(self, final: bool = False) -> None:
+        """Rank 0: the other ranks close this model and wait for the next load (FINAL: they end); quiet if one is gone."""
+        if self.rank != 0 or self.group.failure or self.stopped:
             return
+        self.stopped = True
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[F_OP] = OP_STOP
+        header[F_FINAL] = int(final)
         try:
             self.group.send(self._to_wire(header), torch.zeros(0, dtype=torch.uint8, device=self.wire), 1)
         except StageError:
@@ -217,8 +222,9 @@ class Stage:
     def _capture_out(self, module, args, output):
         self._outgoing = _hidden(output)
 
-    def serve(self) -> None:
-        """Run this rank's layers on every pass rank 0 starts, until it says stop or a rank fails (StageError)."""
+    def serve(self) -> bool:
+        """Run this rank's layers on every pass rank 0 starts, until it says stop (returns True when no model follows)
+        or a rank fails (StageError)."""
         prev, nxt = self.rank - 1, (self.rank + 1) % self.world
         last = self.rank == self.world - 1
         while True:
@@ -227,7 +233,7 @@ class Stage:
             if op == OP_STOP:
                 if not last:
                     self.group.send(header, payload, nxt)
-                return
+                return bool(int(header[F_FINAL]))
             if op == OP_FAIL:
                 self.group.send(header, payload, nxt)
                 continue
@@ -313,6 +319,8 @@ class Stage:
         return out.to(self.wire), {t: int(served.get(t, 0)) for t in TIERS}
 
     def close(self) -> None:
+        if self.group.open_stage is self:
+            self.group.open_stage = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -523,9 +531,11 @@ def run_later_stage(model, flags: dict | None) -> None:
                 return
             streamed = AutoModel.from_pretrained(model, flags=flags, **order.get("overrides", {}))
             try:
-                streamed.stage.serve()
+                final = streamed.stage.serve()
             finally:
                 streamed.close()
+            if final:  # rank 0 ended with this model open (its close skipped): no broadcast follows
+                return
     finally:
         group.close()
 
