@@ -124,6 +124,12 @@ def test_speculation_crops_every_rank(dense):
     assert ids_of(library(dense, 2, knobs)[0]) == ids_of(library(dense, 1, {**FP32})[0])
 
 
+def test_int4_kv_cache_on_every_rank(dense):
+    """An int4 KV cache is each rank's own, for its own layers: the tokens are one process's with the same cache."""
+    knobs = {**FP32, "kv_cache_dtype": "int4", "kv_residual_tokens": "4"}
+    assert ids_of(library(dense, 2, knobs, new=20)[0]) == ids_of(library(dense, 1, knobs, new=20)[0])
+
+
 def test_moe_three_ranks(tiny_factory):
     from rocketllm_cli.synthetic import MOE_ARCHS
 
