@@ -469,6 +469,22 @@ def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, en
     return streamed
 
 
+def share_cores(group: StageGroup, profile, log=None) -> None:
+    """Ranks on one host computing on its CPU split its cores: each computes with cores // ranks threads, as torchrun's
+    own default (OMP_NUM_THREADS=1 for several processes a node) has it. Otherwise the idle rank's OpenMP threads spin
+    on the cores its partner needs (docs/DISTRIBUTED.md has the measurements). OMP_NUM_THREADS wins."""
+    if profile.compute_device.startswith("cuda") or "OMP_NUM_THREADS" in os.environ:
+        return
+    here = sum(1 for host, _ in group.places if host == group.launch.host)
+    if here <= 1:
+        return
+    threads = max(1, int(profile.cpu_cores or os.cpu_count() or 1) // here)
+    if torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
+        if group.rank == 0 and log is not None:
+            log(f"{here} ranks share this host's {profile.cpu_cores} cores: each computes with {threads} thread(s) (OMP_NUM_THREADS overrides)")
+
+
 def shared_memory_profile(profile, group: StageGroup, log=None):
     """PROFILE with the memory it sees divided among the ranks of its host that draw on the same memory (the same host
     and memory cgroup, computing on the CPU), so the budgets derived from it add up to what the host has."""

@@ -185,9 +185,11 @@ class AutoModel:
 
         launch = launched()  # under torchrun: this rank's share of the layers, the others' on their ranks
         if launch is not None:
-            from ..distributed.stages import join, shared_memory_profile
+            from ..distributed.stages import join, share_cores, shared_memory_profile
 
-            profile = shared_memory_profile(profile, join(launch, flags), log)
+            group = join(launch, flags)
+            share_cores(group, profile, log)
+            profile = shared_memory_profile(profile, group, log)
         knobs = resolve_knobs(profile, facts, flags=flags or {}, kwargs=knob_overrides)
         # Streamed from storage: the read method and depth come from the set's own units read cold (once per set).
         with (progress or no_progress)("measuring this set's reads once (cached afterwards)", after=BLINK_S, announce=False):
