@@ -144,7 +144,7 @@ class StageGroup:
             self.store.set(f"rocketllm/{self._round}/all", "1")
         try:
             self.store.wait([f"rocketllm/{self._round}/all"], datetime.timedelta(seconds=self.timeout_s))
-        except (RuntimeError, OSError) as e:
+        except (RuntimeError, OSError):
             try:
                 joined = self.store.add(key, 0)
             except (RuntimeError, OSError):
@@ -152,7 +152,7 @@ class StageGroup:
             launch = self.launch
             raise StageError(f"rank {self.rank} ({launch.host}) could not join the stages at {launch.master_addr}:{launch.master_port}: "
                              f"{joined} of {self.world} ranks came within {self.timeout_s:.0f} s (--stage-timeout-s); start every rank "
-                             f"with the same --rdzv-endpoint and WORLD_SIZE ({_first_line(e)})") from None
+                             "with the same --rdzv-endpoint and WORLD_SIZE") from None
 
     def _store(self):
         """The rendezvous store: torchrun's agent's, or rank 0's own (as env:// makes it); joining waits timeout_s at most."""
@@ -277,4 +277,5 @@ def _first_line(e: BaseException) -> str:
     # gloo's messages start with the source file that raised them: drop it
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
-    return text.removesuffix(" GLHF! 🏖️").strip()
+    text = text.split(" This is typically caused by", 1)[0]  # gloo's advice to read the other rank's log: we name it
+    return text.removesuffix(" GLHF! 🏖️").strip().rstrip(".")
