@@ -321,3 +321,10 @@ def test_plan_override_and_its_refusals():
             parse_counts(bad, 6, 3)
     with pytest.raises(KnobError, match="at most 2"):
         plan_stages(ranks, [1, 1], [1, 1], 0, 0, 8)
+
+
+def test_stages_that_do_not_fit_are_one_line_from_rank_0(dense):
+    results = library(dense, 3, {**FP32, "stages": "1,2"})
+    (code0, _, err0), *others = results
+    assert code0 == 1 and "stages '1,2' does not fit: give 3 layer counts" in err0 and "Traceback" not in err0
+    assert all(code == 1 and "error:" not in err for code, _, err in others)  # every rank stops; rank 0 says why

@@ -24,6 +24,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..errors import RocketError
 from ..shard.manifest import Manifest
 from ..tiers import TIERS
 from .group import (
@@ -448,9 +449,16 @@ def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, en
     hidden_bytes = int(text.hidden_size) * ITEMSIZE[engine_config.compute_dtype]
     link = probe_links(group, hidden_bytes)
     ranks = group.exchange(_rank_facts(group, profile, knobs, facts, link))
-    override = str(knobs.value("stages"))
-    plan = group.broadcast(plan_stages(ranks, override=override, **stage_inputs(manifest, facts, hidden_bytes))
-                           if group.rank == 0 else None)
+    plan = None
+    if group.rank == 0:
+        try:
+            plan = plan_stages(ranks, override=str(knobs.value("stages")), **stage_inputs(manifest, facts, hidden_bytes))
+        except RocketError as e:  # a --stages that does not fit: every rank stops on it, rank 0 says it
+            plan = e
+    plan = group.broadcast(plan)
+    if isinstance(plan, RocketError):
+        plan.rank0_reports = True
+        raise plan
     if group.rank == 0:
         for f in ranks:
             log(describe_rank(f))
