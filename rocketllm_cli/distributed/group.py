@@ -249,27 +249,43 @@ class StageGroup:
 
     def end(self) -> None:
         """Rank 0, at exit: tell the other ranks no more models come (they leave run_later_stage), then close."""
+        told = False
         if self.rank == 0 and not self.closed and self.failure is None:
             try:
                 if self.open_stage is not None:  # a model still open (a server whose close was cut short): the others
                     self.open_stage.stop_all(final=True)  # wait in their serve loop, so the word goes round the ring
                 else:
                     self.broadcast({"op": "end"})
+                told = True
             except Exception:  # noqa: BLE001 - a rank already gone: nothing to tell it
                 pass
-        self.close()
+        self.close(orderly=told)
+
+    def _stop_watchdog(self) -> None:
+        """Stop the heartbeats and wait for the thread, so no store call is under way while the group and store go."""
+        self._stop.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self.timeout_s + 5)
 
     @property
     def closed(self) -> bool:
         return self._stop.is_set()
 
-    def close(self) -> None:
-        self._stop.set()
+    def close(self, orderly: bool = False) -> None:
+        """Stop the watchdog; ORDERLY (every rank closes now, told so by rank 0): leave together, so the rank hosting
+        the rendezvous store is not gone while another still talks to it; then destroy the group and drop the store."""
+        if self.closed:
+            return
+        self._stop_watchdog()
         try:
             if dist.is_initialized():
+                if orderly and self.failure is None:
+                    dist.barrier()
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - closing after a peer failed: nothing left to tidy
             pass
+        self.store = None
 
 
 def _first_line(e: BaseException) -> str:

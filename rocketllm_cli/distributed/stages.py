@@ -548,10 +548,12 @@ def run_later_stage(model, flags: dict | None) -> None:
 
     flags = flags or {}
     group = join(launched(), flags)
+    orderly = False  # rank 0 said the end: every rank closes together
     try:
         while True:
             order = group.broadcast(None)
             if order.get("op") != "load":
+                orderly = True
                 return
             streamed = AutoModel.from_pretrained(model, flags=flags, **order.get("overrides", {}))
             try:
@@ -559,9 +561,10 @@ def run_later_stage(model, flags: dict | None) -> None:
             finally:
                 streamed.close()
             if final:  # rank 0 ended with this model open (its close skipped): no broadcast follows
+                orderly = True
                 return
     finally:
-        group.close()
+        group.close(orderly)
 
 
 def plan_for_doctor(launch, profile, facts, knobs, flags: dict | None = None) -> dict:
@@ -588,7 +591,9 @@ def plan_for_doctor(launch, profile, facts, knobs, flags: dict | None = None) ->
         layer = (facts.total_bytes - facts.non_layer_bytes) // n
         plan = plan_stages(ranks, [layer] * n, [int(layer * share)] * n, facts.non_layer_bytes, 0, hidden_bytes,
                            override=str(knobs.value("stages")))
-        return {"plan": plan.to_dict(), "text": plan.describe(), "formula": plan.formula,
+        done = {"plan": plan.to_dict(), "text": plan.describe(), "formula": plan.formula,
                 "ranks": [describe_rank(f) for f in ranks], "hidden_bytes": hidden_bytes}
+        group.close(orderly=True)  # every rank got here: leave together
+        return done
     finally:
         group.close()
