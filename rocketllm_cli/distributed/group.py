@@ -21,7 +21,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..dtypes import torch_dtype
 from .launch import Launch, StageError, memory_cgroup, stage_address
 
 HEADER_LEN = 48
@@ -29,22 +28,17 @@ OP_PASS, OP_STOP, OP_FAIL, OP_RESULT = 1, 2, 3, 4
 # header fields
 F_OP, F_NBYTES, F_PAST, F_CACHE, F_SEQ, F_COMPUTE_US, F_DEVICE_B, F_HOST_B, F_STORAGE_B, F_FINAL, F_PARTS = range(11)
 
-DTYPES = ("none", "bf16", "fp16", "fp32", "int64", "int32", "bool", "uint8")
+WIRE_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32, torch.bool, torch.uint8)  # a part's code
 MAX_DIMS = 4
 NEVER_S = 7 * 24 * 3600  # the op timeout: a stage waits for the next request as long as its peers are alive
 
 
 def _code(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "int64", torch.int32: "int32",
-            torch.bool: "bool", torch.uint8: "uint8"}[t.dtype]
-    return DTYPES.index(name)
+    return 0 if t is None else WIRE_DTYPES.index(t.dtype)
 
 
 def _dtype(code: int) -> torch.dtype:
-    name = DTYPES[code]
-    return {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8}.get(name) or torch_dtype(name)
+    return WIRE_DTYPES[code]
 
 
 def pack(header: torch.Tensor, parts: list[torch.Tensor | None]) -> torch.Tensor:
