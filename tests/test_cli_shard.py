@@ -169,11 +169,11 @@ def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_by
     real_write = sharder._write_unit
     calls: list[str] = []
 
-    def interrupted_after_three(directory, file, plan, tensors, mapping, formats=None):
+    def interrupted_after_three(directory, file, plan, tensors, mapping, formats=None, fused=None):
         if len(calls) == 3:
             raise KeyboardInterrupt
         calls.append(file)
-        return real_write(directory, file, plan, tensors, mapping, formats)
+        return real_write(directory, file, plan, tensors, mapping, formats, fused)
 
     monkeypatch.setattr(sharder, "_write_unit", interrupted_after_three)
     result = invoke("shard", source, "--out", out)
@@ -190,9 +190,9 @@ def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_by
 
     rewritten: list[str] = []
 
-    def counting(directory, file, plan, tensors, mapping, formats=None):
+    def counting(directory, file, plan, tensors, mapping, formats=None, fused=None):
         rewritten.append(file)
-        return real_write(directory, file, plan, tensors, mapping, formats)
+        return real_write(directory, file, plan, tensors, mapping, formats, fused)
 
     monkeypatch.setattr(sharder, "_write_unit", counting)
     result = invoke("shard", source, "--out", out, "--json")

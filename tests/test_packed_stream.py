@@ -50,15 +50,18 @@ def quantized(request, tiny_factory, tmp_path_factory):
             if record.packed is not None:
                 fmt = PackedFormat.from_dict(record.packed)
                 data = torch.from_file(str(directory / unit.file), size=unit.bytes, dtype=torch.uint8)[record.offset : record.offset + record.nbytes]
+                weight = dequantize(PackedTensor.from_bytes(fmt, data))
+                members = record.fused or [[record.name, fmt.shape[0]]]  # a fused weight holds its members' rows in turn
                 with torch.no_grad():
-                    params[record.name].copy_(dequantize(PackedTensor.from_bytes(fmt, data)))
+                    for (member, rows), part in zip(members, weight.split([n for _, n in members])):
+                        params[member].copy_(part)
     return mode, manifest, directory, reference
 
 
 def test_quantized_shards_hold_packed_linear_weights_only(quantized):
     mode, manifest, directory, _ = quantized
     packed = {t.name: t for u in manifest.units for t in u.tensors if t.packed is not None}
-    assert manifest.packing == mode and manifest.format_version == 3
+    assert manifest.packing == mode and manifest.format_version == 4  # 4: gate/up (and, where whole blocks, q/k/v) fused
     order = (cpu_layout() or "rows") if mode == "int4" else ""  # an int8 set writes no int4, so names no order
     assert manifest.int4_layout == order and manifest.key == f"{manifest.dtype}-{mode}" + (f"-{order}" if order not in ("", "rows") else "")
     assert all(n.endswith(("_proj.weight", "lm_head.weight")) for n in packed), sorted(packed)

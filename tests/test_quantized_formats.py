@@ -56,8 +56,15 @@ def _stored_weights(manifest, directory: Path) -> dict[str, torch.Tensor]:
         for record in unit.tensors:
             if record.packed is not None:
                 data = torch.from_file(str(directory / unit.file), size=unit.bytes, dtype=torch.uint8)
-                out[record.name] = dequantize(PackedTensor.from_bytes(PackedFormat.from_dict(record.packed), data[record.offset : record.offset + record.nbytes]))
+                weight = dequantize(PackedTensor.from_bytes(PackedFormat.from_dict(record.packed), data[record.offset : record.offset + record.nbytes]))
+                members = record.fused or [[record.name, weight.shape[0]]]  # a fused weight: its members' rows in turn
+                out.update(zip([m for m, _ in members], weight.split([n for _, n in members])))
     return out
+
+
+def _packed_formats(manifest) -> dict[str, dict]:
+    """{parameter: the packed format it is stored in} (a fused weight's members share its format)."""
+    return {m: t.packed for u in manifest.units for t in u.tensors if t.packed is not None for m, _ in (t.fused or [[t.name, 0]])}
 
 
 def _assert_streams_like(directory: Path, reference) -> None:
@@ -157,7 +164,7 @@ def test_compressed_tensors_keep_their_packing_and_stream_like_transformers(ct_c
     bits, _, group, symmetric, _ = CT_CASES[case]
     notes: list[str] = []
     manifest, directory, summary = shard(path, out=tmp_path / "s", dtype="fp32", log=notes.append)
-    packed = {t.name: t.packed for u in manifest.units for t in u.tensors if t.packed is not None}
+    packed = _packed_formats(manifest)
     assert summary["packing"] == "packed" and len(packed) == 4 * len(LINEARS), sorted(packed)
     for fmt in packed.values():  # int4 at the checkpoint's group, int8 with one scale per row
         assert (fmt["kind"], fmt["group"]) == (("int4", group) if bits == 4 else ("int8", fmt["shape"][1]))
@@ -297,7 +304,7 @@ def test_gptq_and_awq_pack_exactly_and_stream_like_transformers(packed_checkpoin
         assert set(stored) == set(references)
         for name, got in stored.items():
             assert torch.equal(got, references[name]), name  # bit for bit, in fp32
-        kinds = {(t.packed["kind"], t.packed["group"]) for u in manifest.units for t in u.tensors if t.packed}
+        kinds = {(f["kind"], f["group"]) for f in _packed_formats(manifest).values()}
         assert {kind for kind, _ in kinds} == {"int4" if bits == 4 else "int8"} and (group is None or kinds == {("int4", group)})
         assert not [n for n in notes if "quantized weight" in n], notes
     _assert_streams_like(directory, _reference_model(float_checkpoint, references))
@@ -378,7 +385,7 @@ def test_bnb_int8_is_int8_per_row_and_streams_like_transformers_dequantized(floa
     manifest, directory, summary = shard(path, out=tmp_path / "s", dtype="fp32", log=notes.append)
     stored, want = _stored_weights(manifest, directory), _bnb_dequantized(path)
     assert summary["packing"] == "packed" and set(stored) == set(want) and len(stored) == 4 * len(LINEARS)
-    assert {(t.packed["kind"], t.packed["group"]) for u in manifest.units for t in u.tensors if t.packed} == {("int8", SHAPE["hidden_size"]), ("int8", SHAPE["intermediate_size"])}
+    assert {(f["kind"], f["group"]) for f in _packed_formats(manifest).values()} == {("int8", SHAPE["hidden_size"]), ("int8", SHAPE["intermediate_size"])}
     for name, got in stored.items():  # q·(SCB/127) vs bitsandbytes' (q·SCB)/127: one fp32 rounding apart at most
         assert torch.allclose(got, want[name], rtol=2**-23, atol=0), name
     assert any("outlier threshold" in n for n in notes), notes
@@ -401,7 +408,7 @@ def test_bnb_4bit_is_requantized_to_int4_within_its_bound_and_streams_like_its_w
     manifest, directory, summary = shard(path, out=tmp_path / "s", dtype="fp32", log=notes.append)
     stored, exact = _stored_weights(manifest, directory), _bnb_dequantized(path)
     assert summary["packing"] == "packed" and set(stored) == set(exact) and len(stored) == 4 * len(LINEARS)
-    assert {(t.packed["kind"], t.packed["group"]) for u in manifest.units for t in u.tensors if t.packed} == {("int4", 32)}
+    assert {(f["kind"], f["group"]) for f in _packed_formats(manifest).values()} == {("int4", 32)}
     error = sum(float((stored[n] - w).square().sum()) for n, w in exact.items())
     rms = (error / sum(float(w.square().sum()) for w in exact.values())) ** 0.5
     assert 0 < rms < BNB_RMS[kind], rms

@@ -79,10 +79,10 @@ def test_the_space_check_counts_units_already_written(twelve, need, tmp_path, mo
     real_write = sharder._write_unit
     written: list[int] = []
 
-    def stop_after_eight(directory, file, plan, tensors, mapping, formats=None):
+    def stop_after_eight(directory, file, plan, tensors, mapping, formats=None, fused=None):
         if len(written) == 8:
             raise KeyboardInterrupt
-        record = real_write(directory, file, plan, tensors, mapping, formats)
+        record = real_write(directory, file, plan, tensors, mapping, formats, fused)
         written.append(record.tensor_bytes)
         return record
 

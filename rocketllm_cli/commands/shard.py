@@ -39,6 +39,7 @@ def run(
     dtype: Annotated[str, typer.Option("--dtype", help="Dtype of the shards: auto (as stored), bf16, fp16 or fp32.")] = "auto",
     verify: Annotated[bool, typer.Option("--verify", help="Re-check every shard file against the manifest (sizes and sha256).")] = False,
     quantize: Annotated[str, typer.Option("--quantize", help="Low-bit weights: auto (keep a GGUF's or a GPTQ/AWQ/compressed-tensors/bitsandbytes checkpoint's packed weights), int4 or int8 (round-to-nearest, lossy), none (all floats).")] = "auto",
+    fuse: Annotated[bool, typer.Option("--fuse/--no-fuse", help="Store the packed Linears of a layer that read the same input (q/k/v, gate/up: found by tracing the model) as one weight, computed in one call.")] = True,
     json: JsonOpt = False,
 ) -> None:
     from ..dtypes import NAMES as DTYPES
@@ -61,11 +62,11 @@ def run(
         manifest, directory = Manifest.load(path), path
         summary = {"reused": True, **summarize(manifest, 0.0)}  # the same fields as a fresh or reused run from a source
     else:
-        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log, packing=quantize)
+        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log, packing=quantize, fuse=fuse)
     problems = verify_dir(directory) if verify else []
     if problems and from_source:  # the source is at hand: write the set again rather than report a damaged one
         output.log(f"{_count(problems)} not match the manifest ({problems[0]}); sharding again")
-        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log, rebuild=True, packing=quantize)
+        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log, rebuild=True, packing=quantize, fuse=fuse)
         problems = verify_dir(directory)
     document = {"directory": str(directory), **summary, "verified": verify and not problems, "problems": problems,
                 "source": manifest.source, "model_type": manifest.model_type}
@@ -77,6 +78,8 @@ def run(
         output.result(f"{directory}\n{manifest.model_type}: {summary['units']} units ({summary['layers']} layers"
                       f"{', ' + str(summary['experts']) + ' experts' if summary.get('experts') else ''}), "
                       f"{format_bytes(summary['bytes'])} {manifest.dtype}{_packed(summary)}; {state}")
+        if summary.get("packed_tensors"):
+            output.result(f"fused: {manifest.fusion or 'none (a set from before fusion)'}")
         if verify:
             output.result("verify: ok, every file matches the manifest" if not problems else "verify: FAILED")
     if problems:

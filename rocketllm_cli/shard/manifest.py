@@ -21,7 +21,8 @@ from . import stfile
 
 FORMAT_VERSION = 2  # 2: mixture-of-experts models have one unit per expert (kind "expert")
 PACKED_VERSION = 3  # 3: some tensors are packed low-bit weights (a `packed` format on their record)
-READABLE_VERSIONS = (1, 2, 3)  # a dense float set is the same in 1 and 2; only a set with packed weights is 3
+FUSED_VERSION = 4  # 4: some packed tensors are several Linears' weights stored as one (a `fused` list on their record)
+READABLE_VERSIONS = (1, 2, 3, 4)  # a dense float set is the same in 1 and 2; only a set with packed weights is 3
 MANIFEST = "manifest.json"
 RESHARD = "re-run `rocketllm shard` on the source model"
 UNIT_FILE = re.compile(r"^\d{4}-.+\.safetensors$")
@@ -38,6 +39,9 @@ class TensorRecord:
     offset: int  # absolute offset in the unit file
     nbytes: int
     packed: dict | None = None  # a packed weight (dtype U8, shape [nbytes]): its PackedFormat.to_dict()
+    # Several Linears' packed weights stored as one (shard/fusion.py): [[member weight name, its rows], ...] in row
+    # order; the record's name is `<parent>.<a>+<b>.weight`, its source the members' sources joined by " + "
+    fused: list | None = None
 
 
 @dataclass
@@ -73,6 +77,7 @@ class Manifest:
     seconds: float = 0.0
     packing: str = ""  # "" (all float), "packed" (a source's low-bit encoding kept), "int4" or "int8" (quantized)
     int4_layout: str = ""  # the order int4 codes are written in (packed/cpulayout.py), where the packing writes int4
+    fusion: str = ""  # which packed Linears are stored fused, in words (shard/fusion.py); "" in sets from before fusion
 
     @property
     def total_bytes(self) -> int:
@@ -113,10 +118,13 @@ class Manifest:
             del doc["packing"]
         if not doc["int4_layout"]:
             del doc["int4_layout"]
+        if not doc["fusion"]:
+            del doc["fusion"]
         for unit in doc["units"]:
             for t in unit["tensors"]:
-                if t["packed"] is None:
-                    del t["packed"]
+                for name in ("packed", "fused"):
+                    if t[name] is None:
+                        del t[name]
         return doc
 
     def save(self, directory: Path) -> None:
@@ -183,7 +191,7 @@ class Manifest:
             raise ShardError(f"shard file {extra[0]} is not in the manifest (a unit removed from it?); {RESHARD}")
 
 
-OPTIONAL = {"packed", "packing", "int4_layout"}  # fields a float set's manifest leaves out
+OPTIONAL = {"packed", "packing", "int4_layout", "fused", "fusion"}  # fields a float set's manifest leaves out
 PACKINGS = ("", "packed", "int4", "int8")
 INT4_LAYOUTS = ("rows", "pairs", "lanes32", "lanes64")  # packed/cpulayout.py LAYOUTS, named here without torch
 
@@ -193,6 +201,12 @@ def set_key(dtype: str, packing: str = "", int4_layout: str = "") -> str:
     whose kernel reads another order reorders them on every streamed use ("bf16", "bf16-int8", "bf16-packed-lanes64")."""
     key = f"{dtype}-{packing}" if packing else dtype
     return f"{key}-{int4_layout}" if packing and int4_layout and int4_layout != "rows" else key
+
+
+def fused_name(members: list[str]) -> str:
+    """The stored name of MEMBERS' fused weight (shard/fusion.py): `<parent>.<a>+<b>+<c>.weight`."""
+    parent = members[0].rsplit(".", 2)[0]
+    return f"{parent}.{'+'.join(m.rsplit('.', 2)[1] for m in members)}.weight"
 
 
 class _Corrupt(Exception):
@@ -226,6 +240,7 @@ def _validate(doc) -> None:
     _require(doc.get("packing", "") in PACKINGS, "bad packing")
     _require(doc.get("int4_layout", "") in ("", *INT4_LAYOUTS), "bad int4_layout")
     _require(type(doc["format_version"]) is int, "bad format_version")
+    _require(isinstance(doc.get("fusion", ""), str), "bad fusion")
     source = doc["source"]
     _require(isinstance(source, dict) and isinstance(source.get("fingerprint"), str), "bad source")
     _require(all(isinstance(doc[k], str) for k in ("model_type", "architecture", "stack")), "bad model_type, architecture or stack")
@@ -263,6 +278,7 @@ def _validate(doc) -> None:
             _validate_tensor(t, module, doc["dtype"], tensors)
             _require(t.get("packed") is None or (doc["format_version"] >= PACKED_VERSION and bool(doc.get("packing"))),
                      f"tensor {_show(t['name'])}: packed in a set that does not say so")
+            _require(t.get("fused") is None or doc["format_version"] >= FUSED_VERSION, f"tensor {_show(t['name'])}: fused in a set that does not say so")
     _require(layers > 0, "no layer units")
     aliases = doc["aliases"]
     _require(isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors and k not in tensors for k, v in aliases.items()),
@@ -291,3 +307,20 @@ def _validate_tensor(t: dict, module: str, dtype: str, seen: set[str]) -> None:
         except (ValueError, TypeError) as exc:
             raise _Corrupt(f"tensor {name[:60]!r}: bad packed format ({str(exc)[:120]})") from None
         _require(t["dtype"] == "U8" and shape == [fmt.offsets()[1]], f"tensor {name[:60]!r}: packed bytes do not match its format")
+    if t.get("fused") is not None:
+        _validate_fused(t, seen)
+
+
+def _validate_fused(t: dict, seen: set[str]) -> None:
+    """A fused record names its members (each a weight beside the others, in no other record) and their rows, which add
+    up to its packed weight's."""
+    name, fused = t["name"], t["fused"]
+    _require(t.get("packed") is not None and isinstance(fused, list) and len(fused) > 1
+             and all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) and _count(m[1]) and m[1] > 0 for m in fused),
+             f"tensor {name[:60]!r}: bad fused members")
+    members = [m[0] for m in fused]
+    _require(fused_name(members) == name and len({m.rsplit(".", 2)[0] for m in members}) == 1 and all(m.endswith(".weight") for m in members),
+             f"tensor {name[:60]!r}: fused members do not match its name")
+    _require(sum(m[1] for m in fused) == t["packed"]["shape"][0], f"tensor {name[:60]!r}: fused rows do not add up to its weight's")
+    _require(not any(m in seen for m in members), f"tensor {name[:60]!r}: a fused member is stored twice")
+    seen.update(members)

@@ -28,8 +28,9 @@ from . import journal, stfile
 from ..profiles.cache import unwritable
 from .checks import DISK_FULL, check_space, free_bytes
 from .discover import Layout, build_meta_model, discover
+from .fusion import FusionPlan, plan_fusion
 from .journal import JOURNAL
-from .manifest import FORMAT_VERSION, PACKED_VERSION, Manifest, TensorRecord, UnitRecord
+from .manifest import FORMAT_VERSION, FUSED_VERSION, PACKED_VERSION, Manifest, TensorRecord, UnitRecord
 from .names import SourceMap, map_names, split_experts
 from .packing import (
     PackPlan,
@@ -48,11 +49,12 @@ NOTHING_KEPT = "interrupted before the first unit was written: nothing to resume
 
 
 def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=print,
-          rebuild: bool = False, packing: str = "auto") -> tuple[Manifest, Path, dict]:
+          rebuild: bool = False, packing: str = "auto", fuse: bool = True) -> tuple[Manifest, Path, dict]:
     """Shard MODEL (or reuse a complete shard set). Returns (manifest, directory, summary).
 
     rebuild: write the set again even if one of this source exists (after `--verify` found changed bytes).
     packing: auto (keep a GGUF's low-bit blocks where a kernel computes on them), none, int4 or int8 (packing.py).
+    fuse: store packed Linears of a layer that read the same input (q/k/v, gate/up) as one weight (fusion.py).
     """
     check_packing(packing)
     started = time.perf_counter()
@@ -74,7 +76,7 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
         except KeyboardInterrupt:
             raise Interrupted(NOTHING_KEPT) from None
     try:
-        return _shard(source, out, dtype, progress, log, started, rebuild, packing)
+        return _shard(source, out, dtype, progress, log, started, rebuild, packing, fuse)
     except Interrupted:  # the writing said what it kept
         raise
     except KeyboardInterrupt:  # while planning, before a unit is written
@@ -84,7 +86,7 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
 
 
 def _shard(source: Source, out: Path | None, dtype: str, progress, log, started: float, rebuild: bool = False,
-           packing: str = "auto") -> tuple[Manifest, Path, dict]:
+           packing: str = "auto", fuse: bool = True) -> tuple[Manifest, Path, dict]:
     dtype = resolve_dtype(source, dtype)
     key = predicted_key(source, packing, dtype)  # names the set: its dtype, how it is packed, its int4 order
     final = Path(out) if out else default_out(source.located, key)
@@ -105,6 +107,7 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     packs = plan_packing(source, model, mapping, layout.aliases, packing, dtype)
     for note in [*getattr(source._lazy, "notes", ()), *packs.notes]:
         log(note)
+    fusion = plan_fusion(source.config, layout, packs, dtype) if fuse else FusionPlan(note="off (--no-fuse)")
     need = _bytes_needed(source, mapping, dtype, packs)
     partial = partial_of(final)
     why = unwritable(final.parent)
@@ -118,7 +121,7 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
         existing = reusable(final, fingerprint, key, ours=out is None, log=lambda m: None)
         if existing is not None and not rebuild:
             return existing, final, {"reused": True, **summarize(existing, 0.0)}
-        return _write(source, final, dtype, model, layout, mapping, progress, log, started, packs)
+        return _write(source, final, dtype, model, layout, mapping, progress, log, started, packs, fusion)
 
 
 def resolve_dtype(source: Source, dtype: str) -> str:
@@ -138,11 +141,11 @@ def resolve_dtype(source: Source, dtype: str) -> str:
 
 
 def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mapping: dict[str, str], progress, log,
-           started: float, packs: PackPlan) -> tuple[Manifest, Path, dict]:
+           started: float, packs: PackPlan, fusion: FusionPlan) -> tuple[Manifest, Path, dict]:
     need = _bytes_needed(source, mapping, dtype, packs)
     partial = partial_of(final)
     try:
-        return _write_units(source, final, partial, dtype, model, layout, mapping, need, progress, log, started, packs)
+        return _write_units(source, final, partial, dtype, model, layout, mapping, need, progress, log, started, packs, fusion)
     except KeyboardInterrupt:
         kept = len(journal.resumable(partial, source.fingerprint(), packs.key(dtype)))
         if kept:
@@ -161,7 +164,7 @@ def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mappi
 
 
 def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, layout: Layout, mapping: dict[str, str], need: int,
-                 progress, log, started: float, packs: PackPlan) -> tuple[Manifest, Path, dict]:
+                 progress, log, started: float, packs: PackPlan, fusion: FusionPlan) -> tuple[Manifest, Path, dict]:
     fingerprint = source.fingerprint()
     key = packs.key(dtype)
     target = torch_dtype(dtype)
@@ -178,20 +181,23 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
         for plan, file in zip(layout.units, files):
             record = done.get(plan.name)
             if record is None or record.file != file:
-                tensors, formats = {}, {}
+                tensors, formats, packed = {}, {}, {}
                 for n in plan.params:
                     if n in packs.params:
-                        packed = read_packed(source, mapping, n, packs)
-                        tensors[n], formats[n] = packed.to_bytes(), packed.format.to_dict()
+                        packed[n] = read_packed(source, mapping, n, packs)
                     else:
                         tensors[n] = mapping.read(source, n).to(expected[n])
-                record = _write_unit(partial, file, plan, tensors, mapping, formats)
+                fused = fusion.apply(plan.name, packed)  # members' weights become one, the rest stay as they are
+                for n, p in packed.items():
+                    tensors[n], formats[n] = p.to_bytes(), p.format.to_dict()
+                del packed
+                record = _write_unit(partial, file, plan, tensors, mapping, formats, fused)
                 del tensors
                 journal.append(partial, fingerprint, key, record)
             units.append(record)
             bar.advance(record.tensor_bytes, units=1)
 
-    written = sum(len(u.tensors) for u in units)
+    written = sum(len(t.fused) if t.fused else 1 for u in units for t in u.tensors)
     written_bytes = sum(u.tensor_bytes for u in units)
     # packed sizes are known exactly only once written (a scale may need fp32): only float bytes must add up
     float_written = sum(t.nbytes for u in units for t in u.tensors if t.packed is None)
@@ -209,7 +215,8 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
         seconds=round(time.perf_counter() - started, 3),
         packing=packs.mode,
         int4_layout=packs.int4_layout,
-        format_version=PACKED_VERSION if packs.params else FORMAT_VERSION,
+        format_version=FUSED_VERSION if any(t.fused for u in units for t in u.tensors) else PACKED_VERSION if packs.params else FORMAT_VERSION,
+        fusion=fusion.describe(units),
     )
     with (progress or no_progress)(f"saving the config and tokenizer of {source.name}", after=BLINK_S):
         source.config.save_pretrained(partial)
@@ -224,7 +231,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
 
 
 def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tensor], mapping: SourceMap,
-                formats: dict[str, dict] | None = None) -> UnitRecord:
+                formats: dict[str, dict] | None = None, fused: dict[str, list] | None = None) -> UnitRecord:
     header, spans = stfile.layout(tensors, {"format": "pt", "unit": plan.name})
     digest = hashlib.sha256(header)
     tmp = directory / (file + ".tmp")
@@ -241,9 +248,11 @@ def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tenso
         tmp.unlink(missing_ok=True)  # on a full disk, give the space back
         raise
     os.replace(tmp, directory / file)
+    fused = fused or {}
     records = [
-        TensorRecord(name, mapping.source_name(name), stfile.NAMES[tensors[name].dtype], list(tensors[name].shape), len(header) + offset, nbytes,
-                     (formats or {}).get(name))
+        TensorRecord(name, " + ".join(mapping.source_name(m) for m, _ in fused[name]) if name in fused else mapping.source_name(name),
+                     stfile.NAMES[tensors[name].dtype], list(tensors[name].shape), len(header) + offset, nbytes,
+                     (formats or {}).get(name), fused.get(name))
         for name, offset, nbytes in spans
     ]
     size = len(header) + sum(n for _, _, n in spans)
@@ -284,5 +293,7 @@ def summarize(manifest: Manifest, seconds: float) -> dict:
         "mb_per_s": round(total / seconds / 1e6, 1) if seconds > 0 else None,
         "dtype": manifest.dtype,
         "packing": manifest.packing,
-        "packed_tensors": sum(1 for u in manifest.units for t in u.tensors if t.packed is not None),
+        "packed_tensors": sum(len(t.fused or ()) or 1 for u in manifest.units for t in u.tensors if t.packed is not None),
+        "fused_tensors": sum(1 for u in manifest.units for t in u.tensors if t.fused),
+        "fusion": manifest.fusion,
     }

@@ -32,7 +32,7 @@ from ..shard.manifest import RESHARD, Manifest
 from ..threads import COMPUTE_THREADS
 from .assets import load_generation_config, load_processor, load_tokenizer
 from .ledger import Ledger
-from .packedbind import PackedBinding, PerBuffer, make_packed
+from .packedbind import PackedBinding, PerBuffer, make_fused, make_packed
 from .plan import ResidencyPlan, make_plan
 from .store import WeightStore
 from .unbound import Unbound, unbind_all
@@ -177,6 +177,11 @@ class StreamingModel:
         targets = [(t.name, t.name, u.name) for u in units for t in u.tensors]
         targets += [(alias, src, owner[src]) for alias, src in self.manifest.aliases.items() if src in owner]
         for name, key, unit in targets:
+            if records[key].fused:  # several Linears' weights stored as one (shard/fusion.py)
+                persistent = self.plan.tier[unit] == "host" and self.device.type == "cpu"
+                hook, binding = self._fused_binding(model, records[key], unit, hook_of[unit], persistent)
+                bindings.setdefault(unit, {}).setdefault(hook, []).append(binding)
+                continue
             module_path, _, attr = name.rpartition(".")
             module = model.get_submodule(module_path)
             is_buffer = attr in module._buffers
@@ -213,19 +218,40 @@ class StreamingModel:
         self._hooks.append(model.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._end_pass))
 
+    def _fused_binding(self, model: nn.Module, record, unit: str, unit_module: str, persistent: bool) -> tuple[str, PackedBinding]:
+        """(the module whose forward binds it, the binding) of a fused record: its members compute through one FusedGroup."""
+        members = [m for m, _ in record.fused]
+        parent = members[0].rsplit(".", 2)[0]
+        hook = _called_site(model, unit_module, parent)
+        where = f"{hook or 'the model'} (unit {unit})"
+        modules = []
+        for member in members:
+            module = model.get_submodule(member.rpartition(".")[0])
+            if not isinstance(module, nn.Linear) or "weight" not in module._parameters:
+                raise ShardError(f"{member} is stored fused but its module is a {type(module).__name__}; {RESHARD}")
+            module._parameters["weight"] = Unbound(member, module._parameters["weight"], self.device, where)
+            modules.append(module)
+        fmt = PackedFormat.from_dict(record.packed)
+        group = make_fused(modules, members, [int(n) for _, n in record.fused], fmt, where)
+        dtype = self._packed_dtype(fmt)
+        return hook, PackedBinding(modules[0], record.name, fmt, self.device, dtype, None, persistent, group=group)
+
+    def _packed_dtype(self, fmt: PackedFormat) -> torch.dtype:
+        """The activation dtype a packed Linear computes in: the compute dtype, the kernel's fastest, or the knob's."""
+        if self.config_engine.packed_dtype == "fastest":
+            from ..packed.compute import kernel_dtype
+
+            return kernel_dtype(fmt, self.dtype, self.device)
+        if self.config_engine.packed_dtype:
+            return torch_dtype(self.config_engine.packed_dtype)
+        return self.dtype
+
     def _packed_binding(self, module: nn.Module, name: str, key: str, unit: str, fmt: PackedFormat, placeholder, where: str,
                         persistent: bool) -> PackedBinding | None:
         """A Linear computes on its packed weight; an embedding table's placeholder dequantizes the rows looked up."""
         if isinstance(module, nn.Linear) and name.endswith(".weight"):
             make_packed(module, name, where)
-            dtype = self.dtype
-            if self.config_engine.packed_dtype == "fastest":
-                from ..packed.compute import kernel_dtype
-
-                dtype = kernel_dtype(fmt, self.dtype, self.device)
-            elif self.config_engine.packed_dtype:
-                dtype = torch_dtype(self.config_engine.packed_dtype)
-            return PackedBinding(module, key, fmt, self.device, dtype, placeholder, persistent)
+            return PackedBinding(module, key, fmt, self.device, self._packed_dtype(fmt), placeholder, persistent)
         if isinstance(module, nn.Embedding) and name.endswith(".weight") and fmt.kind == "int8" and fmt.group == fmt.shape[1]:
             store = self.store
             placeholder.rows = lambda ids: store.gather_packed_rows(unit, key, fmt, ids)

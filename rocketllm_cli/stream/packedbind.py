@@ -49,6 +49,71 @@ class _PackedForward:
         return compute.linear(x, bound, self.bias)  # per call: no import machinery (the package's names are lazy)
 
 
+class _FusedForward(_PackedForward):
+    """Mixed in before a Linear class whose weight is stored fused with its siblings': forward asks the group."""
+
+    fused_group = None  # the FusedGroup this Linear is a member of
+    fused_index = 0  # its place in the group (its rows' place in the fused weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused_group.call(self.fused_index, x)
+
+
+class FusedGroup:
+    """Linears whose packed weights are stored as one (shard/fusion.py): the first member called on an input computes
+    the fused product and hands each other member its columns when that member is called on the same input.
+
+    "The same input" is the same tensor object at the same version: a member called on anything else (another
+    tensor, the same one changed in place, a second call) computes the fused product again and takes its own
+    columns, so a result never depends on the grouping the shard chose, only the time does."""
+
+    __slots__ = ("members", "splits", "bound", "where", "_x", "_version", "_outs", "_left")
+
+    def __init__(self, members: list[nn.Linear], splits: list[int], where: str) -> None:
+        self.members, self.splits, self.where = members, splits, where
+        self.bound = None  # the fused weight's packed.BoundWeight while its unit is bound
+        self.clear()
+
+    def clear(self) -> None:
+        self._x = self._version = self._outs = None
+        self._left = 0
+
+    def call(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        outs = self._outs
+        if outs is not None and outs[index] is not None and self._x is x and _version(x) == self._version:
+            out, outs[index] = outs[index], None
+            self._left -= 1
+            if not self._left:
+                self.clear()  # every member has its columns: let go of the input
+            return out
+        bound = self.bound
+        if bound is None:
+            raise UnboundWeightError(f"{self.where} was used while its unit is not bound")
+        fast = bound.fast
+        if fast is not None and x.dtype == bound.dtype and x.shape[-1] == bound.format.shape[1] and x.is_contiguous() \
+                and 0 < x.numel() < bound.fast_numel:
+            y = fast(x)
+        else:
+            y = compute.linear(x, bound, None)
+        parts = list(y.split(self.splits, dim=-1))
+        for i, (part, member) in enumerate(zip(parts, self.members)):
+            if not part.is_contiguous():  # several rows: a member's columns are strided; transformers may view() them
+                part = parts[i] = part.contiguous()
+            bias = member._parameters.get("bias")
+            if bias is not None:
+                part.add_(bias)
+        out, parts[index] = parts[index], None
+        self._x, self._version, self._outs, self._left = x, _version(x), parts, len(parts) - 1
+        return out
+
+
+def _version(x: torch.Tensor):
+    try:
+        return x._version
+    except RuntimeError:  # an inference tensor has no version counter; nothing in a layer changes its input in place
+        return None
+
+
 def _hooked() -> bool:
     """A global module hook, a backward hook, or a tracer is active: nn.Module.__call__ must run them."""
     m = _module
@@ -70,21 +135,45 @@ def make_packed(module: nn.Linear, name: str, where: str) -> None:
     module.packed_bias = module._parameters.get("bias") is not None
 
 
+def make_fused(modules: list[nn.Linear], members: list[str], rows: list[int], fmt: PackedFormat, where: str) -> FusedGroup:
+    """Turn MODULES (the Linears whose weights MEMBERS are stored fused in FMT, ROWS each) into members of one
+    FusedGroup, in place."""
+    for module, member, n in zip(modules, members, rows):
+        shape = tuple(module.weight.shape)
+        if shape != (n, fmt.shape[1]) or not isinstance(module, nn.Linear):
+            raise ShardError(f"fused weight member {member} is {[n, fmt.shape[1]]}, the model's is {list(shape)}; {RESHARD}")
+    group = FusedGroup(modules, rows, f"{' + '.join(members)} (packed, fused) is bound only inside the forward of {where}, and")
+    for index, module in enumerate(modules):
+        cls = type(module)
+        fused_cls = _FUSED_CLASSES.get(cls)
+        if fused_cls is None:
+            fused_cls = _FUSED_CLASSES[cls] = type(f"Fused{cls.__name__}", (_FusedForward, cls), {"__module__": __name__})
+        module.__class__ = fused_cls
+        module.fused_group, module.fused_index = group, index
+        module.packed_where = group.where
+    return group
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
 class PackedBinding:
     """A packed weight bound to a Linear: bind(bytes) makes the kernel's form and hands it to the module's forward.
 
     `persistent`: the unit's bytes are the same objects on every use (host tier on a CPU), so the kernel form made
     for them is kept; otherwise it is made at each bind (for int4 in the kernel's own code order, only the
-    scales are converted) and dropped on unbind."""
+    scales are converted) and dropped on unbind. With `group` (a FusedGroup), the weight is several Linears' stored
+    as one, and the group computes with it."""
 
     __slots__ = ("module", "attr", "tensor", "format", "device", "dtype", "persistent", "is_buffer", "placeholder", "_source", "_bound",
-                 "_direct", "_by_buffer")
+                 "_direct", "_by_buffer", "group")
 
     def __init__(self, module: nn.Linear, tensor: str, fmt: PackedFormat, device: torch.device, dtype: torch.dtype, placeholder,
-                 persistent: bool = False) -> None:
-        shape = tuple(module.weight.shape)
+                 persistent: bool = False, group: FusedGroup | None = None) -> None:
+        shape = tuple(module.weight.shape) if group is None else fmt.shape
         if shape != fmt.shape:
             raise ShardError(f"packed weight {tensor} is {list(fmt.shape)}, the model's is {list(shape)}; {RESHARD}")
+        self.group = group
         self.module, self.attr, self.tensor, self.format = module, "weight", tensor, fmt
         self.device, self.dtype, self.persistent = device, dtype, persistent
         self.is_buffer, self.placeholder = False, placeholder
@@ -107,10 +196,17 @@ class PackedBinding:
             else:
                 self._bound = compute.bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype)
             self._source = data
+        if self.group is not None:
+            self.group.bound = self._bound
+            return
         self.module.__dict__["packed_weight"] = self._bound  # not nn.Module.__setattr__: 420 of these per token
 
     def unbind(self) -> None:
-        self.module.__dict__["packed_weight"] = None
+        if self.group is not None:
+            self.group.bound = None
+            self.group.clear()
+        else:
+            self.module.__dict__["packed_weight"] = None
         if not self.persistent:
             self._source = self._bound = None
 
