@@ -75,7 +75,7 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
             "storage_witnessed_per_token": stats.storage_witnessed_per_token,
             "phase_ms_per_token": {p: round(1000 * s, 2) for p, s in (stats.phase_seconds_per_token or {}).items()},
             "read_method": read_method(streamed.knobs) if served["storage"] else None,
-            "residency": streamed.plan.to_dict(), "residency_text": streamed.plan.describe(streamed.manifest),
+            "residency": streamed.plan.to_dict(), "residency_text": streamed.residency_text(),
             "knobs": {k: streamed.knobs.value(k) for k in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers",
                                                            "direct_io", "compute_dtype")},
             "compute_threads": COMPUTE_THREADS.describe(),  # before close() gives torch its own count back

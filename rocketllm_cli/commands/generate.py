@@ -146,7 +146,7 @@ def run(
             output.log(f"note: speculative decoding {generator.speculation.reason}")
         results = generator.run_batch([GenerationRequest(one, params, on_text=on_text, model_inputs=inputs, constraint=constraint,
                                                          logprobs=logprobs) for one in ids])
-        figures = {**results[0].stats.to_dict(), "residency": streamed.plan.describe(streamed.manifest), "device": str(streamed.device),
+        figures = {**results[0].stats.to_dict(), "residency": streamed.residency_text(), "device": str(streamed.device),
                  "compute_dtype": str(streamed.dtype).replace("torch.", ""), **({"batch": len(results)} if batch else {}),
                  "load_s": load_s,  # total_s stays generation alone
                  **({"stages": streamed.stage.figures()} if streamed.stage is not None else {})}

@@ -129,7 +129,7 @@ class ServerState:
         self.max_body, self.max_body_formula = body_limit(self.max_context)
         self.last_error: dict | None = None  # the latest failed generation, until one succeeds
         self.multimodal = self.image_refusal is None
-        self.residency = model.plan.describe(model.manifest)
+        self.residency = model.residency_text()
         self._noticed: set[str] = set()
         self._notice_lock = threading.Lock()
         self.worker = Worker(self.generator, on_finish=self._finished, max_queue=self.max_queue)

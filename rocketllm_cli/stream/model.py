@@ -297,6 +297,10 @@ class StreamingModel:
         self.store.end_pass()
         self.ledger.end()
 
+    def residency_text(self) -> str:
+        """Where the units live and how the streamed ones are read, in words (--stats, bench, /health)."""
+        return f"{self.plan.describe(self.manifest)}; {self.store.describe_buffers()}"
+
     # -- transformers surface -------------------------------------------------------------
     def generate(self, *args, json_schema: dict | None = None, grammar: str | None = None, **kwargs):
         """transformers' generate(), on the streamed model. A prompt plus max_new_tokens over the max_context knob

@@ -69,11 +69,18 @@ class WeightStore(RowGathers):
         self._maps: list[mmap.mmap] = []
         self._tables: dict[str, torch.Tensor] = {}  # sparse embedding tables for row gathers
         streamed = [u for u in manifest.units if plan.tier[u.name] != "device"]
-        # experts have staging buffers of their own (expertstream.py): slots fit the largest other streamed unit
-        self.slot_bytes = _round_up(max((u.bytes for u in streamed if u.kind != "expert"), default=0))
+        # Buffers fit the units they hold (experts have staging buffers of their own, expertstream.py): a pool of
+        # prefetch_depth + 1 sized for the largest streamed layer, and one more for the units larger than that (a tied
+        # embedding and head of 27 MiB beside SmolLM2's 2.1 MiB layers), so the depth a layer needs costs layers' bytes.
+        sizes = [u.bytes for u in streamed if u.kind != "expert"]
+        layers = [u.bytes for u in streamed if u.kind == "layer"]
+        self.slot_bytes = _round_up(max(layers) if layers else max(sizes, default=0))
+        self.large_bytes = _round_up(max(sizes)) if sizes and _round_up(max(sizes)) > self.slot_bytes else 0
         self._slots: list[Slot] = []
         self._free: list[Slot] = []
+        self._free_large: list[Slot] = []
         self._max_slots = max(1, prefetch_depth) + 1
+        self._max_large = 1
         self._pending: dict[str, Future] = {}
         # Units with a float tensor stored in another dtype than the compute dtype: converted copies on each read.
         self._converted = {u.name for u in manifest.units
@@ -130,7 +137,7 @@ class WeightStore(RowGathers):
             if slot is not None:
                 if self.cuda:
                     slot.free_after = torch.cuda.current_stream(self.device).record_event()
-                self._free.append(slot)
+                self._give_back(slot)
         self._held.clear()
 
     def end_pass(self) -> None:
@@ -161,7 +168,7 @@ class WeightStore(RowGathers):
                 except Exception:  # noqa: BLE001 - the read ahead failed (and gave its buffer back): read again now, and let that read's error stand
                     slot = None
             if slot is None:
-                slot = self._fill(self._take_slot(), name)
+                slot = self._fill(self._take_slot(name), name)
             self.ledger.add_time("wait", time.perf_counter() - waited)
             if slot.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(slot.ready)
@@ -184,7 +191,7 @@ class WeightStore(RowGathers):
         if slot is not None:
             if self.cuda:
                 slot.free_after = torch.cuda.current_stream(self.device).record_event()
-            self._free.append(slot)
+            self._give_back(slot)
         self._prefetch_after(name)
 
     def _prefetch_after(self, name: str) -> None:
@@ -198,8 +205,10 @@ class WeightStore(RowGathers):
                 continue
             if self.plan.tier[nxt] == "host" and not self.cuda:
                 continue  # served from the page cache through the mapping: nothing to read ahead
-            slot = self._take_slot(block=False)
+            slot = self._take_slot(nxt, block=False)
             if slot is None:
+                if self._large(nxt):
+                    continue  # the large buffer is busy: the layers after it still read ahead
                 return
             self._pending[nxt] = self._pool.submit(self._fill, slot, nxt)
 
@@ -212,32 +221,63 @@ class WeightStore(RowGathers):
                 return i
         return self._pos
 
-    def _take_slot(self, block: bool = True) -> Slot | None:
-        if self._free:
-            return self._free.pop()
-        if len(self._slots) < self._max_slots:
-            slot = Slot(_aligned_buffer(self.slot_bytes, self.pin))
+    def _large(self, name: str) -> bool:
+        """Unit NAME goes in the large buffer (it does not fit a layer's)."""
+        return bool(self.large_bytes) and self.units[name].bytes > self.slot_bytes
+
+    def _give_back(self, slot: Slot) -> None:
+        (self._free_large if self.large_bytes and slot.host.numel() == self.large_bytes else self._free).append(slot)
+
+    def buffers(self) -> list[tuple[int, int]]:
+        """[(bytes, count)] of the streaming buffers this store uses at most: the layers' pool, then the large one."""
+        if self._pool is None and not any(self.plan.tier[n] == "storage" or self.cuda for n in self.schedule):
+            return []
+        out = [(self.slot_bytes, self._max_slots)] if self.slot_bytes else []
+        return out + ([(self.large_bytes, self._max_large)] if self.large_bytes else [])
+
+    def describe_buffers(self) -> str:
+        """The streaming buffers and read-ahead in words, for --stats and bench."""
+        from ..sizes import format_bytes
+
+        sizes = self.buffers()
+        if not sizes:
+            return "streaming buffers: none (nothing is read per use)"
+        pools = [f"{count} x {format_bytes(size)}" + (" (layers)" if i == 0 and len(sizes) > 1 else " (larger units)" if i else "")
+                 for i, (size, count) in enumerate(sizes)]
+        workers = self._pool._max_workers if self._pool is not None else 0
+        return f"streaming buffers: {' + '.join(pools)}; read-ahead {self.depth} units, {workers} IO worker{'s' if workers != 1 else ''}"
+
+    def _take_slot(self, name: str, block: bool = True) -> Slot | None:
+        large = self._large(name)
+        free = self._free_large if large else self._free
+        if free:
+            return free.pop()
+        count = sum(1 for s in self._slots if (s.host.numel() == self.large_bytes) == large)
+        if count < (self._max_large if large else self._max_slots):
+            size = self.large_bytes if large else self.slot_bytes
+            slot = Slot(_aligned_buffer(size, self.pin))
             if self.cuda:
-                slot.device = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                slot.device = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._slots.append(slot)
             return slot
-        if not block or not self._pending:
+        waiting = [n for n in self._pending if self._large(n) == large]
+        if not block or not waiting:
             if block:
                 raise RuntimeError("no free streaming buffer (more units held at once than buffers)")
             return None
-        # Every buffer is waiting for a prefetched unit nobody asked for yet: take back the furthest one.
-        victim = next(reversed(self._pending))
+        # Every buffer of this size is waiting for a prefetched unit nobody asked for yet: take back the furthest one.
+        victim = waiting[-1]
         try:
             return self._pending.pop(victim).result()
         except Exception:  # noqa: BLE001 - its read failed and gave the buffer back
-            return self._free.pop()
+            return free.pop()
 
     def _fill(self, slot: Slot, name: str) -> Slot:
         """Read unit `name` into `slot`; a read that fails gives the slot back before it raises."""
         try:
             return self._fill_slot(slot, name)
         except BaseException:
-            self._free.append(slot)
+            self._give_back(slot)
             raise
 
     def _fill_slot(self, slot: Slot, name: str) -> Slot:
