@@ -216,7 +216,7 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
         packing=packs.mode,
         int4_layout=packs.int4_layout,
         format_version=FUSED_VERSION if any(t.fused for u in units for t in u.tensors) else PACKED_VERSION if packs.params else FORMAT_VERSION,
-        fusion=fusion.describe(units),
+        fusion=fusion.describe(units) if packs.params else "",  # a float set's manifest stays as before
     )
     with (progress or no_progress)(f"saving the config and tokenizer of {source.name}", after=BLINK_S):
         source.config.save_pretrained(partial)
