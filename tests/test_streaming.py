@@ -107,3 +107,22 @@ def test_model_device_and_generate_surface(shards):
         assert model.device == torch.device("cpu")
         out = model.generate(PROMPT, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True, pad_token_id=3)
         assert out.sequences.shape == (1, PROMPT.shape[1] + 3) and len(out.scores) == 3
+
+
+def test_streaming_buffers_fit_the_layers_and_one_larger_unit(tiny_factory, tmp_path):
+    """A tied embedding and head larger than a layer gets one buffer of its own; the read-ahead pool is sized for the
+    layers (prefetch_depth + 1 of them); nothing else is allocated, and the tokens are transformers'."""
+    from rocketllm_cli.stream.store import _round_up
+
+    checkpoint = tiny_factory("llama", tie_word_embeddings=True, vocab_size=4096)
+    manifest, directory, _ = shard(checkpoint, out=tmp_path / "s", log=lambda m: None)
+    layer, largest = _round_up(max(u.bytes for u in manifest.layers)), _round_up(max(u.bytes for u in manifest.units))
+    assert largest > layer
+    with StreamingModel(directory, EngineConfig(compute_dtype="fp32", prefetch_depth=2)) as model:
+        assert model.store.buffers() == [(layer, 3), (largest, 1)]
+        got = _greedy(model)
+        sizes = [s.host.numel() for s in model.store._slots]
+        assert sizes.count(largest) == 1 and sizes.count(layer) == len(sizes) - 1 <= 3
+        assert "streaming buffers: 3 x" in model.residency_text() and "(larger units); read-ahead 2 units" in model.residency_text()
+    plain = AutoModelForCausalLM.from_pretrained(checkpoint, **dtype_kwargs(torch.float32))
+    assert torch.equal(got, _greedy(plain))

@@ -20,15 +20,12 @@ members' rows one after another, part by part.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .manifest import fused_name
-
-FUSE_SEPARATOR = "+"
 
 
 class _Reached(Exception):

@@ -72,8 +72,9 @@ class WeightStore(RowGathers):
         # Buffers fit the units they hold (experts have staging buffers of their own, expertstream.py): a pool of
         # prefetch_depth + 1 sized for the largest streamed layer, and one more for the units larger than that (a tied
         # embedding and head of 27 MiB beside SmolLM2's 2.1 MiB layers), so the depth a layer needs costs layers' bytes.
-        sizes = [u.bytes for u in streamed if u.kind != "expert"]
-        layers = [u.bytes for u in streamed if u.kind == "layer"]
+        per_use = [u for u in streamed if u.kind != "expert" and (plan.tier[u.name] == "storage" or self.cuda)]  # a CPU maps its host tier
+        sizes = [u.bytes for u in per_use]
+        layers = [u.bytes for u in per_use if u.kind == "layer"]
         self.slot_bytes = _round_up(max(layers) if layers else max(sizes, default=0))
         self.large_bytes = _round_up(max(sizes)) if sizes and _round_up(max(sizes)) > self.slot_bytes else 0
         self._slots: list[Slot] = []
@@ -230,7 +231,7 @@ class WeightStore(RowGathers):
 
     def buffers(self) -> list[tuple[int, int]]:
         """[(bytes, count)] of the streaming buffers this store uses at most: the layers' pool, then the large one."""
-        if self._pool is None and not any(self.plan.tier[n] == "storage" or self.cuda for n in self.schedule):
+        if not self.slot_bytes:
             return []
         out = [(self.slot_bytes, self._max_slots)] if self.slot_bytes else []
         return out + ([(self.large_bytes, self._max_large)] if self.large_bytes else [])
