@@ -128,14 +128,17 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
             url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
         sock.listen(BACKLOG)  # from here a client that connects waits in the backlog until uvicorn accepts it
         entry = _register(warm_key, sock, model, state, knob_flags, idle_s) if warm_key else None
+        def announce() -> None:  # once uvicorn holds the signals: whoever reads "listening" may Ctrl-C at once
+            for line in state.startup_lines(url):
+                output.log(line)
+            for warning in state.warnings:  # binding beyond loopback without a key
+                output.warn(warning)
+            if output.as_json:
+                output.json({"url": url, "openai_base_url": f"{url}/v1", "anthropic_base_url": url, **state.health()})
+
+        server.on_started = announce
         with sigterm_as_ctrl_c():
             try:
-                for line in state.startup_lines(url):
-                    output.log(line)
-                for warning in state.warnings:  # binding beyond loopback without a key
-                    output.warn(warning)
-                if output.as_json:
-                    output.json({"url": url, "openai_base_url": f"{url}/v1", "anthropic_base_url": url, **state.health()})
                 server.run(sockets=[sock])
             except KeyboardInterrupt:
                 pass  # Ctrl-C or SIGTERM: uvicorn stopped and raised it again, or it came before uvicorn took the signals

@@ -40,6 +40,12 @@ class StoppingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.rocketllm_state = state
+        self.on_started = None  # called once uvicorn listens and holds the signals: a Ctrl-C after it is a clean stop
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     async def shutdown(self, sockets=None) -> None:
         self.rocketllm_state.stop()
