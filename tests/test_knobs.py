@@ -25,6 +25,7 @@ from rocketllm_cli.profiles.knobs.resolve import Knob
 from rocketllm_cli.profiles.knobs.table import KNOB_SPECS
 
 GiB = 1024**3
+MiB = 1024**2
 NAMESPACE = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil}
 HEADER = re.compile(r"^(?P<name>[a-z_]+)\s+(?P<display>\S+(?: \S+)?)  (?P<source>\w+)(?P<over> \[OVERRIDDEN\])?$")
 INPUT = re.compile(r"(\w+)=('[^']*'|True|False|None|-?\d+(?:\.\d+)?(?:e[+-]?\d+)?)")
@@ -127,6 +128,22 @@ def test_derivations_recompute_and_respect_memory(ram, free, params, bits, stora
         assert v["device_cache_bytes"] + v["host_cache_bytes"] <= max(0, profile.ram_available - v["reserve_bytes"] - v["kv_cache_bytes"])
     assert v["pin_memory"] is gpu
     assert_recomputes(resolve_knobs(profile, None, env={}))
+
+
+def test_a_memory_cgroup_reserves_a_tenth_of_its_limit_and_gives_the_rest_to_the_weights():
+    """Inside a memory cgroup the OS lives outside the limit: a tenth of it is kept free, not the quarter a small
+    machine keeps, and the bytes freed go to the device tier."""
+    import dataclasses
+
+    machine = synthetic(ram_total=int(1.2 * GiB), ram_available=800 * MiB)
+    group = dataclasses.replace(machine, ram_bound="cgroup")
+    model = ModelFacts.from_size(2.8e9, 4)
+    on_machine, in_group = resolve_knobs(machine, model, env={}), resolve_knobs(group, model, env={})
+    assert on_machine.value("reserve_bytes") == int(0.25 * 1.2 * GiB)
+    assert in_group.value("reserve_bytes") == int(0.10 * 1.2 * GiB) and "cgroup" in in_group["reserve_bytes"].note
+    assert_recomputes(in_group)
+    assert in_group.value("device_cache_bytes") > on_machine.value("device_cache_bytes")
+    assert in_group.value("device_cache_bytes") + in_group.value("reserve_bytes") <= group.ram_available
 
 
 def test_gpu_derivations_use_vram_and_pinned_staging():

@@ -105,7 +105,7 @@ def test_refresh_measures_again(profile, monkeypatch):
 
 
 def test_free_memory_is_live_not_cached(profile, monkeypatch):
-    monkeypatch.setattr(hardware, "memory", lambda: (profile.ram_total, 12345))
+    monkeypatch.setattr(hardware, "memory_bound", lambda: (profile.ram_total, 12345, "machine"))
     assert HardwareProfile.load().ram_available == 12345
 
 

@@ -157,12 +157,18 @@ def test_what_does_not_fit_stops_the_oldest_first(tmp_path, monkeypatch):
 def test_ctrl_c_of_a_client_leaves_the_server(tiny, cold):
     assert cli("generate", tiny, PROMPT, "--raw", "-n", "2").returncode == 0
     [model] = warm_models()
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, "generate", str(tiny), PROMPT, "--raw", "-n", "2000", "--temperature", "1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"})
-    client.stdout.read(1)  # generating
-    client.send_signal(signal.SIGINT)
-    _, err = client.communicate(timeout=60)
-    assert client.returncode == 130 and "Traceback" not in err
+    # The tiny random model samples its end of sequence at any step (12 to 379 tokens in six runs here): a reply that
+    # ends before the signal lands exits 0, and is tried again; the Ctrl-C that lands must exit 130, cleanly.
+    for _ in range(4):
+        client = subprocess.Popen([sys.executable, "-c", CLIENT, "generate", str(tiny), PROMPT, "--raw", "-n", "2000", "--temperature", "1"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"})
+        client.stdout.read(1)  # generating
+        client.send_signal(signal.SIGINT)
+        _, err = client.communicate(timeout=60)
+        assert client.returncode in (0, 130) and "Traceback" not in err, (client.returncode, err)
+        if client.returncode == 130:
+            break
+    assert client.returncode == 130, "every reply ended before its Ctrl-C landed"
     assert [m["pid"] for m in warm_models()] == [model["pid"]]
     after = cli("generate", tiny, PROMPT, "--raw", "-n", "6")
     assert after.returncode == 0 and after.stdout == cold  # the cancelled request left it serving

@@ -24,7 +24,7 @@ from .probe.machine import (
     cpu_snapshot,
     fingerprint,
     fingerprint_facts,
-    memory,
+    memory_bound,
     others_cpu_share,
     usable_cores,
 )
@@ -53,6 +53,7 @@ class HardwareProfile:
     storage: dict = field(default_factory=dict)  # the filesystem the storage figures belong to
     measured_at: dict = field(default_factory=dict)
     from_cache: bool = field(default=False, compare=False)
+    ram_bound: str = "machine"  # live: "cgroup" where a memory cgroup's limit, not the machine's RAM, is ram_total
 
     @classmethod
     def load(cls, storage_path: Path | None = None, refresh: bool = False, *, log: Log | None = None) -> "HardwareProfile":
@@ -92,7 +93,7 @@ class HardwareProfile:
                        "command will measure again: set ROCKETLLM_CACHE to a writable directory"))
         elif not from_cache:
             log(redact(f"profile cached in {where} (--refresh re-measures)"))
-        ram_total, ram_available = memory()
+        ram_total, ram_available, ram_bound = memory_bound()
         vram_total, vram_free = _guarded(lambda: device_memory(host["compute_device"]), lambda why: (None, None))
         return cls(
             fingerprint=fp,
@@ -100,6 +101,7 @@ class HardwareProfile:
             cpu_cores=usable_cores(),
             ram_total=ram_total,
             ram_available=ram_available,
+            ram_bound=ram_bound,
             vram_total=vram_total if vram_total is not None else host.get("vram_total"),
             vram_free=vram_free,
             facts={**host["facts"], "device_reason": host["device_reason"], "accelerators": host["accelerators"]},
@@ -170,7 +172,7 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         return {
             "fingerprint": self.fingerprint, "compute_device": self.compute_device, "cpu_cores": self.cpu_cores,
-            "ram_total": self.ram_total, "ram_available": self.ram_available,
+            "ram_total": self.ram_total, "ram_available": self.ram_available, "ram_bound": self.ram_bound,
             "vram_total": self.vram_total, "vram_free": self.vram_free, "facts": self.facts,
             "measurements": {k: m.to_dict() for k, m in self.measurements.items()},
             "capabilities": {k: c.to_dict() for k, c in self.capabilities.items()},

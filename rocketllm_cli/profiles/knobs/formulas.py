@@ -88,6 +88,12 @@ def engine_compute_dtype(chosen: str, overridden: bool, stored: str, device: str
 
 
 def reserve_bytes(c: Context) -> Derivation:
+    if getattr(c.profile, "ram_bound", "machine") == "cgroup":
+        # A memory cgroup's limit: the OS, its page tables and other programs live outside it, so what the limit
+        # needs kept free is activations and allocator slack. A 1.2 GiB limit reserved 300 MiB by the machine's rule,
+        # and left 430 MiB of itself unused while a 2.8 B model streamed 1.35 GiB a token (docs/HARDWARE.md).
+        return Derivation("floor(reserve_fraction * ram_total)", {"reserve_fraction": 0.10, "ram_total": c.profile.ram_total},
+                          note="ram_total is this process's memory cgroup limit: the OS lives outside it")
     # The floor is a quarter of a small machine (a 1 GiB container would otherwise reserve all of itself).
     return Derivation("max(min(min_reserve_bytes, floor(small_machine_fraction * ram_total)), floor(reserve_fraction * ram_total))",
                       {"min_reserve_bytes": GiB, "small_machine_fraction": 0.25, "reserve_fraction": 0.10, "ram_total": c.profile.ram_total})

@@ -102,14 +102,21 @@ def usable_cores() -> int:
 
 def memory() -> tuple[int, int]:
     """(total, available) RAM in bytes, lowered to this process's own cgroup memory limit when one is set."""
+    total, available, _ = memory_bound()
+    return total, available
+
+
+def memory_bound() -> tuple[int, int, str]:
+    """(total, available, what bounds them): "cgroup" where this process's memory cgroup limit is below the
+    machine's RAM (the OS and other programs then live outside the limit), else "machine"."""
     import psutil
 
     vm = psutil.virtual_memory()
     total, available = int(vm.total), int(vm.available)
     group = memory_limit()
     if group is not None and group.limit < total:
-        total, available = group.limit, min(available, group.available)
-    return total, available
+        return group.limit, min(available, group.available), "cgroup"
+    return total, available, "machine"
 
 
 def pci_accelerators() -> list[str]:
