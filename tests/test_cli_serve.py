@@ -122,8 +122,10 @@ class ServeProcess:
         model_words = ["--model", str(model)] if model_as_option else [str(model)]
         command = [sys.executable, "-m", "rocketllm_cli", "serve", *model_words, "--port", "0", *(["--json"] if as_json else []), *args]
         self.as_json = as_json
+        # Ctrl-C as a terminal sends it: a suite started in the background (SIGINT ignored, inherited) would not deliver it
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         announcing = self.process.stdout if as_json else self.process.stderr
         self.head: list[str] = []  # what was read from `announcing` before the server was known to listen
         # A server that never announces itself is killed at the deadline (readline then returns), never left running.

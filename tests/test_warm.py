@@ -161,7 +161,8 @@ def test_ctrl_c_of_a_client_leaves_the_server(tiny, cold):
     # ends before the signal lands exits 0, and is tried again; the Ctrl-C that lands must exit 130, cleanly.
     for _ in range(4):
         client = subprocess.Popen([sys.executable, "-c", CLIENT, "generate", str(tiny), PROMPT, "--raw", "-n", "2000", "--temperature", "1"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"})
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"},
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal, even in a background suite
         client.stdout.read(1)  # generating
         client.send_signal(signal.SIGINT)
         _, err = client.communicate(timeout=60)
