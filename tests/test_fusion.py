@@ -21,16 +21,7 @@ from rocketllm_cli.shard.manifest import MANIFEST, RESHARD, Manifest
 from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 from rocketllm_cli.stream.packedbind import FusedGroup
-
-PROMPT = torch.tensor([[1, 40, 57, 60, 71, 85, 90]])
-NEW_TOKENS = 10
-HUGE = 1 << 40
-
-
-def _greedy(model) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=3)
+from test_packed_stream import HUGE, PROMPT, _greedy  # the packed sets' own prompt and greedy run
 
 
 def test_the_trace_groups_linears_that_read_one_input(tiny_factory):

@@ -88,7 +88,7 @@ def engine_compute_dtype(chosen: str, overridden: bool, stored: str, device: str
 
 
 def reserve_bytes(c: Context) -> Derivation:
-    if getattr(c.profile, "ram_bound", "machine") == "cgroup":
+    if c.profile.ram_bound == "cgroup":
         # A memory cgroup's limit: the OS, its page tables and other programs live outside it, so what the limit
         # needs kept free is activations and allocator slack. A 1.2 GiB limit reserved 300 MiB by the machine's rule,
         # and left 430 MiB of itself unused while a 2.8 B model streamed 1.35 GiB a token (docs/HARDWARE.md).
