@@ -171,6 +171,31 @@ def test_moe_bench_reports_routed_experts_and_the_cache(tiny_factory):
     assert rows["expert-cache"]["bytes_per_token"]["storage"] < rows["storage"]["bytes_per_token"]["storage"]
 
 
+def test_the_auto_regime_runs_the_derived_plan_with_the_kv_this_run_holds(tiny_factory):
+    """--regime auto overrides no residency knob (what generate does here), and sizes the KV cache for the run's
+    tokens as llama.cpp's row gets n_ctx: prompt, warm-up and measured tokens and the margin."""
+    from math import ceil
+
+    from rocketllm_cli.bench.timing import WARMUP
+    from rocketllm_cli.profiles.knobs.formulas import engine_compute_dtype
+    from rocketllm_cli.shard.modelfacts import model_facts_from_path
+    from rocketllm_cli.stream.context import RUN_MARGIN_TOKENS
+
+    model = tiny_factory("llama", seed=11)
+    result = CliRunner().invoke(app, ["bench", str(model), "--tokens", "2", "--prompt-tokens", "3", "--regime", "auto", "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    row = next(r for r in doc["rows"] if r["name"] == "rocketllm")
+    assert row["regime"] == "auto" and row["status"] == "measured" and row["ms_per_token"]["n"] == 2
+    assert set(doc["residency"]) == {"auto"} and sum(row["bytes_per_token"].values()) > 0
+    facts = model_facts_from_path(model)
+    value = 4 if engine_compute_dtype(row["knobs"]["compute_dtype"], False, facts.dtype, "cpu") == "fp32" else 2  # K and V's
+    tokens = 3 + 1 + WARMUP + 2 + RUN_MARGIN_TOKENS
+    per_token = facts.kv_values_per_token * (value + value / facts.kv_growing_layers)
+    assert row["knobs"]["kv_cache_bytes"] == ceil((tokens + 1) * per_token)
+    assert row["knobs"]["max_context"] >= tokens
+
+
 def test_dense_model_has_no_expert_cache_regime(tiny_checkpoint):
     result = CliRunner().invoke(app, ["bench", str(tiny_checkpoint), "--tokens", "1", "--prompt-tokens", "2", "--regime",
                                       "expert-cache", "--json"])

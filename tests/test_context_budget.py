@@ -185,3 +185,27 @@ def test_streaming_buffers_sized_for_a_layer_leave_the_context_its_room():
     buffers = (knobs.value("prefetch_depth") + 2) * facts.layer_bytes
     room = (profile.ram_available - knobs.value("reserve_bytes") - cache.value - buffers)
     assert context.value == min(facts.max_positions, room // (53_248 * (2 + 2 / 26))) > 0
+
+
+def test_a_one_shot_run_is_sized_through_the_sets_tokenizer_and_generates_the_same(tiny_factory):
+    """run_tokens as a function of the tokenizer (what `generate` with no server passes): called with the set's
+    tokenizer, which the model then keeps (loaded once); the KV cache is sized for its answer, and the tokens are
+    those of the model loaded for any request."""
+    path = tiny_factory("llama", max_position_embeddings=4096)
+    seen = []
+
+    def tokens(tokenizer):
+        seen.append(tokenizer)
+        return 7 + 5
+
+    sized = AutoModel.from_pretrained(path, run_tokens=tokens, compute_dtype="fp32")
+    anyone = AutoModel.from_pretrained(path, compute_dtype="fp32")
+    try:
+        assert len(seen) == 1 and seen[0] is sized.tokenizer and seen[0] is not None
+        assert sized.knobs["kv_cache_bytes"].inputs["run_tokens"] == 12 and "run_tokens" not in anyone.knobs["kv_cache_bytes"].inputs
+        assert 12 <= sized.knobs.value("max_context") and sized.knobs.value("kv_cache_bytes") < anyone.knobs.value("kv_cache_bytes")
+        outs = [m.generate(_ids(7), max_new_tokens=5, min_new_tokens=5, do_sample=False) for m in (sized, anyone)]
+        assert outs[0].tolist() == outs[1].tolist()
+    finally:
+        sized.close()
+        anyone.close()

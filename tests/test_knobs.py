@@ -146,6 +146,31 @@ def test_a_memory_cgroup_reserves_a_tenth_of_its_limit_and_gives_the_rest_to_the
     assert in_group.value("device_cache_bytes") + in_group.value("reserve_bytes") <= group.ram_available
 
 
+@pytest.mark.parametrize("kv", ["auto", "int4"])
+def test_a_one_shot_run_sizes_the_kv_cache_for_its_tokens_and_the_weights_get_the_rest(kv):
+    """generate that keeps no server, and bench, know the tokens a run holds (llama.cpp's n_ctx for the same run): the
+    KV cache is sized for them, max_context still admits them, and what a context nobody asked for held goes to the
+    weights. A run the memory or the model cannot hold so is sized as any request is (its refusal has the numbers)."""
+    import dataclasses
+
+    group = dataclasses.replace(synthetic(ram_total=int(1.2 * GiB), ram_available=1000 * MiB), ram_bound="cgroup")
+    model = ModelFacts.from_size(2.8e9, 4)
+    chosen = {"kv_cache_dtype": kv}
+    anyone = resolve_knobs(group, model, env={}, kwargs=chosen)
+    for tokens in (1, 42, 1000):
+        run = resolve_knobs(group, model, env={}, kwargs=chosen, run_tokens=tokens)
+        assert_recomputes(run)
+        assert "this run's tokens" in run["kv_cache_bytes"].note and run["kv_cache_bytes"].inputs["run_tokens"] == tokens
+        assert tokens <= run.value("max_context") < anyone.value("max_context")
+        saved = anyone.value("kv_cache_bytes") - run.value("kv_cache_bytes")
+        assert saved > 0 and run.value("device_cache_bytes") - anyone.value("device_cache_bytes") >= saved // 2
+        assert run.value("device_cache_bytes") + run.value("kv_cache_bytes") + run.value("reserve_bytes") <= group.ram_available
+    for past in (model.max_positions + 1, 10**9):  # longer than the model's context, or than the memory holds
+        assert resolve_knobs(group, model, env={}, kwargs=chosen, run_tokens=past).to_dict() == anyone.to_dict()
+    given = resolve_knobs(group, model, env={}, kwargs={**chosen, "max_context": 500}, run_tokens=42)
+    assert given.value("kv_cache_bytes") == resolve_knobs(group, model, env={}, kwargs={**chosen, "max_context": 500}).value("kv_cache_bytes")
+
+
 def test_gpu_derivations_use_vram_and_pinned_staging():
     profile = synthetic("cuda:0", vram_free=40 * GiB)
     model = ModelFacts.from_size(70e9, 4)

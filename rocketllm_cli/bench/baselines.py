@@ -25,7 +25,7 @@ from .naive import pin_cpu
 from .timing import fixed_prompt, ms_summary, timed_run
 
 REGIMES_OF = {"transformers": ("resident",), "accelerate": ("host", "storage"), "naive": ("storage",), "airllm": ("storage",),
-              "llamacpp": ("resident",)}
+              "llamacpp": ("resident", "auto")}
 ON_GGUF = ("llamacpp",)  # baselines that run the GGUF file, not the Hugging Face copy
 BASELINES = tuple(REGIMES_OF)
 

@@ -23,7 +23,6 @@ from pathlib import Path
 from .timing import PROMPT_TEXT, WARMUP, ms_summary
 
 NOT_INSTALLED = "llama-cpp-python is not installed (pip install llama-cpp-python)"
-CONTEXT_SLACK = 16  # tokens of n_ctx beyond prompt + generated ones
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
 
@@ -63,7 +62,10 @@ def run_llamacpp(gguf: Path | None, no_gguf: str, regime: str, tokens: int, prom
     threads = int(profile.cpu_cores)
     gpu_layers = 0 if profile.compute_device == "cpu" else -1
     new = 1 + WARMUP + tokens
-    request = {"gguf": str(gguf), "n_ctx": prompt_tokens + new + CONTEXT_SLACK, "n_threads": threads, "n_gpu_layers": gpu_layers,
+    from ..stream.context import run_tokens
+
+    # n_ctx: the tokens this run holds, as our row's KV cache is sized (regimes.py)
+    request = {"gguf": str(gguf), "n_ctx": run_tokens([prompt_tokens], new), "n_threads": threads, "n_gpu_layers": gpu_layers,
                "prompt_text": PROMPT_TEXT, "prompt_tokens": prompt_tokens, "new_tokens": new}
     answer, why = _run_worker(request)
     extra = ""

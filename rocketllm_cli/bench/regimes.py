@@ -3,6 +3,8 @@
 resident - device_cache_bytes covers the whole model: every weight bound once, nothing streams.
 host     - nothing resident; every unit in the host tier (on CPU: the page cache through mmap).
 storage  - nothing resident, no host tier: every token's bytes come from storage, evicted after each read.
+auto     - no overrides: the residency the knobs derive for this machine, as `generate` runs it (under a memory
+           limit smaller than the model, the plan's split between resident and streamed units).
 expert-cache (mixture-of-experts only) - dense parts resident, experts from storage through an expert cache
            of a quarter of the experts' bytes: the regime of a MoE model whose experts do not fit.
 """
@@ -15,7 +17,7 @@ from ..sizes import format_bytes
 from ..threads import COMPUTE_THREADS
 from .timing import fixed_prompt, ms_summary, timed_run
 
-REGIMES = ("resident", "host", "storage", "expert-cache")
+REGIMES = ("resident", "host", "storage", "auto", "expert-cache")
 DEFAULT_REGIMES = ("resident", "host", "storage")  # plus expert-cache for a mixture-of-experts model
 EXPERT_CACHE_SHARE = 0.25
 REGIME_KNOBS = ("device_cache_bytes", "host_cache_bytes")
@@ -30,6 +32,7 @@ def regime_overrides(regime: str, manifest) -> dict[str, int]:
         "resident": {"device_cache_bytes": huge, "host_cache_bytes": 0},
         "host": {"device_cache_bytes": 0, "host_cache_bytes": huge},
         "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0},
+        "auto": {},
         "expert-cache": {"device_cache_bytes": total_bytes - experts + int(EXPERT_CACHE_SHARE * experts), "host_cache_bytes": 0},
     }[regime]
 
@@ -38,7 +41,7 @@ def skip_reason(regime: str, total_bytes: int, ram_available: int, has_experts: 
     """Why a regime cannot run on this machine (the model must fit in RAM to be resident or page-cached)."""
     if regime == "expert-cache":
         return None if has_experts else "not a mixture-of-experts model"
-    if regime == "storage" or total_bytes <= RAM_SHARE * ram_available:
+    if regime in ("storage", "auto") or total_bytes <= RAM_SHARE * ram_available:
         return None
     where = "resident" if regime == "resident" else "in the page cache"
     return (f"the model ({format_bytes(total_bytes)}) does not fit {where} in {RAM_SHARE:.0%} of the "
@@ -54,8 +57,13 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
     from ..shard.manifest import Manifest
     from ..stream.auto import AutoModel
 
+    from ..stream.context import run_tokens
+    from .timing import WARMUP
+
     overrides = regime_overrides(regime, Manifest.load(model_path))
-    streamed = AutoModel.from_pretrained(model_path, flags=flags, log=log, **overrides)
+    # the KV this run holds, as llama.cpp's row gets n_ctx for the same run (llamacpp.py)
+    streamed = AutoModel.from_pretrained(model_path, flags=flags, log=log, run_tokens=run_tokens([prompt_tokens], 1 + WARMUP + tokens),
+                                         **overrides)
     try:
         stats = timed_run(streamed, fixed_prompt(streamed.tokenizer, prompt_tokens), tokens)
         served = stats.bytes_per_token
@@ -77,7 +85,7 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
             "read_method": read_method(streamed.knobs) if served["storage"] else None,
             "residency": streamed.plan.to_dict(), "residency_text": streamed.residency_text(),
             "knobs": {k: streamed.knobs.value(k) for k in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers",
-                                                           "direct_io", "compute_dtype")},
+                                                           "direct_io", "compute_dtype", "kv_cache_bytes", "max_context")},
             "compute_threads": COMPUTE_THREADS.describe(),  # before close() gives torch its own count back
             **({"stages": streamed.stage.figures()} if getattr(streamed, "stage", None) is not None else {}),
             "_facts": streamed.facts, "_profile": streamed.profile,

@@ -36,13 +36,14 @@ median and spread, time to first token, bytes per token per tier, storage bytes 
 Examples:
   rocketllm bench ./SmolLM2.gguf --regime all --baseline transformers accelerate naive airllm
   rocketllm bench --synthetic llama:1B --tokens 4
+  rocketllm bench ./big.gguf --regime auto --baseline llamacpp --speculate off
   rocketllm bench ./SmolLM2.gguf --batch 1 4 8
   rocketllm bench ./SmolLM2.gguf --conversation 3
   rocketllm bench ./SmolLM2.gguf --json-schema benchmarks/schemas/cities.json
   rocketllm bench ./SmolLM2-Q4.gguf --perplexity tests/fixtures/perplexity.txt --reference ./SmolLM2-bf16
 """
 
-RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help=f"resident, host, storage, expert-cache (MoE models) or all (repeatable). [default: all that apply; {BATCH_REGIME} with --batch]", show_default=False)]
+RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help=f"resident, host, storage, auto (the residency this machine derives, as generate runs: a model larger than memory), expert-cache (MoE models) or all (repeatable; all is every one but auto). [default: all that apply; {BATCH_REGIME} with --batch]", show_default=False)]
 BaselineOpt = Annotated[Optional[list[str]], typer.Option("--baseline", help="transformers, accelerate, naive, airllm, llamacpp (a GGUF MODEL, llama-cpp-python installed) or all (repeatable; several names after one flag work too).", show_default=False)]
 ConversationOpt = Annotated[Optional[int], typer.Option("--conversation", help=f"Replay an N-turn chat with prefix reuse off and on and print each turn's prefill time ({CONVERSATION_REGIME} regime unless --regime; replies of --tokens, default {REPLY_TOKENS}).", show_default=False)]
 PerplexityOpt = Annotated[Optional[str], typer.Option("--perplexity", metavar="FILE", help=f"Teacher-forced perplexity of MODEL on the UTF-8 text FILE (tests/fixtures/perplexity.txt is a 4.7 KB one): windows of --window tokens, one streaming pass each ({PERPLEXITY_REGIME} regime unless --regime).", show_default=False)]

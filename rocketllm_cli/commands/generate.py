@@ -122,7 +122,15 @@ def run(
     from ..stream.auto import AutoModel
 
     started = time.perf_counter()
-    streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
+    sized = None
+    if not pictures:  # no server kept: the KV cache holds this run's tokens, the rest of the memory goes to the weights
+        from ..stream.context import run_tokens
+        from ..text.prompts import encode_prompt
+
+        def sized(tokenizer):
+            return run_tokens([encode_prompt(tokenizer, p, chat, system).shape[-1] for p in prompts], params.max_new_tokens)
+
+    streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log, run_tokens=sized)
     load_s = round(time.perf_counter() - started, 3)  # sharding or finding the shards, plus loading
     try:
         from ..stream.context import int4_context

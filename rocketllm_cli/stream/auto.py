@@ -148,7 +148,7 @@ class AutoModel:
 
     @staticmethod
     def from_pretrained(model: str | os.PathLike, *, out: Path | None = None, shard_dtype: str = "auto", flags: dict | None = None,
-                        refresh_profile: bool = False, progress=None, log=None, **knob_overrides) -> StreamingModel:
+                        refresh_profile: bool = False, progress=None, log=None, run_tokens=None, **knob_overrides) -> StreamingModel:
         """Shard MODEL once (or reuse its shards) and open it streamed, every knob derived from this machine's profile.
 
         A memory budget that cannot run the model is refused before the model loads, and before sharding where a
@@ -161,6 +161,9 @@ class AutoModel:
         refresh_profile: measure this machine again instead of using its cached profile.
         progress: a factory of context managers, progress(description, total), for the sharding progress (Output.progress).
         log: called with one line per thing worth telling (sharding steps, shards converted on each use); default silent.
+        run_tokens: for a one-shot run, the most tokens of KV it holds (every row's prompt and new tokens, and a margin),
+            or a function of the set's tokenizer giving them: the KV cache is sized for those, not for any request, and
+            the weights get what that frees (profiles/knobs resolve_knobs). None (a server, a session): any request.
         knob_overrides: any knob by name (device_cache_bytes="4GiB", io_workers=2, ...); beats ROCKETLLM_<NAME> and the derivation.
         """
         from ..shard.source import check_locatable
@@ -190,11 +193,20 @@ class AutoModel:
             group = join(launch, flags)
             share_cores(group, profile, log)
             profile = shared_memory_profile(profile, group, log)
-        knobs = resolve_knobs(profile, facts, flags=flags or {}, kwargs=knob_overrides)
+        tokenizer = None
+        if callable(run_tokens):
+            from .assets import load_tokenizer
+
+            tokenizer = load_tokenizer(directory)
+            run_tokens = run_tokens(tokenizer) if tokenizer is not None else None
+
+        def resolve(f):
+            return resolve_knobs(profile, f, flags=flags or {}, kwargs=knob_overrides, run_tokens=run_tokens)
+
+        knobs = resolve(facts)
         # Streamed from storage: the read method and depth come from the set's own units read cold (once per set).
         with (progress or no_progress)("measuring this set's reads once (cached afterwards)", after=BLINK_S, announce=False):
-            facts, knobs = with_own_reads(profile, facts, directory, knobs,
-                                          lambda f: resolve_knobs(profile, f, flags=flags or {}, kwargs=knob_overrides), log, manifest=manifest)
+            facts, knobs = with_own_reads(profile, facts, directory, knobs, resolve, log, manifest=manifest)
         config, notes = engine_config(profile, knobs, manifest)
         resident = sum(u.tensor_bytes for u in manifest.units if u.kind in RESIDENT_KINDS)
         check_budget(resident, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
@@ -208,7 +220,7 @@ class AutoModel:
 
                 streamed = open_stages(launch, directory, manifest, profile, knobs, facts, config, log, overrides=knob_overrides)
             else:
-                streamed = StreamingModel(directory, config, manifest)
+                streamed = StreamingModel(directory, config, manifest, tokenizer)
         finally:
             LOAD_PROGRESS.reset(loading)
         if manifest.vision:  # the vision tower and projector: resident, read once, in the device budget (plan.py)

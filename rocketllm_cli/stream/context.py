@@ -8,6 +8,14 @@ from __future__ import annotations
 
 from ..errors import ParameterError
 
+RUN_MARGIN_TOKENS = 16  # past a one-shot run's last token: the speculative draft verified beyond it (10 by default) and slack
+
+
+def run_tokens(prompt_lengths: list[int], max_new_tokens: int) -> int:
+    """The tokens of KV a one-shot run holds at most: every row's longest prompt, its new tokens and the margin
+    (AutoModel.from_pretrained's run_tokens; llama.cpp's n_ctx for the same run)."""
+    return len(prompt_lengths) * (max(prompt_lengths) + max_new_tokens + RUN_MARGIN_TOKENS)
+
 
 def check_context(prompt_tokens: int, max_new_tokens: int, max_context: int, why: str = "", int4: int | None = None) -> None:
     """A prompt and its new tokens must fit the context the model (or the max_context knob) allows.

@@ -117,8 +117,9 @@ class StreamingModel:
     (or a with block) stops its IO threads and unmaps its files. AutoModel.from_pretrained builds one from resolved knobs.
     """
 
-    def __init__(self, directory: Path, config: EngineConfig, manifest: Manifest | None = None) -> None:
-        """Open the shard set in DIRECTORY as `config` says; `manifest` saves loading (and checking) it again."""
+    def __init__(self, directory: Path, config: EngineConfig, manifest: Manifest | None = None, tokenizer=None) -> None:
+        """Open the shard set in DIRECTORY as `config` says; `manifest` and `tokenizer` (the set's, loaded already)
+        save loading them again."""
         from transformers import AutoConfig
 
         self.directory = Path(directory)
@@ -159,7 +160,7 @@ class StreamingModel:
         _move_buffers(model, self.device)
         load_generation_config(model, self.directory)
         self.model = model
-        self.tokenizer = load_tokenizer(self.directory)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.directory)
         # A vision-language model's processor turns pictures into the tensors its tower takes (text/images.py)
         self.processor, self.processor_error = load_processor(self.directory) if self.manifest.vision else (None, None)
         self.knobs = self.profile = self.facts = None  # filled in by AutoModel.from_pretrained

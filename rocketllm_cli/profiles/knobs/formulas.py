@@ -46,8 +46,10 @@ def evaluate(formula: str, inputs: dict) -> object:
 class Context:
     """What derivations read: the profile, the model (or None) and the knob values resolved so far."""
 
-    def __init__(self, profile: HardwareProfile, model: ModelFacts | None, values: dict, overridden: set[str]) -> None:
+    def __init__(self, profile: HardwareProfile, model: ModelFacts | None, values: dict, overridden: set[str],
+                 run_tokens: int | None = None) -> None:
         self.profile, self.model, self.values, self.overridden = profile, model, values, overridden
+        self.run_tokens = run_tokens  # the tokens of KV a one-shot run holds at most (every row); None: any request
         self.cpu = profile.compute_device == "cpu"
         # CPU and Apple MPS: the device tier and the host tier are carved out of the same RAM.
         self.unified = profile.compute_device in ("cpu", "mps")
@@ -112,6 +114,18 @@ def kv_cache_bytes(c: Context) -> Derivation:
         return Derivation("max(0, floor(kv_fraction * (memory_available - reserve_bytes)))", share, note="no model: a share of free memory (missing kv_bytes_per_token, max_positions)")
     if "max_context" in c.overridden:
         return Derivation("max_context * kv_bytes_per_token", {"max_context": c.values["max_context"], **c.kv_per_token()}, note="sized for the max_context override")
+    if c.run_tokens:
+        # A one-shot run (generate that keeps no server, a bench run) knows the tokens it will hold, as llama.cpp's
+        # n_ctx does: KV held back for a context it never reaches is weights streamed every token instead. Sized with
+        # max_context's own cost terms, so max_context comes out at least run_tokens (resolve_knobs checks it).
+        inputs = {"max_positions": c.model.max_positions, "run_tokens": c.run_tokens, **c.kv_values(),
+                  "kv_window_values": c.model.kv_window_values}
+        if c.kv_dtype() == "int4":
+            inputs["kv_full_precision_tokens"] = c.values["kv_residual_tokens"] + 2 * KV_INT4_GROUP
+        fixed, per_token = _kv_cost_terms(inputs)
+        # one token more than the run's: max_context divides the room back by a cost per token that is not whole
+        return Derivation(f"ceil({fixed} + (min(max_positions, run_tokens) + 1) * {per_token})", inputs,
+                          note="sized for this run's tokens (prompt + new tokens + a margin, every row): a run that keeps no server")
     inputs = {"max_positions": c.model.max_positions, "min_context": 2048, **share, **c.kv_per_token()}
     return Derivation(
         "min(max_positions, max(min_context, floor(kv_fraction * (memory_available - reserve_bytes) / kv_bytes_per_token))) * kv_bytes_per_token",
@@ -170,6 +184,12 @@ def _context_terms(inputs: dict) -> tuple[str, str, str]:
         left += " - min(host_cache_bytes, total_bytes)" if "total_bytes" in inputs else " - host_cache_bytes"
     if "kv_cache_bytes" in inputs:  # overridden: it caps the room
         left = f"min(kv_cache_bytes, {left})"
+    fixed, per_token = _kv_cost_terms(inputs)
+    return left, fixed, per_token
+
+
+def _kv_cost_terms(inputs: dict) -> tuple[str, str]:
+    """The KV cache's fixed cost and cost per token, as the inputs present call for."""
     # Fixed: what sliding-window layers hold at most, and int4's full-precision tokens: the window (residual + one
     # group filling) and, while speculative decoding records the past, the last quantized group.
     fixed = "kv_window_values * compute_value_bytes"
@@ -178,7 +198,7 @@ def _context_terms(inputs: dict) -> tuple[str, str, str]:
     # Per token: as stored, plus one layer's keys and values in the compute dtype while attention reads them
     # (a float cache's concatenation copies a layer; int4 dequantizes one).
     per_token = "kv_values_per_token * (kv_value_bytes + compute_value_bytes / kv_layers)"
-    return left, fixed, per_token
+    return fixed, per_token
 
 
 def int4_max_context(inputs: dict, residual_tokens: int, head_dim: int) -> int:

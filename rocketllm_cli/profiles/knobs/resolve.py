@@ -82,13 +82,18 @@ def resolve_knobs(
     flags: dict[str, object] | None = None,
     kwargs: dict[str, object] | None = None,
     env: Mapping[str, str] | None = None,
+    run_tokens: int | None = None,
 ) -> Knobs:
     """Every knob for this profile and model. Precedence: a CLI flag or Python keyword, then
-    ROCKETLLM_<NAME> in `env` (default os.environ), then the derivation. Bad values raise KnobError."""
+    ROCKETLLM_<NAME> in `env` (default os.environ), then the derivation. Bad values raise KnobError.
+
+    run_tokens: the most tokens of KV a one-shot run holds (every row's prompt and new tokens, and a margin): the KV
+    cache is sized for them instead of for any request, and what that frees goes to the weights. Ignored where the
+    memory would then hold fewer than run_tokens (the budgets' rounding on an edge of the plan)."""
     env = os.environ if env is None else env
     overrides = _overrides(flags or {}, kwargs or {}, env)
     values = {name: value for name, (value, _, _) in overrides.items()}
-    context = Context(profile, model, values, set(overrides))
+    context = Context(profile, model, values, set(overrides), run_tokens)
     knobs: dict[str, Knob] = {}
     for name, derive in DERIVATIONS.items():
         d = derive(context)
@@ -100,6 +105,9 @@ def resolve_knobs(
         else:
             values[name] = derived
             knobs[name] = Knob(name, derived, d.formula, d.inputs, d.source, d.note)
+    held = values.get("max_context")
+    if run_tokens and "max_context" not in overrides and isinstance(held, int) and held < run_tokens:
+        return resolve_knobs(profile, model, flags, kwargs, env)
     return Knobs(knobs)
 
 
