@@ -78,6 +78,14 @@ def test_projection_limit_and_efficiency_recompute_from_printed_inputs(bench_doc
         assert row["efficiency"] == pytest.approx(limit / row["ms_per_token"]["median"], abs=0.002)
         if row["regime"] != "resident" and limit > 1000 * io:  # compute-bound: no row beats its own floor
             assert row["efficiency"] <= 1
+        if unique["storage"]:  # beside it, the limit at what the disk gave the run's own units read cold just after it
+            disk = row["disk_now"]
+            assert disk["bps"] > 0 and disk["units"] >= 2 and disk["bytes"] > 0
+            now = max(1000 * (unique["storage"] / disk["bps"] + (unique["host"] / tiers["host"]["bandwidth_bps"] if unique["host"] else 0)), floor)
+            assert row["disk_now_limit_ms"] == pytest.approx(now, abs=0.01)
+            assert row["disk_now_efficiency"] == pytest.approx(now / row["ms_per_token"]["median"], abs=0.002)
+        else:
+            assert "disk_now" not in row and "disk_now_limit_ms" not in row
     resident = next(r for r in bench_doc["rows"] if r["name"] == "rocketllm" and r["regime"] == "resident")
     assert resident["speedup"]["transformers"] == pytest.approx(measured[("transformers", "resident")] / measured[("rocketllm", "resident")], abs=0.01)
 

@@ -51,13 +51,17 @@ def compute_floor(regime: str, fastest: dict[tuple[str, str], float], proj: dict
     return proj["compute_seconds"], "compute = all bytes / measured matvec bandwidth (resident regime did not run)"
 
 
-def limit(regime: str, fastest: dict, proj: dict, unique: dict | None, own: float | None = None) -> tuple[float | None, str]:
-    """Overlap-aware physical limit in seconds per token, and how it was formed."""
+def limit(regime: str, fastest: dict, proj: dict, unique: dict | None, own: float | None = None,
+          storage_bps: float | None = None) -> tuple[float | None, str]:
+    """Overlap-aware physical limit in seconds per token, and how it was formed. `storage_bps`: storage bytes at this
+    bandwidth instead of the profile's (disk_now's figure)."""
     floor, basis = compute_floor(regime, fastest, proj, own)
     io = proj["io_seconds"]
     if unique is not None and io is not None:
-        tiers = proj["tiers"]
-        io = sum(unique.get(t, 0) / tiers[t]["bandwidth_bps"] for t in ("host", "storage") if unique.get(t))
+        bandwidth = {t: proj["tiers"][t]["bandwidth_bps"] for t in ("host", "storage")}
+        if storage_bps:
+            bandwidth["storage"] = storage_bps
+        io = sum(unique.get(t, 0) / bandwidth[t] for t in ("host", "storage") if unique.get(t))
     if floor is None or io is None:
         return None, "unavailable: " + (proj["reason"] or "no compute figure")
     bound = "io" if io > floor else "compute"
@@ -82,6 +86,14 @@ def finish_rows(rows: list[dict], profile, facts) -> None:
         row["limit_ms"] = round(1000 * bound, 2) if bound is not None else None
         row["limit_basis"] = how
         row["efficiency"] = round(bound / measured[(row["name"], row["regime"])], 3) if bound else None
+        disk = same.get("disk_now")
+        if proj and disk and (same.get("unique_bytes_per_tier") or {}).get("storage"):
+            # The same limit with storage at what the disk gave the run's own units just after it: a shared disk's
+            # bandwidth moves within the hour, so both are printed (the column keeps the profile's, comparable).
+            now, _ = limit(row["regime"], fastest, proj, same.get("unique_bytes_per_tier"), own, disk["bps"])
+            if now:
+                row["disk_now_limit_ms"] = round(1000 * now, 2)
+                row["disk_now_efficiency"] = round(now / measured[(row["name"], row["regime"])], 3)
     for regime, row in ours.items():
         row["speedup"] = {
             r["name"]: round(r["ms_per_token"]["median"] / row["ms_per_token"]["median"], 2)

@@ -64,12 +64,14 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
     # the KV this run holds, as llama.cpp's row gets n_ctx for the same run (llamacpp.py)
     streamed = AutoModel.from_pretrained(model_path, flags=flags, log=log, run_tokens=run_tokens([prompt_tokens], 1 + WARMUP + tokens),
                                          **overrides)
+    directory = streamed.directory
     try:
+        streams = [u for u in streamed.manifest.units if streamed.plan.tier[u.name] == "storage" and u.kind != "expert"]
         stats = timed_run(streamed, fixed_prompt(streamed.tokenizer, prompt_tokens), tokens)
         served = stats.bytes_per_token
         moe = bool(streamed.manifest.experts)
         experts = stats.experts_per_token
-        return {
+        row = {
             "name": "rocketllm", "regime": regime, "status": "measured", "reason": "",
             "ttft_ms": round(1000 * stats.ttft_s, 1), "ms_per_token": ms_summary(stats.token_gaps_s),
             "tokens_per_s": round(stats.tokens_per_s, 2) if stats.tokens_per_s else None,
@@ -94,4 +96,34 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
         streamed.close()
         del streamed
         gc.collect()
+    if streams:  # the disk as it is now, for the limit: the units this run streamed, read cold (the model closed first)
+        row["disk_now"] = disk_now(directory, streams)
+    return row
+
+
+SAMPLE_LAYERS_BYTES = 128 * 1024**2  # of the streamed layers read for disk_now: enough that a request's latency averages out
+
+
+def disk_now(directory, units: list) -> dict | None:
+    """The fastest the disk reads a run's streamed units cold, measured now (each method the store has, 1, 2 and 4
+    reads in flight, profiles/probe/unitreads.py): a disk shared with other machines delivers what it delivers this
+    hour, and the profile measured a large file another day. Layers first (every token reads them), up to
+    SAMPLE_LAYERS_BYTES; None where fewer than two units stream or a read fails."""
+    import os
+
+    from ..profiles.probe.unitreads import measure
+
+    layers = [u for u in units if u.kind == "layer"] or units
+    picked, total = [], 0
+    for u in layers:
+        picked.append(u)
+        total += u.bytes
+        if total >= SAMPLE_LAYERS_BYTES:
+            break
+    reads = measure(directory, picked, 0, hasattr(os, "O_DIRECT"), (1, 2, 4))
+    if reads is None:
+        return None
+    best = max(reads.rows, key=lambda r: r.bps)
+    return {"bps": round(best.bps), "bytes": best.bytes, "units": reads.units,
+            "how": f"{'O_DIRECT' if best.direct else 'buffered'} x{best.in_flight}, best of {len(reads.rows)} ways"}
 

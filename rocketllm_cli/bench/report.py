@@ -99,7 +99,11 @@ def _notes(rows: list[dict]) -> list[str]:
                 st = row["stages"]
                 threads += (f"{st['plan']}; measured: links {st['link_ms_per_pass']} ms, other ranks computing "
                             f"{st['other_ranks_ms_per_pass']} ms per pass (bytes above are every rank's); rank 0's share: ")
-            out.append(f"- {row['regime']}: limit {row.get('limit_basis')}; per-token phases {phases}; {experts}{speculation}"
+            disk = row.get("disk_now")
+            now = (f"; this set's streamed units read cold after the run at {disk['bps'] / 1e9:.2f} GB/s ({disk['how']}): "
+                   f"at that bandwidth the limit is {row['disk_now_limit_ms']} ms, efficiency {row['disk_now_efficiency']:.2f}"
+                   if disk and row.get("disk_now_limit_ms") else "")
+            out.append(f"- {row['regime']}: limit {row.get('limit_basis')}{now}; per-token phases {phases}; {experts}{speculation}"
                        f"{threads}{row.get('residency_text', '')}")
         elif row["status"] == "measured" and row.get("llamacpp"):
             lc = row["llamacpp"]
