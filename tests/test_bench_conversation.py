@@ -64,7 +64,7 @@ def test_the_table_has_a_row_per_turn(doc):
 @pytest.mark.parametrize("args, message", [
     (["--conversation", "0"], "error: --conversation must be between 1 and 20 turns (got 0)"),
     (["--conversation", "2", "--baseline", "transformers"], "error: --conversation measures RocketLLM alone: drop --baseline and --batch"),
-    (["--conversation", "2", "--regime", "fast"], "error: bad --regime 'fast': expected resident, host, storage, expert-cache or all"),
+    (["--conversation", "2", "--regime", "fast"], "error: bad --regime 'fast': expected resident, host, storage, auto, expert-cache or all"),
 ])
 def test_bad_input_is_one_error_line(tiny, args, message):
     assert one_error_line(invoke(tiny, *args), 2) == message
