@@ -56,7 +56,6 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
     """Load MODEL in `regime`, generate, and return the measured row (the ledger's figures over the measured steps)."""
     from ..shard.manifest import Manifest
     from ..stream.auto import AutoModel
-
     from ..stream.context import run_tokens
     from .timing import WARMUP
 
