@@ -110,16 +110,9 @@ def disk_now(directory, units: list) -> dict | None:
     SAMPLE_LAYERS_BYTES; None where fewer than two units stream or a read fails."""
     import os
 
-    from ..profiles.probe.unitreads import measure
+    from ..profiles.probe.unitreads import first_layers, measure
 
-    layers = [u for u in units if u.kind == "layer"] or units
-    picked, total = [], 0
-    for u in layers:
-        picked.append(u)
-        total += u.bytes
-        if total >= SAMPLE_LAYERS_BYTES:
-            break
-    reads = measure(directory, picked, 0, hasattr(os, "O_DIRECT"), (1, 2, 4))
+    reads = measure(directory, first_layers(units, SAMPLE_LAYERS_BYTES), 0, hasattr(os, "O_DIRECT"), (1, 2, 4))
     if reads is None:
         return None
     best = max(reads.rows, key=lambda r: r.bps)

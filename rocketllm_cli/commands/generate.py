@@ -122,13 +122,14 @@ def run(
     from ..stream.auto import AutoModel
 
     started = time.perf_counter()
-    sized = None
+    sized, encoded = None, []
     if not pictures:  # no server kept: the KV cache holds this run's tokens, the rest of the memory goes to the weights
         from ..stream.context import run_tokens
         from ..text.prompts import encode_prompt
 
-        def sized(tokenizer):
-            return run_tokens([encode_prompt(tokenizer, p, chat, system).shape[-1] for p in prompts], params.max_new_tokens)
+        def sized(tokenizer):  # the prompts' ids, kept: the model keeps this tokenizer
+            encoded.extend(encode_prompt(tokenizer, p, chat, system)[0].tolist() for p in prompts)
+            return run_tokens([len(one) for one in encoded], params.max_new_tokens)
 
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log, run_tokens=sized)
     load_s = round(time.perf_counter() - started, 3)  # sharding or finding the shards, plus loading
@@ -141,7 +142,7 @@ def run(
         if pictures:
             ids, inputs = _with_images(streamed, model, text, system, pictures)
         else:
-            ids = [encode_prompt(streamed.tokenizer, p, chat, system)[0].tolist() for p in prompts]
+            ids = encoded or [encode_prompt(streamed.tokenizer, p, chat, system)[0].tolist() for p in prompts]
         limit = (int(streamed.knobs.value("max_context")), context_reason(streamed.knobs), int4_context(streamed.knobs, streamed.config))
         for one in ids:  # before any forward pass: a context the memory cannot hold is refused with the numbers
             check_context(len(one), params.max_new_tokens, *limit)

@@ -84,13 +84,16 @@ def sample_units(manifest) -> list:
     without layer units samples its other streamed kinds."""
     from ...stream.plan import RESIDENT_KINDS
 
-    streamed = [u for u in manifest.units if u.kind not in RESIDENT_KINDS and u.kind != "expert"]
-    layers = [u for u in streamed if u.kind == "layer"]
+    return first_layers([u for u in manifest.units if u.kind not in RESIDENT_KINDS and u.kind != "expert"], SAMPLE_BYTES)
+
+
+def first_layers(units: list, budget: int) -> list:
+    """The decoder-layer units among UNITS (all of them where none is a layer), in order, until BUDGET bytes."""
     picked, total = [], 0
-    for unit in layers or streamed:
+    for unit in [u for u in units if u.kind == "layer"] or units:
         picked.append(unit)
         total += unit.bytes
-        if total >= SAMPLE_BYTES:
+        if total >= budget:
             break
     return picked
 
