@@ -125,6 +125,30 @@ def test_a_member_called_on_another_input_gets_its_own_columns():
         assert torch.allclose(first, want(0, x / 2), atol=1e-4)
 
 
+def test_inference_tensors_share_one_product_per_input(monkeypatch):
+    """Under inference_mode (how generate runs) an input has no version counter: the group still computes once per
+    input for all its members, and an input it has not seen gets its own product."""
+    from rocketllm_cli.packed import compute
+
+    torch.manual_seed(1)
+    packed = [quantize_rtn(torch.randn(n, 64), 8, None) for n in (64, 32, 32)]
+    members = [torch.nn.Linear(64, n, bias=False) for n in (64, 32, 32)]
+    group = FusedGroup(members, [64, 32, 32], "test")
+    group.bound = compute.bind(fuse(packed), "cpu", torch.float32)
+    group.bound.fast = None  # every product goes through compute.linear, counted here
+    products = []
+    real = compute.linear
+    monkeypatch.setattr(compute, "linear", lambda x, bound, bias: products.append(x) or real(x, bound, bias))
+    dense = [dequantize(p) for p in packed]
+    with torch.inference_mode():
+        x, y = torch.randn(2, 64), torch.randn(2, 64)
+        for index in (0, 1, 2):
+            assert torch.allclose(group.call(index, x), x @ dense[index].T, atol=1e-4)
+        assert len(products) == 1 and products[0] is x
+        assert torch.allclose(group.call(1, y), y @ dense[1].T, atol=1e-4)
+        assert len(products) == 2 and products[1] is y
+
+
 def test_formats_that_disagree_stay_apart():
     weights = [torch.randn(64, 64), torch.randn(32, 128)]
     assert fuse([quantize_rtn(w, 8, None) for w in weights]) is None  # another K

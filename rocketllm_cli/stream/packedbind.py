@@ -108,10 +108,9 @@ class FusedGroup:
 
 
 def _version(x: torch.Tensor):
-    try:
-        return x._version
-    except RuntimeError:  # an inference tensor has no version counter; nothing in a layer changes its input in place
-        return None
+    # An inference tensor has no version counter (nothing in a layer changes its input in place). Asked first: reading
+    # its _version raises, and raising cost SmolLM2 4 ms of a 20.8 ms resident token (150 calls a token).
+    return None if x.is_inference() else x._version
 
 
 def _hooked() -> bool:
