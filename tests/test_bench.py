@@ -70,13 +70,13 @@ def test_projection_limit_and_efficiency_recompute_from_printed_inputs(bench_doc
         assert row["projected_ms"] == pytest.approx(1000 * max(io, compute), abs=0.01)
         unique = row["unique_bytes_per_tier"]
         io = sum(unique[t] / tiers[t]["bandwidth_bps"] for t in ("host", "storage") if unique[t])
-        # the floor is the fastest tenth of a resident run's tokens, never another run's median
-        floor = fastest[("transformers", "resident")] if row["regime"] == "resident" else \
+        # the floor is the fastest tenth of a resident run's tokens (any engine's, or the row's own), never a median
+        floor = min(fastest[("transformers", "resident")], fastest[("rocketllm", row["regime"])]) if row["regime"] == "resident" else \
             min(fastest[("rocketllm", "resident")], fastest[("transformers", "resident")], fastest[("rocketllm", row["regime"])])
         limit = max(1000 * io, floor)
         assert row["limit_ms"] == pytest.approx(limit, abs=0.01)
         assert row["efficiency"] == pytest.approx(limit / row["ms_per_token"]["median"], abs=0.002)
-        if row["regime"] != "resident" and limit > 1000 * io:  # compute-bound: no row beats its own floor
+        if limit > 1000 * io:  # compute-bound: no row beats its own floor
             assert row["efficiency"] <= 1
         if unique["storage"]:  # beside it, the limit at what the disk gave the run's own units read cold just after it
             disk = row["disk_now"]
@@ -222,3 +222,19 @@ def test_the_resident_row_is_kept_for_doctor_to_project_from(bench_doc):
     entries = [e for k, e in stored.items() if k != "cache_format" and e["compute_dtype"] == resident["knobs"]["compute_dtype"]
                and e["seconds"] == pytest.approx(resident["ms_per_token"]["median"] / 1000)]
     assert entries and entries[0]["p10_seconds"] == pytest.approx(resident["ms_per_token"]["p10"] / 1000)
+
+
+def test_any_engines_resident_run_is_a_compute_floor():
+    """llama.cpp's resident tokens bound ours: a row slower than them is below 1, and theirs is judged by their own
+    p10 or by a faster engine's, never by a matvec figure that a 4-bit kernel beats."""
+    from rocketllm_cli.bench.accounting import compute_floor
+
+    proj = {"compute_seconds": 0.130}
+    fastest = {("rocketllm", "resident"): 0.098, ("llamacpp", "resident"): 0.053, ("rocketllm", "host"): 0.100}
+    assert compute_floor("resident", fastest, proj, own=0.098) == (0.053, "compute = llamacpp resident, p10 measured")
+    assert compute_floor("resident", fastest, proj, own=0.050)[0] == 0.050  # faster than every other engine: its own
+    assert compute_floor("host", fastest, proj, own=0.100)[0] == 0.053
+    ours_alone = {("rocketllm", "resident"): 0.098}
+    assert compute_floor("resident", ours_alone, proj, own=0.098) == (0.130, "compute = all bytes / measured matvec bandwidth (no baseline ran)")
+    assert compute_floor("storage", ours_alone, proj, own=0.2) == (0.098, "compute = our resident regime, p10 measured")
+    assert compute_floor("storage", {}, proj, own=0.2)[0] == 0.130

@@ -5,11 +5,12 @@ projected = the cost model (profiles.cost.project) on the bytes per tier the led
             and compute = all bytes / measured matvec bandwidth.
 limit     = max(io, compute floor): io of each weight byte once (the plan's unique bytes per tier: a tied
             embedding served twice counts once), and the compute floor is a *measured* per-token time of
-            the same model: the p10 (fastest tenth of tokens) of the faster of our resident regime and plain
-            transformers, or of the row itself where that is faster (on a CPU the host regime computes exactly
-            as the resident one does, so either beats the other by noise: a median of another run is no floor,
-            and put a host row at efficiency 1.72); for the resident row itself, plain transformers' p10 when
-            it ran, else the cost model's compute. efficiency = limit / measured median.
+            the same model: the p10 (fastest tenth of tokens) of the fastest resident run, ours or any
+            baseline's (plain transformers, llama.cpp), or of the row itself where that is faster (on a CPU the
+            host regime computes exactly as the resident one does, so either beats the other by noise: a median
+            of another run is no floor, and put a host row at efficiency 1.72); for a resident row, the other
+            engines' resident p10 or its own, when another engine ran, else the cost model's compute.
+            efficiency = limit / measured median.
 """
 
 from __future__ import annotations
@@ -35,20 +36,28 @@ def projected_ms(proj: dict) -> float | None:
 
 def compute_floor(regime: str, fastest: dict[tuple[str, str], float], proj: dict, own: float | None = None) -> tuple[float | None, str]:
     """(seconds, basis in words): the time a token needs with no bytes to wait for. `fastest`: each measured
-    run's p10 seconds per token; `own`: the row's own p10."""
-    ours = fastest.get(("rocketllm", "resident"))
-    plain = fastest.get(("transformers", "resident"))
+    run's p10 seconds per token; `own`: the row's own p10.
+
+    Any engine's resident run is a floor: llama.cpp computing a token of the same model in 7.7 ms proves this machine
+    can, whatever our resident row does (the cost model's bf16 matvec figure put llama.cpp at efficiency 2.21 on a
+    4-bit set, whose kernels it does not describe)."""
+    engines = {name: s for (name, r), s in fastest.items() if r == "resident" and s is not None}
+    others = [(s, f"compute = {_engine(name)} resident, p10 measured") for name, s in engines.items() if name != "rocketllm"]
     if regime == "resident":
-        if plain is not None:
-            return plain, "compute = plain transformers resident, p10 measured"
+        if others:
+            mine = [(own, "compute = this row's own p10, faster than the other engines'")] if own is not None else []
+            return min(others + mine, key=lambda c: c[0])
         return proj["compute_seconds"], "compute = all bytes / measured matvec bandwidth (no baseline ran)"
-    candidates = [(s, basis) for s, basis in ((plain, "compute = plain transformers resident, p10 measured"),
-                                              (ours, "compute = our resident regime, p10 measured"),
-                                              (own, "compute = this row's own p10, faster than the resident runs'"))
-                  if s is not None]
-    if ours is not None or plain is not None:
+    candidates = others + [(s, basis) for s, basis in ((engines.get("rocketllm"), "compute = our resident regime, p10 measured"),
+                                                       (own, "compute = this row's own p10, faster than the resident runs'"))
+                           if s is not None]
+    if engines:
         return min(candidates, key=lambda c: c[0])
     return proj["compute_seconds"], "compute = all bytes / measured matvec bandwidth (resident regime did not run)"
+
+
+def _engine(name: str) -> str:
+    return {"transformers": "plain transformers"}.get(name, name)
 
 
 def limit(regime: str, fastest: dict, proj: dict, unique: dict | None, own: float | None = None,
