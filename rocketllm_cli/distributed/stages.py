@@ -351,10 +351,17 @@ def _check_same(group: StageGroup, ids: list[dict]) -> None:
         for key in ("fingerprint", "set", "layers", "units", "rocketllm", "torch", "transformers"):
             if other[key] != first[key]:
                 what = "shard set" if key in ("fingerprint", "set", "layers", "units") else f"{key} version"
-                err = StageError(f"{group.name(r)} has another {what} than rank 0 ({key} {other[key]} against {first[key]}): every rank "
-                                 "must run the same set (a shared directory, or a copy of it) with the same rocketllm, torch and transformers")
-                err.rank0_reports = True
-                raise err
+                raise StageError(f"{group.name(r)} has another {what} than rank 0 ({key} {other[key]} against {first[key]}): every "
+                                 "rank must run the same set (a shared directory, or a copy of it) with the same rocketllm, torch and "
+                                 "transformers")
+
+
+def _refuse_together(group: StageGroup, err: RocketError) -> None:
+    """A refusal every rank reached from the same exchanged facts: all leave the group together (a barrier, then each
+    destroys its end), so rank 0's exit does not tell ranks that are already gone, and rank 0 alone says why."""
+    err.rank0_reports = True
+    group.close(orderly=True)
+    raise err
 
 
 def probe_links(group: StageGroup, hidden_bytes: int, rounds: int = 20) -> tuple[float, float]:
@@ -444,7 +451,10 @@ def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, en
     group = group_for(launch, int(knobs.value("stage_timeout_s")), profile.compute_device)
     if group.rank == 0:
         group.broadcast({"op": "load", "overrides": _portable(overrides or {})})  # the other ranks wait in run_later_stage
-    _check_same(group, group.exchange(_identity(manifest)))
+    try:
+        _check_same(group, group.exchange(_identity(manifest)))
+    except StageError as e:
+        _refuse_together(group, e)
     text = AutoConfig.from_pretrained(directory).get_text_config(decoder=True)
     hidden_bytes = int(text.hidden_size) * ITEMSIZE[engine_config.compute_dtype]
     link = probe_links(group, hidden_bytes)
@@ -457,8 +467,7 @@ def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, en
             plan = e
     plan = group.broadcast(plan)
     if isinstance(plan, RocketError):
-        plan.rank0_reports = True
-        raise plan
+        _refuse_together(group, plan)
     if group.rank == 0:
         for f in ranks:
             log(describe_rank(f))
