@@ -34,8 +34,8 @@ def _kv(tokens: int, heads: int = 2, dim: int = 16, seed: int = 0, dtype=torch.f
 
 def _fed(k, v, chunks: list[int], recording: bool = False) -> Int4Layer:
     layer, at = Int4Layer(R), 0
-    if recording:
-        layer.activate_past_recording()
+    if recording:  # as transformers 5.25's generate asks for it (older ones pass nothing)
+        layer.activate_past_recording(recurrent_states_to_keep=1)
     for n in chunks:
         layer.update(k[..., at : at + n, :], v[..., at : at + n, :])
         at += n

@@ -140,6 +140,24 @@ def test_auto_is_on_where_layers_stream_and_off_where_every_unit_is_resident(str
     assert rows[0].stats.speculation["mode"] == "off" and "batch" in rows[0].stats.speculation["reason"]
 
 
+def test_a_state_layer_turns_it_off_where_transformers_no_longer_marks_the_model(stateful_factory, monkeypatch):
+    """transformers 5.25 dropped `_is_stateful` and calls state layers croppable, yet its assisted generation gave other
+    tokens than greedy decoding on Mamba, Mamba2 and Qwen3-Next: without the mark, the cache's own layers decide."""
+    from rocketllm_cli.text.speculate import cannot_roll_back
+
+    model = AutoModel.from_pretrained(stateful_factory("mamba"), device_cache_bytes=0, host_cache_bytes=0)
+    try:
+        for cls in type(model.model).__mro__:
+            if "_is_stateful" in vars(cls):
+                monkeypatch.delattr(cls, "_is_stateful")
+        assert not hasattr(model.model, "_is_stateful")
+        reason = cannot_roll_back(model)
+        assert "LinearAttentionLayer layers" in reason and "cannot be rolled back" in reason
+        assert Generator(model).speculation.mode == "off"
+    finally:
+        model.close()
+
+
 def test_a_model_whose_state_cannot_roll_back_has_it_off_with_the_reason(stateful_factory):
     model = AutoModel.from_pretrained(stateful_factory("mamba"), device_cache_bytes=0, host_cache_bytes=0)
     try:

@@ -109,10 +109,11 @@ class QuantizedKVCache(Cache):
     def __init__(self, layers: list) -> None:
         super().__init__(layers=layers)
 
-    def activate_past_recording(self) -> None:  # transformers 4.x has no such call; 5.x's loops over the layers too
+    def activate_past_recording(self, **kwargs) -> None:  # transformers 4.x has no such call; 5.x's loops over the layers too
+        # 5.25 and later pass recurrent_states_to_keep (for layers that keep a recurrent state): taken and passed on
         for layer in self.layers:
             if hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()
+                layer.activate_past_recording(**kwargs)
 
     @property
     def is_int4(self) -> bool:
@@ -217,8 +218,9 @@ class Int4Layer(DynamicLayer):
         self._quantize_full_blocks()
         return self._dequantized()
 
-    def activate_past_recording(self) -> None:
-        """Keep the last quantized block in full precision too (G tokens), so a rollback across it is exact."""
+    def activate_past_recording(self, **kwargs) -> None:
+        """Keep the last quantized block in full precision too (G tokens), so a rollback across it is exact. KWARGS
+        (transformers 5.25's recurrent_states_to_keep) concern recurrent states, which a KV layer has none of."""
         self.record_past = True
 
     def get_seq_length(self) -> int:

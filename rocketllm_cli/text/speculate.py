@@ -106,11 +106,14 @@ def _mode(setting: str, knobs, draft, explicit: bool) -> tuple[str, str]:
 
 def cannot_roll_back(model) -> str:
     """Why MODEL's cache cannot be cropped back past rejected drafted tokens, or "" when it can."""
-    inner = getattr(model, "model", model) if type(model).__name__ == "StreamingModel" else model
-    if getattr(inner, "_is_stateful", False):
-        from .reuse import declared_kinds
+    from .reuse import CROPPABLE, declared_kinds
 
-        kinds = sorted((declared_kinds(inner) or set()) - {"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"})
+    inner = getattr(model, "model", model) if type(model).__name__ == "StreamingModel" else model
+    stateful = getattr(inner, "_is_stateful", None)  # transformers up to 5.24 marks such models; 5.25 dropped the mark
+    kinds = sorted((declared_kinds(inner) or set()) - CROPPABLE) if stateful is not False else []
+    # Without the mark, a cache layer that keeps a state decides: 5.25 calls such layers croppable, yet its assisted
+    # generation gave other tokens than plain greedy decoding on Mamba, Mamba2 and Qwen3-Next.
+    if stateful or (stateful is None and kinds):
         what = f"{', '.join(kinds)} layers" if kinds else "a recurrent state"
         return (f"{type(inner).__name__} keeps {what} in its cache, a state after every token that cannot be rolled back to "
                 "before a rejected drafted token")
