@@ -10,6 +10,7 @@ both budgets come out of the same free RAM, device first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from math import ceil, floor
 
@@ -235,11 +236,12 @@ def io_workers(c: Context) -> Derivation:
 
 
 def prefetch_depth(c: Context) -> Derivation:
-    storage = c.profile.storage_read_bps
-    compute = c.profile.matvec_bps(c.values["compute_dtype"]) or c.profile.device_memory_bps
-    if not storage or not compute:
+    # whole bytes per second, as printed: a figure under 1 B/s is no measurement to divide by
+    storage = round(c.profile.storage_read_bps or 0)
+    compute = round(c.profile.matvec_bps(c.values["compute_dtype"]) or c.profile.device_memory_bps or 0)
+    if storage <= 0 or compute <= 0:
         return Derivation(repr(FALLBACK_PREFETCH_DEPTH), {}, "default", "storage or compute bandwidth unmeasured: double buffering")
-    inputs = {"max_depth": 4, "compute_read_bps": round(compute), "storage_read_bps": round(storage)}
+    inputs = {"max_depth": 4, "compute_read_bps": compute, "storage_read_bps": storage}
     # Units that compute in the time one unit is read: that many reads in flight keep the reader ahead.
     formula = "max(1, min(max_depth, ceil(compute_read_bps / storage_read_bps)))"
     if c.model is None:
@@ -312,7 +314,7 @@ def direct_io(c: Context) -> Derivation:
                                "cpu_shared": reads.cpu_shared, "unit_bytes": reads.unit_bytes}, "measured",
                               note=UNIT_READS_NOTE + "; O_DIRECT wins ties")
     direct, buffered = c.profile.measurements.get("storage_read_direct"), c.profile.measurements.get("storage_read")
-    if direct and buffered and direct.available and buffered.available:
+    if all(m and m.available and m.bytes_moved > 0 and m.seconds > 0 for m in (direct, buffered)):
         # Cost per byte: wall time plus, where compute shares the CPU, the CPU time the read itself uses.
         shared = 1 if c.profile.compute_device == "cpu" else 0
         inputs = {
@@ -377,9 +379,11 @@ def default_max_tokens(c: Context) -> Derivation:
     host = min(c.model.total_bytes - device, int(v["host_cache_bytes"] or 0))
     projection = project(c.profile, c.model, {"device": device, "host": host, "storage": c.model.total_bytes - device - host})
     seconds = projection.overlapped_seconds or projection.serial_seconds
-    if not seconds:
+    # six significant digits, not decimals: a small model on a fast GPU projects well under a microsecond a token
+    seconds = float(f"{seconds:.6g}") if seconds and math.isfinite(seconds) else 0.0
+    if seconds <= 0:
         return Derivation(str(DEFAULT_REPLY_TOKENS), {}, "default", f"no projected speed ({projection.reason or 'unmeasured'})")
-    inputs = {**bounds, "seconds_per_token": round(seconds, 6), "max_context": v["max_context"] if v["max_context"] is not None else 1 << 30}
+    inputs = {**bounds, "seconds_per_token": seconds, "max_context": v["max_context"] if v["max_context"] is not None else 1 << 30}
     return Derivation("min(max_context, max(min_tokens, min(max_tokens, floor(reply_budget_s / seconds_per_token))))", inputs,
                       note="the cost model's projected seconds per token at this residency; a request's max_tokens wins")
 
