@@ -28,7 +28,11 @@ sys.path.insert(0, str(ROOT))
 PROMPT = [1, 40, 57, 60, 71, 85, 90]
 NEW_TOKENS = 8
 HUGE = 1 << 40
-REGIMES = {"defaults": {}, "host": {"device_cache_bytes": 0}, "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0}}
+STEPS = ("environment", "equality", "cli", "serve", "bench", "resident", "split")
+QUICK = ["environment", "equality", "cli"]
+REGIMES = {"resident": {"decode_graphs": "off"}, "host": {"device_cache_bytes": 0},
+           "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0}}
+GRAPH_ARCHS = ("llama", "gemma3", "qwen3_moe")  # each compiles its decode step (seconds each): a sample of the families
 
 
 class Report:
@@ -92,63 +96,112 @@ def environment(report: Report, device: str) -> None:
 
 
 def equality(report: Report, device: str, work: Path) -> None:
-    """Every architecture of the synthetic table: AutoModel with the defaults, then host and storage regimes, against
-    plain transformers on the same device and dtype. fp32 checkpoints: the engine computes in the stored fp32."""
+    """Every architecture of the synthetic table against plain transformers on the same device and dtype (fp32
+    checkpoints: the engine computes in the stored fp32): every unit resident with the decode eager, then the host and
+    storage regimes; and for GRAPH_ARCHS the decode as CUDA graphs, whose compiled kernels may round differently: its
+    tokens, and the KL of its per-step distributions against plain transformers' up to the first differing token."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from rocketllm_cli.compat import dtype_kwargs
     from rocketllm_cli.stream.auto import AutoModel
-    from rocketllm_cli.synthetic import ARCHS, config_for, write_checkpoint
+    from rocketllm_cli.synthetic import ARCHS
 
     prompt = torch.tensor([PROMPT], device=device)
-    rows, table = [], ["| arch | transformers | " + " | ".join(REGIMES) + " |", "|---|---|" + "---|" * len(REGIMES)]
+    columns = [*REGIMES, "graphs"]
+    rows, table = [], ["| arch | transformers | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
     for arch in ARCHS:
         row = {"arch": arch}
-        source = write_checkpoint(config_for(arch), work / "tiny" / arch, dtype=torch.float32, seed=0)
+        source = tiny(work, arch)
+        expected, expected_scores = None, []
         try:
             plain = AutoModelForCausalLM.from_pretrained(source, **dtype_kwargs(torch.float32)).to(device)
-            expected = _greedy(plain, prompt)
+            expected = _greedy(plain, prompt, expected_scores)
             del plain
             row["transformers"] = expected
         except Exception as exc:  # noqa: BLE001 - recorded: plain transformers cannot run it here
             row["transformers"] = f"cannot run: {type(exc).__name__}: {exc}"[:200]
-            expected = None
-        for regime, knobs in REGIMES.items():
+        runs = {**REGIMES, **({"graphs": {"decode_graphs": "on"}} if arch in GRAPH_ARCHS else {})}
+        for regime, knobs in runs.items():
             try:
+                scores: list = []
                 with AutoModel.from_pretrained(source, out=work / "sets" / arch, **knobs) as model:
-                    got = _greedy(model, prompt)
-                    where = sorted({str(t) for t in model.plan.tier.values()})
+                    got = _greedy(model, prompt, scores)
+                    row[f"{regime}_tiers"] = sorted({str(t) for t in model.plan.tier.values()})
+                    if regime == "graphs":
+                        from rocketllm_cli.stream.graphs import wanted
+
+                        row["graphs_why_not"] = model.graphs_failed or wanted(model)
                 row[regime] = "equal" if got == expected else f"DIFFERS {got} vs {expected}"
-                row[f"{regime}_tiers"] = where
+                if regime == "graphs":
+                    kl = _kl(expected_scores, scores, expected, got)
+                    row["graphs_kl"] = kl
+                    row[regime] += f" (KL mean {kl['mean']:.2e}, max {kl['max']:.2e} over {kl['steps']} steps)"
+                    if row["graphs_why_not"]:
+                        row[regime] += f"; not graphed: {row['graphs_why_not']}"
             except Exception as exc:  # noqa: BLE001 - a crash is the finding
                 row[regime] = f"ERROR {type(exc).__name__}: {exc}"[:300]
                 row[f"{regime}_traceback"] = traceback.format_exc()[-2000:]
         rows.append(row)
-        shown = ["ok" if isinstance(row["transformers"], list) else row["transformers"]] + [row[r] for r in REGIMES]
+        shown = ["ok" if isinstance(row["transformers"], list) else row["transformers"]] + [row.get(r, "-") for r in columns]
         table.append(f"| {arch} | " + " | ".join(shown) + " |")
     report.save("equality", rows)
     for line in table:
         report.add(line)
     bad = [r["arch"] for r in rows if any(not str(r[g]).startswith("equal") for g in REGIMES)]
+    bad += [r["arch"] + " (graphs)" for r in rows if "graphs_kl" in r and r["graphs_kl"]["max"] > 1e-3]
+    bad += [r["arch"] + " (graphs)" for r in rows if str(r.get("graphs", "")).startswith("ERROR")]
     if bad:
         raise AssertionError(f"not equal to plain transformers: {', '.join(bad)}")
 
 
-def _greedy(model, prompt) -> list[int]:
+def _kl(reference: list, scores: list, expected, got) -> dict:
+    """KL(reference || scores) per step over the steps whose prefixes agree (up to and with the first differing token)."""
     import torch
 
+    steps = len(reference) if expected == got else next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b) + 1
+    # tokens a processor masks (-inf in both: end-of-sequence under min_new_tokens) add nothing
+    values = [float(torch.where(r.isfinite(), r.exp() * (r - s), 0.0).sum()) for r, s in zip(reference[:steps], scores[:steps])]
+    return {"mean": sum(values) / max(1, len(values)), "max": max(values, default=0.0), "steps": len(values)}
+
+
+class _Scores:
+    """A logits processor that keeps each step's log-probabilities (on the CPU, fp32)."""
+
+    def __init__(self, into: list) -> None:
+        self.into = into
+
+    def __call__(self, input_ids, scores):
+        self.into.append(scores[0].float().log_softmax(-1).cpu())
+        return scores
+
+
+def tiny(work: Path, arch: str) -> Path:
+    """The tiny fp32 checkpoint of ARCH, written once under WORK."""
+    import torch
+
+    from rocketllm_cli.synthetic import config_for, write_checkpoint
+
+    dest = work / "tiny" / arch
+    return dest if (dest / "config.json").is_file() else write_checkpoint(config_for(arch), dest, dtype=torch.float32, seed=0)
+
+
+def _greedy(model, prompt, scores: list | None = None) -> list[int]:
+    import torch
+    from transformers import LogitsProcessorList
+
+    extra = {"logits_processor": LogitsProcessorList([_Scores(scores)])} if scores is not None else {}
     with torch.inference_mode():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=3)
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=3, **extra)
     return out[0, prompt.shape[1]:].tolist()
 
 
 def cli(report: Report, work: Path, env: dict) -> None:
     """The commands a user types first, on their defaults: doctor, and generate of a tiny model (it crashed once)."""
     runs = {"doctor": ["doctor"],
-            "generate": ["generate", str(work / "tiny" / "llama"), "The capital of France is", "-n", "8", "--stats"],
-            "generate-moe": ["generate", str(work / "tiny" / "qwen3_moe"), "hello", "-n", "8", "--keep-alive", "0"]}
+            "generate": ["generate", str(tiny(work, "llama")), "The capital of France is", "-n", "8", "--stats"],
+            "generate-moe": ["generate", str(tiny(work, "qwen3_moe")), "hello", "-n", "8", "--keep-alive", "0"]}
     results = {}
     for name, args in runs.items():
         done = subprocess.run([sys.executable, "-m", "rocketllm_cli", *args], capture_output=True, text=True, env=env,
@@ -171,7 +224,7 @@ def serve(report: Report, work: Path, env: dict) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "rocketllm_cli", "serve", str(work / "tiny" / "llama"), "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "rocketllm_cli", "serve", str(tiny(work, "llama")), "--port", str(port)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 180
@@ -198,16 +251,22 @@ def serve(report: Report, work: Path, env: dict) -> None:
 
 
 def bench(report: Report, env: dict, spec: str, tokens: int) -> None:
-    """bench of a synthetic model: resident (ours beside plain transformers), host and storage, with limits."""
-    args = [sys.executable, "-m", "rocketllm_cli", "bench", "--synthetic", spec, "--regime", "resident", "host", "storage",
-            "--baseline", "transformers", "--tokens", str(tokens), "--json"]
-    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=540)
-    (report.out / "bench.stderr.txt").write_text(done.stderr[-20000:])
-    if done.returncode != 0:
-        raise AssertionError(f"bench exit {done.returncode}: {done.stderr.strip().splitlines()[-3:]}")
-    doc = json.loads(done.stdout)
-    report.save("bench", doc)
-    for line in _bench_rows(doc):
+    """bench of a synthetic model: resident (ours with the decode as CUDA graphs, beside plain transformers) and host with
+    TOKENS tokens, storage with 4 (seconds each), each with its projection and limit."""
+    docs = []
+    for regimes, count, extra in ((["resident", "host"], tokens, ["--baseline", "transformers", "--decode-graphs", "on"]),
+                                  (["storage"], 4, [])):
+        args = [sys.executable, "-m", "rocketllm_cli", "bench", "--synthetic", spec, "--regime", *regimes, *extra,
+                "--tokens", str(count), "--json"]
+        done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=400)
+        (report.out / f"bench-{regimes[0]}.stderr.txt").write_text(done.stderr[-20000:])
+        if done.returncode != 0:
+            raise AssertionError(f"bench exit {done.returncode}: {done.stderr.strip().splitlines()[-3:]}")
+        docs.append(json.loads(done.stdout))
+    report.save("bench", docs)
+    rows = _bench_rows(docs[0])
+    rows += _bench_rows(docs[1])[2:]
+    for line in rows:
         report.add(line)
 
 
@@ -221,13 +280,8 @@ def _bench_rows(doc) -> list[str]:
 
 
 def profile_resident(report: Report, device: str, spec: str) -> None:
-    """Where a resident decode token goes: the loop bench and generate run (text/loop.py), every unit resident, timed
-    beside plain transformers through the same loop; cProfile of ours (profile.txt) and torch.profiler's table of
-    host and device time per op (ops.txt)."""
-    import cProfile
-    import io
-    import pstats
-
+    """A resident decode through the loop bench and generate run (text/loop.py): ours with the decode as CUDA graphs,
+    ours eager and plain transformers eager, alternated twice after a warm-up (a GPU's clocks rise under load)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -237,33 +291,33 @@ def profile_resident(report: Report, device: str, spec: str) -> None:
     from rocketllm_cli.stream.auto import AutoModel
 
     source = synthetic_checkpoint(spec)
-    tokens = 32
-    with AutoModel.from_pretrained(source, device_cache_bytes=HUGE) as model:
-        timed_run(model, PROMPT, 4)  # warm
-        ours = timed_run(model, PROMPT, tokens)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        timed_run(model, PROMPT, tokens)
-        profiler.disable()
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.startswith("cuda"):
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            timed_run(model, PROMPT, 8)
-        dtype = model.dtype
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
-    (report.out / "profile.txt").write_text(text.getvalue())
-    (report.out / "ops.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
-    plain = AutoModelForCausalLM.from_pretrained(source, **dtype_kwargs(dtype)).to(device)
-    timed_run(plain, PROMPT, 4)
-    theirs = timed_run(plain, PROMPT, tokens)
-    del plain
-    median = lambda stats: sorted(stats.token_gaps_s)[len(stats.token_gaps_s) // 2] * 1000  # noqa: E731
-    doc = {"ours_ms": median(ours), "transformers_ms": median(theirs), "dtype": str(dtype), "tokens": tokens}
-    report.save("resident", doc)
-    report.add(f"- every unit resident, the same loop: ours {doc['ours_ms']:.2f} ms/token, plain transformers "
-               f"{doc['transformers_ms']:.2f} ms/token ({dtype}); profile.txt and ops.txt say where it goes")
+    tokens = 64
+    median = lambda stats: round(sorted(stats.token_gaps_s)[len(stats.token_gaps_s) // 2] * 1000, 3)  # noqa: E731
+    figures: dict = {"graphs": [], "eager": [], "transformers": []}
+    graphed = AutoModel.from_pretrained(source, device_cache_bytes=HUGE, decode_graphs="on")
+    eager = AutoModel.from_pretrained(source, device_cache_bytes=HUGE, decode_graphs="off")
+    plain = AutoModelForCausalLM.from_pretrained(source, **dtype_kwargs(graphed.dtype)).to(device)
+    try:
+        engines = {"graphs": graphed, "eager": eager, "transformers": plain}
+        start = time.perf_counter()
+        for model in engines.values():
+            timed_run(model, PROMPT, 8)  # compile, allocate
+        while time.perf_counter() - start < 5:  # warm the GPU up
+            timed_run(plain, PROMPT, 16)
+        for _ in range(2):
+            for name, model in engines.items():
+                figures[name].append(median(timed_run(model, PROMPT, tokens)))
+        figures["graphs_failed"] = graphed.graphs_failed
+        figures["dtype"] = str(graphed.dtype)
+        figures["bytes"] = graphed.ledger.resident_bytes
+    finally:
+        graphed.close()
+        eager.close()
+    report.save("resident", figures)
+    report.add(f"- every unit resident, {tokens} tokens, the same loop, alternated (ms/token, two rounds): ours as CUDA graphs "
+               f"{figures['graphs']}, ours eager {figures['eager']}, plain transformers eager {figures['transformers']} "
+               f"({figures['dtype']}, {figures['bytes'] / 2**30:.2f} GiB of weights)"
+               + (f"; graphs failed: {figures['graphs_failed']}" if figures["graphs_failed"] else ""))
 
 
 def bench_split(report: Report, env: dict, spec: str, tokens: int) -> None:
@@ -291,6 +345,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the equality matrix and the CLI only")
     parser.add_argument("--bench", default="llama:1B", help="the synthetic model bench and the profile run")
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--steps", nargs="*", choices=STEPS, help="run only these steps (environment is always useful)")
     args = parser.parse_args()
     import torch
 
@@ -304,21 +359,20 @@ def main() -> int:
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     report.add("# rocketllm GPU check")
-    with report.step("environment"):
-        environment(report, device)
-    with report.step("equality with plain transformers (greedy, fp32 tiny checkpoints)"):
-        equality(report, device, work)
-    with report.step("CLI defaults"):
-        cli(report, work, env)
-    if not args.quick:
-        with report.step("serve"):
-            serve(report, work, env)
-        with report.step(f"bench {args.bench}"):
-            bench(report, env, args.bench, args.tokens)
-        with report.step("resident decode profile"):
-            profile_resident(report, device, args.bench)
-        with report.step("half the model on the device, the rest in host memory"):
-            bench_split(report, env, args.bench, args.tokens)
+    steps = {
+        "environment": ("environment", lambda: environment(report, device)),
+        "equality": ("equality with plain transformers (greedy, fp32 tiny checkpoints)", lambda: equality(report, device, work)),
+        "cli": ("CLI defaults", lambda: cli(report, work, env)),
+        "serve": ("serve", lambda: serve(report, work, env)),
+        "bench": (f"bench {args.bench}", lambda: bench(report, env, args.bench, args.tokens)),
+        "resident": ("resident decode profile", lambda: profile_resident(report, device, args.bench)),
+        "split": ("half the model on the device, the rest in host memory", lambda: bench_split(report, env, args.bench, args.tokens)),
+    }
+    chosen = args.steps or (QUICK if args.quick else list(steps))
+    for name in chosen:
+        title, run = steps[name]
+        with report.step(title):
+            run()
     return report.finish()
 
 

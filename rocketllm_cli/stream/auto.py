@@ -60,6 +60,7 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         packed_dtype="" if knobs["compute_dtype"].overridden else "fastest",
         kv_cache_dtype=str(knobs.value("kv_cache_dtype")),
         kv_residual_tokens=int(knobs.value("kv_residual_tokens")),
+        decode_graphs="off" if knobs.value("decode_graphs") == "off" else "on",  # graphs.wanted() checks the rest
     )
     return config, notes
 

@@ -46,6 +46,7 @@ class Ledger:
         self._t0 = 0.0
         self._io0: int | None = None
         self._lock = threading.Lock()
+        self._open = False  # a pass begun and not yet ended
 
     def begin(self, tokens: int) -> None:
         step = Step(tokens)
@@ -53,6 +54,7 @@ class Ledger:
         self.steps.append(step)
         self._io0 = storage_read_bytes()
         self._t0 = time.perf_counter()
+        self._open = True
 
     def serve(self, tier: str, nbytes: int) -> None:
         if self.steps:
@@ -83,13 +85,21 @@ class Ledger:
     def end(self) -> None:
         if not self.steps:
             return
+        self._open = False
         step = self.steps[-1]
         step.seconds = time.perf_counter() - self._t0
         io1 = storage_read_bytes()
         step.witnessed_storage = io1 - self._io0 if io1 is not None and self._io0 is not None else None
 
+    def drop_open(self) -> None:
+        """Forget a pass begun but never ended (one opened in advance after the last token; stream/graphs.py)."""
+        if self._open and self.steps:
+            self.steps.pop()
+        self._open = False
+
     def reset(self) -> None:
         self.steps.clear()
+        self._open = False
 
     def decode_steps(self) -> list[Step]:
         return self.steps[1:]

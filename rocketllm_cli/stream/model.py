@@ -31,6 +31,7 @@ from ..shard.discover import build_meta_model
 from ..shard.manifest import RESHARD, Manifest
 from ..threads import COMPUTE_THREADS
 from .assets import load_generation_config, load_processor, load_tokenizer
+from .attention import planless_attention
 from .ledger import Ledger
 from .packedbind import PackedBinding, PerBuffer, make_fused, make_packed
 from .plan import ResidencyPlan, make_plan
@@ -56,10 +57,11 @@ class EngineConfig:
     packed_dtype: str = ""  # activations of packed Linears: "" the compute dtype, "fastest" the kernel's measured best
     kv_cache_dtype: str = "auto"  # what the KV cache stores: auto (the compute dtype), a float dtype or int4 (stream/kvcache.py)
     kv_residual_tokens: int = KV_INT4_GROUP  # int4: the most recent tokens kept in the compute dtype
+    decode_graphs: str = "off"  # "on": a resident decode on a CUDA GPU runs as CUDA graphs where it can (graphs.py)
 
     def __post_init__(self) -> None:
         # Ranges and choices are the knob table's.
-        for name in ("compute_dtype", "expert_cache_policy", "kv_cache_dtype"):
+        for name in ("compute_dtype", "expert_cache_policy", "kv_cache_dtype", "decode_graphs"):
             spec = KNOBS_BY_NAME[name]
             if getattr(self, name) not in spec.choices:
                 raise KnobError(f"bad {name} {getattr(self, name)!r}: expected {spec.accepted()}")
@@ -147,6 +149,9 @@ class StreamingModel:
             prefetch_depth=config.prefetch_depth, io_workers=config.io_workers, direct_io=config.direct_io, pin_memory=config.pin_memory,
         )
         self._hooks: list = []
+        self.pass_hooks: list = []  # the root module's pass hooks (begin_pass, _end_pass)
+        self.static_caches: dict = {}  # (rows, length) -> the StaticCache a graphed decode reuses (graphs.py)
+        self.graphs_failed = ""  # why compiling the decode step failed, once it has
         self.experts = None
         unbind_all(model, self.device)
         self._bind(model)
@@ -216,8 +221,12 @@ class StreamingModel:
                     continue
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook(unit, group)))
                 self._hooks.append(module.register_forward_hook(self._post_hook(unit, group)))
-        self._hooks.append(model.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
-        self._hooks.append(model.register_forward_hook(self._end_pass))
+        self.pass_hooks = self.register_pass_hooks(model)
+
+    def register_pass_hooks(self, model: nn.Module | None = None) -> list:
+        """The hooks that open and close each forward pass in the ledger, on the root module."""
+        model = self.model if model is None else model
+        return [model.register_forward_pre_hook(self._begin_pass, with_kwargs=True), model.register_forward_hook(self._end_pass)]
 
     def _fused_binding(self, model: nn.Module, record, unit: str, unit_module: str, persistent: bool) -> tuple[str, PackedBinding]:
         """(the module whose forward binds it, the binding) of a fused record: its members compute through one FusedGroup."""
@@ -288,6 +297,10 @@ class StreamingModel:
             tokens = int(embeds.shape[0] * embeds.shape[1]) if embeds is not None else 0
         else:
             tokens = int(ids.numel())
+        self.begin_pass(tokens)
+
+    def begin_pass(self, tokens: int) -> None:
+        """A forward pass of TOKENS positions starts (the pre-hook, or graphs.PassClock where no hook runs)."""
         COMPUTE_THREADS.poll()
         self.ledger.begin(tokens)
         self.store.begin_pass()
@@ -317,12 +330,22 @@ class StreamingModel:
 
             constrained_kwargs(self, args, kwargs, json_schema, grammar)
         if not any(kwargs.get(name) is not None for name in ("cache", "past_key_values")):
+            from .kvcache import generate_cache_kwarg
+
             cache = self.new_kv_cache()
             if cache is not None:
-                from .kvcache import generate_cache_kwarg
-
                 kwargs[generate_cache_kwarg()] = cache
-        return self.model.generate(*args, **kwargs)
+            elif self.config_engine.decode_graphs == "on" and not _graphs_excluded(kwargs):
+                from .graphs import graphed, static_cache
+
+                ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+                cache, self.graphs_why = static_cache(self, ids, kwargs.get("max_new_tokens"))
+                if cache is not None:
+                    kwargs[generate_cache_kwarg()] = cache
+                    with graphed(self, kwargs, ids), planless_attention(self.device):
+                        return self.model.generate(*args, **kwargs)
+        with planless_attention(self.device):
+            return self.model.generate(*args, **kwargs)
 
     def new_kv_cache(self):
         """An empty KV cache storing the kv_cache_dtype knob's dtype, or None where transformers' own cache does."""
@@ -332,7 +355,8 @@ class StreamingModel:
 
     def __call__(self, *args, **kwargs):
         """One forward pass of the transformers model, weights streamed in as each unit runs."""
-        return self.model(*args, **kwargs)
+        with planless_attention(self.device):
+            return self.model(*args, **kwargs)
 
     def __getattr__(self, name: str):
         if name == "model":
@@ -348,9 +372,11 @@ class StreamingModel:
             stage, self.stage = self.stage, None
             stage.stop_all()  # rank 0: the other ranks close their share (the group stays for the next model)
             stage.close()
-        for h in self._hooks:
+        for h in (*self._hooks, *self.pass_hooks):
             h.remove()
         self._hooks.clear()
+        self.pass_hooks = []
+        self.static_caches.clear()
         if self.experts is not None:
             self.experts.close()
         self.store.close()
@@ -361,6 +387,12 @@ class StreamingModel:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _graphs_excluded(kwargs: dict) -> bool:
+    """A generate call the graphed decode leaves eager: speculation (its passes vary in length) and a caller that keeps
+    the output's cache (a prefix cache stores it; a static cache is reset by the next request)."""
+    return bool(kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") or kwargs.get("return_dict_in_generate"))
 
 
 def _kv_dtype(config: EngineConfig) -> str:

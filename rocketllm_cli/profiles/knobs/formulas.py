@@ -337,6 +337,20 @@ def pin_memory(c: Context) -> Derivation:
                       {"device_kind": c.profile.compute_device.split(":")[0], "pinned_copy_measured": bool(pinned and pinned.available)})
 
 
+GRAPH_MIN_RUN_TOKENS = 256  # a one-shot run shorter than this does not earn back the compile (tens of seconds)
+
+
+def decode_graphs(c: Context) -> Derivation:
+    if c.model is None:
+        return Derivation("'auto'", {}, "default", "needs a model (missing total_bytes): on where a CUDA GPU holds every unit")
+    inputs = {"device_kind": c.profile.compute_device.split(":")[0], "device_cache_bytes": c.values["device_cache_bytes"],
+              "total_bytes": c.model.total_bytes, "run_tokens": c.run_tokens or 0, "min_run_tokens": GRAPH_MIN_RUN_TOKENS}
+    return Derivation("'on' if device_kind == 'cuda' and device_cache_bytes >= total_bytes and "
+                      "(run_tokens == 0 or run_tokens >= min_run_tokens) else 'off'", inputs,
+                      note="a resident decode step is hundreds of kernel launches: as CUDA graphs the GPU, not Python, bounds "
+                           "it; run_tokens 0 is a server or session, whose first request pays the compile once")
+
+
 def prefix_cache(c: Context) -> Derivation:
     return Derivation("'auto'", {}, "default", "reuse the KV cache when a prompt repeats a cached prefix")
 
@@ -412,7 +426,7 @@ DERIVATIONS = {
     "reserve_bytes": reserve_bytes, "compute_dtype": compute_dtype, "kv_cache_dtype": kv_cache_dtype,
     "kv_residual_tokens": kv_residual_tokens, "kv_cache_bytes": kv_cache_bytes, "direct_io": direct_io,
     "io_workers": io_workers, "prefetch_depth": prefetch_depth, "device_cache_bytes": device_cache_bytes,
-    "host_cache_bytes": host_cache_bytes, "max_context": max_context, "pin_memory": pin_memory, "prefix_cache": prefix_cache,
+    "host_cache_bytes": host_cache_bytes, "max_context": max_context, "pin_memory": pin_memory, "decode_graphs": decode_graphs, "prefix_cache": prefix_cache,
     "draft_model": draft_model, "speculate": speculate, "draft_tokens": draft_tokens, "expert_cache_policy": expert_cache_policy,
     "default_max_tokens": default_max_tokens, "stages": stages, "stage_timeout_s": stage_timeout_s,
 }

@@ -104,6 +104,9 @@ KNOB_SPECS: tuple[KnobSpec, ...] = (
     KnobSpec("max_context", "int", "Longest prompt + generation in tokens.", minimum=1),
     KnobSpec("direct_io", "bool", "Read streamed shards with O_DIRECT instead of buffered reads + page-cache eviction."),
     KnobSpec("pin_memory", "bool", "Page-locked host buffers for faster host-to-device copies."),
+    KnobSpec("decode_graphs", "choice", "CUDA GPU, every unit resident: run each decode step as CUDA graphs (a static KV cache and "
+             "transformers' compiled step; the first request pays the compile). auto decides from the residency and the run.",
+             choices=("auto", "on", "off")),
     KnobSpec("prefix_cache", "choice", "Reuse the KV cache of a repeated prompt prefix.", choices=("auto", "on", "off")),
     KnobSpec("draft_model", "path", "A small model with the same tokenizer that drafts tokens for speculative decoding, kept resident."),
     KnobSpec("speculate", "choice", "Speculative decoding: each pass verifies drafted tokens, from the prompt and text so far (prompt-lookup) "
