@@ -207,3 +207,17 @@ def test_gguf_is_read_one_tensor_at_a_time_and_matches_transformers_whole_file_l
         got = lazy.read(name)  # a large tensor comes in its stored dtype (bf16 for quantized), the rest in fp32
         assert torch.equal(got, whole[name].to(got.dtype)), name
     assert set(lazy.mapping) == set(whole)
+
+
+def test_an_fp32_cpu_answers_paris_with_the_defaults(smol):
+    """A CPU without native bf16 (AVX2 only) computes in fp32, packed Linears included (the kernel knob's exact):
+    torch's int4 kernel in bf16 there rounded the head's logits to bf16 steps and the chat answer went astray.
+    torch and oneDNN capped at AVX2 make this machine such a CPU as far as they and the probe can tell."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "generate", str(smol), "What is the capital of France?",
+                           "-n", "12", "--stats"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout and "in float32" in done.stderr, (done.stdout, done.stderr[-2000:])

@@ -56,8 +56,8 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         direct_io=bool(knobs.value("direct_io")),
         pin_memory=bool(knobs.value("pin_memory")),
         expert_cache_policy=str(knobs.value("expert_cache_policy")),
-        # packed Linears run their kernel in the dtype it measured fastest in, unless --dtype was given
-        packed_dtype="" if knobs["compute_dtype"].overridden else "fastest",
+        # exact: packed Linears compute in the compute dtype; torch: in the dtype its kernel measured fastest in
+        packed_dtype="fastest" if knobs.value("kernel") == "torch" else "",
         kv_cache_dtype=str(knobs.value("kv_cache_dtype")),
         kv_residual_tokens=int(knobs.value("kv_residual_tokens")),
         decode_graphs="off" if knobs.value("decode_graphs") == "off" else "on",  # graphs.wanted() checks the rest

@@ -134,6 +134,12 @@ def kv_cache_bytes(c: Context) -> Derivation:
     )
 
 
+def kernel(c: Context) -> Derivation:
+    return Derivation("'exact'", {}, "default",
+                      "packed Linears compute in the compute dtype, so the logits are the model's; torch trades that for "
+                      "speed where its low-bit kernel runs faster in another dtype (bf16 on x86: ~10x on an fp32 CPU)")
+
+
 def kv_cache_dtype(c: Context) -> Derivation:
     return Derivation("'auto'", {}, "default", "the dtype the model computes in; int4 stores about 0.3x the bytes of bf16 (docs/HARDWARE.md)")
 
@@ -423,7 +429,7 @@ def stage_timeout_s(c: Context) -> Derivation:
 
 # Resolution order: each derivation may read the values resolved before it.
 DERIVATIONS = {
-    "reserve_bytes": reserve_bytes, "compute_dtype": compute_dtype, "kv_cache_dtype": kv_cache_dtype,
+    "reserve_bytes": reserve_bytes, "compute_dtype": compute_dtype, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype,
     "kv_residual_tokens": kv_residual_tokens, "kv_cache_bytes": kv_cache_bytes, "direct_io": direct_io,
     "io_workers": io_workers, "prefetch_depth": prefetch_depth, "device_cache_bytes": device_cache_bytes,
     "host_cache_bytes": host_cache_bytes, "max_context": max_context, "pin_memory": pin_memory, "decode_graphs": decode_graphs, "prefix_cache": prefix_cache,
