@@ -126,3 +126,24 @@ def test_streaming_buffers_fit_the_layers_and_one_larger_unit(tiny_factory, tmp_
         assert "streaming buffers: 3 x" in model.residency_text() and "(larger units); read-ahead 2 units" in model.residency_text()
     plain = AutoModelForCausalLM.from_pretrained(checkpoint, **dtype_kwargs(torch.float32))
     assert torch.equal(got, _greedy(plain))
+
+
+def test_layers_of_different_sizes_fit_by_their_own_bytes():
+    """A GGUF mixes block types, so its layers differ in size (Gemma 3 270M Q4_K_M: Q5_0, Q4_K, Q6_K layers): a
+    budget that holds every layer's own bytes keeps them all on the device (sized by the largest layer, 2 of 18
+    streamed on every token while profile said the whole set fits), and a smaller one streams the fewest layers."""
+    from types import SimpleNamespace
+
+    from rocketllm_cli.stream.plan import make_plan
+
+    sizes = [100, 140, 100, 100, 140, 100]
+    units = [SimpleNamespace(name=f"layer.{i}", kind="layer", tensor_bytes=b) for i, b in enumerate(sizes)]
+    units.append(SimpleNamespace(name="embed", kind="embed", tensor_bytes=50))
+    manifest = SimpleNamespace(units=units, layers=units[:-1], experts=[])
+    whole = make_plan(manifest, 50 + sum(sizes), 0)
+    assert set(whole.tier.values()) == {"device"}
+    short = make_plan(manifest, 50 + sum(sizes) - 1, 0)  # one byte short: one layer streams, not two
+    assert [short.tier[u.name] for u in units[:-1]].count("storage") == 1
+    host = make_plan(manifest, 50 + 340, 240)  # three layers on the device; of the three streamed, the host holds two
+    tiers = [host.tier[u.name] for u in units[:-1]]
+    assert tiers.count("device") == 3 and tiers.count("host") == 2 and tiers.count("storage") == 1

@@ -91,11 +91,15 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
         place(u.name)
     layers = manifest.layers
     n = len(layers)
-    layer_bytes = max((u.tensor_bytes for u in layers), default=0)
-    fit_device = min(n, max(0, budget["device"]) // layer_bytes) if layer_bytes else n
+    sizes = [u.tensor_bytes for u in layers]
+    layer_bytes = max(sizes, default=0)
+    # The most layers that fit by their own sizes (a GGUF mixes block types, so its layers differ): a set whose
+    # layers sum to the budget stays whole on the device even where the largest layer times N would not fit.
+    fit_device = next(k for k in range(n, -1, -1) if _kept_bytes(sizes, set(spaced(n, n - k))) <= max(0, budget["device"]))
     streamed = set(spaced(n, n - fit_device))
-    fit_host = min(len(streamed), max(0, budget["host"]) // layer_bytes) if layer_bytes else 0
     streamed_sorted = sorted(streamed)
+    fit_host = next(k for k in range(len(streamed_sorted), -1, -1)
+                    if sum(sizes[streamed_sorted[i]] for i in spaced(len(streamed_sorted), k)) <= max(0, budget["host"]))
     host_idx = {streamed_sorted[i] for i in spaced(len(streamed_sorted), fit_host)}
     for i, u in enumerate(layers):
         tier[u.name] = "host" if i in host_idx else "storage" if i in streamed else "device"
@@ -103,7 +107,7 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
     budget["host"] -= sum(layers[i].tensor_bytes for i in host_idx)
     cache = _place_experts(manifest, tier, budget)
     formula = (
-        f"device layers = min(N, device budget left / layer bytes) = {fit_device}; "
+        f"device layers = the most of N whose own bytes fit the device budget left = {fit_device}; "
         f"streamed every ~N/(N-k) = {n / max(1, n - fit_device):.1f} layers; host layers = {fit_host} of the streamed"
     )
     inputs = {
@@ -114,6 +118,11 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
         formula += ("; experts (after every layer's dense part): all on the device if they fit, else the device budget left "
                     "is an expert cache and the host budget left holds experts spread evenly")
     return ResidencyPlan(tier, formula, inputs, cache)
+
+
+def _kept_bytes(sizes: list[int], streamed: set[int]) -> int:
+    """Bytes of the layers that are not in STREAMED."""
+    return sum(size for i, size in enumerate(sizes) if i not in streamed)
 
 
 def _place_experts(manifest: Manifest, tier: dict[str, str], budget: dict[str, int]) -> int:
