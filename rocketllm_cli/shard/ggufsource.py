@@ -31,6 +31,9 @@ class LazyGGUF:
         self.mapping = mapping  # HF name -> GGUF tensor name
         self.shapes = shapes  # HF name -> (shape, dtype as stored: quantized tensors count as bf16)
         self._tensors = {t.name: t for t in reader.tensors}
+        # what a quantized tensor read as floats is decoded into (the sharder sets the set's dtype): an fp32 set gets
+        # gguf's exact values, not values rounded to bf16 on the way
+        self.float_dtype: torch.dtype | None = None
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor as transformers would load it; a large one the processor leaves alone is dequantized a
@@ -40,6 +43,8 @@ class LazyGGUF:
 
         tensor = self._tensors[self.mapping[name]]
         shape, dtype = self.shapes[name]
+        if self.float_dtype is not None and tensor.tensor_type.name not in ("F32", "F16", "BF16", "F64"):
+            dtype = self.float_dtype
         rows = tensor.data.shape[0] if tensor.data.ndim > 1 else 0
         if rows > 1 and 4 * int(tensor.n_elements) > CHUNK_BYTES and self._leaves_alone(tensor, rows):
             out = torch.empty((rows, int(tensor.n_elements) // rows), dtype=dtype)

@@ -88,6 +88,9 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
 def _shard(source: Source, out: Path | None, dtype: str, progress, log, started: float, rebuild: bool = False,
            packing: str = "auto", fuse: bool = True) -> tuple[Manifest, Path, dict]:
     dtype = resolve_dtype(source, dtype)
+    lazy = getattr(source, "_lazy", None)
+    if lazy is not None and hasattr(lazy, "float_dtype"):
+        lazy.float_dtype = torch_dtype(dtype)  # a quantized tensor read as floats lands in the set's dtype, not bf16
     key = predicted_key(source, packing, dtype)  # names the set: its dtype, how it is packed, its int4 order
     final = Path(out) if out else default_out(source.located, key)
     fingerprint = source.fingerprint()

