@@ -294,3 +294,22 @@ def test_a_truncated_gguf_is_one_line_naming_the_file_and_the_bytes(smollm2_gguf
             assert line.startswith(f"error: {path.name} is truncated: {why}"), line
             assert line.endswith("download it again (an interrupted download or a full disk cuts a file short)"), line
         assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+
+
+@pytest.mark.realmodel
+def test_a_truncated_gguf_is_refused_before_torch_loads_or_a_warm_server_starts(smollm2_gguf, tmp_path):
+    """generate with keep-alive on (a warm server would load the model): the cut file is one line from its header
+    alone, before torch is imported or any note about warm models."""
+    import os
+    import subprocess
+    import sys
+
+    (path,) = gguf_cuts(smollm2_gguf, tmp_path, [2_000_000])
+    probe = ("import sys\nfrom rocketllm_cli.app import main\ntry:\n    main()\nfinally:\n"
+             "    print('imported torch:', 'torch' in sys.modules, file=sys.stderr)\n")
+    env = {**os.environ, "ROCKETLLM_KEEP_ALIVE": "5m"}
+    done = subprocess.run([sys.executable, "-c", probe, "generate", str(path), "hi", "-n", "2"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and lines[-1] == "imported torch: False", done.stderr
+    assert len(lines) == 2 and lines[0].startswith(f"error: {path.name} is truncated: its header describes"), done.stderr

@@ -127,7 +127,14 @@ def check_locatable(model: str | os.PathLike) -> None:
     """Refuse a local MODEL that cannot be a checkpoint, cheaply (no torch, no transformers, no network)."""
     path = Path(str(model)).expanduser()
     if path.exists() and not (path.is_dir() and (path / MANIFEST).is_file()):
-        check_declared(locate(path).path)  # a quantization not read here, too
+        located = locate(path)
+        if located.kind == "gguf":
+            from .ggufheader import truncation
+
+            problem = truncation(located.path)  # its header alone: a cut download is one line before any import
+            if problem:
+                raise ModelError(problem)
+        check_declared(located.path)  # a quantization not read here, too
     elif not path.exists() and not _looks_like_hub_id(str(model)):
         resolve(model)  # refused in one line; a hub id is fetched later, when it is sharded
 
