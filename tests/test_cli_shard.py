@@ -114,6 +114,33 @@ def test_default_location_is_the_cache_and_a_second_run_reuses(tiny_checkpoint, 
     assert [p.name for p in (tmp_path / "cache" / "shards").iterdir()] == [directory.name]
 
 
+@pytest.mark.realmodel
+def test_a_gguf_is_known_by_its_content_under_any_path_or_name(smollm2_gguf, tmp_path):
+    """The same file copied elsewhere under another name (a new modification time too) finds the set the first
+    sharded, and the same warm server; a file whose bytes differ is another model."""
+    from rocketllm_cli.warm.registry import key_for
+
+    env = {"ROCKETLLM_CACHE": str(tmp_path / "cache")}
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(smollm2_gguf, copy)
+    first = json.loads(invoke("shard", smollm2_gguf, "--json", env=env).stdout)
+    again = invoke("shard", copy, "--json", env=env)
+    assert again.exit_code == 0, again.stderr
+    doc = json.loads(again.stdout)
+    assert doc["reused"] is True and doc["directory"] == first["directory"]
+    assert [p.name for p in (tmp_path / "cache" / "shards").iterdir()] == [Path(first["directory"]).name]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+        assert key_for(str(copy), {}) == key_for(str(smollm2_gguf), {})
+        with open(copy, "r+b") as f:  # one byte of tensor data changed: not the same model any more
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 1]))
+        assert key_for(str(copy), {}) != key_for(str(smollm2_gguf), {})
+
+
 def test_human_output_names_the_directory_on_stdout_and_logs_on_stderr(tiny_checkpoint, tmp_path):
     result = invoke("shard", tiny_checkpoint, "--out", tmp_path / "out")
     assert result.exit_code == 0, result.stderr

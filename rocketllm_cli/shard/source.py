@@ -44,7 +44,17 @@ class Located:
         return self.path.stem if self.kind == "gguf" else self.path.name
 
     def fingerprint(self) -> str:
-        """Identity of the source as stored: file names, sizes and modification times, plus the config."""
+        """Identity of the source: a GGUF's content (the same file anywhere is the same model, identity.py); a
+        checkpoint directory's file names, sizes and modification times, plus its config."""
+        if self.kind == "gguf":
+            from .identity import content_fingerprint
+
+            return content_fingerprint(self.path)
+        return self.legacy_fingerprint()
+
+    def legacy_fingerprint(self) -> str:
+        """File names, sizes and modification times, plus the config: how sets were named before a GGUF's content
+        named them (such a set is still found, target.find_existing)."""
         h = hashlib.sha256()
         for f in self.files:
             st = f.stat()

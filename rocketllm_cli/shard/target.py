@@ -52,16 +52,29 @@ def find_existing(located: Located, dtype: str, packing: str = "auto") -> tuple[
         modes = ["packed"] if located.path.suffix == ".gguf" or declares_packed(located.path) else [""]
     else:
         modes = ["" if packing == "none" else packing]
-    for final in (default_out(located, key_here(dt, mode)) for dt in dtypes for mode in modes):
-        if (final / MANIFEST).is_file():
-            try:
-                manifest = Manifest.load(final)
-            except ShardError:
-                continue  # damaged: shard() says so and writes it again
-            if manifest.source.get("fingerprint") == located.fingerprint():
-                _drop_replaced(final)
-                return manifest, final
+    identities = {located.fingerprint(), located.legacy_fingerprint()}
+    for key in (key_here(dt, mode) for dt in dtypes for mode in modes):
+        for final in _candidates(located, key):
+            if (final / MANIFEST).is_file():
+                try:
+                    manifest = Manifest.load(final)
+                except ShardError:
+                    continue  # damaged: shard() says so and writes it again
+                if manifest.source.get("fingerprint") in identities:
+                    _drop_replaced(final)
+                    return manifest, final
     return None
+
+
+def _candidates(located: Located, key: str) -> list[Path]:
+    """Where a set of this source with this key may be: its own name, the same content under another file name (a
+    GGUF copied or renamed), and the name an older version gave it (size and modification time)."""
+    own = default_out(located, key)
+    found = [own]
+    if located.kind == "gguf":
+        found += sorted(p for p in shards_root().glob(f"*-{located.fingerprint()}-{key}") if p != own)
+        found.append(shards_root() / own.name.replace(f"-{located.fingerprint()}-", f"-{located.legacy_fingerprint()}-"))
+    return found
 
 
 def partial_of(final: Path) -> Path:

@@ -68,9 +68,20 @@ def model_name(model: str) -> str:
     return str(path.resolve()) if path.exists() else str(model)
 
 
+def model_identity(model: str) -> str:
+    """What makes two models the same warm model: a GGUF's content (a copy elsewhere attaches to the server the first
+    one started), else its name."""
+    path = Path(str(model)).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from ..shard.identity import content_fingerprint
+
+        return f"gguf:{content_fingerprint(path)}"
+    return model_name(model)
+
+
 def key_for(model: str, knob_flags: dict) -> str:
     """The same model with the same load-time knobs is the same warm server."""
-    return hashlib.sha256(json.dumps([model_name(model), sorted(knob_flags.items())]).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([model_identity(model), sorted(knob_flags.items())]).encode()).hexdigest()[:16]
 
 
 def socket_path(key: str) -> Path:
