@@ -1,0 +1,60 @@
+"""Native CPU kernels: y = x · Wᵀ straight from GGUF's quantized blocks, built from the C++ in ./src on first use.
+
+    from rocketllm_cli.native import kernels, why_not
+    nk = kernels()                       # NativeKernels, or None (then why_not() says why in one line)
+    if nk is not None and nk.supported("Q4_K"):
+        y = nk.matmul(blocks, "Q4_K", x)  # uint8 [N, K/256·144], fp32 [M, K] -> fp32 [M, N]
+
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; everything else stays with
+packed.ggmlblocks (the torch reference these kernels are tested against). Modes: "exact" (gguf's fp32 weights,
+bit for bit, times fp32 x) and "int8" (x quantized to q8 per block as llama.cpp does; integer dot products).
+
+Variants: AVX-512 (F, BW, VL, VNNI), AVX2 (+FMA, F16C) and a portable scalar one, all in one library and chosen
+at run time by the CPU's capabilities; ROCKETLLM_NATIVE_ISA=avx2 or =scalar caps the choice (tests run each).
+The library builds with g++ (no -march, no OpenMP: a small thread pool of its own) into the cache folder, keyed
+by a hash of the sources, the compiler and the flags; without g++ there are simply no kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .kernels import ISAS, MODES, NativeKernels
+
+__all__ = ["ISAS", "MODES", "NativeKernels", "kernels", "why_not"]
+
+ISA_ENV = "ROCKETLLM_NATIVE_ISA"
+
+_lock = threading.Lock()
+_loaded: tuple[NativeKernels | None, str] | None = None  # the library, loaded once per process
+
+
+def kernels(isa: str | None = None) -> NativeKernels | None:
+    """The kernels, built and loaded on first call (seconds, then cached on disk), or None (see why_not()).
+    `isa` (default $ROCKETLLM_NATIVE_ISA) caps the variant: "avx512", "avx2" or "scalar"."""
+    return _resolve(isa)[0]
+
+
+def why_not(isa: str | None = None) -> str:
+    """"" when kernels(isa) gives kernels, else the one-line reason (no compiler, build failed: ..., platform)."""
+    return _resolve(isa)[1]
+
+
+def _resolve(isa: str | None) -> tuple[NativeKernels | None, str]:
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            from .build import library
+
+            path, reason = library()
+            _loaded = NativeKernels.load(path) if path is not None else (None, reason)
+    best, reason = _loaded
+    if best is None:
+        return None, reason
+    cap = isa if isa is not None else os.environ.get(ISA_ENV) or None
+    if cap is None:
+        return best, ""
+    if cap not in ISAS:
+        return None, f"{ISA_ENV}={cap!r} is not one of {', '.join(ISAS)}"
+    return best.with_isa(next(name for name in best.isas if ISAS.index(name) <= ISAS.index(cap))), ""

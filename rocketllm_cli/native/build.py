@@ -1,0 +1,110 @@
+"""Build the native kernel library from its C++ sources (./src) with the machine's g++, once, into the cache.
+
+    path, reason = library()   # (Path of the .so, "") or (None, a one-line reason); never raises
+
+The library lands in cache_dir()/native/<key>/ where key hashes the sources, the compiler's version and the flags:
+an edit, another compiler or other flags build afresh, and nothing stale is ever loaded. No -march: every SIMD
+function carries its own target attribute and the library picks a variant at run time, so one build runs on any
+CPU of its architecture. The sources compile in parallel (the SIMD files take most of the few seconds) into a
+temporary folder, and the library is renamed into place: two processes building at once each finish their own
+build, and the last rename wins with the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).with_name("src")
+COMPILER = "g++"
+# -ffp-contract=off: the scalar reference rounds exactly as written on every platform (the SIMD code's FMAs are
+# explicit intrinsics either way); hidden visibility: only the rl_* entry points are exported (no PLT calls inside)
+FLAGS = ("-O3", "-fPIC", "-std=c++17", "-pthread", "-ffp-contract=off", "-fvisibility=hidden")
+LIBRARY = "librocketllm_native.so"
+BUILD_TIMEOUT_S = 300
+
+
+def library() -> tuple[Path | None, str]:
+    """The built library's path, building it if needed, or None and why not."""
+    if os.name != "posix":
+        return None, f"unsupported platform {sys.platform}: the native kernels build with g++ on Linux"
+    cxx = shutil.which(COMPILER)
+    if cxx is None:
+        return None, f"no C++ compiler: {COMPILER} is not on PATH (install g++ for the native kernels)"
+    if not any(SOURCE_DIR.glob("*.cpp")):
+        return None, f"the native kernels' C++ sources are not installed (nothing in {SOURCE_DIR})"
+    try:
+        folder = _cache_folder(cxx)
+        target = folder / LIBRARY
+        if target.is_file():
+            return target, ""
+        folder.mkdir(parents=True, exist_ok=True)
+        reason = _build(cxx, folder, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"native kernel build failed: {_one_line(str(exc))}"
+    return (target, "") if not reason else (None, reason)
+
+
+def _sources() -> list[Path]:
+    return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h"))
+
+
+def _cache_folder(cxx: str) -> Path:
+    from ..profiles.cache import cache_dir
+
+    digest = hashlib.sha256()
+    for path in _sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    machine = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True, timeout=30).stdout
+    digest.update(f"{version}\0{machine}\0{' '.join(FLAGS)}".encode())
+    return cache_dir() / "native" / digest.hexdigest()[:20]
+
+
+def _build(cxx: str, folder: Path, target: Path) -> str:
+    """Compile every .cpp to an object in parallel, link them, rename into `target`; "" or the reason."""
+    with tempfile.TemporaryDirectory(prefix="build-", dir=folder) as scratch:
+        objects, jobs = [], []
+        for source in (p for p in _sources() if p.suffix == ".cpp"):
+            obj = Path(scratch) / (source.stem + ".o")
+            objects.append(str(obj))
+            cmd = [cxx, *FLAGS, "-c", str(source), "-o", str(obj)]
+            jobs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        errors = [_finish(job) for job in jobs]
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            return f"native kernel build failed: {failed}"
+        linked = Path(scratch) / LIBRARY
+        link = subprocess.run([cxx, *FLAGS, "-shared", *objects, "-o", str(linked)], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if link.returncode != 0:
+            return f"native kernel link failed: {_first_error(link.stderr)}"
+        os.replace(linked, target)  # atomic: a reader sees no library or a whole one
+    return ""
+
+
+def _finish(job: subprocess.Popen) -> str | None:
+    try:
+        _, stderr = job.communicate(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.communicate()
+        return f"the compiler ran past {BUILD_TIMEOUT_S} s"
+    return None if job.returncode == 0 else _first_error(stderr)
+
+
+def _first_error(stderr: str) -> str:
+    """The first lines that say "error" (else the first lines), joined into one short line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    picked = [line for line in lines if "error" in line.lower()][:2] or lines[:2]
+    return _one_line(" | ".join(picked) or "no message from the compiler")
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,0 +1,149 @@
+"""NativeKernels: the ctypes face of the built library (build.py), with one-line ValueErrors for bad input.
+
+    nk = NativeKernels.load(path)                      # or rocketllm_cli.native.kernels()
+    y = nk.matmul(blocks, "Q4_K", x)                   # uint8 [N, K/256·144], fp32 [M, K] -> fp32 [M, N]
+    nk.matmul(blocks, "Q4_K", x, mode="int8", out=y)   # x quantized to q8 first (lossy, ~1e-3)
+
+A decode step calls matmul a few hundred times per token, so a call does little in Python: the C function and
+its argument types are bound once, the checks are attribute reads, and with `out` given nothing is allocated.
+ctypes releases the GIL for the call; the library runs one call at a time (a second caller waits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+ISAS = ("scalar", "avx2", "avx512")  # the variants, in the library's numbering; later is faster
+MODES = {"exact": 0, "int8": 1}
+# name -> GGML type number; the library reports each one's block layout, checked against ggmlblocks.SUPPORTED
+GGML_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+            "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+ABI_VERSION = 1
+_ERRORS = {-1: "unsupported type", -2: "variant not runnable on this CPU", -3: "shapes do not match",
+           -4: "unknown mode", -5: "out of memory for the quantized activations"}
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class NativeKernels:
+    """y = x · Wᵀ computed on GGUF's quantized blocks as stored, by the library's `isa` variant."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str, runnable: tuple[str, ...], layouts: dict[str, tuple[int, int, int]]):
+        self._lib = lib
+        self.isa = isa  # the variant in use: "avx512", "avx2" or "scalar"
+        self.isas = runnable  # every variant this CPU runs, best first
+        self._isa_id = ISAS.index(isa)
+        self._layouts = layouts  # name -> (GGML type number, elements per block, bytes per block)
+        self._call = lib.rl_matmul
+
+    @classmethod
+    def load(cls, path: Path, isa: str | None = None) -> tuple[NativeKernels | None, str]:
+        """Load the library at `path`; the best runnable variant not above `isa` (default: the best). (kernels, "")
+        or (None, reason)."""
+        try:
+            lib = ctypes.CDLL(str(path))
+            abi = lib.rl_abi_version()
+        except (OSError, AttributeError) as exc:  # AttributeError: not our library
+            return None, f"cannot load {path.name}: {' '.join(str(exc).split())}"
+        if abi != ABI_VERSION:
+            return None, f"{path} has ABI {abi}, this code expects {ABI_VERSION}"
+        lib.rl_matmul.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,
+                                  ctypes.c_int]
+        lib.rl_quantize.argtypes = [ctypes.c_int, _ptr, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
+        mask = lib.rl_isas()
+        runnable = tuple(name for i, name in reversed(list(enumerate(ISAS))) if mask >> i & 1)
+        layouts, reason = _layouts(lib)
+        if reason:
+            return None, reason
+        if isa is not None and isa not in ISAS:
+            return None, f"unknown native variant {isa!r}: choose one of {', '.join(ISAS)}"
+        ceiling = ISAS.index(isa) if isa is not None else len(ISAS) - 1
+        chosen = next(name for name in runnable if ISAS.index(name) <= ceiling)  # scalar always runs
+        return cls(lib, chosen, runnable, layouts), ""
+
+    def with_isa(self, isa: str) -> NativeKernels:
+        """The same library driven by variant `isa`, which this CPU must run (tests use it to cover each one)."""
+        if isa not in self.isas:
+            raise ValueError(f"native variant {isa!r} does not run here: this CPU runs {', '.join(self.isas)}")
+        return NativeKernels(self._lib, isa, self.isas, self._layouts)
+
+    def supported(self, gguf_type) -> bool:
+        """Whether `gguf_type` (a name such as "Q4_K", or a gguf.GGMLQuantizationType) has kernels."""
+        return str(getattr(gguf_type, "name", gguf_type)) in self._layouts
+
+    def matmul(self, blocks: torch.Tensor, gguf_type, x: torch.Tensor, mode: str = "exact",
+               out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        """y [M, N] fp32 = x [M, K] fp32 · Wᵀ, W given as its raw GGUF blocks: uint8 [N, K / QK · block bytes],
+        contiguous on the CPU (never copied). mode "exact": W's fp32 values (gguf's dequantization, bit for bit)
+        times x in fp32; "int8": x quantized to 8 bits per 32 (256 for the K-quants) elements, integer dot
+        products per block. `out`: a contiguous fp32 [M, N] to write into. `threads`: default torch's."""
+        name = str(getattr(gguf_type, "name", gguf_type))
+        layout = self._layouts.get(name)
+        if layout is None:
+            raise ValueError(f"no native kernel for GGUF type {name!r}; these have one: {', '.join(self._layouts)}")
+        type_id, qk, block_bytes = layout
+        mode_id = MODES.get(mode)
+        if mode_id is None:
+            raise ValueError(f"mode must be 'exact' or 'int8', got {mode!r}")
+        if not (isinstance(blocks, torch.Tensor) and blocks.dtype == torch.uint8 and blocks.dim() == 2
+                and blocks.is_cpu and blocks.is_contiguous()):
+            raise ValueError(f"{name} blocks must be a contiguous 2-D uint8 CPU tensor, got {_describe(blocks)}")
+        if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() == 2 and x.is_cpu):
+            raise ValueError(f"x must be a 2-D float32 CPU tensor [M, K], got {_describe(x)}")
+        n, row_bytes = blocks.shape
+        m, k = x.shape
+        if k % qk:
+            raise ValueError(f"{name} needs K a multiple of {qk}, got x of shape {tuple(x.shape)}")
+        if row_bytes != k // qk * block_bytes:
+            raise ValueError(f"{name} blocks of {row_bytes} bytes per row do not hold K = {k} "
+                             f"({k // qk} blocks of {block_bytes} bytes = {k // qk * block_bytes})")
+        if out is None:
+            out = torch.empty((m, n), dtype=torch.float32)
+        elif not (isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.is_cpu
+                  and out.shape == (m, n) and out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {(m, n)}, got {_describe(out)}")
+        if not x.is_contiguous():
+            x = x.contiguous()  # activations are small; W is never copied
+        rc = self._call(self._isa_id, type_id, mode_id, blocks.data_ptr(), n, row_bytes, x.data_ptr(), m, k,
+                        out.data_ptr(), torch.get_num_threads() if threads is None else threads)
+        if rc:
+            raise RuntimeError(f"native {name} matmul failed: {_ERRORS.get(rc, rc)}")
+        return out
+
+    def quantize(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int8 mode's first step, exposed for tests: fp32 x [M, K] -> codes int8 [M, K], scales fp32
+        [M, K / block] (max|x| / 127 per `block` = 32 or 256 values), sums of each 16 codes int16 [M, K / 16]."""
+        x = x.contiguous()
+        m, k = x.shape
+        q = torch.empty((m, k), dtype=torch.int8)
+        d = torch.empty((m, k // block), dtype=torch.float32)
+        bs = torch.empty((m, k // 16), dtype=torch.int16)
+        if self._lib.rl_quantize(self._isa_id, x.data_ptr(), m, k, block, q.data_ptr(), d.data_ptr(), bs.data_ptr()):
+            raise ValueError(f"cannot quantize x of shape {(m, k)} in blocks of {block}")
+        return q, d, bs
+
+
+def _layouts(lib: ctypes.CDLL) -> tuple[dict[str, tuple[int, int, int]], str]:
+    """name -> (GGML type number, block elements, block bytes) as the library reports them, checked against the
+    torch reference's table; ({}, reason) on any disagreement (a stale or foreign library)."""
+    from ..packed.ggmlblocks import SUPPORTED
+
+    layouts = {}
+    for name, type_id in GGML_IDS.items():
+        qk, nbytes = ctypes.c_int(), ctypes.c_int()
+        if lib.rl_type_layout(type_id, ctypes.byref(qk), ctypes.byref(nbytes)) != 0:
+            return {}, f"the native library has no kernel for {name}"
+        if (qk.value, nbytes.value) != SUPPORTED[name]:
+            return {}, f"the native library's {name} blocks ({qk.value}, {nbytes.value}) differ from {SUPPORTED[name]}"
+        layouts[name] = (type_id, qk.value, nbytes.value)
+    return layouts, ""
+
+
+def _describe(value) -> str:
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    layout = "" if value.is_contiguous() else "non-contiguous "
+    return f"{layout}{value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"

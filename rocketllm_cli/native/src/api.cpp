@@ -1,0 +1,154 @@
+// The C entry points the Python side loads with ctypes, and the choice of variant by the CPU's capabilities.
+#include <mutex>
+#include <new>
+#include <vector>
+
+#include "kernels.h"
+#include "pool.h"
+
+#if defined(__x86_64__) && !defined(RL_SCALAR_ONLY)
+#include <cpuid.h>
+#endif
+
+namespace rl {
+namespace {
+
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, NUM_ISAS };
+
+// Variants this CPU runs, as a bit mask of 1 << Isa: read from cpuid, with the OS's register-saving checked
+// (xgetbv), so a kernel never hits an illegal instruction.
+int runnable_isas() {
+  int mask = 1 << SCALAR;
+#if defined(__x86_64__) && !defined(RL_SCALAR_ONLY)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return mask;
+  const bool fma = c >> 12 & 1, osxsave = c >> 27 & 1, avx = c >> 28 & 1, f16c = c >> 29 & 1;
+  if (!(osxsave && avx)) return mask;
+  unsigned xlo, xhi;
+  __asm__("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+  const bool ymm_saved = (xlo & 0x6) == 0x6, zmm_saved = (xlo & 0xE6) == 0xE6;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return mask;
+  const bool avx2 = b >> 5 & 1, avx512f = b >> 16 & 1, avx512bw = b >> 30 & 1, avx512vl = b >> 31 & 1;
+  const bool avx512vnni = c >> 11 & 1;
+  if (ymm_saved && avx2 && fma && f16c) {
+    mask |= 1 << AVX2;
+    if (zmm_saved && avx512f && avx512bw && avx512vl && avx512vnni) mask |= 1 << AVX512;
+  }
+#endif
+  return mask;
+}
+
+const Variant* variant(int isa) {
+  static const int runnable = runnable_isas();
+  if (isa < 0 || isa >= NUM_ISAS || !(runnable >> isa & 1)) return nullptr;
+  return isa == AVX512 ? avx512_variant() : isa == AVX2 ? avx2_variant() : scalar_variant();
+}
+
+struct Layout { int index, qk, bytes; };
+
+bool layout(int ggml_type, Layout& out) {
+  switch (ggml_type) {
+#define RL_CASE(name, id) case id: out = {T_##name, name::QK, name::BYTES}; return true;
+    RL_FOR_EACH_TYPE(RL_CASE)
+#undef RL_CASE
+    default: return false;
+  }
+}
+
+struct QuantizeJob { const Variant* v; const float* x; int64_t k; int qx; int8_t* q; float* d; int16_t* bs; };
+
+void quantize_range(void* ctx, int64_t m0, int64_t m1) {
+  const auto& j = *static_cast<QuantizeJob*>(ctx);
+  for (int64_t m = m0; m < m1; ++m)
+    j.v->quantize(j.x + m * j.k, j.k, j.qx, j.q + m * j.k, j.d + m * (j.k / j.qx), j.bs + m * (j.k / 16));
+}
+
+struct RowsJob { RowsFn fn; const Job* job; };
+
+void rows_range(void* ctx, int64_t n0, int64_t n1) {
+  const auto& j = *static_cast<RowsJob*>(ctx);
+  j.fn(*j.job, n0, n1);
+}
+
+std::mutex call_mutex;  // one call at a time: the pool and the scratch buffers are shared
+std::vector<int8_t> scratch_q;
+std::vector<float> scratch_d;
+std::vector<int16_t> scratch_bs;
+
+constexpr int64_t SMALL = 1 << 16;  // multiply-adds (or values to quantize) under which one thread does it all
+
+}  // namespace
+}  // namespace rl
+
+using namespace rl;
+
+#define RL_EXPORT __attribute__((visibility("default")))  // the library builds with -fvisibility=hidden
+
+extern "C" {
+
+// Bumped whenever a signature below changes, so that Python never calls a stale library wrongly.
+RL_EXPORT int rl_abi_version() { return 1; }
+
+// Bit mask of the variants compiled in and runnable here: 1 scalar, 2 AVX2, 4 AVX-512.
+RL_EXPORT int rl_isas() {
+  int mask = 0;
+  for (int isa = 0; isa < NUM_ISAS; ++isa)
+    if (variant(isa) != nullptr) mask |= 1 << isa;
+  return mask;
+}
+
+// 0 and the block's elements and bytes when `ggml_type` (GGML's type number) has kernels, else -1.
+RL_EXPORT int rl_type_layout(int ggml_type, int* qk, int* bytes) {
+  Layout l;
+  if (!layout(ggml_type, l)) return -1;
+  *qk = l.qk;
+  *bytes = l.bytes;
+  return 0;
+}
+
+// x [m, k] fp32 -> q8 codes q [m, k], scales d [m, k / qx], sums of 16 bs [m, k / 16] (int8 mode's first step;
+// exposed for the tests). 0, or -1 for a bad argument.
+RL_EXPORT int rl_quantize(int isa, const float* x, int64_t m, int64_t k, int qx, int8_t* q, float* d, int16_t* bs) {
+  const Variant* v = variant(isa);
+  if (v == nullptr || (qx != 32 && qx != QK_K) || k % qx != 0 || m < 0) return -1;
+  QuantizeJob job{v, x, k, qx, q, d, bs};
+  quantize_range(&job, 0, m);
+  return 0;
+}
+
+// y [m, n] = x [m, k] · Wᵀ, W the raw blocks [n, row_bytes] of GGML type `ggml_type`; mode 0 exact, 1 int8.
+// 0, or -1 bad type, -2 variant not runnable here, -3 shapes, -4 mode, -5 out of memory.
+RL_EXPORT int rl_matmul(int isa, int ggml_type, int mode, const uint8_t* w, int64_t n, int64_t row_bytes,
+                        const float* x, int64_t m, int64_t k, float* y, int threads) {
+  Layout l;
+  if (!layout(ggml_type, l)) return -1;
+  const Variant* v = variant(isa);
+  if (v == nullptr) return -2;
+  if (n < 0 || m < 0 || k < 0 || k % l.qk != 0 || row_bytes != k / l.qk * l.bytes) return -3;
+  if (mode != EXACT && mode != INT8) return -4;
+  if (n == 0 || m == 0) return 0;
+  threads = threads < 1 ? 1 : threads > 1024 ? 1024 : threads;
+  std::lock_guard<std::mutex> lock(call_mutex);
+  Job job{w, row_bytes, x, m, k, {}, y, n};
+  if (mode == INT8) {
+    try {
+      scratch_q.resize(size_t(m * k));
+      scratch_d.resize(size_t(m * (k / l.qk)));
+      scratch_bs.resize(size_t(m * (k / 16)));
+    } catch (const std::bad_alloc&) {
+      return -5;
+    }
+    QuantizeJob qj{v, x, k, l.qk, scratch_q.data(), scratch_d.data(), scratch_bs.data()};
+    parallel_for(m * k < SMALL ? 1 : threads, m, 1, quantize_range, &qj);
+    job.q8 = {scratch_q.data(), scratch_d.data(), scratch_bs.data()};
+  }
+  if (m * n * k < SMALL) threads = 1;
+  // pieces of whole n-tiles, about four per thread so that a slow core does not hold the others up
+  int64_t chunk = (n + 4 * threads - 1) / (4 * threads);
+  chunk = (chunk + N_TILE - 1) / N_TILE * N_TILE;
+  RowsJob rj{v->rows[mode][l.index], &job};
+  parallel_for(threads, n, chunk, rows_range, &rj);
+  return 0;
+}
+
+}  // extern "C"

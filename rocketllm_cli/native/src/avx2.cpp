@@ -1,0 +1,156 @@
+// The AVX2 + FMA + F16C variant: 8-lane fp32 FMAs for exact mode, maddubs / madd int8 dot products.
+#include "kernels.h"
+
+#if defined(__x86_64__) && !defined(RL_SCALAR_ONLY)
+#include <immintrin.h>
+
+namespace rl {
+namespace avx2 {
+
+#define RL_TARGET __attribute__((target("avx2,fma,f16c")))
+#include "x86_codes.h"
+
+using F = __m256;
+constexpr int FW = 8, MT = 2;  // 2 rows of x per tile: 2 × 4 accumulators + 4 weights fit in 16 registers
+
+RL_INLINE F fzero() { return _mm256_setzero_ps(); }
+RL_INLINE F fset(float v) { return _mm256_set1_ps(v); }
+RL_INLINE F fload(const float* p) { return _mm256_loadu_ps(p); }
+RL_INLINE F fadd(F a, F b) { return _mm256_add_ps(a, b); }
+RL_INLINE F ffma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+RL_INLINE float fsum(F v) { return hsum256(v); }
+
+template <bool SIGNED> RL_INLINE void to_float(__m256i codes, F* out) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
+  for (int i = 0; i < 4; ++i) {
+    const __m128i eight = i & 1 ? _mm_srli_si128(halves[i >> 1], 8) : halves[i >> 1];
+    out[i] = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+  }
+}
+
+RL_INLINE void scale_floats(__m256i s, float mult, float* out) {
+  const __m256 m = _mm256_set1_ps(mult);
+  _mm256_store_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s))), m));
+  _mm256_store_ps(out + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1))), m));
+}
+
+#include "x86_kernels.h"
+
+// int8: per block and row of x, 8 int32 lanes of Σ sc_g · w_i · q_i over the block (exact), w_i = code − OFF
+// (or the int8 weight itself), then one FMA by d · dx; the mins' dmin · Σ mn_g · bs_g go to accumulators of
+// their own.
+
+// int16 sums of byte pairs w·q (maddubs takes unsigned × signed bytes): unsigned codes as they are, less OFF·q
+// (no saturation: codes ≤ 63, OFF ≤ 32, |q| ≤ 127); signed weights as |w| · (q with w's sign)
+template <class T> RL_INLINE __m256i pair_products(__m256i codes, __m256i q) {
+  if constexpr (T::SIGNED) return _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(q, codes));
+  const __m256i p = _mm256_maddubs_epi16(codes, q);
+  return T::OFF ? _mm256_sub_epi16(p, _mm256_maddubs_epi16(bytes(T::OFF), q)) : p;
+}
+RL_INLINE __m256i scale_pair(__m256i sc, int c) {  // int16: sc[2c] in the low 16 bytes, sc[2c + 1] in the high
+  const __m256i pick = _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302, 0x0100010001000100,
+                                         0x0100010001000100);
+  return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(c)), pick);
+}
+
+template <class T, int M>
+RL_TARGET void int8_tile(const Job& j, int64_t n, int64_t m0) {
+  const uint8_t* row = j.w + n * j.row_bytes;
+  const int64_t nb = j.k / T::QK;
+  const int8_t* q = j.q8.q + m0 * j.k;
+  __m256 acc[M], mins[M];
+  float mins32[M];  // Q4_1 / Q5_1: m · dx · Σq
+  for (int t = 0; t < M; ++t) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); mins32[t] = 0; }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * T::BYTES;
+    const Scales<T> s = scales_of<T>(blk);
+    __m256i isum[M];
+    for (int t = 0; t < M; ++t) isum[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < T::QK / 32; ++c) {
+      const __m256i codes = codes32<T>(blk, c);
+      const __m256i scale = T::SCALED ? scale_pair(s.sc, c) : _mm256_set1_epi16(1);
+      for (int t = 0; t < M; ++t) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * j.k + b * T::QK + 32 * c));
+        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(pair_products<T>(codes, x), scale));
+      }
+    }
+    for (int t = 0; t < M; ++t) {
+      const int64_t row_m = m0 + t;
+      const float dx = j.q8.d[row_m * nb + b];
+      if (T::MIN) {
+        const int16_t* bs = j.q8.bs + row_m * (j.k / 16) + b * (T::QK / 16);
+        if constexpr (T::SCALED) {
+          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs));  // 16 group sums
+          mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, s.mn)), _mm256_set1_ps(s.dmin * dx),
+                                    mins[t]);
+        } else {
+          mins32[t] += s.dmin * dx * float(bs[0] + bs[1]);  // mn = -1: the min adds m · dx · Σq
+        }
+      }
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(s.d * dx), acc[t]);
+    }
+  }
+  for (int t = 0; t < M; ++t)
+    j.y[(m0 + t) * j.n + n] = hsum256(_mm256_sub_ps(acc[t], mins[t])) + mins32[t];
+}
+
+template <class T> RL_TARGET void int8_rows(const Job& j, int64_t n0, int64_t n1) {
+  for_each_tile<MT>(j, n0, n1, int8_tile<T, MT>, int8_tile<T, 1>);
+}
+
+// scalar.cpp's quantize_row, 32 values at a time (the same operations, so the same codes)
+RL_TARGET void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_t* bs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_BIG);
+  for (int64_t b = 0; b < k / qx; ++b) {
+    const float* xb = x + b * qx;
+    __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int i = 0; i < qx; i += 8) {
+      const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i));
+      vmax = _mm256_max_ps(vmax, a);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const bool finite = _mm256_movemask_ps(bad) == 0;
+    float inv;
+    d[b] = q8_scale(_mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))), finite, &inv);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int i = 0; i < qx; i += 32) {
+      __m256i v[4];
+      for (int r = 0; r < 4; ++r) v[r] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * r), vinv));
+      if (!finite)
+        for (int r = 0; r < 4; ++r) v[r] = _mm256_setzero_si256();  // inf · 0 is NaN, not 0
+      const __m256i sum01 = _mm256_add_epi32(v[0], v[1]), sum23 = _mm256_add_epi32(v[2], v[3]);
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * qx + i), ordered);
+      const int64_t g = (b * qx + i) / 16;
+      bs[g] = int16_t(hsum256(_mm256_cvtepi32_ps(sum01)));  // |sum| <= 16 · 127: exact in fp32
+      bs[g + 1] = int16_t(hsum256(_mm256_cvtepi32_ps(sum23)));
+    }
+  }
+}
+
+}  // namespace avx2
+
+const Variant* avx2_variant() {
+  static const Variant v = [] {
+    Variant t{};
+#define RL_FILL(name, id) t.rows[EXACT][T_##name] = avx2::exact_rows<name>; \
+    t.rows[INT8][T_##name] = avx2::int8_rows<name>;
+    RL_FOR_EACH_TYPE(RL_FILL)
+#undef RL_FILL
+    t.quantize = avx2::quantize_row;
+    return t;
+  }();
+  return &v;
+}
+
+}  // namespace rl
+
+#else
+namespace rl {
+const Variant* avx2_variant() { return nullptr; }
+}  // namespace rl
+#endif

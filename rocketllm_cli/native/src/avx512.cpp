@@ -1,0 +1,215 @@
+// The AVX-512 variant (F, BW, VL and VNNI): 16-lane fp32 FMAs for exact mode, VNNI dot products for int8.
+// A CPU with AVX-512 but no VNNI (Skylake-SP) runs the AVX2 variant instead.
+#include "kernels.h"
+
+#if defined(__x86_64__) && !defined(RL_SCALAR_ONLY)
+#include <immintrin.h>
+
+namespace rl {
+namespace avx512 {
+
+#define RL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#include "x86_codes.h"
+
+using F = __m512;
+constexpr int FW = 16, MT = 4;  // 4 rows of x per tile (exact: 4 × 2 accumulators; more rows gained nothing)
+
+RL_INLINE F fzero() { return _mm512_setzero_ps(); }
+RL_INLINE F fset(float v) { return _mm512_set1_ps(v); }
+RL_INLINE F fload(const float* p) { return _mm512_loadu_ps(p); }
+RL_INLINE F fadd(F a, F b) { return _mm512_add_ps(a, b); }
+RL_INLINE F ffma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+RL_INLINE float fsum(F v) { return _mm512_reduce_add_ps(v); }
+
+template <bool SIGNED> RL_INLINE void to_float(__m256i codes, F* out) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
+  for (int i = 0; i < 2; ++i)
+    out[i] = _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(halves[i]) : _mm512_cvtepu8_epi32(halves[i]));
+}
+
+RL_INLINE void scale_floats(__m256i s, float mult, float* out) {
+  _mm512_store_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(s)), _mm512_set1_ps(mult)));
+}
+
+#include "x86_kernels.h"
+
+// int8, 64 bytes at a time: two 32-element blocks, or two chunks of a K-quant block, per instruction. The
+// integer sums are avx2.cpp's int8_tile's (see there), so the results agree up to the fp32 order.
+RL_INLINE __m512i join(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
+RL_INLINE __m512i signed_like(__m512i x, __m512i w) {  // x where w >= 0, -x where w < 0 (AVX-512 has no vpsignb)
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+// The codes of two 32-element blocks, [first | second] (x86_codes.h's order, two at a time)
+RL_INLINE __m512i nibbles64(const uint8_t* q0, const uint8_t* q1) {
+  const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(q0)), load16(q1), 1);
+  const __m512i both = _mm512_and_si512(join(q, _mm256_srli_epi16(q, 4)), _mm512_set1_epi8(15));  // lo0 lo1 hi0 hi1
+  return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));                                // lo0 hi0 lo1 hi1
+}
+RL_INLINE __m512i high_bits64(uint32_t qh0, uint32_t qh1) {  // Q5: 0x10 in byte i where bit i is set
+  return _mm512_and_si512(_mm512_movm_epi8(uint64_t(qh0) | uint64_t(qh1) << 32), _mm512_set1_epi8(0x10));
+}
+template <class T> RL_INLINE __m512i pair_codes(const uint8_t* b0, const uint8_t* b1);
+template <> RL_INLINE __m512i pair_codes<Q4_0>(const uint8_t* b0, const uint8_t* b1) {
+  return nibbles64(b0 + 2, b1 + 2);
+}
+template <> RL_INLINE __m512i pair_codes<Q4_1>(const uint8_t* b0, const uint8_t* b1) {
+  return nibbles64(b0 + 4, b1 + 4);
+}
+template <> RL_INLINE __m512i pair_codes<Q5_0>(const uint8_t* b0, const uint8_t* b1) {
+  return _mm512_or_si512(nibbles64(b0 + 6, b1 + 6), high_bits64(u32_at(b0 + 2), u32_at(b1 + 2)));
+}
+template <> RL_INLINE __m512i pair_codes<Q5_1>(const uint8_t* b0, const uint8_t* b1) {
+  return _mm512_or_si512(nibbles64(b0 + 8, b1 + 8), high_bits64(u32_at(b0 + 4), u32_at(b1 + 4)));
+}
+template <> RL_INLINE __m512i pair_codes<Q8_0>(const uint8_t* b0, const uint8_t* b1) {
+  return join(load32(b0 + 2), load32(b1 + 2));
+}
+template <> RL_INLINE __m512i pair_codes<IQ4_NL>(const uint8_t* b0, const uint8_t* b1) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES)));
+  return _mm512_shuffle_epi8(table, nibbles64(b0 + 2, b1 + 2));
+}
+
+// int32 sums over each 4 bytes of w·q, and int16 sums over byte pairs (as avx2.cpp's pair_products)
+template <class T> RL_INLINE __m512i quad_products(__m512i codes, __m512i q) {
+  const __m512i zero = _mm512_setzero_si512();
+  if constexpr (T::SIGNED) return _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(codes), signed_like(q, codes));
+  const __m512i p = _mm512_dpbusd_epi32(zero, codes, q);
+  return T::OFF ? _mm512_sub_epi32(p, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(char(T::OFF)), q)) : p;
+}
+template <class T> RL_INLINE __m512i pair_products(__m512i codes, __m512i q) {
+  if constexpr (T::SIGNED) return _mm512_maddubs_epi16(_mm512_abs_epi8(codes), signed_like(q, codes));
+  const __m512i p = _mm512_maddubs_epi16(codes, q);
+  return T::OFF ? _mm512_sub_epi16(p, _mm512_maddubs_epi16(_mm512_set1_epi8(char(T::OFF)), q)) : p;
+}
+
+// [v(first), v(second) or 0, 0, 0] for the fp16 field at byte `at` of two blocks, and two adjacent floats
+RL_INLINE __m128 fp16_pair(const uint8_t* first, const uint8_t* second, int at) {
+  const uint32_t bits = u16_at(first + at) | (second ? uint32_t(u16_at(second + at)) << 16 : 0u);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(int(bits)));
+}
+RL_INLINE __m128 float_pair(const float* p, bool single) {
+  return single ? _mm_load_ss(p) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+}
+
+// 32-element types: blocks b and b + 1 side by side (SINGLE: the last block of an odd count, alone)
+template <class T, int M, bool SINGLE>
+RL_INLINE void int8_pair(const Job& j, const uint8_t* blk, int64_t b, int64_t m0, __m512* acc, float* mins) {
+  const uint8_t* next = SINGLE ? nullptr : blk + T::BYTES;
+  const __m512i codes = pair_codes<T>(blk, SINGLE ? blk : next);  // SINGLE: x's upper half is 0
+  const __m128 d = fp16_pair(blk, next, T::D_AT);
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int t = 0; t < M; ++t) {
+    const int8_t* q = j.q8.q + (m0 + t) * j.k + b * 32;
+    const __m512i x = SINGLE ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q) : _mm512_loadu_si512(q);
+    const __m128 dx = float_pair(j.q8.d + (m0 + t) * (j.k / 32) + b, SINGLE);
+    const __m512 dd = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_mul_ps(d, dx)));
+    const __m512i isum = quad_products<T>(codes, x);  // lanes 0..7 block b, 8..15 b + 1
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, acc[t]);
+    if (T::MIN) {  // + m · dx · Σq per block
+      const __m128 mdx = _mm_mul_ps(fp16_pair(blk, next, T::DMIN_AT), dx);
+      const int16_t* bs = j.q8.bs + (m0 + t) * (j.k / 16) + b * 2;
+      mins[t] += _mm_cvtss_f32(mdx) * float(bs[0] + bs[1]);
+      if (!SINGLE) mins[t] += _mm_cvtss_f32(_mm_movehdup_ps(mdx)) * float(bs[2] + bs[3]);
+    }
+  }
+}
+
+// maddubs' int16 lane l holds elements 2l and 2l + 1 of the 64: group l / 8 of the four
+alignas(64) constexpr int16_t LANE_GROUP[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+
+template <class T, int M>
+RL_TARGET void int8_tile(const Job& j, int64_t n, int64_t m0) {
+  const uint8_t* row = j.w + n * j.row_bytes;
+  const int64_t nb = j.k / T::QK;
+  __m512 acc[M];
+  __m256 mins[M];  // K-quants' dmin · dx · Σ mn · bs
+  float mins32[M];  // Q4_1 / Q5_1's m · dx · Σq
+  for (int t = 0; t < M; ++t) { acc[t] = _mm512_setzero_ps(); mins[t] = _mm256_setzero_ps(); mins32[t] = 0; }
+  if constexpr (T::QK == 32) {
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) int8_pair<T, M, false>(j, row + b * T::BYTES, b, m0, acc, mins32);
+    if (b < nb) int8_pair<T, M, true>(j, row + b * T::BYTES, b, m0, acc, mins32);
+  } else {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * T::BYTES;
+      const Scales<T> s = scales_of<T>(blk);
+      const __m512i sc = _mm512_castsi256_si512(s.sc);
+      __m512i isum[M];
+      for (int t = 0; t < M; ++t) isum[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {  // elements 64p .. 64p + 63: groups 4p .. 4p + 3
+        const __m512i codes = join(codes32<T>(blk, 2 * p), codes32<T>(blk, 2 * p + 1));
+        const __m512i group = _mm512_add_epi16(_mm512_load_si512(LANE_GROUP), _mm512_set1_epi16(short(4 * p)));
+        const __m512i scale = _mm512_permutexvar_epi16(group, sc);  // sc of each int16 lane
+        for (int t = 0; t < M; ++t) {
+          const __m512i x = _mm512_loadu_si512(j.q8.q + (m0 + t) * j.k + b * QK_K + 64 * p);
+          isum[t] = _mm512_dpwssd_epi32(isum[t], pair_products<T>(codes, x), scale);
+        }
+      }
+      for (int t = 0; t < M; ++t) {
+        const int64_t row_m = m0 + t;
+        const float dx = j.q8.d[row_m * nb + b];
+        if (T::MIN) {
+          const int16_t* bs = j.q8.bs + row_m * (j.k / 16) + b * 16;
+          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs));
+          mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, s.mn)), _mm256_set1_ps(s.dmin * dx),
+                                    mins[t]);
+        }
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_set1_ps(s.d * dx), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < M; ++t)
+    j.y[(m0 + t) * j.n + n] = _mm512_reduce_add_ps(acc[t]) - hsum256(mins[t]) + mins32[t];
+}
+
+template <class T> RL_TARGET void int8_rows(const Job& j, int64_t n0, int64_t n1) {
+  for_each_tile<MT>(j, n0, n1, int8_tile<T, MT>, int8_tile<T, 1>);
+}
+
+// scalar.cpp's quantize_row, 16 values at a time (the same operations, so the same codes)
+RL_TARGET void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_t* bs) {
+  for (int64_t b = 0; b < k / qx; ++b) {
+    const float* xb = x + b * qx;
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int i = 0; i < qx; i += 16) {
+      const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(xb + i));
+      vmax = _mm512_max_ps(vmax, a);
+      bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_BIG), _CMP_NLE_UQ);
+    }
+    float inv;
+    d[b] = q8_scale(_mm512_reduce_max_ps(vmax), bad == 0, &inv);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int i = 0; i < qx; i += 16) {
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), vinv));
+      if (bad) v = _mm512_setzero_si512();  // inf · 0 is NaN, not 0
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * qx + i), _mm512_cvtsepi32_epi8(v));
+      bs[(b * qx + i) / 16] = int16_t(_mm512_reduce_add_epi32(v));
+    }
+  }
+}
+
+}  // namespace avx512
+
+const Variant* avx512_variant() {
+  static const Variant v = [] {
+    Variant t{};
+#define RL_FILL(name, id) t.rows[EXACT][T_##name] = avx512::exact_rows<name>; \
+    t.rows[INT8][T_##name] = avx512::int8_rows<name>;
+    RL_FOR_EACH_TYPE(RL_FILL)
+#undef RL_FILL
+    t.quantize = avx512::quantize_row;
+    return t;
+  }();
+  return &v;
+}
+
+}  // namespace rl
+
+#else
+namespace rl {
+const Variant* avx512_variant() { return nullptr; }
+}  // namespace rl
+#endif

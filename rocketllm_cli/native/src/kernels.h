@@ -1,0 +1,76 @@
+// What one matmul call hands the kernels, and the table of kernels each variant (scalar, AVX2, AVX-512) fills.
+#pragma once
+#include <cstdint>
+#include <limits>
+
+#include "blocks.h"
+
+namespace rl {
+
+enum Mode { EXACT = 0, INT8 = 1 };
+
+// x quantized for int8 mode, each row on its own: per QX = the weight type's block size (32 or 256) elements one
+// scale d = max|x| / 127 and codes q = round-half-even(x / d); per 16 elements the sum of the codes.
+struct Q8Rows {
+  const int8_t* q;    // [M, K]
+  const float* d;     // [M, K / QX]
+  const int16_t* bs;  // [M, K / 16]
+};
+
+struct Job {                           // y = x · Wᵀ
+  const uint8_t* w; int64_t row_bytes;  // W: [N, row_bytes], row n = output feature n, K / QK blocks
+  const float* x; int64_t m, k;         // x: [M, K] fp32, contiguous
+  Q8Rows q8;                            // int8 mode only
+  float* y; int64_t n;                  // y: [M, N] fp32, contiguous
+};
+
+// int8 mode's scale of one block of x from its max |x|: d = amax / 127, codes round(x · inv) with inv = 1 / d.
+// A block whose max is under 1e-30 gets d = 0 (all codes 0, and 1 / d stays finite); one holding inf or NaN gets
+// all codes 0 and d = NaN, so that every output it reaches is NaN, as in exact mode. Shared by every quantizer.
+inline float q8_scale(float amax, bool finite, float* inv) {
+  if (!finite) {
+    *inv = 0;
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  if (!(amax >= 1e-30f)) {
+    *inv = 0;
+    return 0;
+  }
+  const float d = amax / 127.0f;
+  *inv = 1.0f / d;
+  return d;
+}
+constexpr float FLT_BIG = std::numeric_limits<float>::max();  // |x| > this, or unordered: inf or NaN
+
+using RowsFn = void (*)(const Job&, int64_t n0, int64_t n1);  // y[:, n0:n1]
+// one row of x [K] -> q [K], d [K / qx], bs [K / 16]
+using QuantizeFn = void (*)(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_t* bs);
+
+struct Variant {
+  RowsFn rows[2][NUM_TYPES];  // [mode][type]
+  QuantizeFn quantize;
+};
+
+// The variants built into this library; avx2 / avx512 are null where the platform has no x86 code.
+const Variant* scalar_variant();
+const Variant* avx2_variant();
+const Variant* avx512_variant();
+
+constexpr int N_TILE = 8;  // rows of W per pass over x's m-tiles (their blocks stay in L1 while x's rows cycle)
+
+using TileFn = void (*)(const Job&, int64_t n, int64_t m0);  // y[m0 : m0 + MT, n]
+
+// Visit y[:, n0:n1] by tiles: MT rows of x at a time (a block's decoded weights serve them all), the rest one by one.
+template <int MT>
+inline void for_each_tile(const Job& j, int64_t n0, int64_t n1, TileFn tile, TileFn tile1) {
+  for (int64_t nt = n0; nt < n1; nt += N_TILE) {
+    const int64_t ne = nt + N_TILE < n1 ? nt + N_TILE : n1;
+    int64_t m0 = 0;
+    for (; m0 + MT <= j.m; m0 += MT)
+      for (int64_t n = nt; n < ne; ++n) tile(j, n, m0);
+    for (; m0 < j.m; ++m0)
+      for (int64_t n = nt; n < ne; ++n) tile1(j, n, m0);
+  }
+}
+
+}  // namespace rl

@@ -1,0 +1,172 @@
+// The portable variant: the readable reference every SIMD variant is tested against. Per block type, codes()
+// unpacks one block into its QK codes in element order; the generic loops below apply blocks.h's w = a·code + b.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels.h"
+
+namespace rl {
+namespace {
+
+// 32-element types: byte i of qs holds element i (low nibble) and element 16 + i (high nibble)
+void nibbles32(const uint8_t* qs, uint8_t* out) {
+  for (int i = 0; i < 16; ++i) { out[i] = qs[i] & 15; out[16 + i] = qs[i] >> 4; }
+}
+void high_bits32(uint32_t qh, uint8_t* out) {  // Q5_0 / Q5_1: bit i of qh is element i's bit 4
+  for (int i = 0; i < 32; ++i) out[i] |= ((qh >> i) & 1) << 4;
+}
+
+template <class T> void codes(const uint8_t* b, uint8_t* out);
+
+template <> void codes<Q4_0>(const uint8_t* b, uint8_t* out) { nibbles32(b + 2, out); }
+template <> void codes<Q4_1>(const uint8_t* b, uint8_t* out) { nibbles32(b + 4, out); }
+template <> void codes<Q5_0>(const uint8_t* b, uint8_t* out) { nibbles32(b + 6, out); high_bits32(u32_at(b + 2), out); }
+template <> void codes<Q5_1>(const uint8_t* b, uint8_t* out) { nibbles32(b + 8, out); high_bits32(u32_at(b + 4), out); }
+template <> void codes<Q8_0>(const uint8_t* b, uint8_t* out) { std::memcpy(out, b + 2, 32); }
+template <> void codes<IQ4_NL>(const uint8_t* b, uint8_t* out) {
+  nibbles32(b + 2, out);
+  for (int i = 0; i < 32; ++i) out[i] = uint8_t(IQ4_VALUES[out[i]]);
+}
+
+// Q2_K / Q3_K / Q6_K: element 128h + 32t + i takes its 2-bit field t from byte 32h + i of a 64-byte run
+template <> void codes<Q2_K>(const uint8_t* b, uint8_t* out) {
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t)
+      for (int i = 0; i < 32; ++i) out[128 * h + 32 * t + i] = (b[16 + 32 * h + i] >> (2 * t)) & 3;
+}
+template <> void codes<Q3_K>(const uint8_t* b, uint8_t* out) {  // + bit 2 from hmask: element 32s + i is bit s of i
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t)
+      for (int i = 0; i < 32; ++i) {
+        const int low = (b[32 + 32 * h + i] >> (2 * t)) & 3, high = (b[i] >> (4 * h + t)) & 1;
+        out[128 * h + 32 * t + i] = uint8_t(low | high << 2);
+      }
+}
+template <> void codes<Q6_K>(const uint8_t* b, uint8_t* out) {  // a nibble of ql, 2 bits of qh
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t)
+      for (int i = 0; i < 32; ++i) {
+        const int low = (b[64 * h + 32 * (t & 1) + i] >> (4 * (t >> 1))) & 15;
+        const int high = (b[128 + 32 * h + i] >> (2 * t)) & 3;
+        out[128 * h + 32 * t + i] = uint8_t(low | high << 4);
+      }
+}
+// Q4_K / Q5_K: sub-block j (32 elements) is the low (j even) or high (j odd) nibbles of qs[32 (j / 2) ...]
+template <> void codes<Q4_K>(const uint8_t* b, uint8_t* out) {
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 32; ++i) out[32 * j + i] = (b[16 + 32 * (j / 2) + i] >> (4 * (j % 2))) & 15;
+}
+template <> void codes<Q5_K>(const uint8_t* b, uint8_t* out) {  // + bit 4: bit j of qh[i]
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 32; ++i)
+      out[32 * j + i] = uint8_t(((b[48 + 32 * (j / 2) + i] >> (4 * (j % 2))) & 15) | ((b[16 + i] >> j) & 1) << 4);
+}
+template <> void codes<IQ4_XS>(const uint8_t* b, uint8_t* out) {  // 8 runs of 16 bytes, each as IQ4_NL's
+  for (int j = 0; j < 8; ++j) nibbles32(b + 8 + 16 * j, out + 32 * j);
+  for (int i = 0; i < QK_K; ++i) out[i] = uint8_t(IQ4_VALUES[out[i]]);
+}
+
+template <class T> int code_value(uint8_t c) { return T::SIGNED ? int(int8_t(c)) : int(c); }
+
+// exact: y[m, n] = Σ_blocks Σ_i (a_g · code_i + b_g) · x[m, i], each block's sum in fp32, the row's in fp64
+template <class T>
+void exact_rows(const Job& j, int64_t n0, int64_t n1) {
+  const int64_t nb = j.k / T::QK;
+  std::vector<double> acc(size_t(j.m));
+  uint8_t c[T::QK];
+  float w[T::QK];
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t b = 0; b < nb; ++b) {  // each block decoded once, then used by every row of x
+      const uint8_t* blk = j.w + n * j.row_bytes + b * T::BYTES;
+      Head h;
+      head_of<T>(blk, h);
+      codes<T>(blk, c);
+      const float d = d_of<T>(blk), dmin = dmin_of<T>(blk);
+      for (int g = 0; g < T::QK / 16; ++g) {
+        const float a = d * float(scale_of<T>(h, g));
+        const float off = T::MIN ? -(dmin * float(min_of<T>(h, g))) : -float(T::OFF) * a;
+        for (int i = 16 * g; i < 16 * g + 16; ++i) w[i] = a * float(code_value<T>(c[i])) + off;
+      }
+      for (int64_t m = 0; m < j.m; ++m) {
+        const float* x = j.x + m * j.k + b * T::QK;
+        float sum = 0;
+        for (int i = 0; i < T::QK; ++i) sum += w[i] * x[i];
+        acc[size_t(m)] += sum;
+      }
+    }
+    for (int64_t m = 0; m < j.m; ++m) j.y[m * j.n + n] = float(acc[size_t(m)]);
+  }
+}
+
+// int8: per block, integer dot products of the weights' integer parts with x's q8 codes, then
+//   y += d·dx · Σ_g sc_g · Σ_i (code_i − OFF)·q_i  −  dmin·dx · Σ_g mn_g · bs_g
+template <class T>
+void int8_rows(const Job& j, int64_t n0, int64_t n1) {
+  const int64_t nb = j.k / T::QK;
+  std::vector<float> acc(size_t(j.m));
+  uint8_t c[T::QK];
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = j.w + n * j.row_bytes + b * T::BYTES;
+      Head h;
+      head_of<T>(blk, h);
+      codes<T>(blk, c);
+      const float d = d_of<T>(blk), dmin = dmin_of<T>(blk);
+      for (int64_t m = 0; m < j.m; ++m) {
+        const int8_t* q = j.q8.q + m * j.k + b * T::QK;
+        const int16_t* bs = j.q8.bs + m * (j.k / 16) + b * (T::QK / 16);
+        int32_t isum = 0, msum = 0;
+        for (int g = 0; g < T::QK / 16; ++g) {
+          int32_t dot = 0;
+          for (int i = 16 * g; i < 16 * g + 16; ++i) dot += (code_value<T>(c[i]) - T::OFF) * q[i];
+          isum += scale_of<T>(h, g) * dot;
+          if (T::MIN) msum += min_of<T>(h, g) * bs[g];
+        }
+        const float dx = j.q8.d[m * nb + b];
+        acc[size_t(m)] += d * dx * float(isum);
+        if (T::MIN) acc[size_t(m)] -= dmin * dx * float(msum);
+      }
+    }
+    for (int64_t m = 0; m < j.m; ++m) j.y[m * j.n + n] = acc[size_t(m)];
+  }
+}
+
+// One row of x -> q8 (kernels.h's q8_scale): per qx elements d and codes round-half-even(x · (1 / d)); per 16
+// elements the sum of the codes.
+void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_t* bs) {
+  for (int64_t b = 0; b < k / qx; ++b) {
+    const float* xb = x + b * qx;
+    float amax = 0, inv;
+    bool finite = true;
+    for (int i = 0; i < qx; ++i) {
+      amax = std::fmax(amax, std::fabs(xb[i]));
+      finite = finite && std::fabs(xb[i]) <= FLT_BIG;
+    }
+    d[b] = q8_scale(amax, finite, &inv);
+    for (int i = 0; i < qx; ++i) q[b * qx + i] = finite ? int8_t(std::nearbyint(xb[i] * inv)) : 0;
+  }
+  for (int64_t g = 0; g < k / 16; ++g) {
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) sum += q[16 * g + i];
+    bs[g] = int16_t(sum);
+  }
+}
+
+}  // namespace
+
+const Variant* scalar_variant() {
+  static const Variant v = [] {
+    Variant t{};
+#define RL_FILL(name, id) t.rows[EXACT][T_##name] = exact_rows<name>; t.rows[INT8][T_##name] = int8_rows<name>;
+    RL_FOR_EACH_TYPE(RL_FILL)
+#undef RL_FILL
+    t.quantize = quantize_row;
+    return t;
+  }();
+  return &v;
+}
+
+}  // namespace rl

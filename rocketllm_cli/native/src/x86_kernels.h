@@ -1,0 +1,75 @@
+// The x86 exact kernels, written once over the variant's float vector F (FW lanes), and included by avx2.cpp and
+// avx512.cpp inside their namespace after x86_codes.h and these ops of theirs:
+//   F fzero(), fset(float), fload(const float*), fadd(F, F), ffma(F, F, F); float fsum(F)
+//   to_float<SIGNED>(__m256i codes, F out[32 / FW]): the 32 codes as fp32, unsigned or signed bytes
+//   scale_floats(__m256i s, float mult, float out[16]): out[g] = mult · s[g] for 16 int16 s (64-byte aligned out)
+//   constexpr int MT: rows of x per tile
+// The int8 kernels differ more between the two (VNNI, 64-byte vectors) and live in each file.
+// (No include guard on purpose.)
+
+// A block's fp16 d and dmin, and a SCALED type's scales and mins in registers
+template <class T> struct Scales {
+  float d, dmin;
+  __m256i sc, mn;
+};
+template <class T> RL_INLINE Scales<T> scales_of(const uint8_t* blk) {
+  Scales<T> s{fp16(u16_at(blk + T::D_AT)), T::MIN ? fp16(u16_at(blk + T::DMIN_AT)) : 0.0f, _mm256_setzero_si256(),
+              _mm256_setzero_si256()};
+  if constexpr (T::SCALED) scales16<T>(blk, s.sc, s.mn);
+  return s;
+}
+
+// exact: fp32 weights a_g · code + b_g (blocks.h) in registers, FMA'd with fp32 x. With one row of x, the chunks
+// alternate between two sets of accumulators so that consecutive FMAs do not wait on each other.
+template <class T, int M, int P>
+RL_INLINE void exact_block(const uint8_t* blk, const float* x, int64_t k, F (*acc)[(M == 1 ? 2 : 1) * (32 / FW)]) {
+  constexpr int NV = 32 / FW;
+  const Scales<T> s = scales_of<T>(blk);
+  alignas(64) float a[16], off[16];  // per 16 elements (the 32-element types use [0] and [1])
+  if constexpr (T::SCALED) {
+    scale_floats(s.sc, s.d, a);
+    if (T::MIN) scale_floats(s.mn, -s.dmin, off); else scale_floats(s.sc, -float(T::OFF) * s.d, off);
+  } else {
+    a[0] = a[1] = s.d;
+    off[0] = off[1] = T::MIN ? s.dmin : -float(T::OFF) * s.d;  // Q4_1 / Q5_1: + m
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < T::QK / 32; ++c) {
+    F w[NV];
+    to_float<T::SIGNED>(codes32<T>(blk, c), w);
+    for (int v = 0; v < NV; ++v) {
+      const int g = 2 * c + v * FW / 16;
+      w[v] = ffma(fset(a[g]), w[v], fset(off[g]));  // rounds a·code + b once, as gguf does
+    }
+    const int set = M == 1 ? ((c + P) & 1) * NV : 0;
+    for (int t = 0; t < M; ++t)
+      for (int v = 0; v < NV; ++v) acc[t][set + v] = ffma(w[v], fload(x + t * k + 32 * c + FW * v), acc[t][set + v]);
+  }
+}
+
+template <class T, int M>
+RL_TARGET void exact_tile(const Job& j, int64_t n, int64_t m0) {
+  constexpr int NA = (M == 1 ? 2 : 1) * (32 / FW);
+  const uint8_t* row = j.w + n * j.row_bytes;
+  const float* x = j.x + m0 * j.k;
+  const int64_t nb = j.k / T::QK;
+  F acc[M][NA];
+  for (int t = 0; t < M; ++t)
+    for (int v = 0; v < NA; ++v) acc[t][v] = fzero();
+  int64_t b = 0;
+  if (T::QK == 32)  // blocks in pairs: the second takes the other set of accumulators
+    for (; b + 2 <= nb; b += 2) {
+      exact_block<T, M, 0>(row + b * T::BYTES, x + b * T::QK, j.k, acc);
+      exact_block<T, M, 1>(row + (b + 1) * T::BYTES, x + (b + 1) * T::QK, j.k, acc);
+    }
+  for (; b < nb; ++b) exact_block<T, M, 0>(row + b * T::BYTES, x + b * T::QK, j.k, acc);
+  for (int t = 0; t < M; ++t) {
+    F sum = acc[t][0];
+    for (int v = 1; v < NA; ++v) sum = fadd(sum, acc[t][v]);
+    j.y[(m0 + t) * j.n + n] = fsum(sum);
+  }
+}
+
+template <class T> RL_TARGET void exact_rows(const Job& j, int64_t n0, int64_t n1) {
+  for_each_tile<MT>(j, n0, n1, exact_tile<T, MT>, exact_tile<T, 1>);
+}

@@ -1,0 +1,305 @@
+"""rocketllm_cli.native: the C++ kernels against the torch reference (packed.ggmlblocks) and against each other.
+
+Every supported type × every variant this CPU runs (scalar always) × both modes, on odd shapes: K not a multiple
+of 256 for the 32-element types, N = 1, 7 and 4096, M = 1, 3 and 17 (tiles of 4 or 2 rows and the rest one by one);
+each SIMD variant also against the scalar one.
+  exact: against x @ dequantize_blocks(W).T in fp64, to 1e-6 of Σ|x|·|w| (fp32 accumulation order; a wrong code
+         or scale shows at ~1/K and above)
+  int8:  against the same product with x replaced by its q8 round trip, computed here in torch (to 1e-6 of the
+         sums of |x̂|·|a·code| and |x̂|·|b|: the integer dot products are exact, only fp32 sums of per-block
+         products round, the integer and the min parts apart), and within the hard bound
+         Σ_i |w_i| · d_i / 2 of the exact result (|x − q·d| ≤ d / 2 per element)
+Plus: the quantizer bit for bit, threads and variants agreeing, one-line errors, and no compiler -> None.
+The library builds once per session into the test cache (~10 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rocketllm_cli import native
+from rocketllm_cli.native import build
+from rocketllm_cli.native.kernels import GGML_IDS, NativeKernels
+from rocketllm_cli.packed.ggmlblocks import SUPPORTED, dequantize_blocks
+
+TYPES = list(GGML_IDS)  # Q4_0 ... IQ4_XS
+GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # the rest: random codes, modest scales
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
+              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+VARIANTS = ("avx512", "avx2", "scalar")  # each runs where the CPU can, the scalar one everywhere
+# types with a min (w = a·code + b, b = m or −dmin·mn): where their code bytes are, to find b by zeroing them
+MIN_CODE_BYTES = {"Q4_1": (4, 20), "Q5_1": (4, 24), "Q2_K": (16, 80), "Q4_K": (16, 144), "Q5_K": (16, 176)}
+
+
+@pytest.fixture(scope="module")
+def nk() -> NativeKernels:
+    kernels = native.kernels()
+    if kernels is None:
+        pytest.skip(f"no native kernels here: {native.why_not()}")
+    return kernels
+
+
+def variants(nk: NativeKernels) -> list[NativeKernels]:
+    return [nk.with_isa(isa) for isa in nk.isas]
+
+
+def shapes(name: str) -> list[tuple[int, int, int]]:
+    """(M, N, K): K = 7 blocks (224, not a multiple of 256; AVX-512 takes blocks in pairs, and the odd one alone)
+    for the 32-element types, 3 · 256 for the K-quants; N = 4096 with one block per row, to stay fast."""
+    qk = SUPPORTED[name][0]
+    k, k_small = (224, 32) if qk == 32 else (768, 256)
+    return [(1, 7, k), (3, 1, k), (17, 7, k), (1, 4096, k_small), (17, 4096, k_small)]
+
+
+def make_blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """uint8 [n, k / QK · bytes]: gguf's own quantization of Gaussian weights where gguf has one, else random
+    codes with finite fp16 scales of either sign, magnitudes 1e-3 .. 1."""
+    rng = np.random.default_rng(seed)
+    qk, nbytes = SUPPORTED[name]
+    if name in GGUF_QUANTIZES:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        weights = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        return torch.from_numpy(np.ascontiguousarray(quantize(weights, GGMLQuantizationType[name])))
+    raw = rng.integers(0, 256, size=(n, k // qk, nbytes), dtype=np.uint8)
+    for at in F16_FIELDS[name]:
+        scale = (rng.uniform(1e-3, 1.0, (n, k // qk)) * rng.choice([-1.0, 1.0], (n, k // qk))).astype(np.float16)
+        raw[..., at:at + 2] = scale.view(np.uint8).reshape(n, k // qk, 2)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """fp32 [m, k]: Gaussian, with an all-zero block and a few outliers, as hidden states have."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[:, :32] = 0 if k > 64 else x[:, :32]
+    x[:, -1] *= 20
+    return x
+
+
+def q8_reference(x: torch.Tensor, qx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 mode's quantization in torch: per qx values d = max|x| / 127, q = round-half-even(x · (1 / d));
+    a block with max under 1e-30 has d = 0 and one with inf or NaN d = NaN, both all codes 0. Codes int8 [M, K],
+    scales [M, K / qx], sums of 16 codes int16 [M, K / 16]."""
+    m, k = x.shape
+    xb = x.view(m, k // qx, qx)
+    amax = xb.abs().amax(-1, keepdim=True)
+    finite = xb.isfinite().all(-1, keepdim=True)
+    zero = ~(amax >= 1e-30) | ~finite
+    d = torch.where(zero, torch.zeros_like(amax), amax / 127)
+    inv = torch.where(zero, torch.zeros_like(amax), 1 / torch.where(zero, torch.ones_like(d), d))
+    q = torch.where(finite, torch.round(xb * inv), 0).to(torch.int8).view(m, k)
+    d = torch.where(finite, d, float("nan"))
+    return q, d.view(m, -1), q.view(m, k // 16, 16).sum(-1, dtype=torch.int32).to(torch.int16)
+
+
+def min_terms(blocks: torch.Tensor, name: str) -> torch.Tensor:
+    """fp64 [N, K]: each weight's min term b (0 for types without one): the weights with every code zeroed."""
+    if name not in MIN_CODE_BYTES:
+        return torch.zeros(1, dtype=torch.float64)
+    nbytes = SUPPORTED[name][1]
+    zeroed = blocks.clone().view(blocks.shape[0], -1, nbytes)
+    start, end = MIN_CODE_BYTES[name]
+    zeroed[..., start:end] = 0
+    return dequantize_blocks(zeroed.view(blocks.shape), name).double()
+
+
+def relative(y: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> float:
+    return ((y.double() - ref).abs() / magnitude.clamp_min(1e-300)).max().item()
+
+
+@pytest.mark.parametrize("mode", ["exact", "int8"])
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("name", TYPES)
+def test_matches_reference(nk, name, isa, mode):
+    if isa not in nk.isas:
+        pytest.skip(f"this CPU does not run {isa} (it runs {', '.join(nk.isas)})")
+    kern, scalar = nk.with_isa(isa), nk.with_isa("scalar")
+    qk = SUPPORTED[name][0]
+    for seed, (m, n, k) in enumerate(shapes(name)):
+        blocks = make_blocks(name, n, k, seed)
+        x = activations(m, k, seed)
+        w = dequantize_blocks(blocks, name).double()  # [N, K], gguf's values exactly
+        magnitude = x.abs().double() @ w.abs().T  # Σ|x|·|w| per output
+        ref = x.double() @ w.T
+        y = kern.matmul(blocks, name, x, mode=mode)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        where = f"{name} {isa} {mode} M={m} N={n} K={k}"
+        if mode == "exact":
+            assert relative(y, ref, magnitude) < 1e-6, where
+        else:
+            q, d, _ = q8_reference(x, qx=qk)
+            dx = d.double().repeat_interleave(qk, dim=1)  # [M, K]
+            x_hat = q.double() * dx
+            # fp32 sums the integer part a·code and the min part b of each weight apart; they may cancel
+            parts = x_hat.abs() @ (w.abs() + 2 * min_terms(blocks, name).abs()).T  # ≥ Σ|x̂|·(|a·code| + |b|)
+            assert relative(y, x_hat @ w.T, parts) < 1e-6, where
+            magnitude = parts  # for the comparison with the scalar variant below
+            bound = (dx / 2) @ w.abs().T * (1 + 1e-5) + 1e-6 * magnitude  # |x − q·d| ≤ d / 2 per element
+            assert ((y.double() - ref).abs() <= bound).all(), where
+        if isa != "scalar":  # every variant against the readable one
+            assert relative(y, scalar.matmul(blocks, name, x, mode=mode), magnitude) < 1e-6, where
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_quantize_bit_for_bit(nk, isa):
+    if isa not in nk.isas:
+        pytest.skip(f"this CPU does not run {isa}")
+    x = activations(5, 512, seed=3)
+    x[1, 64:96] = 1e-31  # under the floor: an all-zero block
+    x[2, 100] = 0.5 * 127 / 3  # near a rounding tie
+    x[3, 300], x[4, 7] = float("inf"), float("nan")  # blocks of zero codes and d = NaN
+    for qx in (32, 256):
+        q, d, bs = nk.with_isa(isa).quantize(x, qx)
+        q_ref, d_ref, bs_ref = q8_reference(x, qx)
+        assert torch.equal(q, q_ref) and torch.equal(bs, bs_ref), (isa, qx)
+        assert torch.equal(d.view(torch.int32), d_ref.view(torch.int32)), (isa, qx)  # NaN's bits too
+
+
+@pytest.mark.parametrize("mode", ["exact", "int8"])
+def test_non_finite_x_gives_nan_rows(nk, mode):
+    """inf or NaN in a row of x: that row of y is NaN (int8: its block's scale is NaN); the other rows are not."""
+    blocks, x = make_blocks("Q4_K", 8, 512, 0), activations(3, 512, 0)
+    x[1, 5] = float("nan")
+    for kern in variants(nk):
+        y = kern.matmul(blocks, "Q4_K", x, mode=mode)
+        assert y[1].isnan().all() and y[[0, 2]].isfinite().all(), kern.isa
+
+
+def test_threads_and_tiles_agree(nk):
+    """Each output is computed whole by one thread, so any thread count gives the same bits; an M-tile row gives
+    what the same row alone gives (to fp32 order noise: tiles and single rows keep different accumulators)."""
+    blocks, x = make_blocks("Q4_K", 64, 512, 0), activations(6, 512, 0)
+    magnitude = x.abs().double() @ dequantize_blocks(blocks, "Q4_K").abs().double().T
+    for mode in ("exact", "int8"):
+        one = nk.matmul(blocks, "Q4_K", x, mode=mode, threads=1)
+        for threads in (2, 3, 8):
+            assert torch.equal(nk.matmul(blocks, "Q4_K", x, mode=mode, threads=threads), one)
+        alone = torch.cat([nk.matmul(blocks, "Q4_K", x[i:i + 1], mode=mode) for i in range(6)])
+        assert relative(alone, one.double(), magnitude) < 1e-6
+
+
+def test_out_and_empty_shapes(nk):
+    blocks, x = make_blocks("Q8_0", 16, 64, 0), activations(2, 64, 0)
+    out = torch.full((2, 16), float("nan"))
+    assert nk.matmul(blocks, "Q8_0", x, out=out) is out and not out.isnan().any()
+    assert nk.matmul(blocks, "Q8_0", x[:0]).shape == (0, 16)
+    assert nk.matmul(blocks[:0], "Q8_0", x).shape == (2, 0)
+    assert torch.equal(nk.matmul(blocks, "Q8_0", x.T.contiguous().T), out)  # a non-contiguous x is copied
+
+
+def test_concurrent_callers(nk):
+    """Two Python threads at once: the library serialises them, each gets its own right answer."""
+    blocks = make_blocks("Q6_K", 256, 512, 0)
+    xs = [activations(3, 512, seed) for seed in range(2)]
+    expected = [nk.matmul(blocks, "Q6_K", x, mode="int8") for x in xs]
+    errors = []
+
+    def call(i):
+        for _ in range(20):
+            if not torch.equal(nk.matmul(blocks, "Q6_K", xs[i], mode="int8"), expected[i]):
+                errors.append(i)
+
+    workers = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not errors
+
+
+def test_supported_and_layouts(nk):
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for name, type_id in GGML_IDS.items():
+        assert GGMLQuantizationType[name].value == type_id and GGML_QUANT_SIZES[GGMLQuantizationType[name]] == \
+            SUPPORTED[name]
+        assert nk.supported(name) and nk.supported(GGMLQuantizationType[name])
+    assert not nk.supported("IQ2_XXS") and not nk.supported("F16") and not nk.supported("nonsense")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda nk, b, x: nk.matmul(b.view(torch.int8), "Q4_0", x), "uint8"),
+    (lambda nk, b, x: nk.matmul(b, "Q4_0", x.double()), "float32"),
+    (lambda nk, b, x: nk.matmul(b, "Q4_0", x[0]), "2-D"),
+    (lambda nk, b, x: nk.matmul(b, "Q4_0", x[:, :48]), "multiple of 32"),
+    (lambda nk, b, x: nk.matmul(b, "Q4_0", x[:, :32]), "do not hold K = 32"),
+    (lambda nk, b, x: nk.matmul(b, "Q8_0", x), "do not hold"),
+    (lambda nk, b, x: nk.matmul(b, "IQ2_XXS", x), "no native kernel"),
+    (lambda nk, b, x: nk.matmul(b, "Q4_0", x, mode="fp8"), "mode"),
+    (lambda nk, b, x: nk.matmul(b, "Q4_0", x, out=torch.empty(2, 3)), "out must be"),
+    (lambda nk, b, x: nk.matmul(b, "Q4_0", x, out=torch.empty(16, 2).T), "out must be"),
+    (lambda nk, b, x: nk.matmul(b.T.contiguous().T, "Q4_0", x), "contiguous"),
+])
+def test_bad_inputs_raise_one_line(nk, call, message):
+    blocks, x = make_blocks("Q4_0", 16, 64, 0), activations(2, 64, 0)
+    with pytest.raises(ValueError, match=message) as err:
+        call(nk, blocks, x)
+    assert "\n" not in str(err.value)
+
+
+def test_isa_cap(nk, monkeypatch):
+    monkeypatch.setenv(native.ISA_ENV, "scalar")
+    assert native.kernels().isa == "scalar"
+    monkeypatch.setenv(native.ISA_ENV, "avx2")
+    assert native.kernels().isa == ("avx2" if "avx2" in nk.isas else "scalar")
+    monkeypatch.setenv(native.ISA_ENV, "sse9")
+    assert native.kernels() is None and "sse9" in native.why_not()
+    monkeypatch.delenv(native.ISA_ENV)
+    assert native.kernels().isa == nk.isas[0] and native.why_not() == ""
+    with pytest.raises(ValueError, match="does not run here"):
+        nk.with_isa("itanium")
+
+
+def test_no_compiler_gives_none_and_a_reason(monkeypatch):
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    path, reason = build.library()
+    assert path is None and "g++" in reason and "\n" not in reason
+
+
+def test_no_compiler_in_a_fresh_process(tmp_path):
+    """PATH without g++ and an empty cache: kernels() is None, why_not() names the compiler, nothing raises."""
+    env = {**os.environ, "PATH": str(tmp_path), "ROCKETLLM_CACHE": str(tmp_path / "cache")}
+    code = "from rocketllm_cli.native import kernels, why_not; print(kernels() is None); print(why_not())"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr
+    is_none, reason = run.stdout.splitlines()
+    assert is_none == "True" and "g++ is not on PATH" in reason
+
+
+def test_build_failure_gives_the_first_error(tmp_path, monkeypatch):
+    if build.shutil.which(build.COMPILER) is None:
+        pytest.skip("no g++")
+    (tmp_path / "broken.cpp").write_text("int f() { return undeclared_name; }\n")
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    path, reason = build.library()
+    assert path is None and reason.startswith("native kernel build failed") and "undeclared_name" in reason
+    assert "\n" not in reason
+
+
+def test_scalar_only_build(tmp_path):
+    """What a non-x86 machine builds: the x86 files compile to nothing and the scalar variant runs alone."""
+    cxx = build.shutil.which(build.COMPILER)
+    if cxx is None:
+        pytest.skip("no g++")
+    sources = [str(p) for p in sorted(build.SOURCE_DIR.glob("*.cpp"))]
+    lib = tmp_path / "scalar_only.so"
+    subprocess.run([cxx, *build.FLAGS, "-O1", "-DRL_SCALAR_ONLY", "-shared", *sources, "-o", str(lib)], check=True,
+                   timeout=300)
+    kernels, reason = NativeKernels.load(lib)
+    assert reason == "" and kernels.isas == ("scalar",) and kernels.isa == "scalar"
+    blocks, x = make_blocks("Q5_K", 3, 256, 0), activations(2, 256, 0)
+    w = dequantize_blocks(blocks, "Q5_K").double()
+    assert relative(kernels.matmul(blocks, "Q5_K", x), x.double() @ w.T, x.abs().double() @ w.abs().T) < 1e-6
+    ctypes.CDLL(str(lib))  # loads twice without trouble
