@@ -220,10 +220,15 @@ def test_int8_kernel_linear_matches_f_linear(dtype):
     assert (got - want).abs().max() <= KERNEL_TOLERANCE[dtype] * want.abs().max()
 
 
-def test_formats_without_a_kernel_take_the_scratch_path(smol_tensors):
+def test_formats_without_a_kernel_take_the_scratch_path(smol_tensors, monkeypatch):
+    import rocketllm_cli.native as native
+
     q8_0 = from_gguf(np.asarray(smol_tensors["token_embd.weight"].data[:64]), "Q8_0")  # int8 group 32
     assert kernel_path(q8_0.format, torch.float32, "cpu") == "scratch"
-    assert kernel_path(from_gguf(q6_k_blocks(16, 1), "Q6_K").format, torch.float32, "cpu") == "scratch"
+    q6_k = from_gguf(q6_k_blocks(16, 1), "Q6_K").format  # raw blocks: the native kernels' where they are built
+    assert kernel_path(q6_k, torch.float32, "cpu") == ("native" if native.kernels() is not None else "scratch")
+    monkeypatch.setattr(native, "kernels", lambda isa=None: None)  # a machine without a compiler
+    assert kernel_path(q6_k, torch.float32, "cpu") == "scratch"
     odd_rows = quantize_rtn(torch.randn(24, 64), bits=4, group=32)  # the int4 kernels want N % 16 == 0
     assert kernel_path(odd_rows.format, torch.float32, "cpu") == "scratch"
 

@@ -146,7 +146,7 @@ def test_nothing_resident_streams_every_unit_each_time_it_is_used_and_one_embedd
 def test_the_gguf_keeps_its_packed_blocks_and_the_set_is_about_its_size(smol, manifest, smollm2_gguf):
     packed = [t for u in manifest.units for t in u.tensors if t.packed is not None]
     kinds = {t.packed["kind"] for t in packed}
-    assert manifest.packing == "packed" and kinds == {"int4", "int8"}
+    assert manifest.packing == "blocks" and kinds == {"gguf"}  # Q4_1 and the Q8_0 table, each as its own blocks
     assert sum(len(t.fused or [t]) for t in packed) == 30 * 7 + 1  # every Q4_1 projection, and the Q8_0 embedding the head is tied to
     assert manifest.fusion == "q_proj+k_proj+v_proj in 30 layers, gate_proj+up_proj in 30 layers" and len(packed) == 30 * 4 + 1
     assert manifest.total_bytes <= 1.2 * smollm2_gguf.stat().st_size

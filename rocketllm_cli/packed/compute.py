@@ -9,6 +9,7 @@ measured that to be faster.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -22,7 +23,11 @@ from .format import PackedFormat, PackedTensor
 from .probe import capabilities
 from .scratch import SCRATCH, Scratch
 
-PATHS = ("int4", "int8", "scratch")  # int4/int8: that kernel computes on the packed weight; scratch: dequantize
+# int4/int8: torch's kernel computes on the packed weight; native: the native kernels compute on a GGUF type's own
+# blocks (rocketllm_cli/native); scratch: dequantize into the scratch buffer, then F.linear
+PATHS = ("int4", "int8", "native", "scratch")
+NATIVE_MODES = ("exact", "int8")
+ONE_THREAD_BYTES = int(os.environ.get("ROCKETLLM_NATIVE_ONE_THREAD_BYTES", 4 << 20))  # native: fp32 activations (exact), or activations quantized to 8 bits per block
 
 
 @dataclass
@@ -41,9 +46,10 @@ class BoundWeight:
     dense_rows: int = 0  # from this many rows of x on, dequantize a block at a time and multiply densely (0: never)
     dense_dtype: torch.dtype | None = None  # the dtype that dense multiply runs in (None: `dtype`)
     fast_numel: int = field(default=sys.maxsize, repr=False)  # x.numel() below which `fast` serves (dense_rows · K)
+    mode: str = "exact"  # path native: one of NATIVE_MODES
 
     def __post_init__(self) -> None:
-        if self.fast is None and self.path in ("int4", "int8"):
+        if self.fast is None and self.path in ("int4", "int8", "native"):
             self.fast = _fast_call(self)
         if self.dense_rows:
             self.fast_numel = self.dense_rows * self.format.shape[1]
@@ -55,8 +61,20 @@ class BoundWeight:
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def native_kernels(fmt: PackedFormat, device):
+    """The native kernels where they compute on this format on `device` (a GGUF type's blocks on a CPU), else None."""
+    if fmt.kind != "gguf" or torch.device(device).type != "cpu":
+        return None
+    from ..native import kernels
+
+    found = kernels()
+    return found if found is not None and found.supported(fmt.gguf_type) else None
+
+
 def kernel_path(fmt: PackedFormat, dtype: torch.dtype, device) -> str:
     """Which of PATHS a weight of this format takes on `device` computing in `dtype`."""
+    if native_kernels(fmt, device) is not None:
+        return "native"
     caps = capabilities(device)
     if layout.int4_fits(fmt) and caps.supports("int4", dtype):
         return "int4"
@@ -76,11 +94,14 @@ def kernel_dtype(fmt: PackedFormat, dtype: torch.dtype, device) -> torch.dtype:
     return dtypes.torch_dtype(fastest) if fastest else dtype
 
 
-def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16, *, kernel: bool = True) -> BoundWeight:
+def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16, *, kernel: bool = True,
+         mode: str = "exact") -> BoundWeight:
     """`packed` ready for linear() on `device` with activations in `dtype` (the kernel's own, see kernel_dtype);
-    kernel=False always dequantizes into scratch."""
+    kernel=False always dequantizes into scratch. `mode` is the native kernels' (NATIVE_MODES)."""
     device = torch.device(device)
     path = kernel_path(packed.format, dtype, device) if kernel else "scratch"
+    if path == "native":
+        return BoundWeight(packed.format, dtype, device, path, portable=packed, mode=mode)
     if path in ("int4", "int8"):
         rows, in_dtype = dense_plan(path, dtype, device)
         made = layout.for_kernel(path, packed, dtype, device)
@@ -103,6 +124,22 @@ def dense_plan(path: str, dtype: torch.dtype, device) -> tuple[int, torch.dtype 
 def _fast_call(weight: BoundWeight):
     n, k = weight.format.shape
     kernel, tail = weight.kernel, (n,)
+    if weight.path == "native":
+        # fp32 activations in, fp32 out: the kernels' own precision; a bf16 forward converts at the boundary
+        nk, blocks, kind, mode = native_kernels(weight.format, weight.device), weight.portable.parts["blocks"], \
+            weight.format.gguf_type, weight.mode
+
+        # A weight this small is computed on the calling thread: waking the pool's workers (and competing with
+        # torch's spinning OpenMP threads for the cores) cost ~0.3 ms a call, more than the product itself.
+        threads = 1 if blocks.numel() < ONE_THREAD_BYTES else None
+
+        def native(x):
+            rows = x.reshape(-1, k)
+            out = nk.matmul(blocks, kind, rows if rows.dtype == torch.float32 else rows.float(), mode=mode,
+                            threads=threads if rows.shape[0] == 1 else None)
+            return (out if x.dtype == torch.float32 else out.to(x.dtype)).view(x.shape[:-1] + tail)
+
+        return native
     if weight.path == "int4":
         op, w, group, sz = layout.int4_op(weight.device), kernel["weight"], weight.format.group, kernel["scales_and_zeros"]
         return lambda x: op(x.view(-1, k), w, group, sz).view(x.shape[:-1] + tail)
@@ -122,6 +159,11 @@ def linear(x: torch.Tensor, weight: BoundWeight, bias: torch.Tensor | None = Non
         if bias is not None:
             bias = bias.to(weight.dtype)
     path = weight.path
+    if path == "native":
+        out = weight.fast(x if x.is_contiguous() else x.contiguous())
+        if bias is not None:
+            out = out + bias
+        return out if out.dtype == out_dtype else out.to(out_dtype)
     if path == "scratch":
         out = F.linear(x, dequantize_into(weight.portable, weight.dtype, scratch, weight.device), bias)
         return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -22,9 +22,10 @@ from .format import PackedFormat, PackedTensor
 SUB_BLOCK = 32  # Q4_K: each 256-element super-block is 8 int4 groups of this many
 
 
-def from_gguf(blocks: np.ndarray, ggml_type) -> PackedTensor:
+def from_gguf(blocks: np.ndarray, ggml_type, raw: bool = False) -> PackedTensor:
     """A GGUF tensor's blocks (`GGUFReader(path).tensors[i].data`: uint8 [rows, bytes_per_row], rows = N)
-    in the portable layout. `ggml_type` is a `gguf.GGMLQuantizationType` or its name."""
+    in the portable layout, or as the raw blocks themselves (kind gguf) where `raw` or no unpacker applies.
+    `ggml_type` is a `gguf.GGMLQuantizationType` or its name."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     qtype = ggml_type if isinstance(ggml_type, GGMLQuantizationType) else GGMLQuantizationType[str(ggml_type)]
@@ -37,10 +38,10 @@ def from_gguf(blocks: np.ndarray, ggml_type) -> PackedTensor:
     n, per_row = blocks.shape[0], blocks.shape[1] // block_bytes
     shape = (n, per_row * block)
     split = blocks.reshape(n, per_row, block_bytes)
-    unpacker = _UNPACKERS.get(qtype.name)
+    unpacker = None if raw else _UNPACKERS.get(qtype.name)
     if unpacker is None:
         fmt = PackedFormat("gguf", shape, block, gguf_type=qtype.name, block_bytes=block_bytes)
-        return PackedTensor(fmt, {"blocks": torch.from_numpy(np.ascontiguousarray(blocks))})
+        return PackedTensor(fmt, {"blocks": torch.from_numpy(np.array(blocks, copy=True))})  # off the mapping
     return unpacker(split, shape)
 
 

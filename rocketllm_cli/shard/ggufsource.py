@@ -26,6 +26,8 @@ CHUNK_BYTES = 64 << 20  # fp32 bytes dequantized at once when a large tensor is 
 class LazyGGUF:
     """{transformers parameter name: GGUF tensor}; read(name) dequantizes that one tensor."""
 
+    kind = "gguf"  # what shard/packing.py keeps: a GGUF's block types as they are stored (mode "blocks")
+
     def __init__(self, reader, processor, mapping: dict[str, str], shapes: dict) -> None:
         self.reader, self.processor = reader, processor
         self.mapping = mapping  # HF name -> GGUF tensor name
@@ -76,19 +78,25 @@ class LazyGGUF:
             return False
         if int(tensor.n_elements) != shape[0] * shape[1]:
             return False
-        if tensor.tensor_type.name != "Q8_0" and shape[0] % int4_rows:
+        from ..shard.packing import INT4_TYPES
+
+        if tensor.tensor_type.name in INT4_TYPES and shape[0] % int4_rows:
             return False
         return self._row_order(tensor) is not False
 
     def packed_format(self, name: str):
-        """The PackedFormat read_packed will give (Q8_0: as re-scaled per row)."""
+        """The PackedFormat read_packed will give: int4 for the Q4 types, the raw blocks for the others."""
+        from gguf import GGML_QUANT_SIZES
+
         from ..packed.format import PackedFormat
+        from ..shard.packing import INT4_TYPES
 
         tensor = self._tensors[self.mapping[name]]
         shape = self.shapes[name][0]
         kind = tensor.tensor_type.name
-        if kind == "Q8_0":
-            return PackedFormat("int8", shape, shape[1], scale_dtype="fp32")
+        if kind not in INT4_TYPES:
+            block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+            return PackedFormat("gguf", shape, block, gguf_type=kind, block_bytes=block_bytes)
         return PackedFormat("int4", shape, 32, scale_dtype="fp32" if kind == "Q4_K" else "fp16")
 
     def read_packed(self, name: str):
@@ -96,8 +104,10 @@ class LazyGGUF:
         from ..packed import from_gguf
         from ..packed.format import PackedTensor
 
+        from ..shard.packing import INT4_TYPES
+
         tensor = self._tensors[self.mapping[name]]
-        packed = from_gguf(tensor.data, tensor.tensor_type)
+        packed = from_gguf(tensor.data, tensor.tensor_type, raw=tensor.tensor_type.name not in INT4_TYPES)
         order = self._row_order(tensor)
         if order is not None:
             index = torch.from_numpy(order)

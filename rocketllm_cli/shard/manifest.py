@@ -75,7 +75,8 @@ class Manifest:
     aliases: dict[str, str] = field(default_factory=dict)  # tied parameter -> the parameter it shares storage with
     format_version: int = FORMAT_VERSION
     seconds: float = 0.0
-    packing: str = ""  # "" (all float), "packed" (a source's low-bit encoding kept), "int4" or "int8" (quantized)
+    packing: str = ""  # "" (all float), "packed" (a source's low-bit encoding kept), "blocks" (a GGUF's block types
+    # kept as they are stored), "int4" or "int8" (quantized)
     int4_layout: str = ""  # the order int4 codes are written in (packed/cpulayout.py), where the packing writes int4
     fusion: str = ""  # which packed Linears are stored fused, in words (shard/fusion.py); "" in sets from before fusion
 
@@ -192,7 +193,7 @@ class Manifest:
 
 
 OPTIONAL = {"packed", "packing", "int4_layout", "fused", "fusion"}  # fields a float set's manifest leaves out
-PACKINGS = ("", "packed", "int4", "int8")
+PACKINGS = ("", "packed", "blocks", "int4", "int8")
 INT4_LAYOUTS = ("rows", "pairs", "lanes32", "lanes64")  # packed/cpulayout.py LAYOUTS, named here without torch
 
 

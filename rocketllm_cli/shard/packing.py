@@ -5,7 +5,8 @@ Only weights a low-bit kernel can compute on are packed: the weight of an `nn.Li
 to one, the output head), [N out, K in] as the module holds it. Everything else stays in the set's float dtype.
 
     auto  keep the source's own low-bit encoding where it maps onto a kernel's format (GGUF Q4_0, Q4_1 and Q4_K
-          exactly as int4 at group 32; Q8_0 re-scaled per row as int8, see below; a compressed-tensors, GPTQ or
+          exactly as int4 at group 32; Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS as their own
+          blocks, byte for byte, which the native kernels compute on; a compressed-tensors, GPTQ or
           AWQ checkpoint's int4 exactly at its group, its per-channel int8 exactly, bitsandbytes LLM.int8 as int8
           per row and nf4/fp4 re-quantized to int4 group 32 (lossy, said), shard/quantsource.py); a float source
           is not packed
@@ -13,9 +14,10 @@ to one, the output head), [N out, K in] as the module holds it. Everything else 
     int4  round-to-nearest int4, group 32, of every Linear weight of a float source (lossy; said so)
     int8  round-to-nearest int8, one scale per row (lossy)
 
-GGUF Q8_0 has one scale per 32 values; torch's int8 kernel takes one per output row, so Q8_0 is dequantized and
-quantized again per row (relative RMS error 1.2% on SmolLM2's embedding; bf16 rounding alone is 0.3%). Other
-GGUF types (Q5_K, Q6_K, IQ ...) have no kernel here and are stored dequantized. Llama's Q/K row permutation
+A GGUF type kept as its blocks computes on the native kernels (rocketllm_cli/native: fp32 activations, or 8-bit ones
+with `--kernel int8`) and, where they are not built, through the exact torch decoder (packed/ggmlblocks.py); Q8_0
+was once re-scaled per row for torch's int8 kernel (1.2% relative RMS error on SmolLM2's embedding). Other types
+(the IQ2/IQ3/IQ1 grids, TQ, MXFP4) have no kernel here and are stored dequantized. Llama's Q/K row permutation
 (transformers' GGUF processor) is applied to every part of a packed weight: rows are independent.
 int4 codes are written in the order this machine's CPU kernel reads (packed/cpulayout.py) with their scales and
 zeros in the set's dtype as the kernel takes them, so binding them is a view; a CPU whose kernel reads another
@@ -34,7 +36,12 @@ from .manifest import set_key
 
 PACKINGS = ("auto", "none", "int4", "int8")
 INT4_MODES = ("packed", "int4")  # PackPlan modes that may write int4 (and so record its code order)
-KEPT = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # GGUF types kept packed under auto
+# GGUF types kept as their own blocks, byte for byte (mode "blocks"): the native kernels compute on them
+# (rocketllm_cli/native), the exact torch decoder (packed/ggmlblocks.py) where those are not built. Q4_0, Q4_1 and
+# Q4_K were once converted to torch's int4 layout, whose kernel runs fp32 activations ~10x slower than bf16 ones.
+INT4_TYPES: tuple[str, ...] = ()  # GGUF types converted to int4 at group 32 (none now; the conversion stays exact)
+RAW_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+KEPT = INT4_TYPES + RAW_TYPES  # GGUF types kept packed under auto
 RTN_GROUP = 32  # int4 group of --quantize int4: GGUF's own block size
 INT4_ROWS = 16  # the int4 kernels want N a multiple of this; other weights stay float
 REQUANT_ROWS = 4096  # rows dequantized at once when Q8_0 is re-scaled per row
@@ -84,7 +91,9 @@ def predicted_mode(source, packing: str) -> str:
         return ""
     if packing == "auto":
         lazy = getattr(source, "_lazy", None)
-        return "packed" if lazy is not None and lazy.holds_kept_types() else ""
+        if lazy is not None and lazy.holds_kept_types():
+            return "blocks" if getattr(lazy, "kind", "") == "gguf" else "packed"
+        return ""
     return packing
 
 
@@ -106,7 +115,7 @@ def plan_packing(source, model: nn.Module, mapping, aliases: dict[str, str], pac
     for name, shape in linear.items():
         if name not in mapping or name in mapping.sliced or name in mapping.converted:
             continue
-        if mode == "packed":
+        if mode in ("packed", "blocks"):
             if lazy is not None and lazy.packable(mapping[name], shape, INT4_ROWS):
                 params[name] = "source"
             note = getattr(lazy, "pack_note", None)

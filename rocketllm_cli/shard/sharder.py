@@ -62,7 +62,7 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
     with phase(f"fetching {model}", after=BLINK_S):  # slow only for a hub id, whose download it is
         located = locate(model)
     if out is None and not rebuild:
-        found = find_existing(located, dtype, packing)
+        found = find_existing(located, dtype, packing, log)
         if found is not None:
             return found[0], found[1], {"reused": True, **summarize(found[0], 0.0)}
     # Reading a GGUF's metadata can take seconds: off a terminal its line comes once it lasts ANNOUNCE_AFTER_S,

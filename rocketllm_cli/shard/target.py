@@ -39,7 +39,12 @@ def default_out(located: Located, dtype: str) -> Path:
     return shards_root() / f"{safe}-{located.fingerprint()}-{dtype}"
 
 
-def find_existing(located: Located, dtype: str, packing: str = "auto") -> tuple[Manifest, Path] | None:
+EARLIER_GGUF_SET = ("a set of {name} made by an earlier version is at {path} (Q4 blocks converted to int4, Q8_0 "
+                    "re-scaled per row, Q5_0, Q6_K and others stored as floats); this version keeps every block type as "
+                    "the file stores it, so it shards again (`rocketllm cache rm` removes the old set)")
+
+
+def find_existing(located: Located, dtype: str, packing: str = "auto", log=None) -> tuple[Manifest, Path] | None:
     """A complete shard set of this source in the default place (any dtype for 'auto'), without reading weights.
 
     packing auto finds a set that kept a GGUF's or a pre-quantized checkpoint's low-bit weights ("-packed"), or a
@@ -49,10 +54,11 @@ def find_existing(located: Located, dtype: str, packing: str = "auto") -> tuple[
 
     dtypes = list(DTYPES) if dtype == "auto" else [dtype]
     if packing == "auto":
-        modes = ["packed"] if located.path.suffix == ".gguf" or declares_packed(located.path) else [""]
+        # a GGUF's "packed" sets are an earlier version's (Q4 as int4, Q8_0 re-scaled per row): found to be said so
+        modes = ["blocks", "packed"] if located.kind == "gguf" else ["packed"] if declares_packed(located.path) else [""]
     else:
         modes = ["" if packing == "none" else packing]
-    identities = {located.fingerprint(), located.legacy_fingerprint()}
+    legacy = located.legacy_fingerprint()
     for key in (key_here(dt, mode) for dt in dtypes for mode in modes):
         for final in _candidates(located, key):
             if (final / MANIFEST).is_file():
@@ -60,7 +66,12 @@ def find_existing(located: Located, dtype: str, packing: str = "auto") -> tuple[
                     manifest = Manifest.load(final)
                 except ShardError:
                     continue  # damaged: shard() says so and writes it again
-                if manifest.source.get("fingerprint") in identities:
+                recorded = manifest.source.get("fingerprint")
+                if located.kind == "gguf" and manifest.packing == "packed" and recorded in (located.fingerprint(), legacy):
+                    if log is not None:  # packed the older way: made again, once, in the content-named place
+                        log("note: " + EARLIER_GGUF_SET.format(name=located.path.name, path=final))
+                    continue
+                if recorded in (located.fingerprint(), legacy):
                     _drop_replaced(final)
                     return manifest, final
     return None

@@ -58,6 +58,7 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         expert_cache_policy=str(knobs.value("expert_cache_policy")),
         # exact: packed Linears compute in the compute dtype; torch: in the dtype its kernel measured fastest in
         packed_dtype="fastest" if knobs.value("kernel") == "torch" else "",
+        native_mode="int8" if knobs.value("kernel") == "int8" else "exact",
         kv_cache_dtype=str(knobs.value("kv_cache_dtype")),
         kv_residual_tokens=int(knobs.value("kv_residual_tokens")),
         decode_graphs="off" if knobs.value("decode_graphs") == "off" else "on",  # graphs.wanted() checks the rest

@@ -58,6 +58,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # what the KV cache stores: auto (the compute dtype), a float dtype or int4 (stream/kvcache.py)
     kv_residual_tokens: int = KV_INT4_GROUP  # int4: the most recent tokens kept in the compute dtype
     decode_graphs: str = "off"  # "on": a resident decode on a CUDA GPU runs as CUDA graphs where it can (graphs.py)
+    native_mode: str = "exact"  # GGUF blocks on the native kernels: fp32 activations, or "int8" (packed/compute.py)
 
     def __post_init__(self) -> None:
         # Ranges and choices are the knob table's.
@@ -244,7 +245,8 @@ class StreamingModel:
         fmt = PackedFormat.from_dict(record.packed)
         group = make_fused(modules, members, [int(n) for _, n in record.fused], fmt, where)
         dtype = self._packed_dtype(fmt)
-        return hook, PackedBinding(modules[0], record.name, fmt, self.device, dtype, None, persistent, group=group)
+        return hook, PackedBinding(modules[0], record.name, fmt, self.device, dtype, None, persistent, group=group,
+                                   mode=self.config_engine.native_mode)
 
     def _packed_dtype(self, fmt: PackedFormat) -> torch.dtype:
         """The activation dtype a packed Linear computes in: the compute dtype, the kernel's fastest, or the knob's."""
@@ -261,8 +263,10 @@ class StreamingModel:
         """A Linear computes on its packed weight; an embedding table's placeholder dequantizes the rows looked up."""
         if isinstance(module, nn.Linear) and name.endswith(".weight"):
             make_packed(module, name, where)
-            return PackedBinding(module, key, fmt, self.device, self._packed_dtype(fmt), placeholder, persistent)
-        if isinstance(module, nn.Embedding) and name.endswith(".weight") and fmt.kind == "int8" and fmt.group == fmt.shape[1]:
+            return PackedBinding(module, key, fmt, self.device, self._packed_dtype(fmt), placeholder, persistent,
+                                 mode=self.config_engine.native_mode)
+        if isinstance(module, nn.Embedding) and name.endswith(".weight") and (
+                fmt.kind == "gguf" or (fmt.kind == "int8" and fmt.group == fmt.shape[1])):
             store = self.store
             placeholder.rows = lambda ids: store.gather_packed_rows(unit, key, fmt, ids)
             return None

@@ -165,10 +165,11 @@ class PackedBinding:
     as one, and the group computes with it."""
 
     __slots__ = ("module", "attr", "tensor", "format", "device", "dtype", "persistent", "is_buffer", "placeholder", "_source", "_bound",
-                 "_direct", "_by_buffer", "group")
+                 "_direct", "_by_buffer", "group", "mode")
 
     def __init__(self, module: nn.Linear, tensor: str, fmt: PackedFormat, device: torch.device, dtype: torch.dtype, placeholder,
-                 persistent: bool = False, group: FusedGroup | None = None) -> None:
+                 persistent: bool = False, group: FusedGroup | None = None, mode: str = "exact") -> None:
+        self.mode = mode  # the native kernels' mode (compute.NATIVE_MODES)
         shape = tuple(module.weight.shape) if group is None else fmt.shape
         if shape != fmt.shape:
             raise ShardError(f"packed weight {tensor} is {list(fmt.shape)}, the model's is {list(shape)}; {RESHARD}")
@@ -193,7 +194,7 @@ class PackedBinding:
                 if self._by_buffer is not None:
                     self._by_buffer.put(data, self._bound)  # views only: holds no memory
             else:
-                self._bound = compute.bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype)
+                self._bound = compute.bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype, mode=self.mode)
             self._source = data
         if self.group is not None:
             self.group.bound = self._bound

@@ -57,8 +57,8 @@ class RowGathers:
         return self._read_rows(name, rows)
 
     def gather_packed_rows(self, name: str, key: str, fmt, ids: torch.Tensor) -> torch.Tensor:
-        """gather_rows for a table stored packed as int8 with one scale per row: only the rows looked up are read
-        (their codes and scales) and dequantized, into a sparse full-shaped table of the compute dtype."""
+        """gather_rows for a table stored packed (int8 with one scale per row, or a GGUF type's own blocks): only the
+        rows looked up are read and dequantized, into a sparse full-shaped table of the compute dtype."""
         from ..packed.format import PackedTensor
 
         unit = self.units[name]
@@ -68,22 +68,28 @@ class RowGathers:
         if rows and not (0 <= rows[0] and rows[-1] < n):
             raise IndexError(f"token id {rows[-1] if rows[-1] >= n else rows[0]} outside the embedding table of {n} rows")
         offsets, _ = fmt.offsets()
-        scale_bytes = fmt.parts()["scale"][0][1] * dtypes.ITEMSIZE[fmt.scale_dtype]
+        # bytes of one row in each part: int8 codes and their scale, or one row of blocks
+        widths = ({"blocks": fmt.groups * fmt.block_bytes} if fmt.kind == "gguf" else
+                  {"codes": k, "scale": fmt.parts()["scale"][0][1] * dtypes.ITEMSIZE[fmt.scale_dtype]})
         tier = self.plan.tier[name]
         if tier != "device":  # a resident unit is counted once per pass already
-            self.ledger.serve(tier, len(rows) * (k + scale_bytes))
+            self.ledger.serve(tier, len(rows) * sum(widths.values()))
         index = torch.tensor(rows, dtype=torch.long)
         if tier == "device":
             parts = PackedTensor.from_bytes(fmt, self._resident[name][key]).parts
         elif tier == "host" and not self.cuda:
             parts = PackedTensor.from_bytes(fmt, self._host_raw[name][key]).parts
         else:
-            parts = self._read_packed_rows(unit, record, fmt, rows, offsets, k, scale_bytes)
+            parts = self._read_packed_rows(unit, record, fmt, rows, offsets, widths)
             index = torch.arange(len(rows))
         started = time.perf_counter()
-        codes = parts["codes"].index_select(0, index.to(parts["codes"].device))
-        scale = parts["scale"].index_select(0, index.to(parts["scale"].device))
-        values = (codes.float() * scale.float()).to(self.dtype)
+        picked = {part: parts[part].index_select(0, index.to(parts[part].device)) for part in widths}
+        if fmt.kind == "gguf":
+            from ..packed.ggmlblocks import dequantize_blocks
+
+            values = dequantize_blocks(picked["blocks"], fmt.gguf_type).to(self.dtype)
+        else:
+            values = (picked["codes"].float() * picked["scale"].float()).to(self.dtype)
         table = self._sparse_table(f"{name}:{key}:{self.dtype}", n * k * self.dtype.itemsize).view(self.dtype).view(n, k)
         if table.device != values.device:
             values = values.to(table.device)
@@ -91,23 +97,24 @@ class RowGathers:
         self.ledger.add_time("convert", time.perf_counter() - started)
         return table.to(self.device) if self.cuda else table
 
-    def _read_packed_rows(self, unit: UnitRecord, record, fmt, rows: list[int], offsets: dict, k: int, scale_bytes: int) -> dict:
-        """{"codes": int8 [len(rows), K], "scale": [len(rows), 1]} read with one pread per row and part."""
-        codes = torch.empty((len(rows), k), dtype=torch.int8)
-        scale = torch.empty((len(rows), scale_bytes), dtype=torch.uint8)
+    def _read_packed_rows(self, unit: UnitRecord, record, fmt, rows: list[int], offsets: dict, widths: dict) -> dict:
+        """{part: [len(rows), its row bytes] in the part's dtype} read with one pread per row and part."""
+        out = {part: torch.empty((len(rows), width), dtype=torch.uint8) for part, width in widths.items()}
         started = time.perf_counter()
         fd = os.open(self.directory / unit.file, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             for i, row in enumerate(rows):
-                for buf, at, size in ((codes[i].view(torch.uint8), offsets["codes"] + row * k, k), (scale[i], offsets["scale"] + row * scale_bytes, scale_bytes)):
-                    if pread(fd, memoryview(buf.numpy()), record.offset + at, unit.file) != size:
+                for part, width in widths.items():
+                    if pread(fd, memoryview(out[part][i].numpy()), record.offset + offsets[part] + row * width, unit.file) != width:
                         raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
         self.ledger.add_time("read", time.perf_counter() - started)
-        return {"codes": codes, "scale": scale.view(dtypes.torch_dtype(fmt.scale_dtype))}
+        if fmt.kind == "gguf":
+            return out
+        return {"codes": out["codes"].view(torch.int8), "scale": out["scale"].view(dtypes.torch_dtype(fmt.scale_dtype))}
 
     def _read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
         """The table of a storage-tier unit with only `rows` read, one pread each, into a sparse anonymous mapping."""

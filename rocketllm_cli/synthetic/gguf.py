@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 WEIGHT_STD = 0.02
-TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K", "F16")  # what this writer makes blocks for
+TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "F16")  # what this writer makes blocks for
 SKIPPED_KEYS = ("GGUF.", "general.architecture", "llama.")  # the writer's own, and the sizes written here
 
 
@@ -119,6 +119,8 @@ def _blocks(rng, shape: tuple[int, ...], kind: str) -> np.ndarray:
         out[:, 2:4] = _fp16(rng, n, -8 * d)
     elif kind == "Q8_0":  # d, 32 int8: std of uniform int8 is 74
         out[:, 0:2] = _fp16(rng, n, WEIGHT_STD / 74)
+    elif kind == "Q5_0":  # d, 4 bytes of high bits, 16 bytes of low nibbles: w = (q − 16)·d, std of uniform q 9.2
+        out[:, 0:2] = _fp16(rng, n, WEIGHT_STD / 9.2)
     elif kind == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales and mins (mean 32), 128 bytes of codes
         out[:, 0:2] = _fp16(rng, n, WEIGHT_STD / 4.6 / 32)
         out[:, 2:4] = _fp16(rng, n, 7.5 * WEIGHT_STD / 4.6 / 32)

@@ -18,7 +18,7 @@ from ...sizes import parse_bytes
 EXPERT_CACHE_POLICIES = ("lfu", "lru")  # most often routed, most recently routed
 SPECULATION_MODES = ("auto", "off", "prompt-lookup", "draft")  # auto: on where a pass streams layers (formulas.speculate)
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int4")  # auto: the dtype the model computes in
-KERNEL_PATHS = ("exact", "torch")  # packed Linears: in the compute dtype, or in torch's kernel's fastest dtype
+KERNEL_PATHS = ("exact", "int8", "torch")  # packed Linears: exact, int8 activations (native), torch's fastest dtype
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -97,9 +97,10 @@ KNOB_SPECS: tuple[KnobSpec, ...] = (
     KnobSpec("io_workers", "int", "Threads reading shards from storage.", minimum=1),
     KnobSpec("prefetch_depth", "int", "Streamed units read ahead of the one computing (0 disables prefetch).", minimum=0),
     KnobSpec("compute_dtype", "choice", "Dtype the forward pass runs in.", choices=DTYPES, flags=("--dtype",)),
-    KnobSpec("kernel", "choice", "How packed (low-bit) Linears compute: exact, in the compute dtype; or torch, torch's low-bit "
-             "kernel in the activation dtype it runs fastest in (bf16 on x86 CPUs: on an fp32 forward each product's input and "
-             "output are rounded to bf16, so log-probabilities move and near-ties flip).", choices=KERNEL_PATHS),
+    KnobSpec("kernel", "choice", "How packed (low-bit) Linears compute: exact, in the compute dtype (a GGUF type's own blocks "
+             "on the native kernels in fp32); int8, those kernels with activations quantized to 8 bits per block as llama.cpp "
+             "does (faster, ~1e-3 relative error per product); or torch, torch's int4 kernel in the activation dtype it runs "
+             "fastest in (bf16 on x86: on an fp32 forward each product is rounded to bf16).", choices=KERNEL_PATHS),
     KnobSpec("kv_cache_dtype", "choice", "What the KV cache stores keys and values in: auto (the compute dtype), a float dtype, or int4 "
              "(K per channel, V per token, 4 bits, with the most recent tokens kept in the compute dtype).", choices=KV_CACHE_DTYPES),
     KnobSpec("kv_residual_tokens", "int", "int4 KV cache: the most recent tokens kept in full precision before they are quantized.",
