@@ -303,3 +303,20 @@ def test_scalar_only_build(tmp_path):
     w = dequantize_blocks(blocks, "Q5_K").double()
     assert relative(kernels.matmul(blocks, "Q5_K", x), x.double() @ w.T, x.abs().double() @ w.abs().T) < 1e-6
     ctypes.CDLL(str(lib))  # loads twice without trouble
+
+
+def test_a_machine_without_a_compiler_runs_gguf_blocks_and_says_why_it_is_slow(smollm2_gguf, tmp_path):
+    """PATH without g++: the model still answers (the torch decoder computes on the blocks), and the load says in
+    one line why it is slow and what to install."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable), "ROCKETLLM_CACHE": str(tmp_path / "cache"),
+           "ROCKETLLM_KEEP_ALIVE": "0"}
+    done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "generate", str(smollm2_gguf), "The capital of France is",
+                           "--raw", "-n", "3"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert " Paris" in done.stdout
+    notes = [line for line in done.stderr.splitlines() if "native kernels" in line]
+    assert len(notes) == 1 and "g++" in notes[0], done.stderr

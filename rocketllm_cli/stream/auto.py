@@ -66,6 +66,20 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
     return config, notes
 
 
+def _without_native_kernels(manifest: Manifest, profile) -> str:
+    """One line where a set's GGUF blocks cannot run on the native kernels here (no compiler, a failed build): they
+    compute through the exact torch decoder instead, an order of magnitude slower."""
+    if profile.compute_device != "cpu" or not any(t.packed and t.packed.get("kind") == "gguf" for u in manifest.units
+                                                  for t in u.tensors):
+        return ""
+    from ..native import kernels, why_not
+
+    if kernels() is not None:
+        return ""
+    return (f"note: this model's GGUF blocks are decoded by torch for every product, about 10x slower than on the native "
+            f"kernels, which are not available: {why_not()}")
+
+
 def memory_left(profile, knobs) -> int | None:
     """What the compute device has for weights once the reserve and the KV cache are set aside."""
     free = profile.ram_available if profile.compute_device == "cpu" else profile.vram_free
@@ -234,6 +248,9 @@ class AutoModel:
         if any(tier != "device" for tier in streamed.plan.tier.values()):  # resident units convert once, at load
             for note in notes:
                 (log or (lambda m: None))(note)
+        slow = _without_native_kernels(manifest, profile)
+        if slow:
+            (log or (lambda m: None))(slow)
         streamed.knobs = knobs
         streamed.profile = profile
         streamed.facts = facts
