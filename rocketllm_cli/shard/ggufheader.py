@@ -21,14 +21,11 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
 # ggml tensor type id -> (elements per block, bytes per block), for the types whose size we can check exactly
 _BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
            10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
-           24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
+           20: (32, 18), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
 
 
-# ggml type ids `shard --quantize auto` keeps packed (shard/packing.py KEPT): int4 at group 32, the others as their
-# own blocks (elements, bytes per block)
-_INT4_KEPT: dict[int, str] = {}  # none now (packing.INT4_TYPES)
-_RAW_KEPT = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
-             12: (256, 144), 13: (256, 176), 14: (256, 210), 20: (32, 18), 23: (256, 136)}
+# ggml type ids `shard --quantize auto` keeps as their own blocks (shard/packing.py KEPT), sized by _BLOCKS
+_KEPT_IDS = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23})
 
 
 def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, int]]:
@@ -85,8 +82,8 @@ def shard_sizes(infos: dict[str, tuple[int, tuple[int, ...]]], itemsize: int = 2
     """Bytes each tensor will take in a `shard --quantize auto` set of `itemsize`-byte floats, from the header alone.
 
     A matrix the model computes with (every 2-D tensor but an untied token embedding) stays packed when its
-    type is kept: int4 codes at group 32 with a scale and a zero per group in the set's dtype, or its own blocks
-    (Q5_0, Q8_0, Q6_K, IQ4_XS ...). Everything else is dequantized to the set's dtype."""
+    type is kept: its own blocks (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, IQ4_XS ...). Everything else is dequantized to the
+    set's dtype."""
     tied = "output.weight" not in infos
     out = {}
     for name, (ggml_type, dims) in infos.items():
@@ -94,10 +91,8 @@ def shard_sizes(infos: dict[str, tuple[int, tuple[int, ...]]], itemsize: int = 2
         for d in dims:
             numel *= d
         matrix = len(dims) == 2 and (name != "token_embd.weight" or tied)
-        if matrix and ggml_type in _INT4_KEPT and dims[0] % 32 == 0:
-            out[name] = numel // 2 + numel // 32 * 2 * itemsize
-        elif matrix and ggml_type in _RAW_KEPT and dims[0] % _RAW_KEPT[ggml_type][0] == 0:
-            elems, nbytes = _RAW_KEPT[ggml_type]
+        if matrix and ggml_type in _KEPT_IDS and dims[0] % _BLOCKS[ggml_type][0] == 0:
+            elems, nbytes = _BLOCKS[ggml_type]
             out[name] = numel // elems * nbytes
         else:
             out[name] = numel * itemsize

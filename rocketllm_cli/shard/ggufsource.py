@@ -78,36 +78,25 @@ class LazyGGUF:
             return False
         if int(tensor.n_elements) != shape[0] * shape[1]:
             return False
-        from ..shard.packing import INT4_TYPES
-
-        if tensor.tensor_type.name in INT4_TYPES and shape[0] % int4_rows:
-            return False
         return self._row_order(tensor) is not False
 
     def packed_format(self, name: str):
-        """The PackedFormat read_packed will give: int4 for the Q4 types, the raw blocks for the others."""
+        """The PackedFormat read_packed will give: the tensor's own blocks."""
         from gguf import GGML_QUANT_SIZES
 
         from ..packed.format import PackedFormat
-        from ..shard.packing import INT4_TYPES
 
         tensor = self._tensors[self.mapping[name]]
-        shape = self.shapes[name][0]
-        kind = tensor.tensor_type.name
-        if kind not in INT4_TYPES:
-            block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
-            return PackedFormat("gguf", shape, block, gguf_type=kind, block_bytes=block_bytes)
-        return PackedFormat("int4", shape, 32, scale_dtype="fp32" if kind == "Q4_K" else "fp16")
+        block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+        return PackedFormat("gguf", self.shapes[name][0], block, gguf_type=tensor.tensor_type.name, block_bytes=block_bytes)
 
     def read_packed(self, name: str):
         """The tensor's blocks in the portable packed layout (exact), rows in transformers' order."""
         from ..packed import from_gguf
         from ..packed.format import PackedTensor
 
-        from ..shard.packing import INT4_TYPES
-
         tensor = self._tensors[self.mapping[name]]
-        packed = from_gguf(tensor.data, tensor.tensor_type, raw=tensor.tensor_type.name not in INT4_TYPES)
+        packed = from_gguf(tensor.data, tensor.tensor_type, raw=True)
         order = self._row_order(tensor)
         if order is not None:
             index = torch.from_numpy(order)

@@ -4,9 +4,9 @@ A packed weight is stored as one byte tensor holding its parts (packed/format.py
 Only weights a low-bit kernel can compute on are packed: the weight of an `nn.Linear` (or an embedding table tied
 to one, the output head), [N out, K in] as the module holds it. Everything else stays in the set's float dtype.
 
-    auto  keep the source's own low-bit encoding where it maps onto a kernel's format (GGUF Q4_0, Q4_1 and Q4_K
-          exactly as int4 at group 32; Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS as their own
-          blocks, byte for byte, which the native kernels compute on; a compressed-tensors, GPTQ or
+    auto  keep the source's own low-bit encoding where it maps onto a kernel's format (GGUF Q4_0, Q4_1, Q5_0, Q5_1,
+          Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS as their own blocks, byte for byte, which the native
+          kernels compute on; a compressed-tensors, GPTQ or
           AWQ checkpoint's int4 exactly at its group, its per-channel int8 exactly, bitsandbytes LLM.int8 as int8
           per row and nf4/fp4 re-quantized to int4 group 32 (lossy, said), shard/quantsource.py); a float source
           is not packed
@@ -39,9 +39,7 @@ INT4_MODES = ("packed", "int4")  # PackPlan modes that may write int4 (and so re
 # GGUF types kept as their own blocks, byte for byte (mode "blocks"): the native kernels compute on them
 # (rocketllm_cli/native), the exact torch decoder (packed/ggmlblocks.py) where those are not built. Q4_0, Q4_1 and
 # Q4_K were once converted to torch's int4 layout, whose kernel runs fp32 activations ~10x slower than bf16 ones.
-INT4_TYPES: tuple[str, ...] = ()  # GGUF types converted to int4 at group 32 (none now; the conversion stays exact)
-RAW_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
-KEPT = INT4_TYPES + RAW_TYPES  # GGUF types kept packed under auto
+KEPT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 RTN_GROUP = 32  # int4 group of --quantize int4: GGUF's own block size
 INT4_ROWS = 16  # the int4 kernels want N a multiple of this; other weights stay float
 REQUANT_ROWS = 4096  # rows dequantized at once when Q8_0 is re-scaled per row
