@@ -1,9 +1,11 @@
 """bench --perplexity: the streamed perplexity equals plain transformers' on the same weights and windows, a model
-against itself agrees everywhere, agreement with another model equals the argmax agreement transformers computes,
-the windows score every token once, and every bad input is one `error:` line."""
+against itself agrees everywhere with KL 0, agreement and KL divergence against another model equal what transformers'
+own distributions give, the windows score every token once, the scratch file never outlives a run, and every bad input
+is one `error:` line."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -17,8 +19,9 @@ import torch
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
-from rocketllm_cli.bench.perplexity import check_same_tokenizer, windows
-from rocketllm_cli.errors import UsageError
+from rocketllm_cli.bench.perplexity import check_same_tokenizer, divergence, scratch_directory, windows
+from rocketllm_cli.errors import RocketError, UsageError
+from rocketllm_cli.profiles.cache import cache_root
 
 TEXT = Path(__file__).parent / "fixtures" / "perplexity.txt"
 WINDOW, STRIDE = 64, 24
@@ -64,9 +67,54 @@ def _plain_scores(path: Path, text: str) -> tuple[float, list[int], int]:
     return math.exp(nll_sum / count), argmax, count
 
 
+@functools.lru_cache(maxsize=8)
+def _plain_logprobs(path: Path, text: str) -> torch.Tensor:
+    """[scored positions, vocabulary] float64 log-probabilities of the same textbook sliding window, in position order."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = torch.tensor([AutoTokenizer.from_pretrained(path)(text).input_ids])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    n, rows, prev_end = ids.shape[1], [], 1
+    with torch.no_grad():
+        for begin in range(0, n, STRIDE):
+            end = min(begin + WINDOW, n)
+            logits = model(input_ids=ids[:, begin:end]).logits[0].double()
+            rows.append(torch.log_softmax(logits[prev_end - begin - 1 : end - begin - 1], dim=-1))
+            prev_end = end
+            if end == n:
+                break
+    return torch.cat(rows)
+
+
+def _kl_summary(model: Path, reference: Path, text: str) -> dict:
+    """KL(reference || model) per position by torch's own kl_div on transformers' distributions: mean, p99, max."""
+    per_token = torch.nn.functional.kl_div(_plain_logprobs(model, text), _plain_logprobs(reference, text),
+                                           reduction="none", log_target=True).sum(-1)
+    return {"mean": per_token.mean().item(), "p99": torch.quantile(per_token, 0.99).item(), "max": per_token.max().item(),
+            "n": len(per_token)}
+
+
+def _no_scratch_left() -> bool:
+    return not list(cache_root().glob("perplexity-kl-*"))
+
+
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_factory):
     return tiny_factory("llama", seed=13), tiny_factory("llama", seed=14)
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_pair, tmp_path_factory) -> Path:
+    """The first tiny model with noise on every weight (0.3% of its mean magnitude): close to it, as a quantisation is."""
+    from safetensors.torch import load_file, save_file
+
+    dest = tmp_path_factory.mktemp("perturbed") / "llama-perturbed"
+    shutil.copytree(tiny_pair[0], dest)
+    weights = load_file(dest / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+    noisy = {name: w + 0.003 * w.abs().mean() * torch.randn(w.shape, generator=generator) for name, w in weights.items()}
+    save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
 
 
 def test_perplexity_equals_plain_transformers_and_a_model_agrees_with_itself(tiny_pair, text_file):
@@ -80,6 +128,8 @@ def test_perplexity_equals_plain_transformers_and_a_model_agrees_with_itself(tin
     assert rows["model"]["perplexity"] == pytest.approx(want, rel=1e-3)
     assert rows["reference"]["perplexity"] == rows["model"]["perplexity"]
     assert doc["agreement"] == 1.0 and doc["perplexity_diff_pct"] == 0.0
+    assert all(abs(doc["kl_divergence"][k]) <= 1e-6 for k in ("mean", "p99", "max")), doc["kl_divergence"]
+    assert _no_scratch_left()
     assert doc["windows"] == len(windows(doc["text"]["tokens"], WINDOW, STRIDE)) and doc["regime"] == "storage"
     assert rows["model"]["ms_per_window"]["n"] == doc["windows"]
 
@@ -95,6 +145,60 @@ def test_agreement_with_another_model_is_the_share_of_equal_argmax(tiny_pair, te
     rows = {r["role"]: r for r in doc["rows"]}
     assert rows["reference"]["perplexity"] == pytest.approx(ppl_b, rel=1e-3)
     assert doc["perplexity_diff_pct"] == pytest.approx(100 * (ppl_a / ppl_b - 1), abs=0.05)
+    want, backwards = _kl_summary(model, other, text_file.read_text()), _kl_summary(other, model, text_file.read_text())
+    assert want["n"] == rows["model"]["tokens_scored"]
+    assert {k: doc["kl_divergence"][k] for k in ("mean", "p99", "max")} == pytest.approx(
+        {k: want[k] for k in ("mean", "p99", "max")}, rel=1e-5)
+    assert abs(want["mean"] - backwards["mean"]) > 0.01 * want["mean"]  # so the direction above is the one checked
+
+
+def test_kl_against_a_close_model_equals_transformers_own(tiny_pair, perturbed, text_file):
+    """A small divergence (a quantisation's size) computed over exactly the scored positions: mean, p99 and max equal
+    torch's kl_div on transformers' float64 log-softmaxes of the same windows."""
+    model = tiny_pair[0]
+    doc = _bench(model, text_file, "--reference", str(perturbed), "--regime", "resident")
+    want, got = _kl_summary(model, perturbed, text_file.read_text()), doc["kl_divergence"]
+    assert 1e-3 < want["mean"] < 0.05, want
+    assert got["mean"] == pytest.approx(want["mean"], rel=1e-5, abs=1e-7)
+    assert got["p99"] == pytest.approx(want["p99"], rel=1e-5, abs=1e-7)
+    assert got["max"] == pytest.approx(want["max"], rel=1e-5, abs=1e-7)
+    assert _no_scratch_left()
+
+
+def test_divergence_keeps_rows_on_disk_and_skips_zero_probabilities():
+    """The meter alone: rows kept in chunks come back in order; a token the reference rules out (log p = -inf) adds 0,
+    where the model's -inf too would make nan of a plain product."""
+    generator = torch.Generator().manual_seed(3)
+    model, ref = (torch.randn(10, 33, generator=generator) * 3 for _ in range(2))
+    model[:, 5] = ref[:, 5] = float("-inf")
+    ref[:, 7] = float("-inf")
+    model, ref = model.log_softmax(-1), ref.log_softmax(-1)
+    want = (ref.exp() * (ref - model)).nan_to_num(nan=0.0).sum(-1).double()
+    with divergence(10, 33, ("a", "b")) as meter:
+        for at in (0, 4, 7):
+            meter.keep(model[at : at + {0: 4, 4: 3, 7: 3}[at]])
+        for at in (0, 6):
+            meter.compare(ref[at : at + {0: 6, 6: 4}[at]])
+        summary = meter.summary()
+    assert torch.allclose(torch.tensor(meter.values, dtype=torch.float64), want, rtol=1e-5, atol=1e-7)
+    assert summary["max"] == pytest.approx(want.max().item(), rel=1e-5) and math.isfinite(summary["mean"])
+    with divergence(2, 33, ("a", "b")) as meter:
+        meter.keep(model[:2])
+        meter.compare(torch.zeros(2, 34).log_softmax(-1))  # a padded head: no KL, and the reason
+        assert meter.summary() is None and "33 tokens" in meter.why_not and "34" in meter.why_not
+
+
+def test_the_scratch_file_is_removed_on_ctrl_c_and_a_full_disk_is_one_line():
+    with pytest.raises(KeyboardInterrupt):
+        with divergence(4, 8, ("a", "b")) as meter:
+            meter.keep(torch.zeros(4, 8).log_softmax(-1))
+            scratch = meter.path.parent
+            assert meter.path.exists()
+            raise KeyboardInterrupt
+    assert not scratch.exists() and _no_scratch_left()
+    with pytest.raises(RocketError, match=r"KL divergence needs .* of scratch space .* set ROCKETLLM_CACHE or TMPDIR") as caught:
+        scratch_directory(10**9, 10**9)
+    assert "\n" not in str(caught.value)
 
 
 def test_markdown_has_both_rows_and_the_difference(tiny_pair, text_file):

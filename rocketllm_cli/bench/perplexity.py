@@ -1,25 +1,34 @@
-"""`bench --perplexity FILE [--reference REF]`: teacher-forced perplexity of a streamed model on a text, and how often
-a reference model's greedy choice agrees with it.
+"""`bench --perplexity FILE [--reference REF]`: teacher-forced perplexity of a streamed model on a text, how often
+a reference model's greedy choice agrees with it, and how far its distributions are from the reference's (KL).
 
 Windows of `window` tokens start every `stride` tokens. Each window is one forward pass over all its tokens (a prefill:
 one streaming pass serves them all) and scores only the tokens no earlier window scored, so every token but the first is
 scored exactly once, each with at least window - stride tokens of context once past the first window.
 perplexity = exp(mean negative log-likelihood), the log-softmax taken in fp32 whatever the compute dtype.
+With a reference, KL(reference || model) is taken at the same scored positions from the same fp32 log-softmaxes
+(`Divergence`: one model's distributions wait in a scratch file, never both models' in memory).
 """
 
 from __future__ import annotations
 
 import gc
 import math
+import shutil
+import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
-from ..errors import UsageError
+from ..errors import RocketError, UsageError
+from ..sizes import format_bytes
 from .defaults import PERPLEXITY_REGIME, PERPLEXITY_WINDOW
 
 PERPLEXITY_REGIMES = ("resident", "host", "storage")
 CHECKED_IDS = 8  # how many differing token ids a tokenizer mismatch names at most
+ROWS = 64  # scored positions per fp32 log-softmax (and per KL step): its temporaries are ROWS x vocabulary floats
+SCRATCH_MARGIN = 64 << 20  # bytes a scratch directory keeps free beyond the file
 
 
 @dataclass
@@ -90,8 +99,9 @@ class Scored:
         return math.exp(sum(self.nll) / len(self.nll))
 
 
-def score(model, ids: list[int], window: int, stride: int) -> Scored:
-    """Teacher-forced scores of `ids` under any transformers-compatible causal LM (streamed or not)."""
+def score(model, ids: list[int], window: int, stride: int, rows: Callable | None = None) -> Scored:
+    """Teacher-forced scores of `ids` under any transformers-compatible causal LM (streamed or not). `rows`, when given,
+    is called with the fp32 log-probabilities [r, vocabulary] of every ROWS scored positions or fewer, in position order."""
     import torch
 
     nll, argmax, seconds, sizes = [], [], [], []
@@ -105,13 +115,118 @@ def score(model, ids: list[int], window: int, stride: int) -> Scored:
             seconds.append(time.perf_counter() - start)
             sizes.append(end - begin)
             # logits at j predict token j + 1: the scored targets first .. L-1 come from rows first-1 .. L-2
-            rows = logits[first - 1 : end - begin - 1].float()
-            targets = x[0, first:]
-            logp = torch.log_softmax(rows, dim=-1)
-            nll += (-logp.gather(1, targets[:, None])[:, 0]).double().tolist()
-            argmax += rows.argmax(dim=-1).tolist()
-            del logits, rows, logp
+            for at in range(first - 1, end - begin - 1, ROWS):
+                chunk = logits[at : min(at + ROWS, end - begin - 1)].float()
+                targets = x[0, at + 1 : at + 1 + len(chunk)]
+                logp = torch.log_softmax(chunk, dim=-1)
+                nll += (-logp.gather(1, targets[:, None])[:, 0]).double().tolist()
+                argmax += chunk.argmax(dim=-1).tolist()
+                if rows is not None:
+                    rows(logp)
+                del chunk, logp
+            del logits
     return Scored(nll, argmax, seconds, sizes)
+
+
+class Divergence:
+    """KL(reference || model) at every scored position, in nats: the sum over the vocabulary of
+    p_ref * (log p_ref - log p_model), both log-softmaxes in fp32 (a token the reference gives probability 0 adds 0).
+
+    Memory bound: the model is scored first and `keep` writes its log-probabilities, ROWS positions at a time as
+    `score` makes them, to a scratch file (fp32, scored positions x vocabulary: 4 * (n - 1) * V bytes on disk, 1 GiB for
+    Gemma's 262,144 tokens x 1,000 positions); while the reference is scored, `compare` reads the model's same rows back
+    in the same order. Memory holds at most ROWS positions of each model's distributions and the temporaries of one step
+    (about 4 * ROWS * V floats: 256 MiB at V = 262,144) beside the forward pass's own logits of one window, never all
+    positions of either model; what stays for the whole text is one float per position."""
+
+    def __init__(self, path: Path, names: tuple[str, str]) -> None:
+        self.path, self.names = path, names
+        self.width: int | None = None  # the model's vocabulary, from its first rows
+        self.kept = self.compared = 0
+        self.values: list[float] = []
+        self.why_not: str | None = None  # why no KL is given (the reference scores another vocabulary)
+        self._file = open(path, "wb")
+        self._reading = False
+
+    def keep(self, logp) -> None:
+        """The model's rows, to the scratch file."""
+        self.width = logp.shape[-1]
+        self._file.write(logp.detach().cpu().contiguous().numpy())
+        self.kept += logp.shape[0]
+
+    def compare(self, logp) -> None:
+        """The reference's rows against the model's same rows, read back."""
+        import torch
+
+        if self.why_not is not None:
+            return
+        if logp.shape[-1] != self.width:
+            self.why_not = (f"{self.names[0]} scores {self.width} tokens, --reference {self.names[1]} {logp.shape[-1]} "
+                            "(a padded vocabulary)")
+            return
+        if not self._reading:
+            self._file.close()
+            self._file = open(self.path, "rb")
+            self._reading = True
+        stored = torch.empty(tuple(logp.shape), dtype=torch.float32)
+        if self._file.readinto(stored.numpy()) != stored.numel() * 4:
+            raise RocketError(f"the scratch file {self.path} ends before position {self.compared + logp.shape[0]}")
+        stored = stored.to(logp.device)
+        p = logp.exp()
+        torch.sub(logp, stored, out=stored)  # log p_ref - log p_model, in place
+        stored.mul_(p).masked_fill_(p == 0, 0.0)  # 0 * log 0 is 0, not nan
+        self.values += stored.sum(dim=-1).double().tolist()
+        self.compared += logp.shape[0]
+
+    def summary(self) -> dict | None:
+        """Mean, 99th percentile and max per scored position; None when the vocabularies differ."""
+        from .timing import percentile
+
+        if self.why_not is not None:
+            return None
+        if self.compared != self.kept or not self.values:
+            raise RocketError(f"KL divergence: the reference scored {self.compared} positions, the model {self.kept}")
+        values = sorted(self.values)
+        return {"mean": round(math.fsum(values) / len(values), 8), "p99": round(percentile(values, 99), 8),
+                "max": round(values[-1], 8)}
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@contextmanager
+def divergence(positions: int, vocabulary: int, names: tuple[str, str], log=None) -> Iterator[Divergence]:
+    """A Divergence whose scratch file lives in a temporary directory, removed on the way out however it is left
+    (an error, Ctrl-C)."""
+    directory = scratch_directory(positions, vocabulary)
+    if log is not None:
+        log(f"KL divergence: {names[0]}'s log-probabilities wait in {directory} until the reference is scored "
+            f"({format_bytes(4 * positions * vocabulary)}, removed after)")
+    with tempfile.TemporaryDirectory(prefix="perplexity-kl-", dir=directory) as scratch:
+        meter = Divergence(Path(scratch) / "model-logprobs.f32", names)
+        try:
+            yield meter
+        finally:
+            meter.close()
+
+
+def scratch_directory(positions: int, vocabulary: int) -> Path:
+    """Where the model's log-probabilities wait: the cache directory, else the system's temporary directory (often in
+    memory, so second), the first writable one with room for the file and SCRATCH_MARGIN."""
+    from ..profiles.cache import cache_root, unwritable
+
+    needed, tried = 4 * positions * vocabulary, []
+    for directory in dict.fromkeys((cache_root(), Path(tempfile.gettempdir()))):
+        why = unwritable(directory)
+        if why is None:
+            free = shutil.disk_usage(directory).free
+            if free >= needed + SCRATCH_MARGIN:
+                return directory
+            why = f"{format_bytes(free)} free"
+        tried.append(f"{directory} ({why})")
+    raise RocketError(f"KL divergence needs {format_bytes(needed)} of scratch space for the model's log-probabilities "
+                      f"({positions} positions x {vocabulary} tokens, fp32): {'; '.join(tried)}; set ROCKETLLM_CACHE or "
+                      "TMPDIR to a directory with room")
 
 
 def check_same_tokenizer(tokenizer, reference_tokenizer, ids: list[int], ref_ids: list[int], names: tuple[str, str]) -> None:
@@ -127,12 +242,22 @@ def check_same_tokenizer(tokenizer, reference_tokenizer, ids: list[int], ref_ids
                          f"--reference {names[1]} {theirs}; {len(ids)} vs {len(ref_ids)} tokens); agreement needs the same tokenizer")
 
 
-def model_context(directory: Path) -> int | None:
-    """The longest sequence the model's config allows (None when it names none)."""
+def _text_config(directory: Path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(directory)
-    config = getattr(config, "get_text_config", lambda: config)()
+    return getattr(config, "get_text_config", lambda: config)()
+
+
+def model_vocabulary(directory: Path) -> int | None:
+    """How many tokens the model's head scores, as its config says (None when it names none)."""
+    value = getattr(_text_config(directory), "vocab_size", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def model_context(directory: Path) -> int | None:
+    """The longest sequence the model's config allows (None when it names none)."""
+    config = _text_config(directory)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 1:
@@ -166,15 +291,22 @@ def run_perplexity(req: PerplexityRequest, log, progress=None) -> dict:
         runs.append(("reference", ref_name, ref_shards, ref_manifest))
     window, stride = _window_and_stride(req, [r[2] for r in runs], len(ids))
     spans = windows(len(ids), window, stride)
-    rows, scored, profile = [], [], None
+    rows, scored, profile, kl = [], [], None, None
     phase = progress or no_progress
-    for role, name, directory, man in runs:
-        log(f"{role} {name}: scoring {len(ids)} tokens in {len(spans)} windows of up to {window} ({req.regime} regime)")
-        with phase(f"perplexity: {name}", announce=False):
-            row, result, profile = _score_one(directory, man, ids, window, stride, req, log)
-        row.update(role=role, name=name)
-        rows.append(row)
-        scored.append(result)
+    with ExitStack() as stack:
+        meter = _divergence(stack, runs, len(ids) - 1, len(tokenizer), log)
+        for role, name, directory, man in runs:
+            log(f"{role} {name}: scoring {len(ids)} tokens in {len(spans)} windows of up to {window} ({req.regime} regime)")
+            sink = None if meter is None else (meter.keep if role == "model" else meter.compare)
+            with phase(f"perplexity: {name}", announce=False):
+                row, result, profile = _score_one(directory, man, ids, window, stride, req, log, sink)
+            row.update(role=role, name=name)
+            rows.append(row)
+            scored.append(result)
+        if meter is not None:
+            kl = meter.summary()
+            if kl is None:
+                log(f"KL divergence left out: {meter.why_not}")
     agreement = diff = None
     if len(scored) == 2:
         agreement = sum(a == b for a, b in zip(scored[0].argmax, scored[1].argmax)) / len(scored[0].argmax)
@@ -185,8 +317,21 @@ def run_perplexity(req: PerplexityRequest, log, progress=None) -> dict:
         "text": {"file": Path(req.text_file).name, "bytes": len(text.encode()), "tokens": len(ids)},
         "window": window, "stride": stride, "windows": len(spans), "regime": req.regime,
         "rows": rows, "agreement": None if agreement is None else round(agreement, 6),
-        "perplexity_diff_pct": None if diff is None else round(diff, 4), "load": load,
+        "perplexity_diff_pct": None if diff is None else round(diff, 4), "kl_divergence": kl, "load": load,
     }
+
+
+def _divergence(stack: ExitStack, runs: list, positions: int, tokens: int, log) -> Divergence | None:
+    """With a reference, the Divergence both runs feed (its scratch removed when `stack` closes), unless the configs
+    say the two heads score vocabularies of different sizes: then None, and the log says why."""
+    if len(runs) < 2:
+        return None
+    (_, name, directory, _), (_, ref_name, ref_directory, _) = runs
+    sizes = model_vocabulary(directory), model_vocabulary(ref_directory)
+    if None not in sizes and sizes[0] != sizes[1]:
+        log(f"KL divergence left out: {name} scores {sizes[0]} tokens, --reference {ref_name} {sizes[1]} (a padded vocabulary)")
+        return None
+    return stack.enter_context(divergence(positions, sizes[0] or tokens, (name, ref_name), log))
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -206,7 +351,7 @@ def _window_and_stride(req: PerplexityRequest, directories: list[Path], n: int) 
     return window, stride
 
 
-def _score_one(directory: Path, manifest, ids: list[int], window: int, stride: int, req: PerplexityRequest, log):
+def _score_one(directory: Path, manifest, ids: list[int], window: int, stride: int, req: PerplexityRequest, log, sink=None):
     from ..stream.auto import AutoModel
     from .regimes import REGIME_KNOBS, regime_overrides
     from .timing import ms_summary
@@ -214,7 +359,7 @@ def _score_one(directory: Path, manifest, ids: list[int], window: int, stride: i
     flags = {k: v for k, v in req.knob_flags.items() if k not in REGIME_KNOBS}
     streamed = AutoModel.from_pretrained(directory, flags=flags, log=log, **regime_overrides(req.regime, manifest))
     try:
-        result = score(streamed, ids, window, stride)
+        result = score(streamed, ids, window, stride, sink)
         row = {
             "status": "measured", "perplexity": round(result.perplexity, 4),
             "nll_mean": round(sum(result.nll) / len(result.nll), 6), "tokens_scored": len(result.nll),
@@ -231,7 +376,7 @@ def _score_one(directory: Path, manifest, ids: list[int], window: int, stride: i
 
 
 COLUMNS = ("run", "model", "perplexity", "tokens scored", "top-1 agreement", "perplexity vs reference",
-           "ms/window median [p10–p90]", "tokens/s (windows)", "compute dtype")
+           "KL(ref ‖ model) mean [p99, max]", "ms/window median [p10–p90]", "tokens/s (windows)", "compute dtype")
 
 
 def render_perplexity(doc: dict) -> str:
@@ -248,10 +393,15 @@ def render_perplexity(doc: dict) -> str:
         reference = row["role"] == "reference"
         agree = "-" if doc["agreement"] is None or reference else f"{doc['agreement']:.4f}"
         diff = "-" if doc["perplexity_diff_pct"] is None or reference else f"{doc['perplexity_diff_pct']:+.2f}%"
-        lines.append(f"| {row['role']} | {row['name']} | {row['perplexity']:.4f} | {row['tokens_scored']} | {agree} | {diff} | "
+        kl = doc.get("kl_divergence")
+        kl = "-" if kl is None or reference else f"{kl['mean']:.3g} [{kl['p99']:.3g}, {kl['max']:.3g}]"
+        lines.append(f"| {row['role']} | {row['name']} | {row['perplexity']:.4f} | {row['tokens_scored']} | {agree} | {diff} | {kl} | "
                      f"{ms['median']:.1f} [{ms['p10']:.1f}–{ms['p90']:.1f}] | {row['tokens_per_s']:.1f} | {row['compute_dtype']} |")
     lines.append("")
     lines += [f"- {row['role']}: shards {row['shard_dtype']}, computing in {row['compute_dtype']}; {row['residency']}" for row in doc["rows"]]
+    if doc.get("kl_divergence") is not None:
+        lines.append("- KL(ref ‖ model): nats per scored token, the reference's fp32 distribution against the model's at "
+                     "each scored position")
     return "\n".join(lines)
 
 
