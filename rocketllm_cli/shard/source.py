@@ -139,9 +139,9 @@ def check_locatable(model: str | os.PathLike) -> None:
     if path.exists() and not (path.is_dir() and (path / MANIFEST).is_file()):
         located = locate(path)
         if located.kind == "gguf":
-            from .ggufheader import truncation
+            from .ggufheader import header_problem
 
-            problem = truncation(located.path)  # its header alone: a cut download is one line before any import
+            problem = header_problem(located.path)  # its header alone: a cut download is one line before any import
             if problem:
                 raise ModelError(problem)
         check_declared(located.path)  # a quantization not read here, too
@@ -282,9 +282,9 @@ def _open_gguf(path: Path) -> Source:
     """A GGUF read one tensor at a time (ggufsource.py); where transformers' processor must see the whole file,
     dequantized by transformers as a whole (memory: the full model, once). The file's metadata is parsed once for
     the config, the tensor map and the tokenizer (ggufsource.shared_reader)."""
-    from .ggufheader import truncation
+    from .ggufheader import header_problem
 
-    problem = truncation(path)  # before any reader trips over the missing end
+    problem = header_problem(path)  # before any reader trips over the missing end or a type it cannot decode
     if problem is not None:
         raise ModelError(problem)
     try:
@@ -294,21 +294,22 @@ def _open_gguf(path: Path) -> Source:
     except ImportError:
         raise ModelError("reading .gguf needs the gguf package: pip install gguf") from None
     try:
-        with shared_reader(path):
-            return _open_gguf_shared(path, AutoConfig)
+        with shared_reader(path) as reader:
+            return _open_gguf_shared(path, AutoConfig, reader)
     except ImportError:
         raise ModelError("reading .gguf needs the gguf package: pip install gguf") from None
 
 
-def _open_gguf_shared(path: Path, AutoConfig) -> Source:
+def _open_gguf_shared(path: Path, AutoConfig, reader) -> Source:
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        with reader().for_config():  # the metadata without the vocabulary's arrays, which no config key reads
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:  # noqa: BLE001 - a foreign file
         raise ModelError(f"{path.name}: not a readable GGUF model ({' '.join(str(exc).split())[:160]})") from None
     from .discover import build_meta_model
     from .ggufsource import open_lazy
 
-    tokenizer = _gguf_tokenizer(path)  # before open_lazy lets the vocabulary's metadata go
+    tokenizer = _gguf_tokenizer(path, reader)  # before open_lazy lets the vocabulary's metadata go
     lazy = open_lazy(path, config, build_meta_model(config))
     if lazy is not None:
         return Source("gguf", path, path.stem, config, shapes=dict(lazy.shapes), _lazy=lazy, _tokenizer=tokenizer)
@@ -363,13 +364,19 @@ def _portable_tokenizer_class(dest: Path) -> None:
         path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def _gguf_tokenizer(path: Path):
+def _gguf_tokenizer(path: Path, reader=None):
     """The tokenizer in the GGUF at `path` as transformers converts it, with the file's own BOS/EOS flags; None
-    when it has none."""
+    when it has none. `reader`: ggufsource.shared_reader's, in effect around the call."""
+    from contextlib import nullcontext
+
     from transformers import AutoTokenizer
 
+    # A transformers that reads the vocabulary from the file itself asks gguf's reader only for the config on the way
+    # (~10^6 values parsed in Python for a 262k vocabulary): give it the config's fields alone.
+    config_only = reader is not None and _reads_vocabulary_itself()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with reader().for_config() if config_only else nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception:  # noqa: BLE001 - a model without a tokenizer still shards
         return None
     # The file says whether a prompt starts with BOS (and ends with EOS), as llama.cpp reads it; transformers
@@ -378,6 +385,15 @@ def _gguf_tokenizer(path: Path):
         if getattr(tokenizer, flag, value) != value:
             setattr(tokenizer, flag, value)
     return tokenizer
+
+
+def _reads_vocabulary_itself() -> bool:
+    """Whether transformers' GGUF tokenizer conversion reads the vocabulary with its own reader (5.x), not gguf's."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import get_gguf_tokenizer  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def save_gguf_tokenizer(path: Path, dest: Path, tokenizer=None) -> bool:
