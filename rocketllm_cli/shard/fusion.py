@@ -66,13 +66,30 @@ def shared_input_groups(config, stack: str, dtype: torch.dtype | None = None) ->
                 handle.remove()
             if "args" not in captured:
                 return [], "the trace never reached the decoder stack"
+            traced: dict[tuple, tuple[int, list]] = {}  # a layer's build -> (its index, its groups)
             for index, layer in enumerate(layers):
-                groups += _layer_groups(layer, f"{stack}.{index}", captured["args"], captured["kwargs"])
+                build = _build_of(layer)
+                if build not in traced:  # a layer built like one already traced runs the same calls (~40 ms a trace)
+                    traced[build] = (index, _layer_groups(layer, f"{stack}.{index}", captured["args"], captured["kwargs"]))
+                first, found = traced[build]
+                groups += [tuple(f"{stack}.{index}.{m[len(f'{stack}.{first}.'):]}" for m in group) for group in found]
     except Exception as exc:  # noqa: BLE001 - the trace is an optimisation: a model it cannot run keeps every weight apart
         return [], f"the fake-tensor trace failed ({_short(exc)})"
     finally:
         del model
     return groups, ""
+
+
+def _build_of(layer: nn.Module) -> tuple:
+    """What decides a layer's calls but its position: each submodule's path, class and plain settings (a sliding
+    window, an is-sliding flag, a shared-KV flag), the layer's own index left out."""
+    parts = []
+    for name, module in layer.named_modules():
+        settings = tuple(sorted((k, v) for k, v in vars(module).items()
+                                if isinstance(v, (bool, int, float, str, type(None))) and not k.startswith("_")
+                                and k not in ("layer_idx", "layer_id", "layer_number", "idx")))
+        parts.append((name, type(module).__qualname__, settings))
+    return tuple(parts)
 
 
 def _layer_groups(layer: nn.Module, prefix: str, args, kwargs) -> list[tuple[str, ...]]:
