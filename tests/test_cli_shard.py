@@ -315,3 +315,37 @@ def test_errors_cross_the_process_boundary_as_one_line_and_debug_shows_the_trace
     assert debug.returncode == 1 and dout == ""
     assert "Traceback (most recent call last)" in derr and derr.strip().splitlines()[-1] == err.strip()
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_tensor_of_a_type_nothing_decodes_is_one_line_naming_it(smollm2_gguf, tmp_path):
+    """A tensor stored as an activation-only type (Q8_K) is refused before any unit is written, in one line that names
+    the tensor and its type: gguf's dequantize would have failed on it half way through the set."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    from rocketllm_cli.synthetic.gguf import write_llama_gguf
+
+    good = write_llama_gguf(tmp_path / "good.gguf", smollm2_gguf, hidden=256, layers=1, intermediate=256, heads=4,
+                            kv_heads=2, qtype="Q8_0", embed_type="F16")
+    source = GGUFReader(good)
+    bad = tmp_path / "q8k.gguf"
+    writer = GGUFWriter(bad, "llama")
+    for key, field in source.fields.items():
+        if key.startswith(("GGUF.", "general.architecture")):
+            continue
+        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub)
+    for tensor in source.tensors:
+        if tensor.name == "blk.0.attn_q.weight":  # 256 x 256 as Q8_K: one 292-byte block per row
+            writer.add_tensor(tensor.name, np.zeros((256, 292), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q8_K)
+        else:
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = tmp_path / "set"
+    result = invoke("shard", bad, "--out", out, "--json")
+    message = one_error_line(result)
+    assert "blk.0.attn_q.weight is Q8_K" in message and "another type" in message, message
+    assert not out.exists() or not any(out.iterdir())

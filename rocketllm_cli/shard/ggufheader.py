@@ -6,6 +6,7 @@ Parsed by hand (no gguf import: its reader decodes the whole vocabulary, seconds
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from ..errors import ModelError
 from ..sizes import format_bytes
 
 # value type id -> struct format of a scalar; 8 = string, 9 = array
+_LENGTH = struct.Struct("<Q")
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M",
               13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
@@ -21,11 +23,13 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
 # ggml tensor type id -> (elements per block, bytes per block), for the types whose size we can check exactly
 _BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
            10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
-           20: (32, 18), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
+           16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
+           23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
+           34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36)}
 
 
 # ggml type ids `shard --quantize auto` keeps as their own blocks (shard/packing.py KEPT), sized by _BLOCKS
-_KEPT_IDS = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23})
+_KEPT_IDS = frozenset(type_id for type_id, (elems, _) in _BLOCKS.items() if elems > 1 and type_id not in (9, 15))  # not Q8_1, Q8_K
 
 
 def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, int]]:
@@ -52,14 +56,26 @@ class Truncated(ValueError):
         return f"{name} is truncated: {what}; download it again (an interrupted download or a full disk cuts a file short)"
 
 
+_PARSED: dict[tuple, tuple] = {}  # (path, device, inode, size, mtime) -> what read_gguf_tensors returned
+
+
 def read_gguf_tensors(path: Path) -> tuple[dict[str, object], dict[str, int], dict[str, tuple[int, tuple[int, ...]]]]:
-    """read_gguf plus each tensor's (ggml type id, dims as GGUF lists them, innermost first)."""
+    """read_gguf plus each tensor's (ggml type id, dims as GGUF lists them, innermost first). Parsed once per file
+    version in a process (the sharder, the facts and the tokenizer flags all ask); callers must not change it."""
     try:
         with open(path, "rb") as f:
-            if f.seek(0, 2) == 0:
+            st = os.fstat(f.fileno())
+            key = (os.fspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if key in _PARSED:
+                return _PARSED[key]
+            if st.st_size == 0:
                 raise Truncated(4, 0, True)
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                return _parse(mm, len(mm))
+                parsed = _parse(mm, len(mm))
+        if len(_PARSED) > 16:
+            _PARSED.clear()
+        _PARSED[key] = parsed
+        return parsed
     except Truncated as exc:
         raise ModelError(exc.message(path.name)) from None
     except (struct.error, IndexError, UnicodeDecodeError, ValueError, OverflowError) as exc:
@@ -75,6 +91,33 @@ def truncation(path: Path) -> str | None:
         return str(exc) if " is truncated: " in str(exc) else None
     except OSError:
         return None
+    return None
+
+
+def header_problem(path: Path) -> str | None:
+    """The one-line problem with the GGUF at `path` that its header alone shows (cut short; a tensor of a type nothing
+    here decodes), else None (whole, or unreadable for another reason: the reader that follows says what)."""
+    problem = truncation(path)
+    if problem is not None:
+        return problem
+    try:
+        _, _, infos = read_gguf_tensors(path)
+    except (ModelError, OSError):
+        return None
+    for name, (type_id, _) in infos.items():
+        if type_id in _KEPT_IDS or (type_id in _BLOCKS and _BLOCKS[type_id][0] == 1):
+            continue
+        from ..packed.ggmlblocks import unsupported  # imports torch: only for such a file
+
+        try:
+            from gguf import GGMLQuantizationType
+
+            type_name = GGMLQuantizationType(type_id).name
+        except (ImportError, ValueError):
+            type_name = f"ggml type {type_id}"
+        why = unsupported(type_name).split(" is not supported: ", 1)[-1]
+        return (f"{path.name}: tensor {name} is {type_name}, which cannot be read here ({why}); use a file quantized "
+                "to another type (Q4_K_M, Q5_K_M, Q6_K, Q8_0 ...)")
     return None
 
 
@@ -176,7 +219,14 @@ def _value(mm, pos: int, vtype: int) -> tuple[object, int]:
             width = struct.calcsize(_SCALARS[etype])
             values = list(struct.unpack_from(f"<{count}{_SCALARS[etype][1]}", mm, pos)) if count <= 4096 else None
             return values, pos + width * count
-        for _ in range(count):  # arrays of strings (the vocabulary) are skipped, not kept
+        if etype == 8:  # arrays of strings (the vocabulary) are skipped, not kept
+            unpack = _LENGTH.unpack_from
+            for _ in range(count):
+                pos += 8 + unpack(mm, pos)[0]
+            if pos > len(mm):
+                raise IndexError("an array runs past the end of the file")
+            return None, pos
+        for _ in range(count):  # arrays of arrays
             _, pos = _value(mm, pos, etype)
         return None, pos
     raise ValueError(f"unknown GGUF value type {vtype}")

@@ -16,8 +16,9 @@ to one, the output head), [N out, K in] as the module holds it. Everything else 
 
 A GGUF type kept as its blocks computes on the native kernels (rocketllm_cli/native: fp32 activations, or 8-bit ones
 with `--kernel int8`) and, where they are not built, through the exact torch decoder (packed/ggmlblocks.py); Q8_0
-was once re-scaled per row for torch's int8 kernel (1.2% relative RMS error on SmolLM2's embedding). Other types
-(the IQ2/IQ3/IQ1 grids, TQ, MXFP4) have no kernel here and are stored dequantized. Llama's Q/K row permutation
+was once re-scaled per row for torch's int8 kernel (1.2% relative RMS error on SmolLM2's embedding). The grid types
+(IQ2/IQ3/IQ1, TQ, MXFP4, NVFP4) are kept as blocks too and decoded by the torch decoder when used (no native kernel
+yet); a type nothing here decodes (Q8_1, Q8_K, Q1_0) is refused in one line. Llama's Q/K row permutation
 (transformers' GGUF processor) is applied to every part of a packed weight: rows are independent.
 int4 codes are written in the order this machine's CPU kernel reads (packed/cpulayout.py) with their scales and
 zeros in the set's dtype as the kernel takes them, so binding them is a view; a CPU whose kernel reads another
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import ParameterError
+from ..packed.ggmlblocks import SUPPORTED
 from .manifest import set_key
 
 PACKINGS = ("auto", "none", "int4", "int8")
@@ -39,7 +41,9 @@ INT4_MODES = ("packed", "int4")  # PackPlan modes that may write int4 (and so re
 # GGUF types kept as their own blocks, byte for byte (mode "blocks"): the native kernels compute on them
 # (rocketllm_cli/native), the exact torch decoder (packed/ggmlblocks.py) where those are not built. Q4_0, Q4_1 and
 # Q4_K were once converted to torch's int4 layout, whose kernel runs fp32 activations ~10x slower than bf16 ones.
-KEPT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+# The grid types (IQ2/IQ3/IQ1, TQ, MXFP4, NVFP4) have no native kernel yet: they stay blocks too, decoded when used.
+KEPT = tuple(name for name, (elems, _) in SUPPORTED.items() if elems > 1)
+NATIVE_KEPT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 RTN_GROUP = 32  # int4 group of --quantize int4: GGUF's own block size
 INT4_ROWS = 16  # the int4 kernels want N a multiple of this; other weights stay float
 REQUANT_ROWS = 4096  # rows dequantized at once when Q8_0 is re-scaled per row

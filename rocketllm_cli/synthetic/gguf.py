@@ -2,6 +2,8 @@
 
     write_llama_gguf(path, like=real.gguf, hidden=3072, layers=26, intermediate=8192, heads=24, kv_heads=8, qtype="Q4_0")
 
+The output head is tied to the embedding unless `output_type` names a type for a head of its own (`output.weight`).
+
 The vocabulary and every other metadata key come from the GGUF `like` (so transformers, llama.cpp and RocketLLM
 read its tokenizer); the sizes, the tensors and their types are this module's. Blocks are random but well formed
 (finite fp16 scales sized for weights of about WEIGHT_STD), written one tensor at a time, so a file of several GB
@@ -16,16 +18,18 @@ from pathlib import Path
 import numpy as np
 
 WEIGHT_STD = 0.02
-TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "F16")  # what this writer makes blocks for
+# what this writer makes blocks for (IQ2_XXS, TQ2_0 and MXFP4 stand for the grid types, which no kernel here reads)
+TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "IQ2_XXS", "TQ2_0", "MXFP4", "F16")
 SKIPPED_KEYS = ("GGUF.", "general.architecture", "llama.")  # the writer's own, and the sizes written here
 
 
 def write_llama_gguf(path: Path, like: Path, *, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
-                     qtype: str = "Q4_0", embed_type: str = "Q8_0", seed: int = 0, context: int = 2048) -> Path:
+                     qtype: str = "Q4_0", embed_type: str = "Q8_0", output_type: str | None = None, seed: int = 0,
+                     context: int = 2048) -> Path:
     """Write the GGUF at `path` (atomically: a partial file never has the name) and return it."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-    for name in (qtype, embed_type):
+    for name in (qtype, embed_type, *([output_type] if output_type else [])):
         if name not in TYPES:
             raise ValueError(f"{name}: this writer makes {', '.join(TYPES)}")
     source = GGUFReader(like)
@@ -64,6 +68,8 @@ def write_llama_gguf(path: Path, like: Path, *, hidden: int, layers: int, interm
             (f"blk.{i}.ffn_down.weight", (hidden, intermediate), qtype),
         ]
     tensors.append(("output_norm.weight", (hidden,), "F32"))
+    if output_type:  # a head of its own: transformers unties it when the file has output.weight
+        tensors.append(("output.weight", (vocab, hidden), output_type))
     rng = np.random.default_rng(seed)
     for name, shape, kind in tensors:
         nbytes, byte_shape, dtype = _sizes(shape, kind)
@@ -127,6 +133,12 @@ def _blocks(rng, shape: tuple[int, ...], kind: str) -> np.ndarray:
     elif kind == "Q6_K":  # 128 + 64 bytes of codes, 16 int8 scales, d last: w = d·scale·(q − 32), std of q 18.5
         out[:, 192:208] = rng.integers(16, 48, size=(n, 16), dtype=np.uint8)
         out[:, 208:210] = _fp16(rng, n, WEIGHT_STD / 18.5 / 32)
+    elif kind == "IQ2_XXS":  # d, 32 uint16: grid values 8..43 times d·(0.5 + a 4-bit scale)/4, about 100·d
+        out[:, 0:2] = _fp16(rng, n, WEIGHT_STD / 100)
+    elif kind == "TQ2_0":  # 64 bytes of 2-bit codes (−1, 0, +1, +2), d last
+        out[:, 64:66] = _fp16(rng, n, WEIGHT_STD)
+    elif kind == "MXFP4":  # an E8M0 exponent e (scale 2^(e−128)), 16 bytes of doubled e2m1 codes (std ~5.5)
+        out[:, 0] = 128 + int(np.round(np.log2(WEIGHT_STD / 5.5)))
     elif kind == "F16":
         out = (WEIGHT_STD * rng.standard_normal(shape)).astype(np.float16).view(np.uint8)
     return out.reshape(rows, width)
