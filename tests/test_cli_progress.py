@@ -136,9 +136,9 @@ def test_library_bars_are_off_and_their_warnings_only_with_debug(debug):
 
 @pytest.mark.realmodel
 def test_the_real_gguf_off_a_terminal_is_a_line_per_phase_and_no_warning(smollm2_gguf, tmp_path):
-    """Sharding SmolLM2 takes ~10 s: each phase that lasts ANNOUNCE_AFTER_S gets its one announcing line, in
-    order, then the `sharded` line; transformers' GGUF bars and torch's warnings stay out of the log; generate on
-    the set prints nothing but its phases."""
+    """Sharding SmolLM2 takes seconds: each phase that lasts ANNOUNCE_AFTER_S gets its one announcing line, in
+    order (a phase this machine finishes sooner prints none), then the `sharded` line; transformers' GGUF bars and
+    torch's warnings stay out of the log; generate on the set prints nothing but its phases."""
     out = tmp_path / "set"
     done = run_cli("shard", smollm2_gguf, "--out", out)
     manifest = Manifest.load(out)
@@ -149,7 +149,6 @@ def test_the_real_gguf_off_a_terminal_is_a_line_per_phase_and_no_warning(smollm2
     lines = assert_log_lines(done.stderr)
     assert lines[-1].startswith(f"sharded {name}: {len(manifest.units)} units"), lines
     assert lines[:-1] == [p for p in phases if p in lines[:-1]], lines
-    assert lines[0] == phases[0], lines  # reading the GGUF lasts seconds (its vocabulary's metadata, the config)
     assert "Warning" not in done.stderr
 
     done = run_cli("generate", out, "The capital of France is", "--raw", "-n", "4")
