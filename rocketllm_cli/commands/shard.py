@@ -19,8 +19,9 @@ HELP = """Split MODEL into one file per layer (plus embed, norm, lm_head, extras
 MODEL is a Hugging Face model directory, a .gguf file, a hub id, or (with --verify) a shard directory.
 Shards go beside the model cache unless --out is given; `generate` finds and reuses them.
 
-A GGUF keeps its 4-bit blocks (Q4_0, Q4_1, Q4_K; Q8_0 as int8) where a
-low-bit kernel computes on them. So does a pre-quantized safetensors
+A GGUF keeps every quantized tensor as its own blocks, byte for byte (Q4_0
+... Q8_0, the K-quants, IQ4_NL/IQ4_XS on the native kernels; the IQ1-3, TQ
+and MXFP4 grids decoded when used). So does a pre-quantized safetensors
 checkpoint, exactly: compressed-tensors (pack-quantized, naive- or
 int-quantized; int4 or int8), GPTQ (4 or 8 bits; act-order weights are
 stored dequantized), AWQ (4-bit GEMM) and bitsandbytes LLM.int8;

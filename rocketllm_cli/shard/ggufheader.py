@@ -121,25 +121,55 @@ def header_problem(path: Path) -> str | None:
     return None
 
 
-def shard_sizes(infos: dict[str, tuple[int, tuple[int, ...]]], itemsize: int = 2) -> dict[str, int]:
-    """Bytes each tensor will take in a `shard --quantize auto` set of `itemsize`-byte floats, from the header alone.
+def shard_sizes(infos: dict[str, tuple[int, tuple[int, ...]]], itemsize: int | None = None) -> dict[str, int]:
+    """Bytes each tensor will take in a `shard --quantize auto` set of `itemsize`-byte floats (None: the set's own
+    dtype, blocks_set_dtype), from the header alone.
 
     A matrix the model computes with (every 2-D tensor but an untied token embedding) stays packed when its
     type is kept: its own blocks (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, IQ4_XS ...). Everything else is dequantized to the
     set's dtype."""
-    tied = "output.weight" not in infos
+    if itemsize is None:
+        itemsize = _FLOAT_ITEMSIZE[blocks_set_dtype(infos)]
+    kept = kept_as_blocks(infos)
     out = {}
     for name, (ggml_type, dims) in infos.items():
-        numel = 1
-        for d in dims:
-            numel *= d
-        matrix = len(dims) == 2 and (name != "token_embd.weight" or tied)
-        if matrix and ggml_type in _KEPT_IDS and dims[0] % _BLOCKS[ggml_type][0] == 0:
-            elems, nbytes = _BLOCKS[ggml_type]
-            out[name] = numel // elems * nbytes
-        else:
-            out[name] = numel * itemsize
+        numel = _numel(dims)
+        out[name] = numel // _BLOCKS[ggml_type][0] * _BLOCKS[ggml_type][1] if name in kept else numel * itemsize
     return out
+
+
+def kept_as_blocks(infos: dict[str, tuple[int, tuple[int, ...]]]) -> set[str]:
+    """The tensors a `shard --quantize auto` set keeps as their blocks: matrices the model computes with (every 2-D
+    tensor but an untied token embedding, which is looked up by rows) of a kept type."""
+    tied = "output.weight" not in infos
+    return {name for name, (ggml_type, dims) in infos.items()
+            if len(dims) == 2 and (name != "token_embd.weight" or tied) and ggml_type in _KEPT_IDS
+            and dims[0] % _BLOCKS[ggml_type][0] == 0}
+
+
+_FLOAT_IDS = {0: "fp32", 1: "fp16", 30: "bf16"}  # ggml type ids F32, F16, BF16
+_FLOAT_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def blocks_set_dtype(infos: dict[str, tuple[int, tuple[int, ...]]]) -> str:
+    """The float dtype `shard --dtype auto` gives a set that keeps the file's blocks: the one most of the set's float
+    values are stored in. The blocks are no float tensor of the set; the file's own float tensors count as stored (the
+    F32 norms stay F32, as llama.cpp and transformers read them), a quantized tensor decoded into the set (an untied
+    token embedding) as bf16, half an fp32 decode's bytes; fp32, what a block decodes to, where nothing counts."""
+    kept = kept_as_blocks(infos)
+    counts: dict[str, int] = {}
+    for name, (ggml_type, dims) in infos.items():
+        if name not in kept:
+            dtype = _FLOAT_IDS.get(ggml_type, "bf16")
+            counts[dtype] = counts.get(dtype, 0) + _numel(dims)
+    return max(counts, key=counts.get) if counts else "fp32"
+
+
+def _numel(dims) -> int:
+    numel = 1
+    for d in dims:
+        numel *= d
+    return numel
 
 
 def _parse(mm, size: int) -> tuple[dict[str, object], dict[str, int], dict[str, tuple[int, tuple[int, ...]]]]:

@@ -69,6 +69,13 @@ class LazyGGUF:
 
         return any(t.tensor_type.name in KEPT for t in self._tensors.values())
 
+    def auto_dtype(self) -> str:
+        """The float dtype of a set keeping this file's blocks, as `shard --dtype auto` picks it (from the header's
+        types: shard/ggufheader.py blocks_set_dtype, which `doctor` sizes the set with too)."""
+        from .ggufheader import blocks_set_dtype
+
+        return blocks_set_dtype({t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape)) for t in self._tensors.values()})
+
     def packable(self, name: str, shape: tuple[int, int], int4_rows: int) -> bool:
         """Whether `name` can be stored packed: a kept type, rows = N of `shape`, only rows reordered by the processor."""
         from ..shard.packing import KEPT

@@ -44,6 +44,7 @@ class ModelFacts:
     kv_bytes_per_token: int  # K and V for every layer, per token, in the compute dtype (the stored one when not given)
     max_positions: int  # the context the config allows
     dtype: str = "bf16"
+    gguf_blocks: bool = False  # low-bit weights kept as a GGUF's blocks: a CPU computes them in fp32 (formulas.py)
     active_bytes: int | None = None  # mixture-of-experts: what one decode token reads (dense part + routed experts); None = every weight
     # What really grows with the context (max_context divides by it): K and V values per token of the layers whose
     # cache keeps every token (full attention), how many such layers, and what sliding-window layers hold at most.
@@ -145,7 +146,8 @@ class Units:
     others: list[int] = field(default_factory=list)  # embed, norm, lm_head, extras, another stack's layers
 
 
-def _build(name: str, units: Units, config, dtype: str, compute_dtype: str | None = None) -> ModelFacts:
+def _build(name: str, units: Units, config, dtype: str, compute_dtype: str | None = None,
+           gguf_blocks: bool = False) -> ModelFacts:
     """`config`: a mapping or a transformers config object, read only through config_int."""
     if not units.layers:
         raise ModelError(f"{name}: no decoder layers found")
@@ -179,6 +181,7 @@ def _build(name: str, units: Units, config, dtype: str, compute_dtype: str | Non
         kv_bytes_per_token=kv_layers * 2 * kv_heads * head_dim * itemsize,
         max_positions=config_int(config, POSITION_KEYS) or DEFAULT_POSITIONS,
         dtype=dtype or "unknown",
+        gguf_blocks=gguf_blocks,
         active_bytes=active,
         kv_values_per_token=growing * per_layer,
         kv_growing_layers=growing,
@@ -212,7 +215,8 @@ def facts_from_manifest(manifest, config, compute_dtype: str | None = None) -> M
     """ModelFacts of a loaded shard set (a Manifest); `config` is its config.json as a mapping, or the
     transformers config object (AutoConfig.from_pretrained(directory))."""
     units = _manifest_units((u.kind, u.tensor_bytes) for u in manifest.units)
-    return _build(manifest.source.get("name") or "model", units, config, manifest.dtype, compute_dtype)
+    return _build(manifest.source.get("name") or "model", units, config, manifest.dtype, compute_dtype,
+                  manifest.packing == "blocks")
 
 
 def model_facts_from_path(path: Path) -> ModelFacts:
@@ -256,7 +260,7 @@ def _from_shard_dir(path: Path) -> ModelFacts:
     if not units.layers:
         raise ModelError(f"{path.name}/manifest.json lists no decoder layers")
     config = _config(path / "config.json") if (path / "config.json").is_file() else {}
-    return _build(name, units, config, dtype)
+    return _build(name, units, config, dtype, gguf_blocks=doc.get("packing") == "blocks")
 
 
 def _manifest_units(rows) -> Units:
@@ -313,7 +317,7 @@ def _from_gguf(path: Path) -> ModelFacts:
         "head_dim": get("attention.key_length") or (get("embedding_length", 0) // heads if heads else None),
     }
     dtype = "gguf-" + FILE_TYPES.get(meta.get("general.file_type"), str(meta.get("general.file_type", "?")))
-    return _build(path.stem, _tensor_units(path.stem, sizes, None), config, dtype)
+    return _build(path.stem, _tensor_units(path.stem, sizes, None), config, dtype, gguf_blocks=True)
 
 
 def _tensor_units(name: str, sizes: dict[str, int], experts_per_layer: int | None) -> Units:

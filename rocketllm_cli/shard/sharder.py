@@ -38,6 +38,7 @@ from .packing import (
     packed_nbytes,
     plan_packing,
     predicted_key,
+    predicted_mode,
     read_packed,
 )
 from .source import Source, locate, open_source, save_tokenizer
@@ -87,7 +88,7 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
 
 def _shard(source: Source, out: Path | None, dtype: str, progress, log, started: float, rebuild: bool = False,
            packing: str = "auto", fuse: bool = True) -> tuple[Manifest, Path, dict]:
-    dtype = resolve_dtype(source, dtype)
+    dtype = resolve_dtype(source, dtype, predicted_mode(source, packing) == "blocks")
     lazy = getattr(source, "_lazy", None)
     if lazy is not None and hasattr(lazy, "float_dtype"):
         lazy.float_dtype = torch_dtype(dtype)  # a quantized tensor read as floats lands in the set's dtype, not bf16
@@ -127,11 +128,19 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
         return _write(source, final, dtype, model, layout, mapping, progress, log, started, packs, fusion)
 
 
-def resolve_dtype(source: Source, dtype: str) -> str:
+def resolve_dtype(source: Source, dtype: str, blocks: bool = False) -> str:
+    """The set's float dtype: DTYPE, or for "auto" the one most of the source's float values are stored in.
+
+    BLOCKS: a GGUF whose quantized tensors stay its own blocks: they are no float tensor of the set, so its own float
+    tensors decide (its F32 norms stay F32, as llama.cpp and transformers read them; shard/ggufheader.py
+    blocks_set_dtype)."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ParameterError(f"bad {{dtype}} {dtype!r}: expected auto, {', '.join(DTYPES)}", "dtype")
         return dtype
+    lazy = getattr(source, "_lazy", None) if blocks else None
+    if lazy is not None and hasattr(lazy, "auto_dtype"):
+        return lazy.auto_dtype()
     counts: dict[torch.dtype, int] = {}
     for shape, dt in source.shapes.values():
         if dt.is_floating_point:

@@ -33,9 +33,11 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
     from ..profiles.knobs.formulas import engine_compute_dtype
 
     # the same rule the KV knobs were sized with (max_context counts K and V in this dtype)
+    blocks = manifest.packing == "blocks"
     compute = engine_compute_dtype(str(knobs.value("compute_dtype")), knobs["compute_dtype"].overridden, manifest.dtype,
-                                   profile.compute_device)
-    if compute != manifest.dtype:
+                                   profile.compute_device, blocks)
+    # a GGUF's blocks compute in fp32 on a CPU by default: only its small float tensors convert, not worth a note
+    if compute != manifest.dtype and not (blocks and not knobs["compute_dtype"].overridden):
         notes.append(f"shards hold {manifest.dtype}, computing in {compute}: each streamed use converts (reshard with --dtype {compute} to avoid it)")
     layouts = {t.packed.get("layout") for u in manifest.units for t in u.tensors if t.packed and t.packed.get("kind") == "int4"}
     if layouts and profile.compute_device == "cpu":
