@@ -59,6 +59,50 @@ def test_an_fp32_set_computes_what_transformers_computes_from_the_file(gemma_ggu
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+def test_the_default_set_keeps_the_files_floats_and_computes_like_transformers_fp32(gemma_gguf, reference, tmp_path):
+    """The default set: every block as stored, the F32 norms as F32 (not rounded to bf16), and the engine's default
+    compute dtype on a CPU for it fp32, so its logits are transformers fp32's on the file to summation order."""
+    from gguf import GGUFReader
+
+    from rocketllm_cli.profiles.knobs.formulas import engine_compute_dtype
+    from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+
+    out = tmp_path / "default"
+    assert invoke("shard", gemma_gguf, "--out", out).exit_code == 0
+    manifest = Manifest.load(out)
+    assert manifest.dtype == "fp32" and manifest.packing == "blocks"
+    compute = engine_compute_dtype("bf16", False, manifest.dtype, "cpu", gguf_blocks=True)
+    assert compute == "fp32"  # even where the profile would pick bf16 (a CPU with native bf16)
+    ids, expected = reference
+    with StreamingModel(out, EngineConfig(compute_dtype=compute, device_cache_bytes=1 << 40)) as model:
+        norm = model.store.resident("norm")
+        with torch.inference_mode():
+            got = model(ids).logits[0].float().log_softmax(-1)
+    stored = next(t for t in GGUFReader(gemma_gguf).tensors if t.name == "output_norm.weight")
+    file_values = torch.from_numpy(stored.data.copy())
+    kept = norm["model.norm.weight"]
+    # exactly the file's F32 values (transformers' Gemma reading takes the GGUF's +1 back out: exact in fp32 here)
+    assert kept.dtype == torch.float32 and torch.equal(kept, file_values - 1)
+    kl = (expected.exp() * (expected - got)).sum(-1)
+    assert float(kl.mean()) <= 1e-5, f"mean KL {float(kl.mean()):.3e}, max {float(kl.max()):.3e}"
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_an_untied_embedding_decoded_into_the_set_makes_it_bf16_where_it_is_most_of_the_floats():
+    """The auto dtype of a blocks set, from the header's types alone: the blocks are no float tensor; the file's F32
+    norms decide (fp32) unless an untied embedding (looked up by rows, decoded into the set) outweighs them."""
+    from rocketllm_cli.shard.ggufheader import blocks_set_dtype, shard_sizes
+
+    q4k, f32 = 12, 0
+    tied = {"token_embd.weight": (q4k, (256, 1000)), "blk.0.attn_q.weight": (q4k, (256, 256)), "output_norm.weight": (f32, (256,))}
+    assert blocks_set_dtype(tied) == "fp32"
+    untied = {**tied, "output.weight": (q4k, (256, 1000))}
+    assert blocks_set_dtype(untied) == "bf16"
+    sizes = shard_sizes(untied)
+    assert sizes["token_embd.weight"] == 256 * 1000 * 2 and sizes["output.weight"] == 1000 * 144  # blocks kept
+    assert shard_sizes(tied)["output_norm.weight"] == 256 * 4
+
+
 def test_the_default_set_is_planned_whole_where_memory_holds_it(gemma_gguf, tmp_path):
     """One residency plan: where the knobs give the device tier the whole set, no layer streams (sized by the
     largest layer, two of the 18 once did, 19 MiB a token, while `profile` derived the whole set resident)."""
