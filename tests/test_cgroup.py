@@ -69,3 +69,16 @@ def test_a_namespaced_mount_root_is_stripped(tmp_path):
 
 def test_no_cgroup_means_no_limit(tmp_path):
     assert memory_limit(str(tmp_path)) is None and cpu_quota(str(tmp_path)) is None
+
+
+def test_v1_counts_clean_page_cache_active_or_not_and_leaves_mapped_and_dirty_pages(tmp_path):
+    """Shards just written are active file pages the kernel reclaims as readily as inactive ones; a process's mapped
+    libraries and pages waiting to be written are not free."""
+    _v1(tmp_path, "/bench/run-2")
+    _write(tmp_path, "sys/fs/cgroup/memory/bench/run-2/memory.limit_in_bytes", str(2 * GIB))
+    _write(tmp_path, "sys/fs/cgroup/memory/bench/run-2/memory.usage_in_bytes", str(GIB + GIB // 2))
+    _write(tmp_path, "sys/fs/cgroup/memory/bench/run-2/memory.stat",
+           f"total_active_file {GIB // 2}\ntotal_inactive_file {GIB // 4}\ntotal_mapped_file {GIB // 8}\ntotal_dirty {GIB // 8}\n"
+           "total_writeback 0\n")
+    got = memory_limit(str(tmp_path))
+    assert got is not None and got.available == GIB // 2 + (GIB // 2 + GIB // 4 - GIB // 8 - GIB // 8)

@@ -14,23 +14,26 @@ from rocketllm_cli.app import app
 from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.profiles import resolve_knobs
 from rocketllm_cli.profiles.knobs.formulas import evaluate
+from rocketllm_cli.profiles.knobs.shape import pass_shape_of
 from rocketllm_cli.shard.modelfacts import model_facts_from_path
 from rocketllm_cli.stream.auto import AutoModel
 
 ADMITTED = 300  # tokens the budget below holds
 
 
-def _budget(facts) -> int:
-    """kv_cache_bytes that holds ADMITTED tokens of fp32 K and V (plus the one layer attention reads), no more."""
-    per_token = facts.kv_values_per_token * (4 + 4 / facts.kv_growing_layers)
+def _budget(facts, shape) -> int:
+    """kv_cache_bytes that holds ADMITTED tokens of fp32 K and V (plus the one layer attention reads) and the
+    activations of a pass over them, no more."""
+    per_token = facts.kv_values_per_token * (4 + 4 / facts.kv_growing_layers) + shape.activation_bytes_per_token
     return int(ADMITTED * per_token) + 1
 
 
 @pytest.fixture(scope="module")
 def tight(tiny_factory):
-    """The tiny Llama whose KV budget admits ADMITTED tokens."""
-    path = tiny_factory("llama", max_position_embeddings=4096)
-    budget = _budget(model_facts_from_path(path))
+    """The tiny Llama whose KV budget admits ADMITTED tokens. 16 layers with K and V as wide as the queries: its KV
+    cache, which int4 shrinks, is then most of what a token costs beside the activations of a pass (one layer's)."""
+    path = tiny_factory("llama", max_position_embeddings=4096, num_key_value_heads=4, num_hidden_layers=16)
+    budget = _budget(model_facts_from_path(path), pass_shape_of(path))
     model = AutoModel.from_pretrained(path, kv_cache_bytes=budget, compute_dtype="fp32")
     yield path, budget, model
     model.close()
@@ -55,7 +58,7 @@ def test_max_context_is_what_the_budget_holds_and_the_formula_recomputes(tight):
     _, _, model = tight
     knob = model.knobs["max_context"]
     assert knob.value == ADMITTED and evaluate(knob.formula, knob.inputs) == ADMITTED
-    assert "left for KV of kv_cache_bytes, within what the weights, buffers and reserve leave" in knob.note and "per token in fp32" in knob.note
+    assert "left for KV of kv_cache_bytes, within what the weights, buffers, runtime and reserve leave" in knob.note and "per token in fp32" in knob.note
 
 
 def test_the_python_api_refuses_before_any_pass_and_admits_what_fits(tight, int4_admits):

@@ -118,11 +118,15 @@ def test_derivations_recompute_and_respect_memory(ram, free, params, bits, stora
     assert 0 <= v["device_cache_bytes"] <= model.total_bytes and 0 <= v["host_cache_bytes"] <= model.total_bytes - v["device_cache_bytes"]
     assert 1 <= v["prefetch_depth"] <= 4 and v["io_workers"] >= 1 and 0 <= v["max_context"] <= model.max_positions
     # the context admitted fits what the weights and buffers leave (0 when nothing is left: every prompt refused);
-    # the buffers hold a layer where every other unit is resident (as device_cache_bytes sized them)
-    resident_rest = 0 < model.layer_bytes < model.largest_unit_bytes and v["device_cache_bytes"] >= model.non_layer_bytes
-    buffer = model.layer_bytes if resident_rest else model.largest_unit_bytes
+    # the buffers hold a layer where the device cache holds the largest unit (as device_cache_bytes sized them), and
+    # one more the largest unit where it does not
+    if 0 < model.layer_bytes < model.largest_unit_bytes:
+        resident_rest = min(v["device_cache_bytes"], model.total_bytes) >= model.largest_unit_bytes
+        buffers = (v["prefetch_depth"] + 2) * model.layer_bytes + (0 if resident_rest else model.largest_unit_bytes - model.layer_bytes)
+    else:
+        buffers = (v["prefetch_depth"] + 2) * model.largest_unit_bytes
     left = (profile.ram_available if not gpu else profile.vram_free) - v["reserve_bytes"] - v["device_cache_bytes"] \
-        - (v["prefetch_depth"] + 2) * buffer - (0 if gpu else v["host_cache_bytes"])
+        - buffers - (0 if gpu else v["host_cache_bytes"] + v["runtime_bytes"])
     assert v["max_context"] * model.kv_bytes_per_token <= max(0, left)
     if not gpu:  # device and host tiers share the same RAM
         assert v["device_cache_bytes"] + v["host_cache_bytes"] <= max(0, profile.ram_available - v["reserve_bytes"] - v["kv_cache_bytes"])

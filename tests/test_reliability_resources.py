@@ -16,12 +16,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rocketllm_cli.app import app, flag_of
-from rocketllm_cli.errors import RocketError
+from rocketllm_cli.app import app
 from rocketllm_cli.shard import checks, sharder
 from rocketllm_cli.shard.manifest import Manifest
 from rocketllm_cli.sizes import format_bytes
-from rocketllm_cli.stream.plan import check_budget
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RESUME = "then re-run `rocketllm shard` to resume (finished units are kept)"
@@ -163,23 +161,6 @@ def test_a_disk_that_fills_during_shard(twelve, need, tmp_path):
 
 
 # -- memory --------------------------------------------------------------------------------------------------------
-
-def test_check_budget_names_the_minimum(twelve, tmp_path):
-    out = tmp_path / "set"
-    manifest, _, _ = sharder.shard(twelve, out=out, log=lambda m: None)
-    largest = max(u.tensor_bytes for u in manifest.units)
-    resident = sum(u.tensor_bytes for u in manifest.units if u.kind == "root")
-    assert resident == 0  # a Llama keeps nothing on the root module
-    with pytest.raises(RocketError) as caught:
-        check_budget(resident, 2 * largest, largest)
-    assert str(caught.value) == (f"not enough memory to stream this model: need at least {format_bytes(2 * largest)} "
-                                 f"(resident minimum + two streaming buffers of the largest unit), have {format_bytes(largest)} "
-                                 "after reserve_bytes and kv_cache_bytes; lower them or free memory")
-    # the CLI spells the same parameters as its flags
-    assert caught.value.spelled(flag_of).endswith("after --reserve-bytes and --kv-cache-bytes; lower them or free memory")
-    check_budget(resident, 2 * largest, 2 * largest)
-    check_budget(resident, 2 * largest, None)
-
 
 def test_a_budget_smaller_than_one_layer_is_refused_naming_the_minimum(twelve, monkeypatch):
     from rocketllm_cli.profiles import HardwareProfile, cache_dir

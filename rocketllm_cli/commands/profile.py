@@ -25,14 +25,21 @@ def run(
     from ..profiles.knobs.resolve import describe_input
     from ..profiles.report.redact import redact
 
+    from ..profiles.knobs.formulas import evaluate, memory_floor
+    from ..profiles.knobs.shape import pass_shape_of
+
     facts = model_facts_from_path(model) if model is not None else None
+    shape = pass_shape_of(model) if model is not None else None
     out = Output(as_json=json_output)
     profile = HardwareProfile.load(storage_path=model, refresh=refresh, log=out.log)
-    knobs = resolve_knobs(profile, facts, flags=knob_flags)
+    knobs = resolve_knobs(profile, facts, flags=knob_flags, shape=shape)
+    floor = None
     if facts is not None:  # a shard set streamed from storage: its own units' reads decide the read knobs
         from ..profiles.probe.unitreads import with_own_reads
 
-        facts, knobs = with_own_reads(profile, facts, model, knobs, lambda f: resolve_knobs(profile, f, flags=knob_flags), out.log)
+        facts, knobs = with_own_reads(profile, facts, model, knobs, lambda f: resolve_knobs(profile, f, flags=knob_flags, shape=shape),
+                                      out.log)
+        floor = memory_floor(profile, facts, knobs, shape=shape)
     from ..distributed.launch import launched
 
     launch, stages = launched(), None  # under torchrun: every rank measures itself and its link; rank 0 shows the plan
@@ -50,6 +57,8 @@ def run(
         out.json({
             "fingerprint": profile.fingerprint, "compute_device": profile.compute_device, "from_cache": profile.from_cache,
             "tiers": profile.tier_meaning(), "model": facts.to_dict() if facts else None, "knobs": knobs.to_dict(),
+            "memory_floor": {"value": evaluate(floor.formula, floor.inputs), "formula": floor.formula, "inputs": floor.inputs,
+                             "note": floor.note} if floor else None,
             **({"stages": stages} if stages else {}),
         })
         return
@@ -64,6 +73,12 @@ def run(
             lines.append("    with " + ", ".join(describe_input(k, v) for k, v in knob.inputs.items()))
         if knob.note:
             lines.append(f"    ({knob.note})")
+    if floor is not None:  # not a knob: what the knobs above need at the least, all the process holds
+        from ..sizes import format_bytes
+
+        lines.append(f"{'memory floor':<20} {format_bytes(evaluate(floor.formula, floor.inputs)):>12}  derived")
+        lines += [f"    = {floor.formula}", "    with " + ", ".join(describe_input(k, v) for k, v in floor.inputs.items()),
+                  f"    ({floor.note})"]
     if stages:
         lines += ["", *stages["ranks"], stages["text"], f"    = {stages['formula']}"]
     out.result(redact("\n".join(lines)))

@@ -28,6 +28,8 @@ from .probe.machine import (
     others_cpu_share,
     usable_cores,
 )
+from .probe.runtime import METHOD as RUNTIME_METHOD
+from .probe.runtime import measure_runtime, process_memory
 from .probe.storage import measure_storage, probe_bytes
 from .records import Capability, Measurement
 from .report.redact import redact
@@ -54,6 +56,7 @@ class HardwareProfile:
     measured_at: dict = field(default_factory=dict)
     from_cache: bool = field(default=False, compare=False)
     ram_bound: str = "machine"  # live: "cgroup" where a memory cgroup's limit, not the machine's RAM, is ram_total
+    process_rss: int = 0  # live: this process's own resident memory, which ram_available already excludes
 
     @classmethod
     def load(cls, storage_path: Path | None = None, refresh: bool = False, *, log: Log | None = None) -> "HardwareProfile":
@@ -84,6 +87,10 @@ class HardwareProfile:
         if host is None:
             host = _measure_host(log)
             unsaved += _save(where / "host.json", host)
+        elif measure and host.get("measurements", {}).get("runtime_rss", {}).get("method") != RUNTIME_METHOD:  # cached before it was measured so
+            log("measuring the Python runtime's memory once (cached afterwards)")
+            host = {**host, "measurements": {**host["measurements"], "runtime_rss": measure_runtime().to_dict()}}
+            unsaved += _save(where / "host.json", host)
         if disk is None:
             disk = _measure_filesystem(fs, log)
             if disk.pop("cacheable"):
@@ -94,6 +101,7 @@ class HardwareProfile:
         elif not from_cache:
             log(redact(f"profile cached in {where} (--refresh re-measures)"))
         ram_total, ram_available, ram_bound = memory_bound()
+        own = process_memory()
         vram_total, vram_free = _guarded(lambda: device_memory(host["compute_device"]), lambda why: (None, None))
         return cls(
             fingerprint=fp,
@@ -102,6 +110,7 @@ class HardwareProfile:
             ram_total=ram_total,
             ram_available=ram_available,
             ram_bound=ram_bound,
+            process_rss=own,
             vram_total=vram_total if vram_total is not None else host.get("vram_total"),
             vram_free=vram_free,
             facts={**host["facts"], "device_reason": host["device_reason"], "accelerators": host["accelerators"]},
@@ -145,6 +154,12 @@ class HardwareProfile:
         return self._bps("device_memory")
 
     @property
+    def runtime_rss(self) -> int | None:
+        """Anonymous memory of a Python that imported what a load imports (probe/runtime.py); None where unmeasured."""
+        m = self.measurements.get("runtime_rss")
+        return int(m.value) if m is not None and m.available and m.value else None
+
+    @property
     def compute_dtype(self) -> str:
         return str(self.capability("compute_dtype") or "fp32")
 
@@ -173,6 +188,7 @@ class HardwareProfile:
         return {
             "fingerprint": self.fingerprint, "compute_device": self.compute_device, "cpu_cores": self.cpu_cores,
             "ram_total": self.ram_total, "ram_available": self.ram_available, "ram_bound": self.ram_bound,
+            "process_rss": self.process_rss,
             "vram_total": self.vram_total, "vram_free": self.vram_free, "facts": self.facts,
             "measurements": {k: m.to_dict() for k, m in self.measurements.items()},
             "capabilities": {k: c.to_dict() for k, c in self.capabilities.items()},
@@ -201,10 +217,14 @@ def _measure_host(log: Log) -> dict:
     log("measuring this machine once (memory, compute; cached afterwards)")
     facts = collect_facts()
     device, device_reason = choose_device()
-    found: dict[str, Measurement] = {"host_memory": measure.host_memory()}
+    # Two buffers of at most an eighth of the free memory each: measuring inside a small memory limit (a first run
+    # under a 1.2 GiB cgroup, after sharding) must not be what exceeds it.
+    free = memory_bound()[1]
+    found: dict[str, Measurement] = {"host_memory": measure.host_memory(max(measure.MIN_COPY_BYTES, min(measure.COPY_BYTES, free // 8)))}
     found["device_memory"] = measure.device_memory(device, found["host_memory"])
     found.update(measure.host_to_device(device))
     found.update(measure.compute(device))
+    found["runtime_rss"] = measure_runtime()
     decided = {"compute_dtype": _guarded(lambda: caps.compute_dtype(device, facts["cpu"]["isa"], found),
                                          lambda why: Capability("compute_dtype", "fp32", "fp32", f"dtype query failed ({why})"))}
     decided["pin_memory"] = caps.pin_memory(device, found)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..output import BLINK_S, no_progress
 from ..shard.manifest import MANIFEST, Manifest
-from .plan import RESIDENT_KINDS, check_budget
+from .plan import RESIDENT_KINDS, check_floor
 
 if TYPE_CHECKING:  # torch and transformers load only once the model path has been checked
     from .model import EngineConfig, StreamingModel
@@ -82,20 +82,14 @@ def _without_native_kernels(manifest: Manifest, profile) -> str:
             f"kernels, which are not available: {why_not()}")
 
 
-def memory_left(profile, knobs) -> int | None:
-    """What the compute device has for weights once the reserve and the KV cache are set aside."""
-    free = profile.ram_available if profile.compute_device == "cpu" else profile.vram_free
-    if free is None:
-        return None
-    return int(free) - int(knobs.value("reserve_bytes")) - int(knobs.value("kv_cache_bytes"))
-
-
 def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> None:
     """Sharding a large model takes long: refuse a budget that cannot run it before, from the source's headers.
 
     Only with a profile measured already: a bad input must not leave a new one behind."""
     from ..errors import RocketError
     from ..profiles import HardwareProfile, resolve_knobs
+    from ..profiles.knobs.formulas import memory_floor
+    from ..profiles.knobs.shape import pass_shape_of
     from ..shard.modelfacts import model_facts_from_path
 
     path = Path(str(model)).expanduser()
@@ -108,8 +102,9 @@ def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> 
     profile = None if refresh else HardwareProfile.cached(storage_path=path)
     if profile is None:
         return
-    knobs = resolve_knobs(profile, facts, flags=flags, kwargs=kwargs)
-    check_budget(0, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
+    shape = pass_shape_of(path)
+    knobs = resolve_knobs(profile, facts, flags=flags, kwargs=kwargs, shape=shape)
+    check_floor(profile, memory_floor(profile, facts, knobs, shape=shape), knobs["reserve_bytes"].overridden)
 
 
 def _load_draft(target, knobs, progress, log):
@@ -191,17 +186,32 @@ class AutoModel:
         from transformers import AutoConfig
 
         from ..profiles import HardwareProfile, resolve_knobs
+        from ..profiles.knobs.formulas import memory_floor
+        from ..profiles.knobs.shape import pass_shape
         from ..profiles.probe.unitreads import with_own_reads
         from ..shard.cachedir import mark_used
         from ..shard.modelfacts import facts_from_manifest
 
+        from ..heap import return_large_blocks
+
+        return_large_blocks()  # before sharding too: its tensors' memory goes back once each is written
         _refuse_before_sharding(model, flags or {}, knob_overrides, refresh_profile)
         manifest, directory = ensure_shards(model, out=out, dtype=shard_dtype, progress=progress, log=log)
         mark_used(directory)  # for `rocketllm cache ls`; a set outside the cache is left untouched
+        # What the process holds beside the weights is in place before the profile reads the free memory (live), so
+        # the plan counts it as it is: the runtime (the engine's imports) and the tokenizer.
+        from .assets import load_tokenizer
+        from .model import StreamingModel
+
+        tokenizer = load_tokenizer(directory)
         # A status on a terminal when it is slow (measuring); off one silent as before, so a first run's error stays one line.
         with (progress or no_progress)("measuring this machine once (cached afterwards)", after=BLINK_S, announce=False):
             profile = HardwareProfile.load(storage_path=directory, refresh=refresh_profile)
-        facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))
+        # The native kernels build (a compiler run, once per machine) before any weight is read, not beside them.
+        slow = _without_native_kernels(manifest, profile)
+        hf_config = AutoConfig.from_pretrained(directory)
+        facts = facts_from_manifest(manifest, hf_config)
+        shape = pass_shape(hf_config)
         from ..distributed.launch import launched
 
         launch = launched()  # under torchrun: this rank's share of the layers, the others' on their ranks
@@ -211,15 +221,11 @@ class AutoModel:
             group = join(launch, flags)
             share_cores(group, profile, log)
             profile = shared_memory_profile(profile, group, log)
-        tokenizer = None
         if callable(run_tokens):
-            from .assets import load_tokenizer
-
-            tokenizer = load_tokenizer(directory)
             run_tokens = run_tokens(tokenizer) if tokenizer is not None else None
 
         def resolve(f):
-            return resolve_knobs(profile, f, flags=flags or {}, kwargs=knob_overrides, run_tokens=run_tokens)
+            return resolve_knobs(profile, f, flags=flags or {}, kwargs=knob_overrides, run_tokens=run_tokens, shape=shape)
 
         knobs = resolve(facts)
         # Streamed from storage: the read method and depth come from the set's own units read cold (once per set).
@@ -227,8 +233,7 @@ class AutoModel:
             facts, knobs = with_own_reads(profile, facts, directory, knobs, resolve, log, manifest=manifest)
         config, notes = engine_config(profile, knobs, manifest)
         resident = sum(u.tensor_bytes for u in manifest.units if u.kind in RESIDENT_KINDS)
-        check_budget(resident, 2 * facts.largest_unit_bytes, memory_left(profile, knobs))
-        from .model import StreamingModel
+        check_floor(profile, memory_floor(profile, facts, knobs, run_tokens, shape, resident), knobs["reserve_bytes"].overridden)
         from .store import LOAD_PROGRESS
 
         loading = LOAD_PROGRESS.set(progress)  # the store's resident load gets the same kind of bar as sharding
@@ -250,7 +255,6 @@ class AutoModel:
         if any(tier != "device" for tier in streamed.plan.tier.values()):  # resident units convert once, at load
             for note in notes:
                 (log or (lambda m: None))(note)
-        slow = _without_native_kernels(manifest, profile)
         if slow:
             (log or (lambda m: None))(slow)
         streamed.knobs = knobs

@@ -29,6 +29,7 @@ from ..profiles.knobs.formulas import (
 from ..profiles.knobs.table import KNOBS_BY_NAME
 from ..shard.discover import build_meta_model
 from ..shard.manifest import RESHARD, Manifest
+from ..heap import return_large_blocks
 from ..threads import COMPUTE_THREADS
 from .assets import load_generation_config, load_processor, load_tokenizer
 from .attention import planless_attention
@@ -125,6 +126,7 @@ class StreamingModel:
         save loading them again."""
         from transformers import AutoConfig
 
+        return_large_blocks()  # a pass's activations go back to the OS after it (heap.py)
         self.directory = Path(directory)
         self.config_engine = config
         self.manifest = manifest or Manifest.load(self.directory)
@@ -139,7 +141,8 @@ class StreamingModel:
             if why:
                 raise ParameterError(why, "kv_cache_dtype")  # before any weight is read
         model = build_meta_model(hf_config, self.dtype)
-        self.plan: ResidencyPlan = make_plan(self.manifest, config.device_cache_bytes, config.host_cache_bytes)
+        self.plan: ResidencyPlan = make_plan(self.manifest, config.device_cache_bytes, config.host_cache_bytes,
+                                             device=self.device.type, compute_itemsize=self.dtype.itemsize)
         # Resident experts are counted when routed, like every expert, and a vision tower runs once per request, not per
         # pass: the rest of the device tier serves every pass.
         resident = sum(u.tensor_bytes for u in self.manifest.units
@@ -208,6 +211,7 @@ class StreamingModel:
             bindings.setdefault(unit, {}).setdefault(hook, []).append(binding)
 
         self.bindings = bindings  # kept for inspection: which module each unit's tensors are bound to
+        hooked: set[str] = set()  # streamed units whose tensors are bound whole around a module's forward
         for unit, by_hook in bindings.items():
             if self.plan.tier[unit] == "device":
                 tensors = self.store.resident(unit)
@@ -222,7 +226,10 @@ class StreamingModel:
                     continue
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook(unit, group)))
                 self._hooks.append(module.register_forward_hook(self._post_hook(unit, group)))
+                hooked.add(unit)
         self.pass_hooks = self.register_pass_hooks(model)
+        # A unit only ever looked up by rows is never read whole: no read-ahead, and no buffer sized for it.
+        self.store.read_whole_only(hooked)
 
     def register_pass_hooks(self, model: nn.Module | None = None) -> list:
         """The hooks that open and close each forward pass in the ledger, on the root module."""

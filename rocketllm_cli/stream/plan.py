@@ -4,16 +4,23 @@ Units that are not layers (embeddings, norm, head, extras) are placed first:
 they are needed every token and are few. Then as many layers as fit stay resident,
 and the streamed ones are spaced evenly through the stack, so each streamed layer
 has the compute time of the resident layers before it to arrive.
+
+On a CPU an input embedding table of its own (not tied to the head) is looked up by rows: streamed, a token reads a
+few rows of it (stream/rows.py), so it is placed after the layers, with what they leave. A unit is placed by the
+bytes it holds resident: its float tensors converted to the compute dtype where they are stored in another.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import ceil
 
 from ..errors import ParameterError
 from ..shard.manifest import Manifest
 from ..sizes import format_bytes
 from ..tiers import TIERS
+
+_FLOAT_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors names of the float dtypes a unit may hold
 
 RESIDENT_KINDS = ("root", "vision")  # always on the device, their bytes taken from the device budget first
 
@@ -62,19 +69,45 @@ def spaced(n: int, k: int) -> list[int]:
     return [int((i + 0.5) * n / k) for i in range(k)] if k > 0 else []
 
 
-def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int) -> ResidencyPlan:
+def row_tables(manifest: Manifest, device: str) -> set[str]:
+    """Units a CPU serves by rows when they stream: input embedding tables not tied to an output head."""
+    if device != "cpu":
+        return set()
+    tied = set(manifest.aliases.values())
+    return {u.name for u in manifest.units if u.kind == "embed" and not any(t.name in tied for t in u.tensors)}
+
+
+def resident_bytes(unit, compute_itemsize: int | None) -> int:
+    """What UNIT holds once resident: its float tensors in the compute dtype (of COMPUTE_ITEMSIZE bytes; None: as stored)."""
+    if not compute_itemsize:
+        return unit.tensor_bytes
+    return sum(t.nbytes * compute_itemsize // _FLOAT_ITEMSIZE[t.dtype] if t.dtype in _FLOAT_ITEMSIZE else t.nbytes
+               for t in unit.tensors)
+
+
+def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int, *, device: str = "",
+              compute_itemsize: int | None = None) -> ResidencyPlan:
     """Place every unit of MANIFEST within the device and host budgets (bytes); what fits neither streams from storage.
 
     Units hooked on the whole model and vision towers always on the device, then the other non-layer units, then as many layers as fit,
     the streamed ones spread evenly through the stack; a MoE model's experts last: all on the device if they fit,
-    else the device budget left over is their cache (expert_cache_bytes)."""
+    else the device budget left over is their cache (expert_cache_bytes). DEVICE "cpu": an embedding table looked up
+    by rows goes after the layers (row_tables). COMPUTE_ITEMSIZE: the compute dtype's bytes, which a unit's float
+    tensors take on the device (resident_bytes); None counts every unit as stored."""
     units = {u.name: u for u in manifest.units}
     tier: dict[str, str] = {}
     budget = {"device": device_cache_bytes, "host": host_cache_bytes}
+    by_rows = row_tables(manifest, device)
 
     def place(name: str, order=("device", "host", "storage")) -> None:
         size = units[name].tensor_bytes
         for t in order:
+            if t == "device":  # resident, its float tensors are in the compute dtype
+                if budget[t] >= resident_bytes(units[name], compute_itemsize):
+                    budget[t] -= resident_bytes(units[name], compute_itemsize)
+                    tier[name] = t
+                    return
+                continue
             if t == "storage" or budget[t] >= size:
                 if t != "storage":
                     budget[t] -= size
@@ -86,25 +119,29 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
     for u in manifest.units:
         if u.kind in RESIDENT_KINDS:
             tier[u.name] = "device"
-            budget["device"] -= u.tensor_bytes
-    for u in sorted((u for u in manifest.units if u.kind not in ("layer", "expert", *RESIDENT_KINDS)), key=lambda u: u.tensor_bytes):
+            budget["device"] -= resident_bytes(u, compute_itemsize)
+    for u in sorted((u for u in manifest.units if u.kind not in ("layer", "expert", *RESIDENT_KINDS) and u.name not in by_rows),
+                    key=lambda u: u.tensor_bytes):
         place(u.name)
     layers = manifest.layers
     n = len(layers)
-    sizes = [u.tensor_bytes for u in layers]
+    sizes = [resident_bytes(u, compute_itemsize) for u in layers]
     layer_bytes = max(sizes, default=0)
     # The most layers that fit by their own sizes (a GGUF mixes block types, so its layers differ): a set whose
     # layers sum to the budget stays whole on the device even where the largest layer times N would not fit.
     fit_device = next(k for k in range(n, -1, -1) if _kept_bytes(sizes, set(spaced(n, n - k))) <= max(0, budget["device"]))
     streamed = set(spaced(n, n - fit_device))
     streamed_sorted = sorted(streamed)
+    host_sizes = [u.tensor_bytes for u in layers]  # the host tier holds the files as stored
     fit_host = next(k for k in range(len(streamed_sorted), -1, -1)
-                    if sum(sizes[streamed_sorted[i]] for i in spaced(len(streamed_sorted), k)) <= max(0, budget["host"]))
+                    if sum(host_sizes[streamed_sorted[i]] for i in spaced(len(streamed_sorted), k)) <= max(0, budget["host"]))
     host_idx = {streamed_sorted[i] for i in spaced(len(streamed_sorted), fit_host)}
     for i, u in enumerate(layers):
         tier[u.name] = "host" if i in host_idx else "storage" if i in streamed else "device"
-    budget["device"] -= sum(layers[i].tensor_bytes for i in range(n) if tier[layers[i].name] == "device")
-    budget["host"] -= sum(layers[i].tensor_bytes for i in host_idx)
+    budget["device"] -= sum(sizes[i] for i in range(n) if tier[layers[i].name] == "device")
+    budget["host"] -= sum(host_sizes[i] for i in host_idx)
+    for name in sorted(by_rows, key=lambda n: units[n].tensor_bytes):  # a token reads a few rows of it: what is left
+        place(name)
     cache = _place_experts(manifest, tier, budget)
     formula = (
         f"device layers = the most of N whose own bytes fit the device budget left = {fit_device}; "
@@ -114,6 +151,8 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
         "N": n, "layer_bytes": layer_bytes, "device_cache_bytes": device_cache_bytes, "host_cache_bytes": host_cache_bytes,
         "k": fit_device,
     }
+    if by_rows:
+        formula += f"; {', '.join(sorted(by_rows))} (looked up by rows) after the layers"
     if manifest.experts:
         formula += ("; experts (after every layer's dense part): all on the device if they fit, else the device budget left "
                     "is an expert cache and the host budget left holds experts spread evenly")
@@ -143,14 +182,38 @@ def _place_experts(manifest: Manifest, tier: dict[str, str], budget: dict[str, i
     return max(0, budget["device"])
 
 
-def check_budget(resident_bytes: int, streaming_bytes: int, available: int | None) -> None:
-    """A machine that cannot hold the units that must stay resident plus the streaming buffers cannot run the model."""
-    if available is None:
+def check_floor(profile, floor, reserve_given: bool = False) -> None:
+    """Refuse, in one line and before anything loads, a memory that cannot hold what these settings need at the
+    least (FLOOR: profiles/knobs/formulas.py memory_floor, a Derivation). The line gives the floor and its parts,
+    what this process has, and what to do; a memory cgroup's limit to raise is worked out with the reserve that
+    grows with it (unless RESERVE_GIVEN: set by hand)."""
+    from ..profiles.knobs.formulas import CGROUP_RESERVE_FRACTION, evaluate
+
+    inputs = floor.inputs
+    need = int(evaluate(floor.formula, inputs))
+    own = int(inputs.get("process_rss_bytes", 0))  # memory_available excludes what this process holds already
+    have = own + max(0, int(inputs["memory_available"]))
+    if have >= need:
         return
-    minimum = resident_bytes + streaming_bytes
-    if available < minimum:
-        raise ParameterError(
-            f"not enough memory to stream this model: need at least {format_bytes(minimum)} (resident minimum + two streaming "
-            f"buffers of the largest unit), have {format_bytes(max(0, available))} after {{reserve_bytes}} and {{kv_cache_bytes}}; "
-            "lower them or free memory", "reserve_bytes", "kv_cache_bytes",
-        )
+    runtime = own + inputs.get("runtime_bytes", 0)
+    reserve, resident = inputs["reserve_bytes"], inputs["resident_bytes"]
+    buffers = 2 * inputs["layer_bytes"] + max(0, inputs["largest_unit_bytes"] - inputs["layer_bytes"])
+    context = need - runtime - reserve - resident - buffers
+    what = f"a context of {min(inputs['floor_tokens'], inputs['max_positions'])} tokens" if "floor_tokens" in inputs else "the KV cache"
+    parts = [f"runtime {format_bytes(runtime)}" if "runtime_bytes" in inputs else "", f"streaming buffers {format_bytes(buffers)}",
+             f"{what} {format_bytes(context)}", f"resident units {format_bytes(resident)}" if resident else "",
+             f"reserve {format_bytes(reserve)}"]
+    needs = f"need at least {format_bytes(need)} ({', '.join(p for p in parts if p)})"
+    if profile.compute_device == "cpu" and profile.ram_bound == "cgroup":
+        # In the limit's terms: raising it by L frees L more, and takes a tenth of L more into the reserve (unless it
+        # is given). The process's own figures count the pages it maps, which the group may not be charged for.
+        fraction = 0.0 if reserve_given else CGROUP_RESERVE_FRACTION
+        limit = format_bytes(profile.ram_total + ceil((need - have) / (1 - fraction)))
+        message = (f"not enough memory to run this model: it needs a memory limit of at least {limit}, this one is "
+                   f"{format_bytes(profile.ram_total)}: the process would {needs} and {format_bytes(have)} is free to it; "
+                   f"raise the limit to {limit} or more, or lower {{reserve_bytes}}")
+    else:
+        where, todo = ("free", "free memory or run it on a machine with more") if profile.compute_device == "cpu" else (
+            f"free on {profile.compute_device}", "free device memory or use a larger device")
+        message = f"not enough memory to run this model: {needs}, have {format_bytes(have)} {where}; {todo}, or lower {{reserve_bytes}}"
+    raise ParameterError(message, "reserve_bytes")

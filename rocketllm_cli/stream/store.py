@@ -72,11 +72,9 @@ class WeightStore(RowGathers):
         # Buffers fit the units they hold (experts have staging buffers of their own, expertstream.py): a pool of
         # prefetch_depth + 1 sized for the largest streamed layer, and one more for the units larger than that (a tied
         # embedding and head of 27 MiB beside SmolLM2's 2.1 MiB layers), so the depth a layer needs costs layers' bytes.
-        per_use = [u for u in streamed if u.kind != "expert" and (plan.tier[u.name] == "storage" or self.cuda)]  # a CPU maps its host tier
-        sizes = [u.bytes for u in per_use]
-        layers = [u.bytes for u in per_use if u.kind == "layer"]
-        self.slot_bytes = _round_up(max(layers) if layers else max(sizes, default=0))
-        self.large_bytes = _round_up(max(sizes)) if sizes and _round_up(max(sizes)) > self.slot_bytes else 0
+        self._per_use = [u for u in streamed if u.kind != "expert" and (plan.tier[u.name] == "storage" or self.cuda)]  # a CPU maps its host tier
+        self.slot_bytes = self.large_bytes = 0
+        self._size_buffers()
         self._slots: list[Slot] = []
         self._free: list[Slot] = []
         self._free_large: list[Slot] = []
@@ -105,6 +103,21 @@ class WeightStore(RowGathers):
                     self._host[u.name] = self._load_host(u)
                 if u.name in loads:
                     bar.advance(u.bytes, units=1)
+
+    def _size_buffers(self) -> None:
+        sizes = [u.bytes for u in self._per_use]
+        layers = [u.bytes for u in self._per_use if u.kind == "layer"]
+        self.slot_bytes = _round_up(max(layers) if layers else max(sizes, default=0))
+        self.large_bytes = _round_up(max(sizes)) if sizes and _round_up(max(sizes)) > self.slot_bytes else 0
+
+    def read_whole_only(self, names: set[str]) -> None:
+        """Only units NAMES are ever acquired whole (the others are looked up by rows): the schedule reads ahead only
+        those, and the buffers are sized for them. Before the first pass (no buffer made yet)."""
+        if self._slots:
+            return
+        self.schedule = [n for n in self.schedule if n in names]
+        self._per_use = [u for u in self._per_use if u.name in names]
+        self._size_buffers()
 
     # -- loading the resident tiers -------------------------------------------------
     def _load_resident(self, unit: UnitRecord) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from ...shard.modelfacts import ModelFacts
 from ...sizes import format_bytes
 from ..hardware import HardwareProfile
 from .formulas import DERIVATIONS, Context, evaluate
+from .shape import PassShape
 from .table import KNOB_SPECS, KNOBS_BY_NAME
 
 OVERRIDE_SOURCES = ("flag", "kwarg", "env")
@@ -83,17 +84,21 @@ def resolve_knobs(
     kwargs: dict[str, object] | None = None,
     env: Mapping[str, str] | None = None,
     run_tokens: int | None = None,
+    shape: PassShape | None = None,
 ) -> Knobs:
     """Every knob for this profile and model. Precedence: a CLI flag or Python keyword, then
     ROCKETLLM_<NAME> in `env` (default os.environ), then the derivation. Bad values raise KnobError.
 
     run_tokens: the most tokens of KV a one-shot run holds (every row's prompt and new tokens, and a margin): the KV
     cache is sized for them instead of for any request, and what that frees goes to the weights. Ignored where the
-    memory would then hold fewer than run_tokens (the budgets' rounding on an edge of the plan)."""
+    memory would then hold fewer than run_tokens (the budgets' rounding on an edge of the plan).
+
+    shape: the widths a forward pass fills per token (knobs/shape.py): each token of context then counts the
+    activations of a pass over it beside its K and V. None: activations are not counted."""
     env = os.environ if env is None else env
     overrides = _overrides(flags or {}, kwargs or {}, env)
     values = {name: value for name, (value, _, _) in overrides.items()}
-    context = Context(profile, model, values, set(overrides), run_tokens)
+    context = Context(profile, model, values, set(overrides), run_tokens, shape)
     knobs: dict[str, Knob] = {}
     for name, derive in DERIVATIONS.items():
         d = derive(context)
@@ -107,7 +112,7 @@ def resolve_knobs(
             knobs[name] = Knob(name, derived, d.formula, d.inputs, d.source, d.note)
     held = values.get("max_context")
     if run_tokens and "max_context" not in overrides and isinstance(held, int) and held < run_tokens:
-        return resolve_knobs(profile, model, flags, kwargs, env)
+        return resolve_knobs(profile, model, flags, kwargs, env, shape=shape)
     return Knobs(knobs)
 
 

@@ -91,7 +91,9 @@ class KnobSpec:
 
 
 KNOB_SPECS: tuple[KnobSpec, ...] = (
-    KnobSpec("reserve_bytes", "bytes", "Memory left untouched for the OS, activations and other programs."),
+    KnobSpec("reserve_bytes", "bytes", "Memory left untouched for the OS, other programs, the page cache of reads and the allocator's slack."),
+    KnobSpec("runtime_bytes", "bytes", "Memory the Python runtime (torch, transformers, the engine) will still take beside the model: "
+             "measured once per machine, less what this process holds already."),
     KnobSpec("device_cache_bytes", "bytes", "Weights kept resident on the compute device (0 streams every layer)."),
     KnobSpec("host_cache_bytes", "bytes", "Weights kept in host RAM / page cache between tokens (0 reads every streamed layer from storage)."),
     KnobSpec("io_workers", "int", "Threads reading shards from storage.", minimum=1),
@@ -105,7 +107,8 @@ KNOB_SPECS: tuple[KnobSpec, ...] = (
              "(K per channel, V per token, 4 bits, with the most recent tokens kept in the compute dtype).", choices=KV_CACHE_DTYPES),
     KnobSpec("kv_residual_tokens", "int", "int4 KV cache: the most recent tokens kept in full precision before they are quantized.",
              minimum=0),
-    KnobSpec("kv_cache_bytes", "bytes", "Memory for the KV cache; bounds the context length."),
+    KnobSpec("kv_cache_bytes", "bytes", "Memory for the context: its KV cache and the activations of a pass over it (a prefill); "
+             "bounds the context length."),
     KnobSpec("max_context", "int", "Longest prompt + generation in tokens.", minimum=1),
     KnobSpec("direct_io", "bool", "Read streamed shards with O_DIRECT instead of buffered reads + page-cache eviction."),
     KnobSpec("pin_memory", "bool", "Page-locked host buffers for faster host-to-device copies."),

@@ -16,21 +16,28 @@ NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge page-rounded number
 @dataclass(frozen=True)
 class MemoryLimit:
     limit: int  # bytes the group may charge, page cache included
-    available: int  # limit - usage + reclaimable page cache, in the tightest group
+    available: int  # limit - usage + reclaimable page cache (clean, not mapped), in the tightest group
 
 
 def memory_limit(root: str = "/") -> MemoryLimit | None:
     """The tightest memory limit over this process's cgroup and its ancestors; None when there is none."""
     best: MemoryLimit | None = None
     for directory, v2 in _group_dirs("memory", root):
+        # Reclaimable: the group's file pages that are neither mapped (a process's libraries, in use) nor waiting to be
+        # written; the active ones too (shards just written, a file read twice), as the machine's MemAvailable counts them.
+        stat = os.path.join(directory, "memory.stat")
         if v2:
             limit = _int(_read(os.path.join(directory, "memory.max")))
             usage = _int(_read(os.path.join(directory, "memory.current")))
-            reclaimable = _stat(os.path.join(directory, "memory.stat"), "inactive_file")
+            clean = sum(_stat(stat, k) for k in ("active_file", "inactive_file")) - sum(
+                _stat(stat, k) for k in ("file_mapped", "file_dirty", "file_writeback"))
+            reclaimable = max(_stat(stat, "inactive_file") - _stat(stat, "file_dirty"), clean, 0)
         else:
             limit = _int(_read(os.path.join(directory, "memory.limit_in_bytes")))
             usage = _int(_read(os.path.join(directory, "memory.usage_in_bytes")))
-            reclaimable = _stat(os.path.join(directory, "memory.stat"), "total_inactive_file", "inactive_file")
+            clean = sum(_stat(stat, f"total_{k}", k) for k in ("active_file", "inactive_file")) - sum(
+                _stat(stat, f"total_{k}", k) for k in ("mapped_file", "dirty", "writeback"))
+            reclaimable = max(_stat(stat, "total_inactive_file", "inactive_file") - _stat(stat, "total_dirty", "dirty"), clean, 0)
         if limit is None or limit >= NO_LIMIT:
             continue
         available = max(0, limit - (usage or 0) + reclaimable)

@@ -13,12 +13,15 @@ from ..records import Measurement
 from .devices import synchronize
 
 MiB = 1024**2
+COPY_BYTES = 256 * MiB  # host_memory's buffers: larger than any CPU cache ...
+MIN_COPY_BYTES = 32 * MiB  # ... and still so where free memory is short
 
 
-def host_memory(size: int = 256 * MiB) -> Measurement:
+def host_memory(size: int = COPY_BYTES) -> Measurement:
     """Host RAM copy bandwidth: tensor.copy_ between two warm host buffers, best of 4."""
     import torch
 
+    size = size // MiB * MiB
     src = torch.ones(size, dtype=torch.uint8)
     dst = torch.zeros(size, dtype=torch.uint8)  # both touched, so page faults are not timed
     seconds = _best(lambda: dst.copy_(src), "cpu", repeats=4)

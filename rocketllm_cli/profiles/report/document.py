@@ -46,18 +46,27 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
                     "measured_at": profile.measured_at, "tiers": profile.tier_meaning(), "warnings": _busy_warnings(profile)},
     }
     if model is not None:
-        knobs = resolve_knobs(profile, model)
+        from ..knobs.formulas import evaluate, memory_floor
+        from ..knobs.shape import pass_shape_of
+
+        shape = pass_shape_of(model_path) if model_path is not None else None
+        knobs = resolve_knobs(profile, model, shape=shape)
         if model_path is not None:  # a shard set: its own units read cold (probe/unitreads.py), shown for any set
             from ..probe.unitreads import with_own_reads
 
-            model, knobs = with_own_reads(profile, model, model_path, knobs, lambda f: resolve_knobs(profile, f), log, always=True)
+            model, knobs = with_own_reads(profile, model, model_path, knobs, lambda f: resolve_knobs(profile, f, shape=shape), log,
+                                          always=True)
             model = _with_decode_compute(profile, model, model_path, knobs)
+        floor = memory_floor(profile, model, knobs, shape=shape)
         tier_bytes = plan_tier_bytes(model, knobs)
         doc["model"] = {**model.to_dict(), "source": model_source, "note": _model_note(model)}
         per_token = model.bytes_per_token
         doc["projection"] = {
             **project(profile, model, tier_bytes).to_dict(),
-            "plan": {"device_cache_bytes": knobs.value("device_cache_bytes"), "host_cache_bytes": knobs.value("host_cache_bytes")},
+            "plan": {"device_cache_bytes": knobs.value("device_cache_bytes"), "host_cache_bytes": knobs.value("host_cache_bytes"),
+                     "runtime_bytes": knobs.value("runtime_bytes"), "kv_cache_bytes": knobs.value("kv_cache_bytes"),
+                     "memory_floor": evaluate(floor.formula, floor.inputs), "memory_floor_formula": floor.formula,
+                     "memory_floor_inputs": floor.inputs},
             # each of bench's regimes: every byte a token reads from that one tier
             "regimes": {regime: project(profile, model, {**{t: 0 for t in ("device", "host", "storage")}, tier: per_token}).to_dict()
                         for regime, tier in (("resident", "device"), ("host", "host"), ("storage", "storage"))},

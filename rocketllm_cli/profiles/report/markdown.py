@@ -94,7 +94,10 @@ def _projection(p: dict | None) -> list[str]:
         rows.append([t["tier"], format_bytes(t["bytes"]), _rate(t["bandwidth_bps"], "B/s"), seconds, t["bandwidth"]])
     lines = _table(["tier", "bytes/token", "bandwidth", "seconds", "measured as"], rows)
     plan = p["plan"]
-    lines += ["", f"- plan: device_cache_bytes {format_bytes(plan['device_cache_bytes'])}, host_cache_bytes {format_bytes(plan['host_cache_bytes'])}",
+    lines += ["", f"- plan: device_cache_bytes {format_bytes(plan['device_cache_bytes'])}, host_cache_bytes {format_bytes(plan['host_cache_bytes'])}"
+              + (f", beside them runtime_bytes {format_bytes(plan['runtime_bytes'])} and kv_cache_bytes {format_bytes(plan['kv_cache_bytes'])}; "
+                 f"memory floor {format_bytes(plan['memory_floor'])} (= {plan['memory_floor_formula']}; below it a load is refused)"
+                 if "memory_floor" in plan else ""),
               f"- serial (sum of tiers: moving the bytes alone, no compute): {_secs(p['serial_seconds'])}; io (host + storage): {_secs(p['io_seconds'])}",
               f"- compute: {_secs(p['compute_seconds'])} via {p['compute_bandwidth']}",
               f"- overlapped max(io, compute): {_secs(p['overlapped_seconds'])}"

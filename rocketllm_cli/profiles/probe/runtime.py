@@ -1,0 +1,69 @@
+"""What the Python runtime holds before any weight: measured once per machine, and this process's own now.
+
+A process that computes imports torch and transformers, and building a model imports transformers' model code, which
+pulls in torch._dynamo and torch.distributed.tensor: on a 2-core AMD EPYC (torch 2.13, transformers 5.24) 163 MiB of
+anonymous memory after `import torch, transformers`, 276 MiB once LlamaForCausalLM is imported, and 340 MiB with
+SmolLM2's 49,152-token tokenizer loaded beside it; the libraries' pages it maps add about 100 MiB more. A memory
+cgroup charges all of it (the mapped pages where nothing outside it read them first), none of the anonymous part is
+reclaimable without swap, and evicting the mapped part only reads it back, so the knobs count it beside the weights
+(runtime_bytes) instead of leaving it to the reserve.
+
+`measure_runtime` imports what a load imports in a fresh interpreter and reads its resident memory; the profile
+caches it. `process_memory` is this process's own, read live: memory_available already excludes what a process holds
+(its mapped pages too, where the cgroup charged them: cgroup.py), so what the runtime still adds to it is the measured
+figure less that (0 once a load has imported everything), and the floor compares itself with memory_available + it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from ..records import Measurement
+
+RUNTIME_IMPORTS = ("torch", "transformers", "transformers.LlamaForCausalLM", "rocketllm_cli.stream.model", "rocketllm_cli.text.loop")
+_SCRIPT = """
+import importlib, sys
+for name in sys.argv[1:]:
+    module, _, attr = name.rpartition(".") if name.startswith("transformers.") else (name, "", "")
+    loaded = importlib.import_module(module or name)
+    if attr:
+        getattr(loaded, attr)
+from rocketllm_cli.profiles.probe.runtime import process_memory
+print(process_memory())
+"""
+TIMEOUT_S = 300
+METHOD = ("resident memory (RssAnon + RssFile + RssShmem) of a fresh Python after importing " + ", ".join(RUNTIME_IMPORTS) +
+          ": what a load holds before its tokenizer, model and weights")
+
+
+def process_memory(status: str = "/proc/self/status") -> int:
+    """This process's resident memory in bytes (RssAnon + RssFile + RssShmem: its own memory and the pages it maps,
+    which a memory cgroup charges and cannot take back without the process reading them again); 0 without /proc."""
+    found = 0
+    try:
+        with open(status, encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile", "RssShmem"):
+                    found += int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return found
+
+
+def measure_runtime() -> Measurement:
+    """The runtime's anonymous memory, from a fresh interpreter; unavailable (with the reason) where that fails."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-c", _SCRIPT, *RUNTIME_IMPORTS], capture_output=True, text=True,
+                              timeout=TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Measurement.unavailable("runtime_rss", METHOD, f"could not start Python: {exc}", unit="B")
+    seconds = time.perf_counter() - started
+    lines = done.stdout.split()
+    if done.returncode != 0 or not lines or not lines[-1].isdigit() or int(lines[-1]) <= 0:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:200]
+        return Measurement.unavailable("runtime_rss", METHOD, f"the import failed: {why}", unit="B")
+    return Measurement("runtime_rss", float(lines[-1]), METHOD, seconds=round(seconds, 3), unit="B")
