@@ -69,9 +69,9 @@ def _root(
 
 
 def _register() -> None:
-    from .commands import bench, cache, doctor, generate, profile, ps, serve, shard, stop
+    from .commands import bench, cache, doctor, generate, plan, profile, ps, serve, shard, stop
 
-    for module in (doctor, profile, shard, generate, serve, bench, ps, stop):
+    for module in (doctor, profile, plan, shard, generate, serve, bench, ps, stop):
         # Commands with knob flags show each knob's value derived on this machine in their help.
         cls = KnobHelpCommand if getattr(module.run, "knob_options", False) else PlainCommand
         app.command(name=module.NAME, help=module.HELP, no_args_is_help=getattr(module, "NO_ARGS_IS_HELP", False),

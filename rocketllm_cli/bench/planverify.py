@@ -1,0 +1,120 @@
+"""`rocketllm plan --verify K`: the top K rows that can run here, each measured by `rocketllm bench` in a process of its
+own (the row's regime and flags; a requantised set sharded first, into the cache), projected beside measured.
+
+A row planned for less RAM than this machine has cannot be held to it without a memory cgroup: where
+ROCKETLLM_WITH_RAM names a `with-ram LIMIT -- CMD` wrapper the bench runs under it, else the row says it was measured
+without the cap. Either way the row's caches are the row's (bench's regime, or pinned by the knobs' variables).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ..profiles.planrun import bench_args, set_path
+from ..sizes import format_bytes
+
+WITH_RAM = "ROCKETLLM_WITH_RAM"
+TIMEOUT_S = 1800  # one row: sharding a requantised set and a bench run of a large model
+MiB = 1024**2
+
+
+def verify_rows(plan, model: str, count: int, log, progress=None) -> list[dict]:
+    """Measure the top COUNT runnable rows of PLAN; one entry per row tried (skipped ones say why)."""
+    from ..profiles.probe.machine import memory
+
+    ram_total, ram_free = memory()
+    wrapper = os.environ.get(WITH_RAM, "").strip()
+    out, ran = [], 0
+    for row in plan.rows:
+        if ran == count:
+            break
+        entry = {"rank": row.rank, "projected_tokens_per_s": row.tokens_per_s, "tokens_per_s": None, "status": "skipped", "notes": []}
+        out.append(entry)
+        if row.hosts > 1:
+            entry["reason"] = f"needs {row.hosts} hosts: run its torchrun lines on each"
+            continue
+        if row.memory["used"] > ram_free:
+            entry["reason"] = f"needs {format_bytes(row.memory['used'])}, this machine has {format_bytes(ram_free)} free"
+            continue
+        ran += 1
+        target = set_path(row, plan.source, model)
+        if not row.format.stored:
+            target = _requantised(plan.source, model, row, log)
+        words, env = bench_args(row, str(target))
+        command = [sys.executable, "-m", "rocketllm_cli", *words, "--json"]
+        if plan.profile.ram_total < ram_total:
+            limit = f"{plan.profile.ram_total // MiB}M"
+            if wrapper:
+                command = [wrapper, limit, "--", *command]
+                entry["notes"].append(f"under {Path(wrapper).name} {limit}")
+            else:
+                entry["notes"].append(f"measured without the {format_bytes(plan.profile.ram_total)} cap the row assumes (no cgroup "
+                                      f"tool: set {WITH_RAM} to a `with-ram LIMIT -- CMD` wrapper); its caches are the row's")
+        if plan.hardware or plan.profile.fingerprint != _here(plan):
+            entry["notes"].append("planned for other hardware than this machine's: measured here")
+        entry["command"] = " ".join([*(f"{k}={v}" for k, v in env.items()), "rocketllm", *words])
+        log(f"verify #{row.rank}: {entry['command']}")
+        phase = progress(f"verify #{row.rank}", announce=False) if progress else _nothing()
+        with phase:
+            entry.update(_measure(command, {**os.environ, **env, "ROCKETLLM_KEEP_ALIVE": "0"}, row.batch))
+    return out
+
+
+def _measure(command: list[str], env: dict, batch: int) -> dict:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "reason": f"bench ran past {TIMEOUT_S} s"}
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return {"status": "failed", "reason": f"bench exited {done.returncode}: {last}"}
+    try:
+        doc = json.loads(done.stdout)
+    except ValueError:
+        return {"status": "failed", "reason": "bench printed no JSON document"}
+    if batch > 1 and doc.get("batch"):
+        row = doc["batch"]["rows"][0]
+        return {"status": "measured", "tokens_per_s": row["tokens_per_s"], "ms_per_token": row["ms_per_step"]["median"]}
+    row = next((r for r in doc.get("rows", []) if r.get("name") == "rocketllm"), None)
+    if row is None or row.get("status") != "measured":
+        return {"status": "failed", "reason": (row or {}).get("reason") or "bench measured no row"}
+    ms = row["ms_per_token"]["median"]
+    # tokens/s as bench's table defines it: 1000 / the median ms per token
+    return {"status": "measured", "tokens_per_s": 1000 / ms if ms else None, "ms_per_token": ms,
+            "ms_p10_p90": [row["ms_per_token"].get("p10"), row["ms_per_token"].get("p90")],
+            "bench_projected_ms": row.get("projected_ms"), "bytes_per_token": row.get("bytes_per_token"),
+            "speculation": row.get("speculation")}
+
+
+def _requantised(source, model: str, row, log) -> Path:
+    """The row's requantised set, written once into the cache (`shard --quantize ... --out`)."""
+    from ..profiles import cache_dir
+
+    target = cache_dir() / "plan" / f"{source.name}-{row.format.quantize}"
+    if not (target / "manifest.json").is_file():
+        log(f"verify #{row.rank}: rocketllm shard {model} --quantize {row.format.quantize} --out {target}")
+        done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "shard", model, "--quantize", row.format.quantize,
+                               "--out", str(target)], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            from ..errors import ShardError
+
+            raise ShardError((done.stderr.strip().splitlines() or ["shard failed"])[-1].removeprefix("error: "))
+    return target
+
+
+def _here(plan) -> str:
+    from ..profiles.probe.machine import fingerprint, fingerprint_facts
+
+    return fingerprint(fingerprint_facts())
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,110 @@
+"""A `rocketllm plan` row's memory per tier and projection, from the knobs' own terms and the cost model.
+
+Memory: max_context's room (memory available less the reserve, the resident weights, the streaming buffers, the
+runtime where the knobs count it, and on a CPU the host tier's page cache) holds the row's KV as kv_cache_bytes sizes it.
+Projection: `cost.project` of the bytes per tier `cost.plan_tier_bytes` gives (what `doctor --model` prints), computing
+in the row's dtype, written as a formula whose value is the row's tokens per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .cost import project
+from .hardware import HardwareProfile
+from .knobs import formulas
+from .knobs.formulas import Context, evaluate
+from .knobs.resolve import Knobs
+from .records import Capability
+
+
+def speculation_note(mode: str) -> str:
+    return (f"speculation {mode}: a pass verifying accepted drafts yields more than one token for its bytes; projected at one "
+            "token a pass (acceptance is not measured)")
+
+
+def row_memory(profile: HardwareProfile, facts, knobs: Knobs, tokens: int | None) -> dict | None:
+    """Bytes per tier a configuration holds, from the knobs' own terms; None where its KV does not fit what is left.
+
+    The room for KV is max_context's: memory available less the reserve, the resident weights, the streaming buffers,
+    the runtime where the knobs count it, and (on a CPU) the host tier's page cache. The context is TOKENS where given
+    (its KV as kv_cache_bytes sizes it for a --max-context), else the most that room holds."""
+    c = context_of(profile, facts, knobs)
+    values = c.values
+    derived = formulas.max_context(c)
+    capacity = evaluate(derived.formula, derived.inputs)
+    total = facts.total_bytes
+    device = min(int(values["device_cache_bytes"] or 0), total)
+    host = min(int(values["host_cache_bytes"] or 0), total - device)
+    if capacity is None:  # no KV facts: weights alone
+        return {"device": {"weights": device, "kv": 0, "buffers": 0, "runtime": 0, "total": device}, "host": {"weights": host, "total": host},
+                "storage": {"set": total}, "reserve": values["reserve_bytes"], "budget": {}, "used": device + host, "tokens": tokens}
+    need = tokens if tokens is not None else capacity
+    if need < 1:
+        return None
+    inputs = derived.inputs
+    left = evaluate(formulas._context_terms(inputs)[0], inputs)
+    budget = inputs["memory_available"] - inputs["reserve_bytes"]
+    charged = min(int(values["device_cache_bytes"] or 0), total) + (min(int(values["host_cache_bytes"] or 0), total) if c.unified else 0)
+    runtime = int(values.get("runtime_bytes") or 0) if "runtime_bytes" in inputs else 0  # the Python runtime beside the model
+    buffers = max(0, budget - left - charged - runtime)
+    sized = context_of(profile, facts, knobs, max_context=need)
+    kv_derivation = formulas.kv_cache_bytes(sized)
+    kv = int(evaluate(kv_derivation.formula, kv_derivation.inputs))
+    on_device = device + kv + buffers + runtime
+    memory = {"device": {"weights": device, "kv": kv, "buffers": buffers, "runtime": runtime, "total": on_device}, "host": {"weights": host, "total": host},
+              "storage": {"set": total}, "reserve": values["reserve_bytes"], "used": on_device + host, "tokens": need}
+    if c.unified:
+        memory["budget"] = {"memory": budget}
+        fits = on_device + host <= budget
+    else:
+        room = knobs["host_cache_bytes"].derived_value if knobs["host_cache_bytes"].overridden else values["host_cache_bytes"]
+        memory["budget"] = {"device": budget, "host": profile.ram_available - values["reserve_bytes"]}
+        fits = on_device <= budget and host <= max(0, int(room or 0))
+    return memory if fits else None
+
+
+def projection(profile: HardwareProfile, facts, tiers: dict[str, int], compute_dtype: str, batch: int) -> tuple[float | None, str, dict, str]:
+    """(tokens/s, formula, inputs, note): the cost model's overlapped seconds per pass for TIERS, computing in
+    COMPUTE_DTYPE, as a formula whose value (evaluate) is the tokens per second of BATCH sequences."""
+    decided = profile.capabilities.get("compute_dtype")
+    reason = f"this row computes in {compute_dtype}" + (f" (the profile decided {decided.value})" if decided else "")
+    as_computed = replace(profile, capabilities={**profile.capabilities, "compute_dtype": Capability("compute_dtype", compute_dtype, None, reason)})
+    p = project(as_computed, facts, tiers)
+    if not p.available or p.overlapped_seconds is None:
+        return None, "unavailable", {}, f"no projection: {p.reason or 'compute bandwidth unmeasured'}"
+    inputs, io = {"batch": batch}, []
+    for tier in ("host", "storage"):
+        cost = p.tiers[tier]
+        if cost.bytes:
+            inputs[f"{tier}_bytes"], inputs[f"{tier}_bps"] = cost.bytes, cost.bandwidth_bps
+            io.append(f"{tier}_bytes / {tier}_bps")
+    if facts.decode_compute:
+        inputs["compute_s"], compute = p.compute_seconds, "compute_s"
+    else:
+        inputs["compute_bytes"] = sum(t.bytes for t in p.tiers.values())
+        inputs["compute_bps"] = as_computed.matvec_bps() or as_computed.device_memory_bps
+        compute = "compute_bytes / compute_bps"
+    formula = f"batch / max({' + '.join(io)}, {compute})" if io else f"batch / ({compute})"
+    return evaluate(formula, inputs), formula, inputs, f"compute: {p.compute_bandwidth}"
+
+
+def context_of(profile: HardwareProfile, facts, knobs: Knobs, **values) -> Context:
+    """The derivations' Context for these resolved knobs (VALUES replacing some): every value a derivation reads,
+    those the knob table does not list derived again in resolution order."""
+    known = {**knobs.values_dict(), **values}
+    overridden = {name for name, k in knobs.items() if k.overridden} | set(values)
+    for name, derive in formulas.DERIVATIONS.items():
+        if name not in known:
+            d = derive(Context(profile, facts, known, overridden))
+            known[name] = evaluate(d.formula, d.inputs)
+    return Context(profile, facts, known, overridden)
+
+
+def engine_dtype(profile: HardwareProfile, facts, knobs: Knobs) -> str:
+    return context_of(profile, facts, knobs).compute_dtype()
+
+
+def kv_dtype_of(profile: HardwareProfile, facts, knobs: Knobs) -> str:
+    """What the KV cache stores: int4, or a float dtype (auto: the compute dtype)."""
+    return context_of(profile, facts, knobs).kv_dtype()

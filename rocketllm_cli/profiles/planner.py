@@ -1,0 +1,343 @@
+"""rocketllm plan: whole configurations of a model on a machine, ranked by projected tokens per second.
+
+Enumerated: weight format (as stored, or requantised where the model allows it: planformats.py) x compute dtype (each
+the profile measured a matvec for) x KV dtype (the compute dtype, int4) x residency (derived, all resident, all in the
+host tier, all from storage) x context (derived, or the shortest asked for: a shorter KV cache leaves memory to the
+weights) x speculation (derived, off) x hosts (one, or pipeline stages over 2, 4 ... N).
+
+Each candidate is `resolve_knobs` with that candidate's flags: what `generate` would run with them. Its projection is
+the cost model's (`cost.project` on `cost.plan_tier_bytes`, the figures `doctor --model` prints; stages: the stage
+planner's `plan_stages`), its memory per tier the knobs' own terms (max_context's room after weights, buffers and
+reserve: plancost.py). A candidate whose context does not fit its memory is dropped, so every row runs.
+Ranked by tokens per second compared at three significant digits, then by fewer changes from the defaults, fewer
+hosts and less memory; the defaults' own row is resolved once more with no flag at all, and the first row says why it differs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from ..dtypes import ITEMSIZE
+from ..errors import RocketError
+from ..sizes import format_bytes
+from .cost import plan_tier_bytes
+from .hardware import HardwareProfile
+from .knobs.resolve import Knobs, resolve_knobs
+from .plancost import engine_dtype, kv_dtype_of, projection, row_memory, speculation_note
+from .planformats import ModelSource, WeightFormat, with_measured_decode
+from .whatif import capped
+
+RESIDENCIES = ("auto", "resident", "host", "storage")
+SIGNIFICANT = 3  # tokens/s closer than this many significant digits rank as equal: the projection is no finer
+
+
+class PlanError(RocketError):
+    """A request no configuration meets; the message names the nearest feasible row."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    min_context: int | None = None  # tokens each sequence must hold
+    max_memory: int | None = None  # bytes the run may take (RAM, and VRAM on a GPU machine)
+    batch: int = 1  # sequences per pass
+    quality: float | None = None  # KL bound (nats per token) against the unquantised weights
+    hosts: int = 1
+    link_bps: float = 0.0
+    link_latency_s: float = 0.0
+
+
+@dataclass
+class Row:
+    format: WeightFormat
+    compute_dtype: str
+    kv_dtype: str
+    residency: str  # auto | resident | host | storage | stages
+    context: int | None  # tokens per sequence
+    batch: int
+    speculate: str
+    hosts: int
+    flags: dict  # knob -> value: what differs from the defaults (and what a capped plan must spell out)
+    tokens_per_s: float | None
+    formula: str
+    inputs: dict
+    memory: dict  # per tier: device (weights, KV, buffers), host (weights), storage (the set); budget, used
+    tiers: dict  # bytes served per tier per pass
+    stages: str = ""  # --stages layer counts
+    notes: list[str] = field(default_factory=list)
+    default: bool = False
+    why: str = ""  # the first row: why the defaults differ from it
+    rank: int = 0
+
+    def key(self) -> tuple:
+        return (self.format.name, self.compute_dtype, self.kv_dtype, self.memory["device"]["weights"], self.memory["host"]["weights"],
+                self.context, self.batch, self.speculate, self.hosts, self.stages)
+
+    def residency_text(self) -> str:
+        if self.stages:
+            return f"{self.hosts} hosts, layers {self.stages.replace(',', '/')}"
+        total, m = self.format.facts.total_bytes, self.memory
+        device, host = m["device"]["weights"], m["host"]["weights"]
+        if device >= total:
+            return "all resident"
+        parts = [f"{name} {format_bytes(b)}" for name, b in (("device", device), ("host", host), ("storage", total - device - host)) if b]
+        return "all in host tier" if host >= total else "all from storage" if not device and not host else " + ".join(parts)
+
+    def short(self) -> str:
+        speed = f"{self.tokens_per_s:.3g} tokens/s" if self.tokens_per_s else "speed unavailable"
+        return (f"#{self.rank} {speed}: {self.format.label}, compute {self.compute_dtype}, KV {self.kv_dtype}, "
+                f"{self.context if self.context is not None else '?'} tokens, {self.residency_text()}, {format_bytes(self.memory['used'])} memory")
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "default": self.default, "why_defaults_differ": self.why or None, "tokens_per_s": self.tokens_per_s,
+                "format": {"name": self.format.name, "quantize": self.format.quantize, "label": self.format.label,
+                           "total_bytes": self.format.facts.total_bytes, "kl": self.format.kl, "kl_note": self.format.kl_note},
+                "compute_dtype": self.compute_dtype, "kv_cache_dtype": self.kv_dtype, "residency": self.residency,
+                "residency_text": self.residency_text(), "context": self.context, "batch": self.batch, "speculate": self.speculate,
+                "hosts": self.hosts, "stages": self.stages or None, "flags": self.flags, "formula": self.formula, "inputs": self.inputs,
+                "memory": self.memory, "bytes_per_pass": self.tiers, "notes": self.notes}
+
+
+@dataclass
+class Plan:
+    source: ModelSource
+    profile: HardwareProfile
+    request: PlanRequest
+    rows: list[Row]
+    default: Row | None
+    left_out: dict[str, int]
+    hardware: list[str] = field(default_factory=list)  # what-if lines
+    seconds: float = 0.0
+
+
+def make_plan(source: ModelSource, profile: HardwareProfile, request: PlanRequest, hardware: list[str] | None = None) -> Plan:
+    """Every configuration of SOURCE on PROFILE that runs and meets REQUEST, best first. PlanError where none does."""
+    started = time.perf_counter()
+    source = with_measured_decode(source, profile)
+    default = _row(profile, source.formats()[0], None, "auto", None, "auto", 1, {}, explicit=False, default=True)
+    default = default if isinstance(default, Row) else None  # the defaults' KV does not fit what is left: every row says why
+    rows, left_out = _enumerate(source, profile, request)
+    if default is not None and not _meets(default, request):
+        left_out["the defaults' own row: " + _unmet(default, request)] = 1
+    elif default is not None:
+        rows = [default, *rows]
+    rows = _ranked(rows)
+    if not rows:
+        raise PlanError(_nearest(source, profile, request))
+    if default is not None:
+        default = next((r for r in rows if r.key() == default.key()), default)
+        default.default = True
+        if rows[0] is not default:
+            rows[0].why = _why(rows[0], default, request)
+    return Plan(source, profile, request, rows, default, left_out, hardware or [], time.perf_counter() - started)
+
+
+def _enumerate(source: ModelSource, profile: HardwareProfile, request: PlanRequest) -> tuple[list[Row], dict[str, int]]:
+    budget = profile
+    base = resolve_knobs(profile, source.facts, env={})
+    if request.max_memory is not None:
+        budget = capped(profile, request.max_memory, int(base.value("reserve_bytes")))
+    floor = request.min_context or _context_floor(base, source.facts)
+    tokens = [floor * request.batch] if request.batch > 1 else [None, floor]
+    rows, left_out = [], {}
+    for fmt in source.formats():
+        knobs = resolve_knobs(budget, fmt.facts, env={})
+        default_dtype = engine_dtype(budget, fmt.facts, knobs)
+        for dtype in _dtypes(budget, default_dtype):
+            for kv in _kv_dtypes(fmt):
+                for residency in RESIDENCIES:
+                    for wanted in tokens:
+                        row = _row(budget, fmt, dtype if dtype != default_dtype else None, kv, wanted, residency, request.batch,
+                                   {}, explicit=request.max_memory is not None)
+                        _keep(row, request, floor, rows, left_out)
+                for hosts in _host_counts(request.hosts):
+                    from .planstages import stage_row
+
+                    _keep(stage_row(budget, source, fmt, dtype if dtype != default_dtype else None, kv, floor, request, hosts),
+                          request, floor, rows, left_out)
+    for row in list(rows):  # speculation: the derived mode, and off
+        if row.speculate != "off":
+            notes = [n for n in row.notes if not n.startswith("speculation")]
+            rows.append(replace(row, speculate="off", flags={**row.flags, "speculate": "off"}, notes=notes))
+    return rows, left_out
+
+
+def _keep(row: Row | str, request: PlanRequest, floor: int, rows: list[Row], left_out: dict[str, int]) -> None:
+    if isinstance(row, str):
+        left_out[row] = left_out.get(row, 0) + 1
+    elif row.context is not None and row.context < floor:
+        why = f"context under {floor} tokens" + (" (--min-context)" if request.min_context else "")
+        left_out[why] = left_out.get(why, 0) + 1
+    elif not _meets(row, request):
+        why = _unmet(row, request)
+        left_out[why] = left_out.get(why, 0) + 1
+    else:
+        rows.append(row)
+
+
+def _row(profile: HardwareProfile, fmt: WeightFormat, dtype: str | None, kv: str, tokens: int | None, residency: str, batch: int,
+         extra: dict, explicit: bool, default: bool = False) -> Row | str:
+    """One candidate: its knobs, memory, fit and projection; a string saying why it cannot run."""
+    facts, total = fmt.facts, fmt.facts.total_bytes
+    flags = dict(extra)
+    if dtype:
+        flags["compute_dtype"] = dtype
+    if kv != "auto":
+        flags["kv_cache_dtype"] = kv
+    flags.update({"resident": {"device_cache_bytes": total, "host_cache_bytes": 0}, "host": {"device_cache_bytes": 0, "host_cache_bytes": total},
+                  "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0}}.get(residency, {}))
+    if tokens is not None:
+        if tokens > batch * facts.max_positions:
+            return f"context over the model's {facts.max_positions} positions"
+        flags["max_context"] = tokens
+    knobs = resolve_knobs(profile, facts, flags=flags, env={})
+    memory = row_memory(profile, facts, knobs, tokens)
+    if memory is None:
+        return "does not fit memory"
+    if explicit and residency == "auto":  # a capped plan: this machine would derive more; spell out what fits the cap
+        flags.update(device_cache_bytes=int(knobs.value("device_cache_bytes")), host_cache_bytes=int(knobs.value("host_cache_bytes")))
+        flags.setdefault("max_context", memory["tokens"])
+    compute = engine_dtype(profile, facts, knobs)
+    tiers = plan_tier_bytes(facts, knobs)
+    recorded = fmt.decode.get(str(knobs.value("compute_dtype")))  # keyed as bench records it and doctor reads it: the knob
+    measured = replace(facts, decode_compute=recorded) if recorded else facts
+    tps, formula, inputs, note = projection(profile, measured, tiers, compute, batch)
+    context = memory["tokens"] // batch if memory["tokens"] is not None else None
+    notes = [note] if note else []
+    if facts.dtype in ITEMSIZE and compute != facts.dtype and not getattr(facts, "gguf_blocks", False):
+        notes.append(f"the set holds {facts.dtype}, computed in {compute}: each use of a streamed unit converts it (not in the projection)")
+    speculate = str(knobs.value("speculate"))
+    if speculate != "off":
+        notes.append(speculation_note(speculate))
+    return Row(fmt, compute, kv_dtype_of(profile, facts, knobs), residency, context, batch, speculate, 1,
+               flags, tps, formula, inputs, memory, tiers, notes=notes, default=default)
+
+
+def _dtypes(profile: HardwareProfile, default: str) -> list[str]:
+    """The default, the profile's decision, fp32 (runs everywhere) and on an accelerator its half types: each with a
+    measured matvec (fp16 on a CPU is slow: engine_compute_dtype never picks it there)."""
+    wanted = [default, profile.compute_dtype, "fp32"] + ([] if profile.is_cpu else ["bf16", "fp16"])
+    return [d for d in dict.fromkeys(wanted) if d == default or profile.matvec_bps(d)]
+
+
+def _kv_dtypes(fmt: WeightFormat) -> list[str]:
+    """auto, and int4 where every layer keeps full attention and the head dimension is even (stream/kvcache.py)."""
+    f = fmt.facts
+    int4 = f.kv_head_dim > 0 and f.kv_head_dim % 2 == 0 and not f.kv_window_values and f.kv_growing_layers >= f.num_layers
+    return ["auto", "int4"] if int4 else ["auto"]
+
+
+def _host_counts(hosts: int) -> list[int]:
+    counts, n = [], 2
+    while n < hosts:
+        counts.append(n)
+        n *= 2
+    return counts + [hosts] if hosts > 1 else []
+
+
+def _context_floor(knobs: Knobs, facts) -> int:
+    """The shortest context a row may hold when none is asked for: the one the KV cache's own derivation keeps at least
+    (its min_context input), within the model's positions."""
+    least = knobs["kv_cache_bytes"].inputs.get("min_context", 2048)
+    return max(1, min(int(least), facts.max_positions))
+
+
+def _meets(row: Row, request: PlanRequest) -> bool:
+    return not _unmet(row, request)
+
+
+def _unmet(row: Row, request: PlanRequest) -> str:
+    if request.batch != row.batch:
+        return f"one sequence, not --batch {request.batch}"
+    if request.min_context is not None and (row.context or 0) < request.min_context:
+        return f"context under --min-context {request.min_context}"
+    if request.max_memory is not None and row.memory["used"] > request.max_memory:
+        return f"over --max-memory {format_bytes(request.max_memory)}"
+    if request.quality is not None and row.format.kl is None:
+        return f"no KL measured for {row.format.label} against the unquantised weights"
+    if request.quality is not None and row.format.kl > request.quality:
+        return f"KL over --quality {request.quality:g}"
+    return ""
+
+
+def _ranked(rows: list[Row]) -> list[Row]:
+    unique: dict[tuple, Row] = {}
+    for row in rows:
+        held = unique.get(row.key())
+        if held is None or (len(row.flags), not row.default) < (len(held.flags), not held.default):
+            unique[row.key()] = row
+    ordered = sorted(unique.values(), key=lambda r: (r.tokens_per_s is None, -float(f"{r.tokens_per_s or 0:.{SIGNIFICANT}g}"),
+                                                     not r.default, len(r.flags), r.hosts, r.memory["used"]))
+    for i, row in enumerate(ordered, 1):
+        row.rank = i
+    return ordered
+
+
+def _why(top: Row, default: Row, request: PlanRequest) -> str:
+    """Why the defaults did not pick TOP, one clause per setting in which they differ."""
+    why = []
+    if not _meets(default, request):
+        why.append(f"the defaults' row ({default.short()}) does not meet the request: {_unmet(default, request)}")
+    if top.format.name != default.format.name:
+        saved = default.format.facts.total_bytes - top.format.facts.total_bytes
+        why.append(f"the defaults run the weights as stored ({default.format.label}) and never requantise; this row's "
+                   f"`shard --quantize {top.format.quantize}` set is {format_bytes(saved)} smaller ({top.format.kl_note.split(':')[0]})")
+    if top.compute_dtype != default.compute_dtype:
+        why.append(f"the defaults compute in {default.compute_dtype}; {top.compute_dtype}'s measured matvec projects faster here "
+                   f"({_rate(top)} against {_rate(default)})")
+    if (top.kv_dtype == "int4") != (default.kv_dtype == "int4"):
+        why.append(f"the defaults keep K and V in {default.kv_dtype}; {top.kv_dtype} takes fewer bytes a token, leaving memory to weights")
+    if top.context != default.context and not top.stages:
+        why.append(f"the defaults size the KV cache for {default.context} tokens; this row holds {top.context}, "
+                   f"{format_bytes(abs(default.memory['device']['kv'] - top.memory['device']['kv']))} "
+                   f"{'less' if (top.context or 0) < (default.context or 0) else 'more'} KV")
+    if top.residency_text() != default.residency_text() and not top.stages:
+        why.append(f"the defaults keep {default.residency_text()}; this row {top.residency_text()}")
+    if top.hosts != default.hosts:
+        why.append(f"the defaults run one process on one host; this row splits the layers over {top.hosts} hosts (--stages {top.stages})")
+    if top.speculate != default.speculate:
+        why.append(f"speculation {top.speculate} here, {default.speculate} in the defaults")
+    return "; ".join(why) or "the same projection as the defaults' row"
+
+
+def _rate(row: Row) -> str:
+    bps = row.inputs.get("compute_bps")
+    return f"{bps / 1e9:.2f} GB/s of weights" if bps else "measured"
+
+
+def _nearest(source: ModelSource, profile: HardwareProfile, request: PlanRequest) -> str:
+    """The one line for a request beyond every row: what was asked, what the rows reach, and the nearest one."""
+    asked = [text for text, given in ((f"--min-context {request.min_context}", request.min_context is not None),
+                                      (f"--max-memory {format_bytes(request.max_memory or 0)}", request.max_memory is not None),
+                                      (f"--quality {request.quality}", request.quality is not None),
+                                      (f"--batch {request.batch}", request.batch > 1)) if given]
+    loose = PlanRequest(hosts=request.hosts, link_bps=request.link_bps, link_latency_s=request.link_latency_s)
+    rows, _ = _enumerate(source, profile, loose)
+    rows = _ranked(rows)
+    if not rows:
+        free = profile.vram_free if profile.vram_free is not None else profile.ram_available
+        reserve = resolve_knobs(profile, source.facts, env={}).value("reserve_bytes")
+        return (f"no configuration of {source.name} fits this machine's memory ({format_bytes(free)} free on "
+                f"{profile.compute_device}, less a {format_bytes(reserve)} reserve): not even every layer streamed from storage "
+                "with the shortest context")
+    if not asked:
+        return f"no configuration of {source.name} runs here; nearest: {rows[0].short()}"
+
+    def miss(row: Row) -> float:
+        gaps = [0.0]
+        if request.min_context:
+            gaps.append(max(0.0, (request.min_context - (row.context or 0)) / request.min_context))
+        if request.max_memory:
+            gaps.append(max(0.0, (row.memory["used"] - request.max_memory) / request.max_memory))
+        if request.quality is not None:
+            gaps.append(1.0 if row.format.kl is None else max(0.0, row.format.kl - request.quality) / max(request.quality, 1e-12))
+        if request.batch > 1:
+            gaps.append((request.batch - row.batch) / request.batch)
+        return max(gaps)
+
+    nearest = min(rows, key=lambda r: (miss(r), r.rank))
+    limit = f", the model's own limit" if request.min_context and request.min_context > source.facts.max_positions else ""
+    reach = [f"at most {max(r.context or 0 for r in rows)} tokens of context{limit}"] if request.min_context else []
+    reach += [f"at least {format_bytes(min(r.memory['used'] for r in rows))} of memory"] if request.max_memory else []
+    reach += ["no format with a measured KL"] if request.quality is not None and all(r.format.kl is None for r in rows) else []
+    return f"no configuration meets {' '.join(asked)} ({', '.join(reach) or 'the rows miss it'}); nearest: {nearest.short()}"
