@@ -14,7 +14,6 @@ shapes (2-D `.weight` tensors that are not embeddings or norms), as `packed_nbyt
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from ..dtypes import ITEMSIZE, short_name
 from ..errors import ModelError
 from ..packed.format import PackedFormat
 from ..shard.ggufheader import FILE_TYPES, read_gguf_tensors
-from ..shard.modelfacts import ModelFacts, _build, _tensor_units, config_int, expert_count, model_facts_from_path
+from ..shard.modelfacts import ModelFacts, _build, _tensor_units, config_int, expert_count, model_facts_from_path, read_json_object
 from ..shard.stfile import read_header
 
 RTN_GROUP, INT4_ROWS = 32, 16  # shard/packing.py: int4 group 32, N a multiple of 16 for the int4 kernels
@@ -140,7 +139,7 @@ def read_source(path: Path) -> ModelSource:
         return _from_config(path / "config.json")
     facts = model_facts_from_path(path)
     if path.is_dir() and (path / "manifest.json").is_file():
-        config = _json(path / "config.json") if (path / "config.json").is_file() else {}
+        config = read_json_object(path / "config.json") if (path / "config.json").is_file() else {}
         return ModelSource(path, "shards", facts.name, facts, _hidden(config), config=config)
     if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return _from_checkpoint(path, facts)
@@ -160,7 +159,7 @@ def _from_gguf(path: Path) -> ModelSource:
 
 
 def _from_checkpoint(path: Path, facts: ModelFacts) -> ModelSource:
-    config = _json(path / "config.json")
+    config = read_json_object(path / "config.json")
     tensors: dict[str, tuple[tuple[int, ...], bool]] = {}
     for f in sorted(path.glob("*.safetensors")):
         for name, entry in read_header(f).entries.items():
@@ -174,7 +173,7 @@ def _from_checkpoint(path: Path, facts: ModelFacts) -> ModelSource:
 def _from_config(path: Path) -> ModelSource:
     """A config.json alone: every tensor of a decoder of that shape (attention, MLP or routed experts, embeddings,
     norms), sized in the config's dtype."""
-    config = _json(path)
+    config = read_json_object(path)
     text = config.get("text_config") or config
     hidden, layers = config_int(config, ("hidden_size", "n_embd", "d_model")), config_int(config, ("num_hidden_layers", "n_layer"))
     heads, vocab = config_int(config, ("num_attention_heads", "n_head")), config_int(config, ("vocab_size",))
@@ -220,13 +219,3 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _hidden(config: dict) -> int:
     return config_int(config, ("hidden_size", "n_embd", "d_model")) or 0 if config else 0
-
-
-def _json(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise ModelError(f"{path.name} is unreadable or not JSON") from None
-    if not isinstance(doc, dict):
-        raise ModelError(f"{path.name} is not a JSON object")
-    return doc

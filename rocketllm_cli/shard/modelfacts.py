@@ -354,13 +354,18 @@ def _tensor_units(name: str, sizes: dict[str, int], experts_per_layer: int | Non
 
 
 def _config(path: Path) -> dict:
+    return read_json_object(path, f"{path.parent.name}/{path.name}")
+
+
+def read_json_object(path: Path, shown: str | None = None) -> dict:
+    """The JSON object in PATH; ModelError naming it (as SHOWN, else its file name) where it is unreadable or not one."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        raise ModelError(f"{path.parent.name}/config.json is unreadable") from None
-    if not isinstance(config, dict):
-        raise ModelError(f"{path.parent.name}/config.json is not a JSON object")
-    return config
+        raise ModelError(f"{shown or path.name} is unreadable or not JSON") from None
+    if not isinstance(doc, dict):
+        raise ModelError(f"{shown or path.name} is not a JSON object")
+    return doc
 
 
 def _dtype_of(config: dict) -> str:

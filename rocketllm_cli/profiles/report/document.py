@@ -11,7 +11,7 @@ from ..cost import plan_tier_bytes, project
 from ..hardware import BUSY_SHARE, HardwareProfile
 from ..knobs.resolve import resolve_knobs
 from ..probe.machine import package_version
-from .redact import redact, redact_env_value
+from .redact import redact, redact_env_value, redact_tree
 
 # (distribution, import name, what its absence costs)
 OPTIONAL_PACKAGES = (
@@ -71,7 +71,7 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
             "regimes": {regime: project(profile, model, {**{t: 0 for t in ("device", "host", "storage")}, tier: per_token}).to_dict()
                         for regime, tier in (("resident", "device"), ("host", "host"), ("storage", "storage"))},
         }
-    return _redacted(doc)
+    return redact_tree(doc)
 
 
 def _packed_kernels(device: str) -> list[dict]:
@@ -167,12 +167,3 @@ def _environment(profile: HardwareProfile) -> dict:
     COMPUTE_THREADS.poll()
     return {"variables": variables, "openmp_wait": wait_policy(), "compute_threads": COMPUTE_THREADS.describe(), "warnings": warnings}
 
-
-def _redacted(value):
-    if isinstance(value, str):
-        return redact(value)
-    if isinstance(value, dict):
-        return {k: _redacted(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_redacted(v) for v in value]
-    return value

@@ -10,7 +10,7 @@ from ...sizes import format_bytes, format_rate
 from ..knobs.resolve import describe_input
 from ..planner import Plan, Row
 from ..planrun import commands
-from .redact import redact
+from .redact import redact, redact_tree
 
 
 def document(plan: Plan, model: str, measured: list[dict] | None = None) -> dict:
@@ -27,7 +27,7 @@ def document(plan: Plan, model: str, measured: list[dict] | None = None) -> dict
     }
     if measured is not None:
         doc["verify"] = measured
-    return _redacted(doc)
+    return redact_tree(doc)
 
 
 def hardware(plan: Plan) -> dict:
@@ -176,12 +176,3 @@ def _settings(row: Row) -> str:
     return (f"{row.format.label}, compute {row.compute_dtype}, KV {row.kv_dtype}, {row.context}{batch} tokens, {row.residency_text()}, "
             f"{format_bytes(row.memory['used'])}")
 
-
-def _redacted(value):
-    if isinstance(value, str):
-        return redact(value)
-    if isinstance(value, dict):
-        return {k: _redacted(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_redacted(v) for v in value]
-    return value

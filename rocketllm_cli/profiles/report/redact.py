@@ -44,3 +44,14 @@ def _host_name() -> str:
     except OSError:
         return ""
     return host if len(host) >= 3 and host not in {"localhost"} else ""
+
+
+def redact_tree(value):
+    """VALUE (a JSON-shaped document) with every string in it redacted."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: redact_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_tree(v) for v in value]
+    return value
