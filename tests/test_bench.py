@@ -186,6 +186,7 @@ def test_the_auto_regime_runs_the_derived_plan_with_the_kv_this_run_holds(tiny_f
 
     from rocketllm_cli.bench.timing import WARMUP
     from rocketllm_cli.profiles.knobs.formulas import engine_compute_dtype
+    from rocketllm_cli.profiles.knobs.shape import pass_shape_of
     from rocketllm_cli.shard.modelfacts import model_facts_from_path
     from rocketllm_cli.stream.context import RUN_MARGIN_TOKENS
 
@@ -199,7 +200,8 @@ def test_the_auto_regime_runs_the_derived_plan_with_the_kv_this_run_holds(tiny_f
     facts = model_facts_from_path(model)
     value = 4 if engine_compute_dtype(row["knobs"]["compute_dtype"], False, facts.dtype, "cpu") == "fp32" else 2  # K and V's
     tokens = 3 + 1 + WARMUP + 2 + RUN_MARGIN_TOKENS
-    per_token = facts.kv_values_per_token * (value + value / facts.kv_growing_layers)
+    # each token its K and V, and the activations of a pass over it (a prefill's)
+    per_token = facts.kv_values_per_token * (value + value / facts.kv_growing_layers) + pass_shape_of(model).activation_bytes_per_token
     assert row["knobs"]["kv_cache_bytes"] == ceil((tokens + 1) * per_token)
     assert row["knobs"]["max_context"] >= tokens
 
@@ -235,6 +237,6 @@ def test_any_engines_resident_run_is_a_compute_floor():
     assert compute_floor("resident", fastest, proj, own=0.050)[0] == 0.050  # faster than every other engine: its own
     assert compute_floor("host", fastest, proj, own=0.100)[0] == 0.053
     ours_alone = {("rocketllm", "resident"): 0.098}
-    assert compute_floor("resident", ours_alone, proj, own=0.098) == (0.130, "compute = all bytes / measured matvec bandwidth (no baseline ran)")
+    assert compute_floor("resident", ours_alone, proj, own=0.098) == (0.130, "compute = the weights' products at measured speeds (no baseline ran)")
     assert compute_floor("storage", ours_alone, proj, own=0.2) == (0.098, "compute = our resident regime, p10 measured")
     assert compute_floor("storage", {}, proj, own=0.2)[0] == 0.130
