@@ -58,12 +58,31 @@ def test_report_with_a_model_directory(tiny_checkpoint):
     assert doc["projection"]["tiers"]["device"]["bytes"] == doc["model"]["total_bytes"]  # a tiny model fits
 
 
-def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint, tmp_path):
-    """Until bench has measured a set, compute is the matvec floor and the report says what that leaves out; once
-    bench recorded its resident decode here, every regime is projected from it: compute as measured, io as before."""
+@pytest.fixture
+def no_bench_records(tmp_path, monkeypatch):
+    """A cache with this machine's profile and no set measured by bench yet (other tests' runs record theirs)."""
+    import shutil
+
     from rocketllm_cli.profiles import HardwareProfile
-    from rocketllm_cli.profiles.probe.decodecompute import record
+    from rocketllm_cli.profiles.cache import profile_dir
+    from rocketllm_cli.profiles.probe.decodecompute import FILE
+
+    fingerprint = HardwareProfile.load().fingerprint
+    source = profile_dir(fingerprint)
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    shutil.copytree(source, profile_dir(fingerprint), ignore=shutil.ignore_patterns(FILE))
+
+
+def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint, tmp_path, no_bench_records):
+    """Until bench has measured a set, compute is the matvec floor and the report says what that leaves out; once
+    bench recorded its resident decode here, every regime is projected from it: compute as measured, io as before;
+    and another set of this machine is projected with the per-layer work that measurement found beyond the floor."""
+    from rocketllm_cli.profiles import HardwareProfile
+    from rocketllm_cli.profiles.probe.decodecompute import layer_overhead, record
     from rocketllm_cli.shard.manifest import Manifest
+    from rocketllm_cli.shard.modelfacts import model_facts_from_path
+
+    import shutil
 
     shards = tmp_path / "set"
     assert CliRunner().invoke(app, ["shard", str(tiny_checkpoint), "--out", str(shards)]).exit_code == 0
@@ -76,7 +95,8 @@ def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint
     resident = before["projection"]["regimes"]["resident"]  # each of bench's regimes, measured or not
     assert set(before["projection"]["regimes"]) == {"resident", "host", "storage"} and resident["tiers"]["device"]["bytes"] > 0
     compute_dtype = next(c["value"] for c in before["capabilities"] if c["name"] == "compute_dtype")
-    record(HardwareProfile.load(), shards, Manifest.load(shards), compute_dtype, {"median": 40.0, "p10": 35.0, "n": 8}, "1 of 2")
+    record(HardwareProfile.load(), shards, Manifest.load(shards), compute_dtype, {"median": 40.0, "p10": 35.0, "n": 8}, "1 of 2",
+           model_facts_from_path(shards))
     after = json.loads(doctor("--model", str(shards), "--json").stdout)
     projection = after["projection"]
     assert projection["compute_seconds"] == pytest.approx(0.040)
@@ -86,6 +106,15 @@ def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint
     assert projection["regimes"]["resident"]["overlapped_seconds"] == pytest.approx(0.040)
     assert "as `rocketllm bench` measured this set" in after["model"]["note"]
     assert "(an upper bound" not in doctor("--model", str(shards)).stdout
+    other = tmp_path / "other"  # a copy of the set at another place: no decode of its own recorded
+    shutil.copytree(shards, other)
+    elsewhere = json.loads(doctor("--model", str(other), "--json").stdout)["projection"]
+    floor = before["projection"]["compute_seconds"]
+    layers = after["model"]["num_layers"]
+    measured = layer_overhead(HardwareProfile.load(), compute_dtype)  # (0.040 - the floor as the engine computes) / layers
+    assert 0 < measured["seconds"] * layers < 0.040
+    assert elsewhere["compute_seconds"] == pytest.approx(floor + layers * measured["seconds"])
+    assert f"plus {layers} layers x" in elsewhere["compute_bandwidth"]
 
 
 def test_report_without_a_model_says_so():

@@ -159,6 +159,9 @@ def test_doctor_sizes_the_gguf_as_the_set_shard_writes(smol, manifest, smollm2_g
     predicted, written = model_facts_from_path(smollm2_gguf), model_facts_from_path(smol)
     assert predicted.total_bytes == written.total_bytes == manifest.total_bytes
     assert (predicted.num_layers, predicted.layer_bytes) == (written.num_layers, written.layer_bytes)
+    # the blocks by type, as the kernels' speeds are applied to them (the set's fused products are other shapes)
+    by_type = [{t: sum(shapes.values()) for t, shapes in f.block_bytes.items()} for f in (predicted, written)]
+    assert by_type[0] == by_type[1] and set(by_type[0]) == {"Q4_1", "Q8_0"}
 
 
 def test_packed_logits_agree_with_transformers_dequantized_gguf(smol, manifest, smollm2_gguf):

@@ -2,7 +2,8 @@
 
 projected = the cost model (profiles.cost.project) on the bytes per tier the ledger measured:
             max(io, compute) with io = host bytes / page-cache bandwidth + storage bytes / storage bandwidth
-            and compute = all bytes / measured matvec bandwidth.
+            and compute = the weights' products: all bytes at the measured matvec bandwidth, a GGUF set's blocks each
+            at the speed the native kernels measured for its type (profiles/probe/kernelrates.py).
 limit     = max(io, compute floor): io of each weight byte once (the plan's unique bytes per tier: a tied
             embedding served twice counts once), and the compute floor is a *measured* per-token time of
             the same model: the p10 (fastest tenth of tokens) of the fastest resident run, ours or any
@@ -16,10 +17,11 @@ limit     = max(io, compute floor): io of each weight byte once (the plan's uniq
 from __future__ import annotations
 
 
-def projection(profile, facts, tier_bytes: dict[str, int]) -> dict:
+def projection(profile, facts, tier_bytes: dict[str, int], kernel: str = "exact") -> dict:
     from ..profiles import project
+    from ..profiles.probe.kernelrates import with_kernel_rates
 
-    p = project(profile, facts, tier_bytes)
+    p = project(profile, with_kernel_rates(profile, facts, kernel), tier_bytes)
     return {
         "tiers": {t: {"bytes": c.bytes, "bandwidth_bps": c.bandwidth_bps, "bandwidth": c.bandwidth, "seconds": c.seconds}
                   for t, c in p.tiers.items()},
@@ -47,13 +49,13 @@ def compute_floor(regime: str, fastest: dict[tuple[str, str], float], proj: dict
         if others:
             mine = [(own, "compute = this row's own p10, faster than the other engines'")] if own is not None else []
             return min(others + mine, key=lambda c: c[0])
-        return proj["compute_seconds"], "compute = all bytes / measured matvec bandwidth (no baseline ran)"
+        return proj["compute_seconds"], "compute = the weights' products at measured speeds (no baseline ran)"
     candidates = others + [(s, basis) for s, basis in ((engines.get("rocketllm"), "compute = our resident regime, p10 measured"),
                                                        (own, "compute = this row's own p10, faster than the resident runs'"))
                            if s is not None]
     if engines:
         return min(candidates, key=lambda c: c[0])
-    return proj["compute_seconds"], "compute = all bytes / measured matvec bandwidth (resident regime did not run)"
+    return proj["compute_seconds"], "compute = the weights' products at measured speeds (resident regime did not run)"
 
 
 def _engine(name: str) -> str:
@@ -87,7 +89,7 @@ def finish_rows(rows: list[dict], profile, facts) -> None:
             continue
         same = ours.get(row["regime"]) or row  # baselines are judged on the bytes our plan for the same budget serves
         tier_bytes = same.get("bytes_per_token") or {}
-        proj = projection(profile, facts, tier_bytes) if tier_bytes else None
+        proj = projection(profile, facts, tier_bytes, str((same.get("knobs") or {}).get("kernel") or "exact")) if tier_bytes else None
         row["projection"] = proj
         row["projected_ms"] = round(projected_ms(proj), 2) if proj and projected_ms(proj) is not None else None
         own = fastest[(row["name"], row["regime"])]

@@ -86,7 +86,7 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
             "read_method": read_method(streamed.knobs) if served["storage"] else None,
             "residency": streamed.plan.to_dict(), "residency_text": streamed.residency_text(),
             "knobs": {k: streamed.knobs.value(k) for k in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers",
-                                                           "direct_io", "compute_dtype", "kv_cache_bytes", "max_context")},
+                                                           "direct_io", "compute_dtype", "kernel", "kv_cache_bytes", "max_context")},
             "compute_threads": COMPUTE_THREADS.describe(),  # before close() gives torch its own count back
             **({"stages": streamed.stage.figures()} if getattr(streamed, "stage", None) is not None else {}),
             "_facts": streamed.facts, "_profile": streamed.profile,

@@ -98,7 +98,8 @@ def run_bench(req: BenchRequest, log, progress=None) -> dict:
         if regime == "resident" and row.get("status") == "measured" and (row.get("speculation") or {}).get("mode", "off") == "off":
             from ..profiles.probe.decodecompute import record
 
-            record(profile, shards, manifest, dtype, row["ms_per_token"], str(row.get("compute_threads") or "").split(":")[0] or None)
+            record(profile, shards, manifest, dtype, row["ms_per_token"], str(row.get("compute_threads") or "").split(":")[0] or None,
+                   facts, str(row["knobs"].get("kernel") or "exact"))
         residency[regime] = row["residency"]
         rows.append(row)
         for name in req.baselines:

@@ -82,6 +82,14 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
         rate = profile.device_memory_bps
         how = f"device memory copy speed ({rate / 1e9:.2f} GB/s)" if rate else "unavailable: neither matvec nor device memory measured"
     compute = total / rate if rate else None
+    kernels = model.kernel_rates
+    if kernels and total and profile.is_cpu and not model.decode_compute:
+        compute, how = _on_kernels(model, kernels, total, rate, how)
+    overhead = model.layer_overhead
+    if overhead and compute is not None and not model.decode_compute:
+        compute += model.num_layers * float(overhead["seconds"])
+        how += (f"; plus {model.num_layers} layers x {1000 * float(overhead['seconds']):.3f} ms of per-layer work, the median of "
+                f"what bench measured beyond the products on this machine ({', '.join(overhead['sets'])})")
     measured = model.decode_compute
     if measured and total:
         floor = f"; the matvec floor alone: {1000 * compute:.1f} ms" if compute else ""
@@ -92,6 +100,23 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
     overlapped = max(io, compute) if io is not None and compute is not None else None
     reason = f"unmeasured tier(s): {', '.join(missing)}" if missing else ""
     return Projection(model.name, tiers, serial, io, compute, how, overlapped, reason)
+
+
+def _on_kernels(model: ModelFacts, kernels: dict, total: int, rate: float | None, how: str) -> tuple[float | None, str]:
+    """Seconds of compute for TOTAL weight bytes of a GGUF set: each block product's bytes at the rate the native
+    kernels measured for its type and shape here (probe/kernelrates.py), the rest (float tensors, types without a
+    kernel) at RATE, the dense matvec's. The floor still: a layer's own work beside its products is left out."""
+    from .probe.kernelrates import block_shapes_of, describe, type_rates
+
+    share = total / model.bytes_per_token if model.bytes_per_token else 1.0  # the tiers' bytes: one token's, or a batch's
+    blocks = {t: {shape: int(b * share) for shape, b in shapes.items()} for t, shapes in block_shapes_of(model).items()}
+    timed = type_rates(kernels, blocks)
+    rest = max(0, total - sum(b for b, _ in timed.values()))
+    if rest and not rate:
+        return None, how
+    seconds = sum(s for _, s in timed.values()) + (rest / rate if rest else 0.0)
+    words = describe(kernels, blocks) + (f"; the other {rest / 2**20:.1f} MiB: {how}" if rest else "")
+    return seconds, words
 
 
 def _tier(profile: HardwareProfile, tier: str, nbytes: int) -> TierCost:

@@ -79,7 +79,7 @@ def projection(profile: HardwareProfile, facts, tiers: dict[str, int], compute_d
         if cost.bytes:
             inputs[f"{tier}_bytes"], inputs[f"{tier}_bps"] = cost.bytes, cost.bandwidth_bps
             io.append(f"{tier}_bytes / {tier}_bps")
-    if facts.decode_compute:
+    if facts.decode_compute or facts.kernel_rates or facts.layer_overhead:  # measured: the decode, the kernels, other sets
         inputs["compute_s"], compute = p.compute_seconds, "compute_s"
     else:
         inputs["compute_bytes"] = sum(t.bytes for t in p.tiers.values())

@@ -26,6 +26,8 @@ from .hardware import HardwareProfile
 from .knobs.resolve import Knobs, resolve_knobs
 from .plancost import engine_dtype, kv_dtype_of, projection, row_memory, speculation_note
 from .planformats import ModelSource, WeightFormat, with_measured_decode
+from .probe.decodecompute import with_layer_overhead
+from .probe.kernelrates import with_kernel_rates
 from .whatif import capped
 
 RESIDENCIES = ("auto", "resident", "host", "storage")
@@ -200,7 +202,8 @@ def _row(profile: HardwareProfile, fmt: WeightFormat, dtype: str | None, kv: str
     compute = engine_dtype(profile, facts, knobs)
     tiers = plan_tier_bytes(facts, knobs)
     recorded = fmt.decode.get(str(knobs.value("compute_dtype")))  # keyed as bench records it and doctor reads it: the knob
-    measured = replace(facts, decode_compute=recorded) if recorded else facts
+    measured = replace(facts, decode_compute=recorded) if recorded else with_layer_overhead(
+        profile, with_kernel_rates(profile, facts, str(knobs.value("kernel"))), str(knobs.value("compute_dtype")))
     tps, formula, inputs, note = projection(profile, measured, tiers, compute, batch)
     context = memory["tokens"] // batch if memory["tokens"] is not None else None
     notes = [note] if note else []

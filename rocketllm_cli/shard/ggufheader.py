@@ -28,6 +28,13 @@ _BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 
            34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36)}
 
 
+# ggml tensor type id -> name (gguf's GGMLQuantizationType names), for the types _BLOCKS sizes
+GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
+              12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
+              20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+              29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4"}
+
+
 # ggml type ids `shard --quantize auto` keeps as their own blocks (shard/packing.py KEPT), sized by _BLOCKS
 _KEPT_IDS = frozenset(type_id for type_id, (elems, _) in _BLOCKS.items() if elems > 1 and type_id not in (9, 15))  # not Q8_1, Q8_K
 

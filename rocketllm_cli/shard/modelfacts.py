@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..dtypes import ITEMSIZE, short_name
 from ..errors import ModelError, ShardError
-from .ggufheader import FILE_TYPES, read_gguf_tensors, shard_sizes
+from .ggufheader import FILE_TYPES, GGML_NAMES, kept_as_blocks, read_gguf_tensors, shard_sizes
 from .stfile import read_header
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -45,6 +45,9 @@ class ModelFacts:
     max_positions: int  # the context the config allows
     dtype: str = "bf16"
     gguf_blocks: bool = False  # low-bit weights kept as a GGUF's blocks: a CPU computes them in fp32 (formulas.py)
+    # {GGML type name: {"NxK": bytes}}: the set's tensors kept as that type's blocks, by product shape (a weight of N
+    # rows of K elements), summed over the tensors of that shape (a GGUF set); None: no blocks
+    block_bytes: dict | None = None
     active_bytes: int | None = None  # mixture-of-experts: what one decode token reads (dense part + routed experts); None = every weight
     # What really grows with the context (max_context divides by it): K and V values per token of the layers whose
     # cache keeps every token (full attention), how many such layers, and what sliding-window layers hold at most.
@@ -59,6 +62,12 @@ class ModelFacts:
     # What a decode token of the set costs to compute here, as bench measured it resident
     # (profiles/probe/decodecompute.py); None: the cost model's matvec floor stands.
     decode_compute: dict | None = None
+    # What the native kernels read per second here for block_bytes' types (profiles/probe/kernelrates.py rates());
+    # None: not measured (the matvec floor stands for the blocks too).
+    kernel_rates: dict | None = None
+    # What a decoder layer costs here beside its products, from the sets bench measured on this machine
+    # (profiles/probe/decodecompute.py layer_overhead); None: left out of the projection.
+    layer_overhead: dict | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -147,7 +156,7 @@ class Units:
 
 
 def _build(name: str, units: Units, config, dtype: str, compute_dtype: str | None = None,
-           gguf_blocks: bool = False) -> ModelFacts:
+           gguf_blocks: bool = False, block_bytes: dict | None = None) -> ModelFacts:
     """`config`: a mapping or a transformers config object, read only through config_int."""
     if not units.layers:
         raise ModelError(f"{name}: no decoder layers found")
@@ -182,6 +191,7 @@ def _build(name: str, units: Units, config, dtype: str, compute_dtype: str | Non
         max_positions=config_int(config, POSITION_KEYS) or DEFAULT_POSITIONS,
         dtype=dtype or "unknown",
         gguf_blocks=gguf_blocks,
+        block_bytes=block_bytes or None,
         active_bytes=active,
         kv_values_per_token=growing * per_layer,
         kv_growing_layers=growing,
@@ -215,8 +225,21 @@ def facts_from_manifest(manifest, config, compute_dtype: str | None = None) -> M
     """ModelFacts of a loaded shard set (a Manifest); `config` is its config.json as a mapping, or the
     transformers config object (AutoConfig.from_pretrained(directory))."""
     units = _manifest_units((u.kind, u.tensor_bytes) for u in manifest.units)
+    blocks = _block_bytes((t.packed, t.nbytes) for u in manifest.units for t in u.tensors)
     return _build(manifest.source.get("name") or "model", units, config, manifest.dtype, compute_dtype,
-                  manifest.packing == "blocks")
+                  manifest.packing == "blocks", blocks)
+
+
+def _block_bytes(rows) -> dict[str, dict[str, int]]:
+    """{GGML type: {"NxK": bytes}} of the (packed record, bytes) ROWS kept as a GGUF type's blocks."""
+    out: dict[str, dict[str, int]] = {}
+    for packed, nbytes in rows:
+        kind = packed.get("gguf_type") if isinstance(packed, dict) and packed.get("kind") == "gguf" else None
+        if kind:
+            n, k = packed["shape"]
+            shapes = out.setdefault(kind, {})
+            shapes[f"{n}x{k}"] = shapes.get(f"{n}x{k}", 0) + int(nbytes)
+    return out
 
 
 def model_facts_from_path(path: Path) -> ModelFacts:
@@ -253,6 +276,7 @@ def _from_shard_dir(path: Path) -> ModelFacts:
     try:
         doc = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
         units = _manifest_units((u["kind"], sum(t["nbytes"] for t in u["tensors"])) for u in doc["units"])
+        blocks = _block_bytes((t.get("packed"), t["nbytes"]) for u in doc["units"] for t in u["tensors"])
         dtype = short_name(doc.get("dtype", "")) or str(doc.get("dtype", ""))
         name = (doc.get("source") or {}).get("name") or path.name
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -260,7 +284,7 @@ def _from_shard_dir(path: Path) -> ModelFacts:
     if not units.layers:
         raise ModelError(f"{path.name}/manifest.json lists no decoder layers")
     config = _config(path / "config.json") if (path / "config.json").is_file() else {}
-    return _build(name, units, config, dtype, gguf_blocks=doc.get("packing") == "blocks")
+    return _build(name, units, config, dtype, gguf_blocks=doc.get("packing") == "blocks", block_bytes=blocks)
 
 
 def _manifest_units(rows) -> Units:
@@ -317,7 +341,10 @@ def _from_gguf(path: Path) -> ModelFacts:
         "head_dim": get("attention.key_length") or (get("embedding_length", 0) // heads if heads else None),
     }
     dtype = "gguf-" + FILE_TYPES.get(meta.get("general.file_type"), str(meta.get("general.file_type", "?")))
-    return _build(path.stem, _tensor_units(path.stem, sizes, None), config, dtype, gguf_blocks=True)
+    kept = kept_as_blocks(infos)
+    blocks = _block_bytes(({"kind": "gguf", "gguf_type": GGML_NAMES.get(infos[n][0], str(infos[n][0])),
+                            "shape": [infos[n][1][1], infos[n][1][0]]}, sizes[n]) for n in kept)
+    return _build(path.stem, _tensor_units(path.stem, sizes, None), config, dtype, gguf_blocks=True, block_bytes=blocks)
 
 
 def _tensor_units(name: str, sizes: dict[str, int], experts_per_layer: int | None) -> Units:

@@ -21,17 +21,24 @@ def _key(directory: Path, manifest, compute_dtype: str) -> str:
     return f"{set_key(directory, manifest)}-{compute_dtype}"
 
 
-def record(profile, directory: Path, manifest, compute_dtype: str, ms: dict, threads: int | None) -> None:
-    """Keep a resident decode measurement of the set (`ms`: bench's median/p10/p90 in milliseconds)."""
+def record(profile, directory: Path, manifest, compute_dtype: str, ms: dict, threads: int | None, facts=None,
+           kernel: str = "exact") -> None:
+    """Keep a resident decode measurement of the set (`ms`: bench's median/p10/p90 in milliseconds). With its FACTS,
+    also what the cost model's floor (its products alone, on the kernels KERNEL picks) left out per layer, which
+    projects the sets of this machine that bench has not measured (layer_overhead)."""
     from ..cache import profile_dir, read_json, write_json
 
     where = profile_dir(profile.fingerprint) / FILE
     stored = read_json(where) or {}
     stored.pop("cache_format", None)
-    stored[_key(directory, manifest, compute_dtype)] = {
+    entry = {
         "seconds": ms["median"] / 1000, "p10_seconds": ms["p10"] / 1000, "tokens": ms.get("n"), "threads": threads,
         "compute_dtype": compute_dtype, "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()) + " UTC",
     }
+    floor = compute_floor(profile, facts, compute_dtype, kernel) if facts is not None and facts.num_layers else None
+    if floor is not None:
+        entry.update(name=facts.name, layers=facts.num_layers, floor_seconds=floor)
+    stored[_key(directory, manifest, compute_dtype)] = entry
     try:
         write_json(where, stored)
     except OSError:
@@ -46,3 +53,47 @@ def lookup(profile, directory: Path, manifest, compute_dtype: str) -> dict | Non
     if not isinstance(entry, dict) or not isinstance(entry.get("seconds"), (int, float)) or entry["seconds"] <= 0:
         return None
     return entry
+
+
+def compute_floor(profile, facts, compute_dtype: str, kernel: str = "exact") -> float | None:
+    """The cost model's compute seconds for one resident decode token of FACTS: its products alone (each block type on
+    the native kernel measured for it, other weights at the matvec of COMPUTE_DTYPE), no per-layer work."""
+    from dataclasses import replace
+
+    from ..cost import project
+    from ..records import Capability
+    from .kernelrates import with_kernel_rates
+
+    from ..knobs.formulas import engine_compute_dtype
+
+    engine = engine_compute_dtype(compute_dtype, False, facts.dtype, profile.compute_device, facts.gguf_blocks)
+    as_computed = replace(profile, capabilities={**profile.capabilities,
+                                                 "compute_dtype": Capability("compute_dtype", engine, None, "the engine's")})
+    bare = replace(facts, decode_compute=None, layer_overhead=None)
+    return project(as_computed, with_kernel_rates(profile, bare, kernel), {"device": facts.bytes_per_token}).compute_seconds
+
+
+def layer_overhead(profile, compute_dtype: str) -> dict | None:
+    """What a decoder layer costs here beside its products, from the sets bench measured resident on this machine in
+    COMPUTE_DTYPE: the median of (measured - floor) / layers, {"seconds", "sets": [names]}; None where none was."""
+    from ..cache import profile_dir, read_json
+
+    found = []
+    for entry in (read_json(profile_dir(profile.fingerprint) / FILE) or {}).values():
+        if isinstance(entry, dict) and entry.get("compute_dtype") == compute_dtype and isinstance(entry.get("layers"), int) \
+                and entry["layers"] > 0 and isinstance(entry.get("floor_seconds"), (int, float)):
+            found.append((max(0.0, (float(entry["seconds"]) - entry["floor_seconds"]) / entry["layers"]), str(entry.get("name", "?"))))
+    if not found:
+        return None
+    found.sort()
+    return {"seconds": found[len(found) // 2][0], "sets": [name for _, name in found]}
+
+
+def with_layer_overhead(profile, facts, compute_dtype: str):
+    """FACTS with `layer_overhead` where bench measured another set here and not this one (layer_overhead())."""
+    from dataclasses import replace
+
+    if facts.decode_compute or not facts.num_layers:
+        return facts
+    found = layer_overhead(profile, compute_dtype)
+    return replace(facts, layer_overhead=found) if found else facts

@@ -48,6 +48,8 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
     if model is not None:
         from ..knobs.formulas import evaluate, memory_floor
         from ..knobs.shape import pass_shape_of
+        from ..probe.decodecompute import with_layer_overhead
+        from ..probe.kernelrates import with_kernel_rates
 
         shape = pass_shape_of(model_path) if model_path is not None else None
         knobs = resolve_knobs(profile, model, shape=shape)
@@ -57,6 +59,8 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
             model, knobs = with_own_reads(profile, model, model_path, knobs, lambda f: resolve_knobs(profile, f, shape=shape), log,
                                           always=True)
             model = _with_decode_compute(profile, model, model_path, knobs)
+        model = with_kernel_rates(profile, model, str(knobs.value("kernel")))  # a GGUF's blocks: each type's kernel
+        model = with_layer_overhead(profile, model, str(knobs.value("compute_dtype")))  # what other sets' layers cost here
         floor = memory_floor(profile, model, knobs, shape=shape)
         tier_bytes = plan_tier_bytes(model, knobs)
         doc["model"] = {**model.to_dict(), "source": model_source, "note": _model_note(model)}
@@ -125,9 +129,19 @@ def _model_note(model: ModelFacts) -> str:
     else:
         notes = ["bytes and the matvec floor only: per-layer work (attention, norms, the framework's calls) and packed kernels' "
                  "own speed are left out until `rocketllm bench` measures this set once (doctor then projects from that)"]
+    if model.layer_overhead and not model.decode_compute:
+        notes[0] = ("bytes, " + ("each block product at the speed the native kernels measured for its type and shape here, "
+                                 "the rest " if model.kernel_rates else "") + "at the matvec floor, and per layer what bench "
+                    "measured beyond the products for other sets here, until `rocketllm bench` measures this set once "
+                    "(doctor then projects from that)")
+    elif model.kernel_rates and not model.decode_compute:
+        notes[0] = ("bytes, each block product at the speed the native kernels measured for its type and shape here and the "
+                    "rest at the matvec floor: per-layer work (attention, norms, the framework's calls) is left out until "
+                    "`rocketllm bench` measures this set once (doctor then projects from that)")
     if model.dtype.startswith("gguf"):
-        notes.insert(0, "sizes of the bf16 shard set `shard` writes by default, predicted from the GGUF header (Q4_0, Q4_1 and "
-                        "Q4_K matrices stay int4, Q8_0 int8, the rest bf16); run doctor on the shard directory for the set itself")
+        notes.insert(0, "sizes of the shard set `shard` writes by default, predicted from the GGUF header (every quantized "
+                        "matrix kept as the file's blocks, the float tensors as stored); run doctor on the shard directory "
+                        "for the set itself")
     return "; ".join(notes)
 
 

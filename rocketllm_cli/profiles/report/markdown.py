@@ -102,8 +102,7 @@ def _projection(p: dict | None) -> list[str]:
               f"- compute: {_secs(p['compute_seconds'])} via {p['compute_bandwidth']}",
               f"- overlapped max(io, compute): {_secs(p['overlapped_seconds'])}"
               + (f" -> {p['tokens_per_second']:.3g} tokens/s" if p["tokens_per_second"] else "")
-              + ("" if "rocketllm bench" in p["compute_bandwidth"] else
-                 " (an upper bound: per-layer work is left out until `rocketllm bench` measures this set; see the model's note)")]
+              + _compute_caveat(p["compute_bandwidth"])]
     if p["reason"]:
         lines.append(f"- {p['reason']}")
     regimes = p.get("regimes") or {}
@@ -157,3 +156,12 @@ SECTIONS = {
     "storage": ("Storage", _storage), "model": ("Model", _model), "projection": ("Projected cost per decode token", _projection),
     "environment": ("Environment", _environment), "profile": ("Profile", _profile),
 }
+
+
+def _compute_caveat(how: str) -> str:
+    """What a projection's compute term leaves to a measurement of the set itself."""
+    if "rocketllm bench" in how:
+        return ""
+    if "per-layer work" in how:
+        return " (per-layer work as bench measured it for other sets here; `rocketllm bench` of this set measures its own)"
+    return " (an upper bound: per-layer work is left out until `rocketllm bench` measures this set; see the model's note)"

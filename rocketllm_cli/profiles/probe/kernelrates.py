@@ -1,0 +1,159 @@
+"""What the native kernels read per second on this machine for a GGUF set's own products, per block type and shape.
+
+The cost model's compute floor is every weight byte at the dense fp32 matvec speed; a GGUF set computes on its
+blocks instead, at a speed of each type's own (a Q6_K block decodes slower than a Q8_0 one), each mode's (exact fp32
+or int8 activations) and each shape's (Gemma 3's 262,144 x 640 Q8_0 head reads 4.2 GB/s on one thread where a 4096 x
+4096 Q8_0 weight reads 9.3). So each (type, N x K) product a set holds is timed as a decode runs it: one activation
+row, over as many weights of that shape as the set's blocks fill (up to POOL_BYTES: what stays in the caches between
+two tokens does here too), on the threads the engine gives a product of that size (packed/compute.py). Measured
+the first time a set is planned, reported or benched here (tens of ms a shape, the library built once per machine),
+kept beside the profile in one small JSON file, written atomically; a read-only cache keeps the answer in this
+process only. The blocks are random bytes: a kernel's speed does not depend on their values.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+FILE = "kernel-rates.json"
+POOL_BYTES = 256 * 1024 * 1024  # at most this much weight per shape: more than most caches, less than a small machine's RAM
+REPEATS = 2  # timed sweeps after a warm-up one; the faster counts
+_memo: dict[str, dict] = {}  # answers kept in this process, per profile fingerprint (a read-only cache keeps only these)
+
+
+def block_shapes_of(facts) -> dict[str, dict[str, int]]:
+    """{GGUF type: {"NxK": bytes a decode token reads}} of FACTS (ModelFacts.block_bytes), scaled for a mixture of
+    experts' active share."""
+    blocks = getattr(facts, "block_bytes", None) or {}
+    share = facts.bytes_per_token / facts.total_bytes if facts.total_bytes else 1.0
+    return {t: {shape: int(b * share) for shape, b in shapes.items()} for t, shapes in blocks.items()}
+
+
+def with_kernel_rates(profile, facts, mode: str = "exact"):
+    """FACTS with `kernel_rates` (ModelFacts) for its block products on this machine, measured now where not yet:
+    {"mode", "isa", "threads", "rates": {type: {"NxK": bytes per second}}}. FACTS unchanged where the compute device
+    is not the CPU, the set holds no blocks, it has its decode measured, or the native kernels cannot be built (the
+    matvec floor then stands for the blocks too)."""
+    blocks = getattr(facts, "block_bytes", None) or {}
+    if not blocks or not profile.is_cpu or getattr(facts, "decode_compute", None):
+        return facts
+    found = rates(profile, blocks, "int8" if mode == "int8" else "exact")
+    return replace(facts, kernel_rates=found) if found else facts
+
+
+def rates(profile, blocks: dict[str, dict[str, int]], mode: str) -> dict | None:
+    """{"mode", "isa", "threads", "rates": {type: {"NxK": B/s}}} for BLOCKS' types the kernels cover; None without
+    kernels, or where a rate is missing and PROFILE is another machine's (plan --profile FILE)."""
+    from ...native import kernels
+
+    nk = kernels()
+    if nk is None:
+        return None
+    import torch
+
+    threads = torch.get_num_threads()
+    pool = _pool_bytes(sum(b for shapes in blocks.values() for b in shapes.values()))
+    stored = _load(profile)
+    keys = {(t, shape): f"{nk.isa}-{mode}-t{threads}-p{pool >> 20}-{t}-{shape}"
+            for t, shapes in blocks.items() if nk.supported(t) for shape in shapes}
+    missing = [ts for ts, key in keys.items() if not isinstance(stored.get(key), (int, float))]
+    if missing:
+        if not _this_machine(profile):
+            return None
+        measured = _measure(nk, missing, mode, threads, pool)
+        stored.update({keys[ts]: bps for ts, bps in measured.items()})
+        _save(profile, stored)
+    found: dict[str, dict[str, float]] = {}
+    for (t, shape), key in keys.items():
+        found.setdefault(t, {})[shape] = float(stored[key])
+    return {"mode": mode, "isa": nk.isa, "threads": threads, "rates": found}
+
+
+def _pool_bytes(model_bytes: int) -> int:
+    """The weights a shape's sweep reads: the set's block bytes, at most POOL_BYTES and an eighth of the free memory,
+    rounded up to a power of two MiB (so sets of about one size share measurements)."""
+    from .machine import memory_bound
+
+    cap = max(8 << 20, min(POOL_BYTES, memory_bound()[1] // 8))
+    wanted = max(8 << 20, min(cap, model_bytes))
+    return 1 << max(23, (wanted - 1).bit_length())
+
+
+def _this_machine(profile) -> bool:
+    from .machine import fingerprint, fingerprint_facts
+
+    return profile.fingerprint == fingerprint(fingerprint_facts())
+
+
+def _measure(nk, products: list[tuple[str, str]], mode: str, threads: int, pool_bytes: int) -> dict[tuple[str, str], float]:
+    import torch
+
+    from ...packed.compute import ONE_THREAD_BYTES
+    from ...packed.ggmlblocks import SUPPORTED
+
+    pool = torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8)
+    found = {}
+    for name, shape in products:
+        n, k = (int(v) for v in shape.split("x"))
+        qk, block_bytes = SUPPORTED[name]
+        size = n * (k // qk * block_bytes)
+        if size > pool_bytes:  # one weight larger than the pool: its first rows (the speed per byte is the same)
+            n, size = max(1, pool_bytes // (k // qk * block_bytes)), pool_bytes // (k // qk * block_bytes) * (k // qk * block_bytes)
+        weights = [pool[i * size:(i + 1) * size].view(n, -1) for i in range(max(1, pool_bytes // size))]
+        x, out = torch.randn(1, k), torch.empty(1, n)
+        used = 1 if size < ONE_THREAD_BYTES else threads  # as the engine runs a product this size
+        best = float("inf")
+        for sweep in range(REPEATS + 1):
+            start = time.perf_counter()
+            for w in weights:
+                nk.matmul(w, name, x, mode=mode, out=out, threads=used)
+            if sweep:
+                best = min(best, time.perf_counter() - start)
+        found[(name, shape)] = size * len(weights) / max(best, 1e-9)
+    return found
+
+
+def _where(profile):
+    from ..cache import profile_dir
+
+    return profile_dir(profile.fingerprint) / FILE
+
+
+def _load(profile) -> dict:
+    from ..cache import read_json
+
+    if profile.fingerprint in _memo:
+        return dict(_memo[profile.fingerprint])
+    stored = read_json(_where(profile)) or {}
+    stored.pop("cache_format", None)
+    return stored
+
+
+def _save(profile, stored: dict) -> None:
+    from ..cache import write_json
+
+    _memo[profile.fingerprint] = dict(stored)
+    try:
+        write_json(_where(profile), stored)
+    except OSError:
+        pass  # a read-only cache: measured again by the next process
+
+
+def type_rates(kernel_rates: dict, blocks: dict[str, dict[str, int]]) -> dict[str, tuple[int, float]]:
+    """{type: (bytes, seconds)} of BLOCKS ({type: {"NxK": bytes}}) at KERNEL_RATES' measured speeds."""
+    out = {}
+    for t, shapes in blocks.items():
+        measured = kernel_rates["rates"].get(t) or {}
+        timed = [(b, b / measured[shape]) for shape, b in shapes.items() if measured.get(shape)]
+        if timed:
+            out[t] = (sum(b for b, _ in timed), sum(s for _, s in timed))
+    return out
+
+
+def describe(kernel_rates: dict, blocks: dict[str, dict[str, int]]) -> str:
+    """One line: each type's bytes and measured rate (over its shapes), for a projection's `how`."""
+    timed = type_rates(kernel_rates, blocks)
+    parts = [f"{t} {b / s / 1e9:.2f} GB/s over {b / 2**20:.1f} MiB" for t, (b, s) in sorted(timed.items(), key=lambda i: -i[1][0])]
+    return (f"native kernels on the blocks ({kernel_rates['isa']}, {kernel_rates['mode']}, up to {kernel_rates['threads']} "
+            f"thread{'s' if kernel_rates['threads'] != 1 else ''}), each type and shape measured here: " + ", ".join(parts))

@@ -1,0 +1,113 @@
+"""The cost model's compute term for a GGUF set: each block product at the speed the native kernels measured for its
+type and shape on this machine (profiles/probe/kernelrates.py), and per layer what bench measured beyond the products
+for other sets here (profiles/probe/decodecompute.py layer_overhead): the accounting, on synthetic figures, and the
+probe's own bookkeeping (measured once, kept, never measured for another machine's profile)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from rocketllm_cli.profiles import HardwareProfile, project
+from rocketllm_cli.profiles.probe import decodecompute, kernelrates
+from rocketllm_cli.profiles.records import Capability, Measurement
+from rocketllm_cli.shard.modelfacts import ModelFacts
+
+MiB = 1024**2
+
+
+def cpu_profile(fingerprint: str = "synthetic-kernels") -> HardwareProfile:
+    found = {name: Measurement(name, bps, "synthetic", int(bps), 1.0)
+             for name, bps in {"device_memory": 20e9, "page_cache_read": 10e9, "storage_read": 2e9, "matvec_fp32": 10e9,
+                               "matvec_bf16": 20e9}.items()}
+    return HardwareProfile(fingerprint, "cpu", 2, 16 << 30, 12 << 30, measurements=found,
+                           capabilities={"compute_dtype": Capability("compute_dtype", "fp32", None, "synthetic")})
+
+
+def gguf_facts() -> ModelFacts:
+    blocks = {"Q4_K": {"4096x4096": 90 * MiB}, "Q6_K": {"4096x14336": 10 * MiB}}  # 100 MiB of blocks
+    return ModelFacts("synthetic", 101 * MiB, 4, 25 * MiB, 25 * MiB, 1 * MiB, 1024, 4096, "fp32", gguf_blocks=True,
+                      block_bytes=blocks)
+
+
+KERNELS = {"mode": "exact", "isa": "avx2", "threads": 2,
+           "rates": {"Q4_K": {"4096x4096": 9e9}, "Q6_K": {"4096x14336": 5e9}}}
+
+
+def test_each_block_product_at_its_own_measured_speed_and_the_rest_at_the_matvec():
+    profile, facts = cpu_profile(), replace(gguf_facts(), kernel_rates=KERNELS)
+    p = project(profile, facts, {"device": facts.total_bytes})
+    want = 90 * MiB / 9e9 + 10 * MiB / 5e9 + 1 * MiB / 10e9  # the 1 MiB of floats at the fp32 matvec
+    assert p.compute_seconds == pytest.approx(want)
+    assert "Q4_K 9.00 GB/s over 90.0 MiB" in p.compute_bandwidth and "the other 1.0 MiB" in p.compute_bandwidth
+    floor = project(profile, gguf_facts(), {"device": facts.total_bytes}).compute_seconds  # not measured: the matvec floor
+    assert floor == pytest.approx(101 * MiB / 10e9)
+
+
+def test_per_layer_work_measured_for_other_sets_is_added_per_layer():
+    facts = replace(gguf_facts(), kernel_rates=KERNELS, layer_overhead={"seconds": 0.0005, "sets": ["a", "b"]})
+    p = project(cpu_profile(), facts, {"device": facts.total_bytes})
+    assert p.compute_seconds == pytest.approx(90 * MiB / 9e9 + 10 * MiB / 5e9 + 1 * MiB / 10e9 + 4 * 0.0005)
+    assert "4 layers x 0.500 ms" in p.compute_bandwidth and "(a, b)" in p.compute_bandwidth
+    measured = replace(facts, decode_compute={"seconds": 0.042})  # the set's own decode, measured: it alone counts
+    assert project(cpu_profile(), measured, {"device": facts.total_bytes}).compute_seconds == pytest.approx(0.042)
+
+
+def test_a_mixture_of_experts_reads_its_active_share_of_each_product():
+    facts = replace(gguf_facts(), active_bytes=int(101 * MiB / 2))
+    shapes = kernelrates.block_shapes_of(facts)
+    assert shapes["Q4_K"]["4096x4096"] == pytest.approx(45 * MiB, rel=1e-3)
+
+
+def test_the_overhead_per_layer_is_the_median_of_what_bench_measured_beyond_the_floor(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
+    profile = cpu_profile()
+    monkeypatch.setattr(decodecompute, "compute_floor", lambda p, f, dtype, kernel="exact": 0.010)
+    for name, ms, layers in (("a", 14.0, 8), ("b", 30.0, 40), ("c", 12.0, 2)):  # (ms - 10) / layers: 0.5, 0.5, 1.0 ms
+        manifest = type("M", (), {"units": [], "total_bytes": layers, "source": {"name": name}})()
+        monkeypatch.setattr(decodecompute, "_key", lambda d, m, dtype, n=name: f"{n}-{dtype}")
+        decodecompute.record(profile, tmp_path / name, manifest, "fp32", {"median": ms, "p10": ms}, 2,
+                             replace(gguf_facts(), name=name, num_layers=layers))
+    found = decodecompute.layer_overhead(profile, "fp32")
+    assert found["seconds"] == pytest.approx(0.0005) and sorted(found["sets"]) == ["a", "b", "c"]
+    assert decodecompute.layer_overhead(profile, "bf16") is None  # another compute dtype: no measurement stands in
+    attached = decodecompute.with_layer_overhead(profile, gguf_facts(), "fp32")
+    assert attached.layer_overhead["seconds"] == pytest.approx(0.0005)
+    own = replace(gguf_facts(), decode_compute={"seconds": 0.02})
+    assert decodecompute.with_layer_overhead(profile, own, "fp32") is own
+
+
+@pytest.fixture
+def native():
+    from rocketllm_cli.native import kernels, why_not
+
+    nk = kernels()
+    if nk is None:
+        pytest.skip(f"no native kernels here: {why_not()}")
+    return nk
+
+
+def test_rates_are_measured_once_and_kept_beside_the_profile(native, tmp_path, monkeypatch):
+    from rocketllm_cli.profiles.probe.machine import fingerprint, fingerprint_facts
+
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernelrates, "_memo", {})
+    profile = cpu_profile(fingerprint(fingerprint_facts()))  # this machine's
+    blocks = {"Q8_0": {"256x512": 256 * 544}, "Q4_K": {"128x1024": 128 * 576}, "IQ2_XXS": {"64x256": 64 * 66}}
+    found = kernelrates.rates(profile, blocks, "exact")
+    assert found["isa"] == native.isa and set(found["rates"]) == {"Q8_0", "Q4_K"}  # IQ2_XXS: no kernel, the matvec's
+    assert all(bps > 0 for shapes in found["rates"].values() for bps in shapes.values())
+    assert (tmp_path / "profiles" / profile.fingerprint / kernelrates.FILE).is_file()
+
+    def no_measuring(*args):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(kernelrates, "_measure", no_measuring)
+    monkeypatch.setattr(kernelrates, "_memo", {})
+    assert kernelrates.rates(profile, blocks, "exact") == found  # read back from the file
+    other = cpu_profile("another-machine")  # plan --profile FILE: nothing of it can be measured here
+    assert kernelrates.rates(other, blocks, "exact") is None
+    facts = replace(gguf_facts(), block_bytes={"Q8_0": {"256x512": 256 * 544}})
+    assert kernelrates.with_kernel_rates(other, facts) is facts
+    assert kernelrates.with_kernel_rates(profile, facts).kernel_rates["rates"]["Q8_0"] == found["rates"]["Q8_0"]
