@@ -54,14 +54,38 @@ class ComputeThreads:
         self.enabled = "OMP_NUM_THREADS" not in os.environ and os.path.exists(os.path.join(proc, "stat"))
         self.reason = "" if self.enabled else ("OMP_NUM_THREADS is set" if "OMP_NUM_THREADS" in os.environ else "no /proc/stat")
         self.most: int | None = None  # torch's default count, the most ever used
-        self.current: int | None = None  # what this object last set
+        self.current: int | None = None  # the compute threads the free cores allow now
+        self.native_pass = False  # this pass is a decode on the native kernels: they get `current`, torch one thread
+        self._torch: int | None = None  # what this object last set torch's count to
         self.others: float | None = None  # cores other processes used over the last interval (None: not yet measured)
         self._last: tuple[float, int, int] | None = None  # (wall, all busy ticks, own ticks)
 
-    def poll(self) -> None:
-        """Sample if INTERVAL_S has passed since the last sample; set the thread count if it changed."""
+    def poll(self, native_decode: bool = False) -> None:
+        """Sample if INTERVAL_S has passed since the last sample; set the thread count if it changed.
+
+        NATIVE_DECODE: the pass about to run is a decode whose products run on the native kernels (one position
+        per row): torch gets one thread and the kernels' own pool the free cores (native_pass). Its products are
+        hundreds of short calls with torch's small ops between them; torch's OpenMP threads spinning after each op
+        took the cores the pool's workers needed (SmolLM2 Q4_1, 2 cores: 25-30 ms/token with both on two threads,
+        16 with the cores the pool's alone). A prefill, with large products torch computes too, keeps both."""
         if not self.enabled:
+            self.native_pass = False
             return
+        self._sample()
+        if not self.enabled:  # the caller chose a count
+            self.native_pass = False
+            return
+        self.native_pass = native_decode
+        want = 1 if native_decode else self.current
+        if want is not None and want != self._torch:
+            self._set(want)
+            self._torch = want
+
+    def native_threads(self) -> int | None:
+        """The threads the native kernels get in a native_pass: the free cores' count."""
+        return self.current
+
+    def _sample(self) -> None:
         now = self.clock()
         if self._last is not None and now - self._last[0] < self.INTERVAL_S:
             return
@@ -72,8 +96,8 @@ class ComputeThreads:
             return
         last, self._last = self._last, (now, busy, own)
         if self.most is None:
-            self.most = self.current = self._get()
-        elif self._get() != self.current:  # the caller chose a count: theirs stands from now on
+            self.most = self.current = self._torch = self._get()
+        elif self._get() != self._torch:  # the caller chose a count: theirs stands from now on
             self.enabled, self.reason = False, f"set to {self._get()} by the caller"
             return
         if last is None or now <= last[0]:
@@ -82,18 +106,18 @@ class ComputeThreads:
         others_all = max(0.0, (busy - last[1]) - (own - last[2])) / ticks
         available = _available_cpus(cpus)
         self.others = max(0.0, others_all - (cpus - available))  # others fill the cores outside this process's set first
-        want = max(1, min(self.most, math.floor(available - self.others + 0.5)))
-        if want != self.current:
-            self._set(want)
-            self.current = want
+        self.current = max(1, min(self.most, math.floor(available - self.others + 0.5)))
 
     def restore(self) -> None:
         """Back to torch's default count (a model closed: what runs next in this process starts as it would have)."""
-        if self.enabled and self.most is not None and self.current != self.most:
+        if self.enabled and self.most is not None and self._torch != self.most:
             self._set(self.most)
+            self._torch = self.most
+        if self.most is not None:
             self.current = self.most
         self._last = None
         self.others = None
+        self.native_pass = False
 
     def describe(self) -> str:
         if not self.enabled:
@@ -103,7 +127,8 @@ class ComputeThreads:
             return (f"{now}torch's default until the cores other processes leave free are measured (every "
                     f"{self.INTERVAL_S:g} s while a model runs)")
         return (f"{self.current} of {self.most}: the cores other processes leave free ({self.others:.2f} cores used "
-                f"by others between the last two samples, {self.INTERVAL_S:g} s or more apart)")
+                f"by others between the last two samples, {self.INTERVAL_S:g} s or more apart)"
+                + ("; a decode on the native kernels gives them these and torch one" if self.native_pass else ""))
 
     def _read(self) -> tuple[int, int, int]:
         with open(os.path.join(self.proc, "stat")) as f:

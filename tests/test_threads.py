@@ -117,6 +117,25 @@ def test_a_callers_own_count_stands_and_restore_gives_back_torchs(machine):
     assert state["threads"] == 7 and not ct.enabled and "by the caller" in ct.describe()
 
 
+def test_a_decode_on_the_native_kernels_gives_them_the_cores_and_torch_one(machine):
+    proc, ct, state = machine
+    ct.poll()
+    proc.advance(1.0, others_cores=0.0, own_cores=2.0)
+    ct.poll(native_decode=True)
+    assert state["threads"] == 1 and ct.native_pass and ct.native_threads() == 2
+    assert "torch one" in ct.describe()
+    proc.advance(0.1, others_cores=0.0, own_cores=0.1)
+    ct.poll(native_decode=True)  # every decode pass, sampled or not: still ours, not "set by the caller"
+    assert ct.enabled and state["threads"] == 1
+    ct.poll()  # a prefill: torch computes too
+    assert state["threads"] == 2 and not ct.native_pass
+    proc.advance(1.0, others_cores=1.0, own_cores=1.0)  # a busy neighbour: the kernels get the one free core
+    ct.poll(native_decode=True)
+    assert state["threads"] == 1 and ct.native_threads() == 1
+    ct.restore()
+    assert state["threads"] == 2 and not ct.native_pass and state["sets"] == [1, 2, 1, 2]
+
+
 def test_omp_num_threads_turns_it_off(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     ct = ComputeThreads(proc=str(tmp_path), set_threads=lambda n: pytest.fail("set"), get_threads=lambda: 3)

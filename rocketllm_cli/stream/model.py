@@ -228,6 +228,8 @@ class StreamingModel:
                 self._hooks.append(module.register_forward_hook(self._post_hook(unit, group)))
                 hooked.add(unit)
         self.pass_hooks = self.register_pass_hooks(model)
+        # GGUF blocks on a CPU with the native kernels: a decode step hands them the cores (threads.py native_pass)
+        self._native_products = self.device.type == "cpu" and self.manifest.packing == "blocks" and _native_kernels()
         # A unit only ever looked up by rows is never read whole: no read-ahead, and no buffer sized for it.
         self.store.read_whole_only(hooked)
 
@@ -306,13 +308,16 @@ class StreamingModel:
         if ids is None:
             embeds = kwargs.get("inputs_embeds")
             tokens = int(embeds.shape[0] * embeds.shape[1]) if embeds is not None else 0
+            positions = int(embeds.shape[1]) if embeds is not None else None
         else:
             tokens = int(ids.numel())
-        self.begin_pass(tokens)
+            positions = int(ids.shape[-1]) if ids.dim() else None
+        self.begin_pass(tokens, positions)
 
-    def begin_pass(self, tokens: int) -> None:
-        """A forward pass of TOKENS positions starts (the pre-hook, or graphs.PassClock where no hook runs)."""
-        COMPUTE_THREADS.poll()
+    def begin_pass(self, tokens: int, positions: int | None = None) -> None:
+        """A forward pass of TOKENS positions starts (the pre-hook, or graphs.PassClock where no hook runs), POSITIONS
+        of them per row (1: a decode step), where known."""
+        COMPUTE_THREADS.poll(native_decode=positions == 1 and getattr(self, "_native_products", False))
         self.ledger.begin(tokens)
         self.store.begin_pass()
 
@@ -434,3 +439,9 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
         for name, buf in module._buffers.items():
             if buf is not None and not isinstance(buf, Unbound) and buf.device != device:
                 module._buffers[name] = buf.to(device)
+
+
+def _native_kernels() -> bool:
+    from ..native import kernels
+
+    return kernels() is not None

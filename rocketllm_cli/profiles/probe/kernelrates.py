@@ -5,7 +5,7 @@ blocks instead, at a speed of each type's own (a Q6_K block decodes slower than 
 or int8 activations) and each shape's (Gemma 3's 262,144 x 640 Q8_0 head reads 4.2 GB/s on one thread where a 4096 x
 4096 Q8_0 weight reads 9.3). So each (type, N x K) product a set holds is timed as a decode runs it: one activation
 row, over as many weights of that shape as the set's blocks fill (up to POOL_BYTES: what stays in the caches between
-two tokens does here too), on the threads the engine gives a product of that size (packed/compute.py). Measured
+two tokens does here too), on the threads a decode gives the kernels (every free core: threads.py native_pass). Measured
 the first time a set is planned, reported or benched here (tens of ms a shape, the library built once per machine),
 kept beside the profile in one small JSON file, written atomically; a read-only cache keeps the answer in this
 process only. The blocks are random bytes: a kernel's speed does not depend on their values.
@@ -19,6 +19,7 @@ from dataclasses import replace
 FILE = "kernel-rates.json"
 POOL_BYTES = 256 * 1024 * 1024  # at most this much weight per shape: more than most caches, less than a small machine's RAM
 REPEATS = 2  # timed sweeps after a warm-up one; the faster counts
+VERSION = 2  # of the method: a measurement made otherwise (one thread for a small product) is made again
 _memo: dict[str, dict] = {}  # answers kept in this process, per profile fingerprint (a read-only cache keeps only these)
 
 
@@ -55,7 +56,7 @@ def rates(profile, blocks: dict[str, dict[str, int]], mode: str) -> dict | None:
     threads = torch.get_num_threads()
     pool = _pool_bytes(sum(b for shapes in blocks.values() for b in shapes.values()))
     stored = _load(profile)
-    keys = {(t, shape): f"{nk.isa}-{mode}-t{threads}-p{pool >> 20}-{t}-{shape}"
+    keys = {(t, shape): f"{VERSION}-{nk.isa}-{mode}-t{threads}-p{pool >> 20}-{t}-{shape}"
             for t, shapes in blocks.items() if nk.supported(t) for shape in shapes}
     missing = [ts for ts, key in keys.items() if not isinstance(stored.get(key), (int, float))]
     if missing:
@@ -89,7 +90,6 @@ def _this_machine(profile) -> bool:
 def _measure(nk, products: list[tuple[str, str]], mode: str, threads: int, pool_bytes: int) -> dict[tuple[str, str], float]:
     import torch
 
-    from ...packed.compute import ONE_THREAD_BYTES
     from ...packed.ggmlblocks import SUPPORTED
 
     pool = torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8)
@@ -102,12 +102,11 @@ def _measure(nk, products: list[tuple[str, str]], mode: str, threads: int, pool_
             n, size = max(1, pool_bytes // (k // qk * block_bytes)), pool_bytes // (k // qk * block_bytes) * (k // qk * block_bytes)
         weights = [pool[i * size:(i + 1) * size].view(n, -1) for i in range(max(1, pool_bytes // size))]
         x, out = torch.randn(1, k), torch.empty(1, n)
-        used = 1 if size < ONE_THREAD_BYTES else threads  # as the engine runs a product this size
         best = float("inf")
         for sweep in range(REPEATS + 1):
             start = time.perf_counter()
             for w in weights:
-                nk.matmul(w, name, x, mode=mode, out=out, threads=used)
+                nk.matmul(w, name, x, mode=mode, out=out, threads=threads)
             if sweep:
                 best = min(best, time.perf_counter() - start)
         found[(name, shape)] = size * len(weights) / max(best, 1e-9)
