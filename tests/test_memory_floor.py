@@ -235,3 +235,13 @@ def test_the_heap_gives_large_blocks_back_once_and_leaves_a_users_setting(monkey
     said = heap.return_large_blocks()
     assert said == heap.return_large_blocks() and said  # decided once per process
 
+
+
+def test_the_runtime_measured_beside_a_first_run_is_collected_once():
+    """start() begins the fresh interpreter before sharding; measure_runtime() collects that one, then measures anew."""
+    from rocketllm_cli.profiles.probe import runtime
+
+    runtime.start()
+    assert runtime._started is not None
+    found = runtime.measure_runtime()
+    assert runtime._started is None and found.available and found.value > 50 * 2**20, found

@@ -320,3 +320,17 @@ def test_a_machine_without_a_compiler_runs_gguf_blocks_and_says_why_it_is_slow(s
     assert " Paris" in done.stdout
     notes = [line for line in done.stderr.splitlines() if "native kernels" in line]
     assert len(notes) == 1 and "g++" in notes[0], done.stderr
+
+
+def test_a_build_begun_in_the_background_is_the_one_kernels_returns(monkeypatch):
+    """A first run starts the build beside its sharding (stream/auto.py); kernels() then waits for it, not a second."""
+    first = native.kernels()
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_background", None)
+    native.build_in_background()
+    thread = native._background
+    assert thread is not None and thread.name == "rocketllm-native-build"
+    thread.join(timeout=300)
+    assert native._loaded is not None and (native.kernels() is None) == (first is None)
+    native.build_in_background()  # loaded already: no second thread
+    assert native._background is thread

@@ -22,18 +22,30 @@ import threading
 
 from .kernels import ISAS, MODES, NativeKernels
 
-__all__ = ["ISAS", "MODES", "NativeKernels", "kernels", "why_not"]
+__all__ = ["ISAS", "MODES", "NativeKernels", "build_in_background", "kernels", "why_not"]
 
 ISA_ENV = "ROCKETLLM_NATIVE_ISA"
 
 _lock = threading.Lock()
 _loaded: tuple[NativeKernels | None, str] | None = None  # the library, loaded once per process
+_background: threading.Thread | None = None  # build_in_background's thread
 
 
 def kernels(isa: str | None = None) -> NativeKernels | None:
     """The kernels, built and loaded on first call (seconds, then cached on disk), or None (see why_not()).
     `isa` (default $ROCKETLLM_NATIVE_ISA) caps the variant: "avx512", "avx2" or "scalar"."""
     return _resolve(isa)[0]
+
+
+def build_in_background() -> None:
+    """Load (building it first where needed: seconds of g++) on a thread of its own, so the build runs beside what
+    comes first (a first run's sharding); kernels() then waits for it. Once per process."""
+    global _background
+    with _lock:
+        if _loaded is not None or _background is not None:
+            return
+        _background = threading.Thread(target=_resolve, args=(None,), name="rocketllm-native-build", daemon=True)
+    _background.start()
 
 
 def why_not(isa: str | None = None) -> str:

@@ -69,6 +69,12 @@ class HardwareProfile:
         """The profile if both its parts are cached already; never measures, never writes."""
         return cls._load(storage_path, False, None, measure=False)
 
+    @staticmethod
+    def host_cached() -> bool:
+        """Whether this machine's own measurements (host.json) are cached, with the runtime's memory among them."""
+        host = read_json(profile_dir(fingerprint(fingerprint_facts())) / "host.json") or {}
+        return host.get("measurements", {}).get("runtime_rss", {}).get("method") == RUNTIME_METHOD
+
     @classmethod
     def _load(cls, storage_path: Path | None, refresh: bool, log: Log | None, measure: bool) -> "HardwareProfile | None":
         log = log or logging.getLogger("rocketllm").info

@@ -53,17 +53,41 @@ def process_memory(status: str = "/proc/self/status") -> int:
     return found
 
 
-def measure_runtime() -> Measurement:
-    """The runtime's anonymous memory, from a fresh interpreter; unavailable (with the reason) where that fails."""
-    started = time.perf_counter()
+_started: tuple[subprocess.Popen, float] | None = None  # a measurement start() began, which measure_runtime() collects
+
+
+def start() -> None:
+    """Begin the measurement now in its own interpreter (seconds of imports), so that it runs beside what comes before
+    the profile needs it (a first run's sharding); measure_runtime() collects it. Once per process."""
+    global _started
+    if _started is not None:
+        return
     try:
-        done = subprocess.run([sys.executable, "-c", _SCRIPT, *RUNTIME_IMPORTS], capture_output=True, text=True,
-                              timeout=TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return Measurement.unavailable("runtime_rss", METHOD, f"could not start Python: {exc}", unit="B")
+        job = subprocess.Popen([sys.executable, "-c", _SCRIPT, *RUNTIME_IMPORTS], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    except OSError:
+        return  # measure_runtime() tries again and says why
+    _started = (job, time.perf_counter())
+
+
+def measure_runtime() -> Measurement:
+    """The runtime's anonymous memory, from a fresh interpreter (the one start() began, else one now); unavailable
+    (with the reason) where that fails."""
+    global _started
+    if _started is None:
+        start()
+    if _started is None:
+        return Measurement.unavailable("runtime_rss", METHOD, "could not start Python", unit="B")
+    (job, started), _started = _started, None
+    try:
+        stdout, stderr = job.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.communicate()
+        return Measurement.unavailable("runtime_rss", METHOD, f"the imports ran past {TIMEOUT_S} s", unit="B")
     seconds = time.perf_counter() - started
-    lines = done.stdout.split()
-    if done.returncode != 0 or not lines or not lines[-1].isdigit() or int(lines[-1]) <= 0:
-        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:200]
+    lines = stdout.split()
+    if job.returncode != 0 or not lines or not lines[-1].isdigit() or int(lines[-1]) <= 0:
+        why = (stderr.strip().splitlines() or [f"exit {job.returncode}"])[-1][:200]
         return Measurement.unavailable("runtime_rss", METHOD, f"the import failed: {why}", unit="B")
     return Measurement("runtime_rss", float(lines[-1]), METHOD, seconds=round(seconds, 3), unit="B")
