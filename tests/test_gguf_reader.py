@@ -65,13 +65,16 @@ def test_config_and_tokenizer_are_the_ones_transformers_makes_alone(smollm2_gguf
     assert len(tokenizer) == len(plain_tokenizer) and tokenizer.all_special_tokens == plain_tokenizer.all_special_tokens
 
 
-def test_the_config_view_keeps_the_vocabulary_only_where_no_vocab_size_is_given(smollm2_gguf):
-    from rocketllm_cli.shard.ggufreader import FastReader
+def test_the_config_view_counts_the_vocabulary_instead_of_listing_it(smollm2_gguf):
+    """No tokenizer array reaches the config: where the file gives no vocab_size, its count stands in for the
+    262,144 strings transformers would otherwise parse to count them (transformers maps llama.vocab_size)."""
+    from rocketllm_cli.shard.ggufreader import FastReader, field_value
 
     reader = FastReader(smollm2_gguf)
     fields = reader.config_fields()
-    assert "llama.vocab_size" not in reader.fields or "tokenizer.ggml.tokens" not in fields
-    assert not any(k.startswith("tokenizer.") and fields[k].types[0] == 9 and k != "tokenizer.ggml.tokens" for k in fields)
+    assert "tokenizer.ggml.tokens" not in fields
+    assert field_value(fields["llama.vocab_size"]) == len(reader.fields["tokenizer.ggml.tokens"].data) == 49152
+    assert not any(k.startswith("tokenizer.") and fields[k].types[0] == 9 for k in fields)
     assert {k for k in reader.fields if not k.startswith("tokenizer.")} <= set(fields)
     with reader.for_config():
         assert reader.fields is not None and set(reader.fields) == set(fields)
