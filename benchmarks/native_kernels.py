@@ -21,27 +21,20 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from rocketllm_cli.native import kernels, why_not
 from rocketllm_cli.native.kernels import GGML_IDS
-from rocketllm_cli.packed.ggmlblocks import SUPPORTED, dequantize_blocks
+from rocketllm_cli.native.sample import sample_blocks
+from rocketllm_cli.packed.ggmlblocks import dequantize_blocks
 
 N = K = 4096
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
 
 
 def blocks_for(name: str, seed: int) -> torch.Tensor:
     """uint8 [N, K / QK · bytes]: random codes, modest fp16 scales (the speed does not depend on the values)."""
-    rng = np.random.default_rng(seed)
-    qk, nbytes = SUPPORTED[name]
-    raw = rng.integers(0, 256, size=(N, K // qk, nbytes), dtype=np.uint8)
-    for at in F16_FIELDS[name]:
-        raw[..., at:at + 2] = rng.uniform(1e-3, 1e-2, (N, K // qk, 1)).astype(np.float16).view(np.uint8)
-    return torch.from_numpy(raw.reshape(N, -1))
+    return sample_blocks(name, N, K, seed)
 
 
 def l3_bytes() -> int:

@@ -334,3 +334,26 @@ def test_a_build_begun_in_the_background_is_the_one_kernels_returns(monkeypatch)
     assert native._loaded is not None and (native.kernels() is None) == (first is None)
     native.build_in_background()  # loaded already: no second thread
     assert native._background is thread
+
+
+def test_bench_kernels_times_each_type_in_both_modes_and_measures_their_error(nk):
+    """`bench --kernels`: per type, both modes' speed and error against the fp64 product of gguf's own weights:
+    exact to fp32 rounding, int8 to its 8-bit activations (about 5e-3 on these weights), and the torch decoder."""
+    from rocketllm_cli.bench.kernels import render_kernels, run_kernels
+
+    doc = run_kernels(types=("Q8_0", "Q4_K"))
+    assert [r["type"] for r in doc["rows"]] == ["Q8_0", "Q4_K"] and doc["isa"] == nk.isa
+    for row in doc["rows"]:
+        assert row["exact_gb_per_s"] > 0 and row["int8_gb_per_s"] > 0 and row["torch_decoder_gb_per_s"] > 0
+        assert row["exact_rel_error"] < 1e-5 < 1e-4 < row["int8_rel_error"] < 5e-2, row
+    text = render_kernels(doc)
+    assert "| Q4_K | 4.5 |" in text and "int8 speed-up" in text
+
+
+def test_bench_kernels_takes_no_model():
+    from typer.testing import CliRunner
+
+    from rocketllm_cli.app import app
+
+    done = CliRunner().invoke(app, ["bench", "--kernels", "some.gguf"])
+    assert done.exit_code != 0 and "--kernels measures the kernels alone" in done.stderr

@@ -41,6 +41,7 @@ Examples:
   rocketllm bench ./SmolLM2.gguf --conversation 3
   rocketllm bench ./SmolLM2.gguf --json-schema benchmarks/schemas/cities.json
   rocketllm bench ./SmolLM2-Q4.gguf --perplexity tests/fixtures/perplexity.txt --reference ./SmolLM2-bf16
+  rocketllm bench --kernels
 """
 
 RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help=f"resident, host, storage, auto (the residency this machine derives, as generate runs: a model larger than memory), expert-cache (MoE models) or all (repeatable; all is every one but auto). [default: all that apply; {BATCH_REGIME} with --batch]", show_default=False)]
@@ -70,6 +71,7 @@ def run(
     window: WindowOpt = None,
     stride: StrideOpt = None,
     json_schema: SchemaOpt = None,
+    kernels: Annotated[bool, typer.Option("--kernels", help="No model: the native kernels' GB/s per GGUF block type, exact and int8, their error against fp64, and the torch decoder's rate.")] = False,
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
@@ -77,6 +79,9 @@ def run(
 
     output = Output(as_json=json)
     validate_knob_flags(knob_flags or {})
+    if kernels:
+        _kernels(model or [], model_option, synthetic, output)
+        return
     model, regime, baseline, batch = _spread(model or [], regime or [], baseline or [], batch or [])
     model = pick_model(model, model_option, required=False)  # no MODEL: --synthetic names one
     from ..distributed.launch import launched
@@ -213,3 +218,17 @@ def _perplexity(model, synthetic, text_file, reference, window, stride, regime, 
         output.json(doc)
     else:
         output.result(render_perplexity(doc))
+
+
+def _kernels(model, model_option, synthetic, output) -> None:
+    from ..bench.kernels import render_kernels, run_kernels
+    from ..errors import UsageError
+
+    if model or model_option or synthetic:
+        raise UsageError("--kernels measures the kernels alone: drop MODEL and --synthetic")
+    with output.progress("timing the native kernels", announce=False):
+        doc = run_kernels(output.log)
+    if output.as_json:
+        output.json(doc)
+    else:
+        output.result(render_kernels(doc))
