@@ -86,7 +86,7 @@ def layer_overhead(profile, compute_dtype: str) -> dict | None:
     if not found:
         return None
     found.sort()
-    return {"seconds": found[len(found) // 2][0], "sets": [name for _, name in found]}
+    return {"seconds": found[len(found) // 2][0], "sets": list(dict.fromkeys(name for _, name in found))}
 
 
 def with_layer_overhead(profile, facts, compute_dtype: str):

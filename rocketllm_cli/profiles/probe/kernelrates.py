@@ -5,8 +5,10 @@ blocks instead, at a speed of each type's own (a Q6_K block decodes slower than 
 or int8 activations) and each shape's (Gemma 3's 262,144 x 640 Q8_0 head reads 4.2 GB/s on one thread where a 4096 x
 4096 Q8_0 weight reads 9.3). So each (type, N x K) product a set holds is timed as a decode runs it: one activation
 row, over as many weights of that shape as the set's blocks fill (up to POOL_BYTES: what stays in the caches between
-two tokens does here too), on the threads a decode gives the kernels (every free core: threads.py native_pass). Measured
-the first time a set is planned, reported or benched here (tens of ms a shape, the library built once per machine),
+two tokens does here too), on the threads a decode gives the kernels (every free core: threads.py native_pass). A type
+the kernels do not cover (the IQ1-3, TQ and MXFP4 grids), or every type where they cannot be built, is timed on the
+torch decoder the engine then runs (the blocks dequantized per use, multiplied in fp32): ten to a hundred times
+slower, which a projection must show. Measured the first time a set is planned, reported or benched here (tens of ms a shape, the library built once per machine),
 kept beside the profile in one small JSON file, written atomically; a read-only cache keeps the answer in this
 process only. The blocks are random bytes: a kernel's speed does not depend on their values.
 """
@@ -33,9 +35,8 @@ def block_shapes_of(facts) -> dict[str, dict[str, int]]:
 
 def with_kernel_rates(profile, facts, mode: str = "exact"):
     """FACTS with `kernel_rates` (ModelFacts) for its block products on this machine, measured now where not yet:
-    {"mode", "isa", "threads", "rates": {type: {"NxK": bytes per second}}}. FACTS unchanged where the compute device
-    is not the CPU, the set holds no blocks, it has its decode measured, or the native kernels cannot be built (the
-    matvec floor then stands for the blocks too)."""
+    rates()'s document. FACTS unchanged where the compute device is not the CPU, the set holds no blocks, or it has
+    its decode measured."""
     blocks = getattr(facts, "block_bytes", None) or {}
     if not blocks or not profile.is_cpu or getattr(facts, "decode_compute", None):
         return facts
@@ -44,31 +45,71 @@ def with_kernel_rates(profile, facts, mode: str = "exact"):
 
 
 def rates(profile, blocks: dict[str, dict[str, int]], mode: str) -> dict | None:
-    """{"mode", "isa", "threads", "rates": {type: {"NxK": B/s}}} for BLOCKS' types the kernels cover; None without
-    kernels, or where a rate is missing and PROFILE is another machine's (plan --profile FILE)."""
+    """{"mode", "isa", "threads", "rates": {type: {"NxK": B/s}}, "paths": {type: path}} for BLOCKS' types: those the
+    native kernels cover on them ("native"), the others (a grid type, or every type where the kernels cannot be built)
+    on the torch decoder the engine then uses, blocks dequantized per use and multiplied in fp32 ("torch decoder").
+    None where a rate is missing and PROFILE is another machine's (plan --profile FILE)."""
     from ...native import kernels
 
     nk = kernels()
-    if nk is None:
-        return None
     import torch
 
     threads = torch.get_num_threads()
     pool = _pool_bytes(sum(b for shapes in blocks.values() for b in shapes.values()))
     stored = _load(profile)
-    keys = {(t, shape): f"{VERSION}-{nk.isa}-{mode}-t{threads}-p{pool >> 20}-{t}-{shape}"
-            for t, shapes in blocks.items() if nk.supported(t) for shape in shapes}
-    missing = [ts for ts, key in keys.items() if not isinstance(stored.get(key), (int, float))]
+    paths = {t: "native" if nk is not None and nk.supported(t) else "torch decoder" for t in blocks if _decodable(t)}
+    isa = nk.isa if nk is not None else "none"
+
+    def key(t: str, shape: str) -> str:
+        how = f"{isa}-{mode}" if paths[t] == "native" else "torch"
+        return f"{VERSION}-{how}-t{threads}-p{pool >> 20}-{t}-{shape}"
+
+    keys = {(t, shape): key(t, shape) for t in paths for shape in blocks[t]}
+    missing = [ts for ts, k in keys.items() if not isinstance(stored.get(k), (int, float))]
     if missing:
         if not _this_machine(profile):
             return None
-        measured = _measure(nk, missing, mode, threads, pool)
+        native = [ts for ts in missing if paths[ts[0]] == "native"]
+        measured = _measure(nk, native, mode, threads, pool) if native else {}
+        measured.update(_measure_decoder([ts for ts in missing if paths[ts[0]] != "native"], threads))
         stored.update({keys[ts]: bps for ts, bps in measured.items()})
         _save(profile, stored)
     found: dict[str, dict[str, float]] = {}
-    for (t, shape), key in keys.items():
-        found.setdefault(t, {})[shape] = float(stored[key])
-    return {"mode": mode, "isa": nk.isa, "threads": threads, "rates": found}
+    for (t, shape), k in keys.items():
+        found.setdefault(t, {})[shape] = float(stored[k])
+    return {"mode": mode, "isa": isa, "threads": threads, "rates": found, "paths": paths}
+
+
+def _decodable(name: str) -> bool:
+    from ...packed.ggmlblocks import SUPPORTED
+
+    return name in SUPPORTED
+
+
+def _measure_decoder(products: list[tuple[str, str]], threads: int) -> dict[tuple[str, str], float]:
+    """The torch decoder's rate on each product: one weight of at most 8 MiB of blocks (the decoder reads far below
+    memory speed, so caches do not matter), dequantized and multiplied in fp32, after a warm-up."""
+    import torch
+    import torch.nn.functional as F
+
+    from ...packed.ggmlblocks import SUPPORTED, dequantize_blocks
+
+    found = {}
+    for name, shape in products:
+        n, k = (int(v) for v in shape.split("x"))
+        qk, block_bytes = SUPPORTED[name]
+        row = k // qk * block_bytes
+        n = max(1, min(n, (8 << 20) // row))
+        w = torch.randint(0, 256, (n, row), dtype=torch.uint8)
+        x = torch.randn(1, k)
+        F.linear(x, dequantize_blocks(w[: min(n, 16)], name))
+        best = float("inf")
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            F.linear(x, dequantize_blocks(w, name))
+            best = min(best, time.perf_counter() - start)
+        found[(name, shape)] = w.numel() / max(best, 1e-9)
+    return found
 
 
 def _pool_bytes(model_bytes: int) -> int:
@@ -151,8 +192,11 @@ def type_rates(kernel_rates: dict, blocks: dict[str, dict[str, int]]) -> dict[st
 
 
 def describe(kernel_rates: dict, blocks: dict[str, dict[str, int]]) -> str:
-    """One line: each type's bytes and measured rate (over its shapes), for a projection's `how`."""
+    """One line: each type's bytes, measured rate (over its shapes) and path, for a projection's `how`."""
     timed = type_rates(kernel_rates, blocks)
-    parts = [f"{t} {b / s / 1e9:.2f} GB/s over {b / 2**20:.1f} MiB" for t, (b, s) in sorted(timed.items(), key=lambda i: -i[1][0])]
-    return (f"native kernels on the blocks ({kernel_rates['isa']}, {kernel_rates['mode']}, up to {kernel_rates['threads']} "
-            f"thread{'s' if kernel_rates['threads'] != 1 else ''}), each type and shape measured here: " + ", ".join(parts))
+    paths = kernel_rates.get("paths") or {}
+    parts = [f"{t} {b / s / 1e9:.2f} GB/s over {b / 2**20:.1f} MiB" + (" (torch decoder)" if paths.get(t) == "torch decoder" else "")
+             for t, (b, s) in sorted(timed.items(), key=lambda i: -i[1][0])]
+    return (f"the blocks on the native kernels ({kernel_rates['isa']}, {kernel_rates['mode']}, up to {kernel_rates['threads']} "
+            f"thread{'s' if kernel_rates['threads'] != 1 else ''}) or where they have none the torch decoder, each type and "
+            "shape measured here: " + ", ".join(parts))
