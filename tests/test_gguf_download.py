@@ -125,3 +125,14 @@ def test_the_default_set_is_planned_whole_where_memory_holds_it(gemma_gguf, tmp_
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=3, do_sample=False)
         assert model.ledger.summary()["per_token_served"]["storage"] == 0
+
+
+def test_plan_offers_no_int4_kv_for_a_model_with_sliding_window_layers(gemma_gguf):
+    """The header says Gemma 3 has sliding-window layers (not which): no row may need an int4 KV cache, which a
+    load refuses for such a model (every row of `plan` runs)."""
+    from rocketllm_cli.shard.modelfacts import model_facts_from_path
+
+    facts = model_facts_from_path(gemma_gguf)
+    assert facts.kv_window_values > 0 and facts.kv_growing_layers == facts.num_layers  # the KV never undercounted
+    doc = json.loads(invoke("plan", gemma_gguf, "--json").stdout)
+    assert doc["rows"] and all(row["kv_cache_dtype"] != "int4" for row in doc["rows"])

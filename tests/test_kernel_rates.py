@@ -64,13 +64,18 @@ def test_the_overhead_per_layer_is_the_median_of_what_bench_measured_beyond_the_
     monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
     profile = cpu_profile()
     monkeypatch.setattr(decodecompute, "compute_floor", lambda p, f, dtype, kernel="exact": 0.010)
-    for name, ms, layers in (("a", 14.0, 8), ("b", 30.0, 40), ("c", 12.0, 2)):  # (ms - 10) / layers: 0.5, 0.5, 1.0 ms
+    for name, ms, layers, arch in (("a", 14.0, 8, "llama"), ("b", 30.0, 40, "llama"), ("c", 12.0, 2, "gemma3")):
+        # (ms - 10) / layers: 0.5, 0.5, 1.0 ms
         manifest = type("M", (), {"units": [], "total_bytes": layers, "source": {"name": name}})()
         monkeypatch.setattr(decodecompute, "_key", lambda d, m, dtype, n=name: f"{n}-{dtype}")
         decodecompute.record(profile, tmp_path / name, manifest, "fp32", {"median": ms, "p10": ms}, 2,
-                             replace(gguf_facts(), name=name, num_layers=layers))
+                             replace(gguf_facts(), name=name, num_layers=layers, architecture=arch))
     found = decodecompute.layer_overhead(profile, "fp32")
     assert found["seconds"] == pytest.approx(0.0005) and sorted(found["sets"]) == ["a", "b", "c"]
+    assert found["architecture"] == "any"
+    gemma = decodecompute.layer_overhead(profile, "fp32", "gemma3")  # its own architecture's layers, where measured
+    assert gemma["seconds"] == pytest.approx(0.001) and gemma["sets"] == ["c"] and gemma["architecture"] == "gemma3"
+    assert decodecompute.layer_overhead(profile, "fp32", "qwen3")["architecture"] == "any"  # none of it: every set
     assert decodecompute.layer_overhead(profile, "bf16") is None  # another compute dtype: no measurement stands in
     attached = decodecompute.with_layer_overhead(profile, gguf_facts(), "fp32")
     assert attached.layer_overhead["seconds"] == pytest.approx(0.0005)

@@ -88,8 +88,9 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
     overhead = model.layer_overhead
     if overhead and compute is not None and not model.decode_compute:
         compute += model.num_layers * float(overhead["seconds"])
+        of = f"{overhead['architecture']} sets" if overhead.get("architecture", "any") != "any" else "sets of any architecture"
         how += (f"; plus {model.num_layers} layers x {1000 * float(overhead['seconds']):.3f} ms of per-layer work, the median of "
-                f"what bench measured beyond the products on this machine ({', '.join(overhead['sets'])})")
+                f"what bench measured beyond the products for {of} on this machine ({', '.join(overhead['sets'])})")
     measured = model.decode_compute
     if measured and total:
         floor = f"; the matvec floor alone: {1000 * compute:.1f} ms" if compute else ""

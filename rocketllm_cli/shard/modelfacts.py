@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..dtypes import ITEMSIZE, short_name
@@ -45,6 +45,7 @@ class ModelFacts:
     max_positions: int  # the context the config allows
     dtype: str = "bf16"
     gguf_blocks: bool = False  # low-bit weights kept as a GGUF's blocks: a CPU computes them in fp32 (formulas.py)
+    architecture: str = ""  # the decoder's model type ("llama", "gemma3"), where the config or header names it
     # {GGML type name: {"NxK": bytes}}: the set's tensors kept as that type's blocks, by product shape (a weight of N
     # rows of K elements), summed over the tensors of that shape (a GGUF set); None: no blocks
     block_bytes: dict | None = None
@@ -133,6 +134,17 @@ def config_int(config, keys: tuple[str, ...], minimum: int = 1) -> int | None:
     return next((v for v in values if type(v) is int and v >= minimum), None)
 
 
+def architecture_of(config) -> str:
+    """The decoder's model type, one name for a checkpoint's config and a GGUF's header ("gemma3_text" -> "gemma3")."""
+    if isinstance(config, Mapping):
+        text = config.get("text_config") or config
+        name = text.get("model_type") or config.get("model_type")
+    else:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        name = getattr(text, "model_type", None) or getattr(config, "model_type", None)
+    return str(name or "").lower().removesuffix("_text")
+
+
 def expert_count(config) -> int | None:
     """Experts per MoE layer (None for a dense model)."""
     return config_int(config, EXPERT_COUNT_KEYS, minimum=2)
@@ -191,6 +203,7 @@ def _build(name: str, units: Units, config, dtype: str, compute_dtype: str | Non
         max_positions=config_int(config, POSITION_KEYS) or DEFAULT_POSITIONS,
         dtype=dtype or "unknown",
         gguf_blocks=gguf_blocks,
+        architecture=architecture_of(config),
         block_bytes=block_bytes or None,
         active_bytes=active,
         kv_values_per_token=growing * per_layer,
@@ -334,6 +347,7 @@ def _from_gguf(path: Path) -> ModelFacts:
 
     heads = get("attention.head_count", 0) or 0
     config = {
+        "model_type": arch,
         "num_hidden_layers": get("block_count"),
         "max_position_embeddings": get("context_length"),
         "num_attention_heads": heads,
@@ -344,7 +358,14 @@ def _from_gguf(path: Path) -> ModelFacts:
     kept = kept_as_blocks(infos)
     blocks = _block_bytes(({"kind": "gguf", "gguf_type": GGML_NAMES.get(infos[n][0], str(infos[n][0])),
                             "shape": [infos[n][1][1], infos[n][1][0]]}, sizes[n]) for n in kept)
-    return _build(path.stem, _tensor_units(path.stem, sizes, None), config, dtype, gguf_blocks=True, block_bytes=blocks)
+    facts = _build(path.stem, _tensor_units(path.stem, sizes, None), config, dtype, gguf_blocks=True, block_bytes=blocks)
+    window = get("attention.sliding_window")
+    if isinstance(window, int) and window > 0 and not facts.kv_window_values:
+        # The header declares sliding-window layers but not which (transformers derives them per architecture): every
+        # layer still counts as keeping every token (the KV never undercounted), and one window's worth marks the
+        # model as not all full attention, which an int4 KV cache needs (stream/kvcache.py).
+        facts = replace(facts, kv_window_values=window * 2 * (config["num_key_value_heads"] or 0) * (config["head_dim"] or 0))
+    return facts
 
 
 def _tensor_units(name: str, sizes: dict[str, int], experts_per_layer: int | None) -> Units:

@@ -37,7 +37,7 @@ def record(profile, directory: Path, manifest, compute_dtype: str, ms: dict, thr
     }
     floor = compute_floor(profile, facts, compute_dtype, kernel) if facts is not None and facts.num_layers else None
     if floor is not None:
-        entry.update(name=facts.name, layers=facts.num_layers, floor_seconds=floor)
+        entry.update(name=facts.name, architecture=facts.architecture, layers=facts.num_layers, floor_seconds=floor)
     stored[_key(directory, manifest, compute_dtype)] = entry
     try:
         write_json(where, stored)
@@ -73,20 +73,25 @@ def compute_floor(profile, facts, compute_dtype: str, kernel: str = "exact") -> 
     return project(as_computed, with_kernel_rates(profile, bare, kernel), {"device": facts.bytes_per_token}).compute_seconds
 
 
-def layer_overhead(profile, compute_dtype: str) -> dict | None:
+def layer_overhead(profile, compute_dtype: str, architecture: str = "") -> dict | None:
     """What a decoder layer costs here beside its products, from the sets bench measured resident on this machine in
-    COMPUTE_DTYPE: the median of (measured - floor) / layers, {"seconds", "sets": [names]}; None where none was."""
+    COMPUTE_DTYPE, those of ARCHITECTURE where there are any (a Gemma 3 layer's four norms and q/k norms cost 0.7 ms
+    where a Llama layer's two cost 0.27, 2 cores): the median of (measured - floor) / layers,
+    {"seconds", "sets": [names], "architecture": what they are}; None where none was."""
     from ..cache import profile_dir, read_json
 
     found = []
     for entry in (read_json(profile_dir(profile.fingerprint) / FILE) or {}).values():
         if isinstance(entry, dict) and entry.get("compute_dtype") == compute_dtype and isinstance(entry.get("layers"), int) \
                 and entry["layers"] > 0 and isinstance(entry.get("floor_seconds"), (int, float)):
-            found.append((max(0.0, (float(entry["seconds"]) - entry["floor_seconds"]) / entry["layers"]), str(entry.get("name", "?"))))
+            found.append((max(0.0, (float(entry["seconds"]) - entry["floor_seconds"]) / entry["layers"]), str(entry.get("name", "?")),
+                          str(entry.get("architecture") or "")))
+    same = [f for f in found if architecture and f[2] == architecture]
+    found = sorted(same or found)
     if not found:
         return None
-    found.sort()
-    return {"seconds": found[len(found) // 2][0], "sets": list(dict.fromkeys(name for _, name in found))}
+    return {"seconds": found[len(found) // 2][0], "sets": list(dict.fromkeys(name for _, name, _ in found)),
+            "architecture": architecture if same else "any"}
 
 
 def with_layer_overhead(profile, facts, compute_dtype: str):
@@ -95,5 +100,5 @@ def with_layer_overhead(profile, facts, compute_dtype: str):
 
     if facts.decode_compute or not facts.num_layers:
         return facts
-    found = layer_overhead(profile, compute_dtype)
+    found = layer_overhead(profile, compute_dtype, facts.architecture)
     return replace(facts, layer_overhead=found) if found else facts
