@@ -285,6 +285,8 @@ def test_verify_benches_the_top_rows_that_run_here(monkeypatch, tmp_path):
     assert [m["status"] for m in measured] == ["measured", "measured"] and measured[0]["tokens_per_s"] == 50.0
     assert calls[0][0][3:5] == ["bench", str(source.run_path)] and "--json" in calls[0][0]
     assert any("without the" in note for note in measured[0]["notes"])
+    # a capped row starts cold: what this machine caches of the model would serve it from outside its cap
+    assert any(note.startswith("started cold: ") and "evicted from the page cache" in note for note in measured[0]["notes"])
     monkeypatch.setenv(planverify.WITH_RAM, "/opt/with-ram")
     calls.clear()
     planverify.verify_rows(plan, str(source.run_path), 1, lambda m: None)
@@ -294,3 +296,18 @@ def test_verify_benches_the_top_rows_that_run_here(monkeypatch, tmp_path):
     assert requantised.rows[0].format.quantize == "int4"
     planverify.verify_rows(requantised, str(source.run_path), 1, lambda m: None)
     assert calls[0][0][3:6] == ["shard", str(source.run_path), "--quantize"] and "bench" in calls[1][0]
+
+
+def test_a_capped_verify_evicts_the_model_and_its_sets(tmp_path, monkeypatch):
+    from rocketllm_cli.bench import planverify
+
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF" + bytes(4092))
+    shards = tmp_path / "cache" / "shards"
+    for name in ("tiny-0123-fp32-blocks", "tinyother-4567-fp32", "tiny-89ab-bf16"):
+        (shards / name).mkdir(parents=True)
+        (shards / name / "layer.000.safetensors").write_bytes(bytes(8192))
+    found = planverify._sets_of(model)
+    assert [p.name for p in found] == ["tiny-0123-fp32-blocks", "tiny-89ab-bf16"]  # another model's set is not its
+    assert planverify._evict_model(model, *found) == "3 files (20.00 KiB)"

@@ -48,6 +48,10 @@ def verify_rows(plan, model: str, count: int, log, progress=None) -> list[dict]:
         command = [sys.executable, "-m", "rocketllm_cli", *words, "--json"]
         if plan.profile.ram_total < ram_total:
             limit = f"{plan.profile.ram_total // MiB}M"
+            # A machine of that much RAM holds none of the weights in its page cache beyond what the run reads: the
+            # files this one cached (earlier rows, sharding) would serve the capped run from memory outside its cap.
+            evicted = _evict_model(Path(target), Path(model), *_sets_of(Path(model)))
+            entry["notes"].append(f"started cold: {evicted} evicted from the page cache")
             if wrapper:
                 command = [wrapper, limit, "--", *command]
                 entry["notes"].append(f"under {Path(wrapper).name} {limit}")
@@ -118,3 +122,22 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def _evict_model(*paths: Path) -> str:
+    """Evict every file of PATHS (a GGUF, a shard set) from the page cache; says how much, in words."""
+    from ..profiles.probe.storage import evict_file
+
+    files = {f for p in paths for f in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else []) if f.is_file()}
+    for f in files:
+        evict_file(f)
+    return f"{len(files)} file{'s' if len(files) != 1 else ''} ({format_bytes(sum(f.stat().st_size for f in files))})"
+
+
+def _sets_of(model: Path) -> list[Path]:
+    """The shard sets in the cache made from MODEL (by its name: every dtype and packing), which a bench of it loads."""
+    from ..shard.target import shards_root
+
+    if not model.is_file():
+        return []
+    return sorted(p for p in shards_root().glob(f"{model.stem}-*") if p.is_dir())

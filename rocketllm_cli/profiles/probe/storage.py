@@ -68,7 +68,7 @@ def _measure_file(path: Path, size: int, fs: Filesystem, caps: dict, log) -> tup
     warm = min((_buffered_read(path) for _ in range(2)), key=lambda r: r[1])
     out["page_cache_read"] = Measurement("page_cache_read", size / warm[1], "read() of a just-written file into a reused 16 MiB buffer, best of 2", size, warm[1])
 
-    evicted = _evict(path)
+    evicted = evict_file(path)
     io_before = _io_read_bytes()
     n, seconds, cpu = _unit_reads(path, size, fs.kind, direct=False)
     delta = None if io_before is None else _io_read_bytes() - io_before
@@ -190,7 +190,7 @@ def _direct_read(path: Path, size: int, kind: str) -> Measurement:
     name = "storage_read_direct"
     if not hasattr(os, "O_DIRECT"):
         return Measurement.unavailable(name, "O_DIRECT", "this OS has no O_DIRECT")
-    _evict(path)
+    evict_file(path)
     try:
         n, seconds, cpu = _unit_reads(path, size, kind, direct=True)
     except OSError as exc:
@@ -211,7 +211,7 @@ def _cold_verdict(fs: Filesystem, size: int, delta: int | None, cold_s: float, w
     return verdict, f"/proc/self/io unreadable; eviction judged by time (cold {cold_s:.3f}s vs warm {warm_s:.3f}s): {'evicted' if verdict else 'not evicted'}"
 
 
-def _evict(path: Path) -> str | None:
+def evict_file(path: Path) -> str | None:
     """Drop the file's clean pages from the page cache; returns why not, or None."""
     if not hasattr(os, "posix_fadvise"):
         return "no os.posix_fadvise on this OS"

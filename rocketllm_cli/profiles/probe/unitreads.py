@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .storage import evict_file
+
 IN_FLIGHTS = (1, 2, 4, 8)
 SAMPLE_BYTES = 64 * 1024**2  # read per method and count in flight: enough units that a request's latency averages out
 BUFFER_SHARE = 0.25  # the probe's buffers (one per read in flight) take at most this share of available memory
@@ -127,7 +129,7 @@ def measure(directory: Path, units: list, cpu_shared: int, direct_ok: bool, in_f
 
 def _read_all(paths: list[tuple[Path, int]], direct: bool, k: int, buffers: list) -> UnitReadRow:
     for path, _ in paths:
-        _evict(path)
+        evict_file(path)
     queue = list(range(len(paths)))
 
     def worker(slot: int) -> int:
@@ -154,14 +156,6 @@ def _read_all(paths: list[tuple[Path, int]], direct: bool, k: int, buffers: list
     with ThreadPoolExecutor(k, thread_name_prefix="rocketllm-probe") as pool:
         total = sum(pool.map(worker, range(k)))
     return UnitReadRow(direct, k, total, round(max(time.perf_counter() - start, 1e-9), 6), round(time.process_time() - cpu, 6))
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _round_up(n: int) -> int:
