@@ -27,8 +27,9 @@ from .scratch import SCRATCH, Scratch
 # blocks (rocketllm_cli/native); scratch: dequantize into the scratch buffer, then F.linear
 PATHS = ("int4", "int8", "native", "scratch")
 NATIVE_MODES = ("exact", "int8")  # native: fp32 activations (exact), or activations quantized to 8 bits per block
-# native, one row: a weight of fewer bytes runs on the calling thread (SmolLM2's products: 27-35 ms/token on the pool,
-# 23-25 on one thread; its 30 MiB head still gains from two)
+# native, one row, where the thread follower is off (OMP_NUM_THREADS, a caller's own count: threads.py native_pass gives
+# a decode's products every free core otherwise): a weight of fewer bytes runs on the calling thread (SmolLM2's products:
+# 27-35 ms/token on the pool beside torch's spinning threads, 23-25 on one thread; its 30 MiB head still gains from two)
 ONE_THREAD_BYTES = 4 << 20
 
 
