@@ -248,8 +248,9 @@ def _block_bytes(rows) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for packed, nbytes in rows:
         kind = packed.get("gguf_type") if isinstance(packed, dict) and packed.get("kind") == "gguf" else None
-        if kind:
-            n, k = packed["shape"]
+        shape = packed.get("shape") if kind else None
+        if isinstance(shape, (list, tuple)) and len(shape) == 2:
+            n, k = shape
             shapes = out.setdefault(kind, {})
             shapes[f"{n}x{k}"] = shapes.get(f"{n}x{k}", 0) + int(nbytes)
     return out
