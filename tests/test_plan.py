@@ -311,3 +311,33 @@ def test_a_capped_verify_evicts_the_model_and_its_sets(tmp_path, monkeypatch):
     found = planverify._sets_of(model)
     assert [p.name for p in found] == ["tiny-0123-fp32-blocks", "tiny-89ab-bf16"]  # another model's set is not its
     assert planverify._evict_model(model, *found) == "3 files (20.00 KiB)"
+
+
+@pytest.mark.realmodel
+def test_plan_of_a_gguf_projects_from_the_decode_bench_measured_on_its_set(smollm2_gguf, tmp_path, monkeypatch):
+    """A GGUF whose default set is in the cache and was benched here: its stored format projects from that record, as
+    `plan SHARDS` and `doctor --model SHARDS` do; found by the file's content fingerprint, which is not taken again."""
+    from typer.testing import CliRunner
+
+    from rocketllm_cli.app import app
+    from rocketllm_cli.profiles import HardwareProfile
+    from rocketllm_cli.profiles.planformats import sets_of_gguf
+    from rocketllm_cli.profiles.probe.decodecompute import record
+    from rocketllm_cli.shard import identity
+    from rocketllm_cli.shard.manifest import Manifest
+    from rocketllm_cli.synthetic.gguf import write_llama_gguf
+
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    model = write_llama_gguf(tmp_path / "tiny.gguf", smollm2_gguf, hidden=256, layers=2, intermediate=512, heads=4,
+                             kv_heads=2, qtype="Q4_K", embed_type="Q8_0")
+    assert sets_of_gguf(model) == []  # never sharded: nothing known, nothing hashed
+    done = CliRunner().invoke(app, ["shard", str(model), "--json"])
+    assert done.exit_code == 0, done.stderr
+    [directory] = sets_of_gguf(model)
+    monkeypatch.setattr(identity, "_sha256", lambda path: pytest.fail("plan hashed the file"))
+    profile = HardwareProfile.load()
+    knob = str(profile.capability("compute_dtype"))
+    record(profile, directory, Manifest.load(directory), knob, {"median": 40.0, "p10": 38.0, "n": 8}, 2)
+    doc = json.loads(CliRunner().invoke(app, ["plan", str(model), "--json"]).stdout)
+    default = next(row for row in doc["rows"] if row["default"])
+    assert default["formula"] == "batch / (compute_s)" and default["inputs"]["compute_s"] == pytest.approx(0.040)

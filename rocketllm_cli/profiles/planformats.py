@@ -110,19 +110,43 @@ class ModelSource:
 
 def with_measured_decode(source: ModelSource, profile) -> ModelSource:
     """A shard set's resident decode per compute dtype, where `rocketllm bench` measured it on this machine
-    (probe/decodecompute.py): its rows project from it rather than from the matvec floor, as `doctor --model SET` does."""
-    if source.kind != "shards":
+    (probe/decodecompute.py): its rows project from it rather than from the matvec floor, as `doctor --model SET` does.
+    A GGUF file: the same for the default set sharded from it, where one is in the cache (sets_of_gguf)."""
+    directories = [source.path] if source.kind == "shards" else sets_of_gguf(source.path) if source.kind == "gguf" else []
+    if not directories:
         return source
     from ..dtypes import NAMES
     from ..shard.manifest import Manifest
     from .probe.decodecompute import lookup
 
     try:
-        manifest = Manifest.load(source.path)
-        found = {dtype: lookup(profile, source.path, manifest, dtype) for dtype in NAMES}
+        manifest = Manifest.load(directories[0])
+        found = {dtype: lookup(profile, directories[0], manifest, dtype) for dtype in NAMES}
     except Exception:  # noqa: BLE001 - an unreadable record or set: the floor stands
         return source
     return replace(source, decode={dtype: record for dtype, record in found.items() if record})
+
+
+def sets_of_gguf(path: Path) -> list[Path]:
+    """The default (blocks) sets in the cache sharded from the GGUF at PATH, found by its content fingerprint where an
+    earlier run took it (shard/identity.py known_fingerprint: no hash here); [] otherwise."""
+    import json
+
+    from ..shard.identity import known_fingerprint
+    from ..shard.target import shards_root
+
+    fingerprint = known_fingerprint(path)
+    if fingerprint is None:
+        return []
+    found = []
+    for directory in sorted(shards_root().glob(f"*-{fingerprint}-*")):
+        try:
+            doc = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("packing") == "blocks":
+            found.append(directory)
+    return found
 
 
 def read_source(path: Path) -> ModelSource:

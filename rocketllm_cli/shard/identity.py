@@ -16,6 +16,20 @@ CHUNK = 8 << 20  # bytes hashed per read
 KEPT = 256  # remembered files; the oldest are forgotten first
 
 
+def known_fingerprint(path: Path) -> str | None:
+    """The file's content hash where an earlier run took it and the file is unchanged since; None otherwise (never
+    reads the file: a header-only caller, `plan`, pays no hash of a 40 GB file)."""
+    from ..profiles.cache import cache_dir, read_json
+
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    found = ((read_json(cache_dir() / MEMO) or {}).get("files") or {}).get(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}")
+    return str(found) if found else None
+
+
 def content_fingerprint(path: Path) -> str:
     """The file's content hash (16 hex digits), from the memo when the file is unchanged since it was taken."""
     from ..profiles.cache import cache_dir, read_json, write_json
