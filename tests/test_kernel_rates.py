@@ -110,7 +110,7 @@ def test_rates_are_measured_once_and_kept_beside_the_profile(native, tmp_path, m
     def no_measuring(*args):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(kernelrates, "_measure", no_measuring)
+    monkeypatch.setattr(kernelrates, "measure_native", no_measuring)
     monkeypatch.setattr(kernelrates, "_memo", {})
     assert kernelrates.rates(profile, blocks, "exact") == found  # read back from the file
     other = cpu_profile("another-machine")  # plan --profile FILE: nothing of it can be measured here

@@ -27,7 +27,7 @@ def run_kernels(log=lambda m: None, types: tuple[str, ...] | None = None) -> dic
     from ..native.kernels import GGML_IDS
     from ..native.sample import sample_blocks
     from ..packed.ggmlblocks import SUPPORTED, dequantize_blocks
-    from ..profiles.probe.kernelrates import _measure
+    from ..profiles.probe.kernelrates import measure_native
 
     nk = kernels()
     if nk is None:
@@ -37,7 +37,7 @@ def run_kernels(log=lambda m: None, types: tuple[str, ...] | None = None) -> dic
     for name in types or tuple(GGML_IDS):
         log(f"kernels: {name}")
         qk, block_bytes = SUPPORTED[name]
-        speed = {mode: _measure(nk, [(name, f"{N}x{K}")], mode, threads, 64 << 20)[(name, f"{N}x{K}")]
+        speed = {mode: measure_native(nk, [(name, f"{N}x{K}")], mode, threads, 64 << 20)[(name, f"{N}x{K}")]
                  for mode in ("exact", "int8")}
         w = sample_blocks(name, ERROR_ROWS, K, seed=1)
         x = torch.randn(1, K, generator=torch.Generator().manual_seed(2))

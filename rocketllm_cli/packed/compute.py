@@ -139,7 +139,7 @@ def _fast_call(weight: BoundWeight):
         def native(x):
             rows = x.reshape(-1, k)
             # a decode the model runs on these kernels: the free cores are theirs (threads.py, native_pass)
-            used = COMPUTE_THREADS.current if COMPUTE_THREADS.native_pass else threads if rows.shape[0] == 1 else None
+            used = COMPUTE_THREADS.native_threads() if COMPUTE_THREADS.native_pass else threads if rows.shape[0] == 1 else None
             out = nk.matmul(blocks, kind, rows if rows.dtype == torch.float32 else rows.float(), mode=mode, threads=used)
             return (out if x.dtype == torch.float32 else out.to(x.dtype)).view(x.shape[:-1] + tail)
 

@@ -69,6 +69,12 @@ class HardwareProfile:
         """The profile if both its parts are cached already; never measures, never writes."""
         return cls._load(storage_path, False, None, measure=False)
 
+    def computing_in(self, dtype: str, reason: str) -> "HardwareProfile":
+        """This profile with DTYPE as its compute dtype (REASON: why), for a projection of a run that computes in it."""
+        from dataclasses import replace
+
+        return replace(self, capabilities={**self.capabilities, "compute_dtype": Capability("compute_dtype", dtype, None, reason)})
+
     @staticmethod
     def host_cached() -> bool:
         """Whether this machine's own measurements (host.json) are cached, with the runtime's memory among them."""

@@ -8,14 +8,11 @@ in the row's dtype, written as a formula whose value is the row's tokens per sec
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from .cost import project
 from .hardware import HardwareProfile
 from .knobs import formulas
 from .knobs.formulas import Context, evaluate
 from .knobs.resolve import Knobs
-from .records import Capability
 
 
 def speculation_note(mode: str) -> str:
@@ -69,7 +66,7 @@ def projection(profile: HardwareProfile, facts, tiers: dict[str, int], compute_d
     COMPUTE_DTYPE, as a formula whose value (evaluate) is the tokens per second of BATCH sequences."""
     decided = profile.capabilities.get("compute_dtype")
     reason = f"this row computes in {compute_dtype}" + (f" (the profile decided {decided.value})" if decided else "")
-    as_computed = replace(profile, capabilities={**profile.capabilities, "compute_dtype": Capability("compute_dtype", compute_dtype, None, reason)})
+    as_computed = profile.computing_in(compute_dtype, reason)
     p = project(as_computed, facts, tiers)
     if not p.available or p.overlapped_seconds is None:
         return None, "unavailable", {}, f"no projection: {p.reason or 'compute bandwidth unmeasured'}"

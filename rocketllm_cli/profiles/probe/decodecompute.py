@@ -61,14 +61,11 @@ def compute_floor(profile, facts, compute_dtype: str, kernel: str = "exact") -> 
     from dataclasses import replace
 
     from ..cost import project
-    from ..records import Capability
+    from ..knobs.formulas import engine_compute_dtype
     from .kernelrates import with_kernel_rates
 
-    from ..knobs.formulas import engine_compute_dtype
-
     engine = engine_compute_dtype(compute_dtype, False, facts.dtype, profile.compute_device, facts.gguf_blocks)
-    as_computed = replace(profile, capabilities={**profile.capabilities,
-                                                 "compute_dtype": Capability("compute_dtype", engine, None, "the engine's")})
+    as_computed = profile.computing_in(engine, "the engine's")
     bare = replace(facts, decode_compute=None, layer_overhead=None)
     return project(as_computed, with_kernel_rates(profile, bare, kernel), {"device": facts.bytes_per_token}).compute_seconds
 

@@ -8,9 +8,9 @@ row, over as many weights of that shape as the set's blocks fill (up to POOL_BYT
 two tokens does here too), on the threads a decode gives the kernels (every free core: threads.py native_pass). A type
 the kernels do not cover (the IQ1-3, TQ and MXFP4 grids), or every type where they cannot be built, is timed on the
 torch decoder the engine then runs (the blocks dequantized per use, multiplied in fp32): ten to a hundred times
-slower, which a projection must show. Measured the first time a set is planned, reported or benched here (tens of ms a shape, the library built once per machine),
-kept beside the profile in one small JSON file, written atomically; a read-only cache keeps the answer in this
-process only. The blocks are random bytes: a kernel's speed does not depend on their values.
+slower, which a projection must show. Measured the first time a set is planned, reported or benched here (tens of
+ms a shape, the library built once per machine), kept beside the profile in one small JSON file, written atomically;
+a read-only cache keeps the answer in this process only. The blocks are random bytes: a kernel's speed does not depend on their values.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ FILE = "kernel-rates.json"
 POOL_BYTES = 256 * 1024 * 1024  # at most this much weight per shape: more than most caches, less than a small machine's RAM
 REPEATS = 2  # timed sweeps after a warm-up one; the faster counts
 VERSION = 2  # of the method: a measurement made otherwise (one thread for a small product) is made again
-_memo: dict[str, dict] = {}  # answers kept in this process, per profile fingerprint (a read-only cache keeps only these)
+_memo: dict[str, dict] = {}  # the file as read or written in this process, per profile fingerprint (a read-only cache keeps only these)
 
 
 def block_shapes_of(facts) -> dict[str, dict[str, int]]:
@@ -70,7 +70,7 @@ def rates(profile, blocks: dict[str, dict[str, int]], mode: str) -> dict | None:
         if not _this_machine(profile):
             return None
         native = [ts for ts in missing if paths[ts[0]] == "native"]
-        measured = _measure(nk, native, mode, threads, pool) if native else {}
+        measured = measure_native(nk, native, mode, threads, pool) if native else {}
         measured.update(_measure_decoder([ts for ts in missing if paths[ts[0]] != "native"], threads))
         stored.update({keys[ts]: bps for ts, bps in measured.items()})
         _save(profile, stored)
@@ -128,7 +128,9 @@ def _this_machine(profile) -> bool:
     return profile.fingerprint == fingerprint(fingerprint_facts())
 
 
-def _measure(nk, products: list[tuple[str, str]], mode: str, threads: int, pool_bytes: int) -> dict[tuple[str, str], float]:
+def measure_native(nk, products: list[tuple[str, str]], mode: str, threads: int, pool_bytes: int) -> dict[tuple[str, str], float]:
+    """B/s of each (type, "NxK") product on NK's kernels in MODE with THREADS: one activation row against weights of that
+    shape cut from POOL_BYTES of random bytes, the best of REPEATS sweeps over them after a warm-up sweep."""
     import torch
 
     from ...packed.ggmlblocks import SUPPORTED
@@ -163,11 +165,11 @@ def _where(profile):
 def _load(profile) -> dict:
     from ..cache import read_json
 
-    if profile.fingerprint in _memo:
-        return dict(_memo[profile.fingerprint])
-    stored = read_json(_where(profile)) or {}
-    stored.pop("cache_format", None)
-    return stored
+    if profile.fingerprint not in _memo:  # read once per process: a plan asks for every row
+        stored = read_json(_where(profile)) or {}
+        stored.pop("cache_format", None)
+        _memo[profile.fingerprint] = stored
+    return dict(_memo[profile.fingerprint])
 
 
 def _save(profile, stored: dict) -> None:
