@@ -117,6 +117,40 @@ def test_rows_are_ranked_fit_their_budget_and_recompute_from_what_they_print(tmp
     print(f"{len(plan.rows)} rows in {plan.seconds:.3f} s; left out {plan.left_out}")
 
 
+def test_a_speculating_row_projects_at_the_tokens_per_pass_bench_measured(tmp_path, monkeypatch):
+    """Prompt lookup's gain is the text's, not the hardware's: a row projects at the tokens per pass bench measured for
+    the set (probe/acceptance.py), its speculation-off twin at one, and both recompute from what they print."""
+    from types import SimpleNamespace
+
+    from rocketllm_cli.profiles.probe import acceptance
+
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    profile = cpu_profile(ram=8 * GiB)  # an 8B model streams here: speculation is derived on
+    source = read_source(llama_config(tmp_path / "llama8b"))
+    unmeasured = make_plan(source, profile, PlanRequest())
+    on = [r for r in unmeasured.rows if r.speculate == "prompt-lookup"]
+    assert on and all("tokens_per_pass" not in r.inputs and any("a floor" in n for n in r.notes) for r in on)
+
+    manifest = SimpleNamespace(key="fp32-blocks")
+    acceptance.record(tmp_path, manifest, {"mode": "off"})  # nothing to keep
+    acceptance.record(tmp_path, manifest, {"mode": "prompt-lookup", "proposed": 90, "accepted": 38, "passes": 26, "tokens": 64})
+    found = acceptance.lookup(tmp_path, manifest, ("off", "prompt-lookup", "draft"))
+    assert list(found) == ["prompt-lookup"] and found["prompt-lookup"]["tokens_per_pass"] == pytest.approx(64 / 26)
+
+    plan = make_plan(replace(source, speculation=found), profile, PlanRequest())
+    by_key = {}
+    for row in plan.rows:
+        assert math.isclose(evaluate(row.formula, row.inputs), row.tokens_per_s)
+        by_key[(row.format.name, row.compute_dtype, row.kv_dtype, row.residency, row.context, row.speculate)] = row
+    pairs = [(row, by_key[(*key[:-1], "off")]) for key, row in by_key.items() if key[-1] == "prompt-lookup" and row.format.stored]
+    assert pairs
+    for spec, off in pairs:
+        assert spec.inputs["tokens_per_pass"] == pytest.approx(64 / 26, abs=1e-3) and "tokens_per_pass" not in off.inputs
+        assert spec.tokens_per_s == pytest.approx(off.tokens_per_s * 64 / 26, rel=1e-3)
+        assert any("as bench measured this set" in n for n in spec.notes)
+    assert plan.rows[0].speculate == "prompt-lookup"  # measured gain: the speculating rows rank first
+
+
 def test_the_first_row_is_the_defaults_or_says_why_they_differ(tmp_path):
     source = read_source(llama_config(tmp_path / "llama8b"))
     for profile in (cpu_profile(ram=64 * GiB), cpu_profile(ram=8 * GiB)):
@@ -296,6 +330,37 @@ def test_verify_benches_the_top_rows_that_run_here(monkeypatch, tmp_path):
     assert requantised.rows[0].format.quantize == "int4"
     planverify.verify_rows(requantised, str(source.run_path), 1, lambda m: None)
     assert calls[0][0][3:6] == ["shard", str(source.run_path), "--quantize"] and "bench" in calls[1][0]
+
+
+def test_verify_of_a_streaming_speculating_row(monkeypatch, tmp_path):
+    """A speculating run's rate is its tokens over its decode time (the median token sits in the passes that made the
+    most); a streaming row is projected again at the bandwidth bench read off the disk just after the run."""
+    from rocketllm_cli.bench import planverify
+
+    source = read_source(llama_config(tmp_path / "llama8b"))
+    plan = make_plan(source, cpu_profile(ram=8 * GiB), PlanRequest())
+    row = plan.rows[0]
+    assert row.speculate == "prompt-lookup" and "storage_bps" in row.inputs
+
+    def fake_run(command, **kwargs):
+        doc = {"rows": [{"name": "rocketllm", "status": "measured", "ms_per_token": {"median": 100.0, "p10": 90.0, "p90": 300.0},
+                         "tokens_per_s": 5.0, "speculation": {"mode": "prompt-lookup", "passes": 5, "tokens": 10, "tokens_per_pass": 2.0},
+                         "disk_now": {"bps": 1e8, "how": "O_DIRECT x2"}}]}
+        return subprocess.CompletedProcess(command, 0, json.dumps(doc), "")
+
+    monkeypatch.setattr(planverify.subprocess, "run", fake_run)
+    monkeypatch.setattr("rocketllm_cli.profiles.probe.machine.memory", lambda: (64 * GiB, 60 * GiB))
+    monkeypatch.setattr(planverify, "_evict_model", lambda *paths: "0 files")
+    [measured] = planverify.verify_rows(plan, str(source.run_path), 1, lambda m: None)
+    assert measured["tokens_per_s"] == 5.0 and measured["rate"] == "mean"  # not 1000 / 100 ms
+    assert measured["command"].endswith(f"--tokens {planverify.SPECULATING_TOKENS}")  # passes enough to average
+    again = measured["disk_now"]["projected_tokens_per_s"]
+    assert again == pytest.approx(evaluate(row.formula, {**row.inputs, "storage_bps": 1e8}))
+    assert again < row.tokens_per_s  # 0.1 GB/s against the profile's 2.5
+    from rocketllm_cli.profiles.report.plan import verify_lines
+
+    text = "\n".join(verify_lines([measured]))
+    assert "tokens over decode time" in text and "at the 0.10 GB/s the disk read just after the run" in text
 
 
 def test_a_capped_verify_evicts_the_model_and_its_sets(tmp_path, monkeypatch):

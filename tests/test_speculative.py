@@ -79,6 +79,9 @@ def test_greedy_tokens_equal_plain_greedy(mode, streamed, twin, other_draft, pro
     assert spec["tokens"] == got.new_tokens == NEW and spec["accepted"] == NEW - spec["passes"]
     assert spec["tokens_per_pass"] == round(NEW / spec["passes"], 3)
     assert len(got.record.steps) == spec["passes"]  # the ledger counted the same passes
+    # the decode passes alone (the prefill's pass made the first tokens): what plan projects a speculating row at
+    assert spec["decode_passes"] == spec["passes"] - 1 == len(got.stats.gaps_s)
+    assert spec["decode_tokens"] == NEW - got.record.counts[0] == got.stats.decode_tokens
     if mode == "twin":
         assert spec["tokens_per_pass"] > 1.5  # several tokens per put: the streamer and the per-token figures divide passes
         assert got.stats.decode_tokens == sum(got.stats.step_tokens) > len(got.stats.gaps_s)

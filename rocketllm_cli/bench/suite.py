@@ -100,6 +100,10 @@ def run_bench(req: BenchRequest, log, progress=None) -> dict:
 
             record(profile, shards, manifest, dtype, row["ms_per_token"], str(row.get("compute_threads") or "").split(":")[0] or None,
                    facts, str(row["knobs"].get("kernel") or "exact"))
+        if row.get("status") == "measured" and (row.get("speculation") or {}).get("passes"):
+            from ..profiles.probe import acceptance
+
+            acceptance.record(shards, manifest, row["speculation"])
         residency[regime] = row["residency"]
         rows.append(row)
         for name in req.baselines:

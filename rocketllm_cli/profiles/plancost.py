@@ -15,9 +15,21 @@ from .knobs.formulas import Context, evaluate
 from .knobs.resolve import Knobs
 
 
-def speculation_note(mode: str) -> str:
-    return (f"speculation {mode}: a pass verifying accepted drafts yields more than one token for its bytes; projected at one "
-            "token a pass (acceptance is not measured)")
+def speculation_note(mode: str, measured: dict | None = None) -> str:
+    """What a speculating row's projection assumes of its tokens per pass: MEASURED (probe/acceptance.py) or one."""
+    if measured:
+        return (f"speculation {mode}: {measured['tokens_per_pass']:.2f} tokens a pass, as bench measured this set here "
+                f"({measured['tokens']} tokens in {measured['passes']} passes, {measured['measured_at']}); a pass is costed "
+                "as one token's bytes and compute (its drafted tokens' compute is not in it)")
+    return (f"speculation {mode}: projected at one token a pass, a floor: how many drafts are accepted is a property of the "
+            "model and the text, not yet measured for this set here (`rocketllm bench` measures it)")
+
+
+def tokens_per_pass(speculate: str, measured: dict) -> float:
+    """Tokens a pass of a row speculating in mode SPECULATE makes: bench's figure for the set (MEASURED: mode ->
+    figures), else one."""
+    entry = measured.get(speculate) if speculate != "off" else None
+    return float(entry["tokens_per_pass"]) if entry else 1.0
 
 
 def row_memory(profile: HardwareProfile, facts, knobs: Knobs, tokens: int | None) -> dict | None:
@@ -61,9 +73,11 @@ def row_memory(profile: HardwareProfile, facts, knobs: Knobs, tokens: int | None
     return memory if fits else None
 
 
-def projection(profile: HardwareProfile, facts, tiers: dict[str, int], compute_dtype: str, batch: int) -> tuple[float | None, str, dict, str]:
+def projection(profile: HardwareProfile, facts, tiers: dict[str, int], compute_dtype: str, batch: int,
+               per_pass: float = 1.0) -> tuple[float | None, str, dict, str]:
     """(tokens/s, formula, inputs, note): the cost model's overlapped seconds per pass for TIERS, computing in
-    COMPUTE_DTYPE, as a formula whose value (evaluate) is the tokens per second of BATCH sequences."""
+    COMPUTE_DTYPE, as a formula whose value (evaluate) is the tokens per second of BATCH sequences making PER_PASS
+    tokens each a pass (speculation: tokens_per_pass)."""
     decided = profile.capabilities.get("compute_dtype")
     reason = f"this row computes in {compute_dtype}" + (f" (the profile decided {decided.value})" if decided else "")
     as_computed = profile.computing_in(compute_dtype, reason)
@@ -71,6 +85,8 @@ def projection(profile: HardwareProfile, facts, tiers: dict[str, int], compute_d
     if not p.available or p.overlapped_seconds is None:
         return None, "unavailable", {}, f"no projection: {p.reason or 'compute bandwidth unmeasured'}"
     inputs, io = {"batch": batch}, []
+    if per_pass != 1.0:
+        inputs["tokens_per_pass"] = round(per_pass, 3)
     for tier in ("host", "storage"):
         cost = p.tiers[tier]
         if cost.bytes:
@@ -82,7 +98,8 @@ def projection(profile: HardwareProfile, facts, tiers: dict[str, int], compute_d
         inputs["compute_bytes"] = sum(t.bytes for t in p.tiers.values())
         inputs["compute_bps"] = as_computed.matvec_bps() or as_computed.device_memory_bps
         compute = "compute_bytes / compute_bps"
-    formula = f"batch / max({' + '.join(io)}, {compute})" if io else f"batch / ({compute})"
+    tokens = "batch * tokens_per_pass" if per_pass != 1.0 else "batch"
+    formula = f"{tokens} / max({' + '.join(io)}, {compute})" if io else f"{tokens} / ({compute})"
     return evaluate(formula, inputs), formula, inputs, f"compute: {p.compute_bandwidth}"
 
 

@@ -41,6 +41,7 @@ class WeightFormat:
     kl: float | None  # KL divergence per token against the unquantised weights, where known (0: they are those weights)
     kl_note: str = ""
     decode: dict = field(default_factory=dict)  # compute dtype -> this set's resident decode as bench measured it here
+    speculation: dict = field(default_factory=dict)  # speculation mode -> this set's tokens per pass as bench measured it here
 
     @property
     def stored(self) -> bool:
@@ -62,6 +63,7 @@ class ModelSource:
     experts: int | None = None
     config: dict = field(default_factory=dict)
     decode: dict = field(default_factory=dict)  # a shard set: compute dtype -> its resident decode measured by bench here
+    speculation: dict = field(default_factory=dict)  # a shard set: speculation mode -> its tokens per pass measured by bench here
 
     @property
     def run_path(self) -> Path:
@@ -76,7 +78,7 @@ class ModelSource:
             kl, note = 0.0, "the stored floats themselves"
         if self.kind == "shards":
             kl, note = None, "a shard set: what it was written from is not known here"
-        out = [WeightFormat("as stored", "auto", self.facts.dtype, self.facts, kl, note, self.decode)]
+        out = [WeightFormat("as stored", "auto", self.facts.dtype, self.facts, kl, note, self.decode, self.speculation)]
         if self.kind in ("shards",) or (self.quantized and self.kind != "gguf") or not self.tensors:
             return out
         for bits in (4, 8):
@@ -110,21 +112,25 @@ class ModelSource:
 
 def with_measured_decode(source: ModelSource, profile) -> ModelSource:
     """A shard set's resident decode per compute dtype, where `rocketllm bench` measured it on this machine
-    (probe/decodecompute.py): its rows project from it rather than from the matvec floor, as `doctor --model SET` does.
+    (probe/decodecompute.py): its rows project from it rather than from the matvec floor, as `doctor --model SET` does;
+    and its tokens per speculative pass per mode (probe/acceptance.py), which its speculating rows project at.
     A GGUF file: the same for the default set sharded from it, where one is in the cache (sets_of_gguf)."""
     directories = [source.path] if source.kind == "shards" else sets_of_gguf(source.path) if source.kind == "gguf" else []
     if not directories:
         return source
     from ..dtypes import NAMES
     from ..shard.manifest import Manifest
+    from .knobs.table import SPECULATION_MODES
+    from .probe import acceptance
     from .probe.decodecompute import lookup
 
     try:
         manifest = Manifest.load(directories[0])
         found = {dtype: lookup(profile, directories[0], manifest, dtype) for dtype in NAMES}
+        speculation = acceptance.lookup(directories[0], manifest, SPECULATION_MODES)
     except Exception:  # noqa: BLE001 - an unreadable record or set: the floor stands
         return source
-    return replace(source, decode={dtype: record for dtype, record in found.items() if record})
+    return replace(source, decode={dtype: record for dtype, record in found.items() if record}, speculation=speculation)
 
 
 def sets_of_gguf(path: Path) -> list[Path]:

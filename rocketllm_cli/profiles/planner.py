@@ -23,8 +23,9 @@ from ..errors import RocketError
 from ..sizes import format_bytes
 from .cost import plan_tier_bytes
 from .hardware import HardwareProfile
+from .knobs.formulas import evaluate
 from .knobs.resolve import Knobs, resolve_knobs
-from .plancost import engine_dtype, kv_dtype_of, projection, row_memory, speculation_note
+from .plancost import engine_dtype, kv_dtype_of, projection, row_memory, speculation_note, tokens_per_pass
 from .planformats import ModelSource, WeightFormat, with_measured_decode
 from .probe.decodecompute import with_layer_overhead
 from .probe.kernelrates import with_kernel_rates
@@ -159,9 +160,18 @@ def _enumerate(source: ModelSource, profile: HardwareProfile, request: PlanReque
                           request, floor, rows, left_out)
     for row in list(rows):  # speculation: the derived mode, and off
         if row.speculate != "off":
-            notes = [n for n in row.notes if not n.startswith("speculation")]
-            rows.append(replace(row, speculate="off", flags={**row.flags, "speculate": "off"}, notes=notes))
+            rows.append(_not_speculating(row))
     return rows, left_out
+
+
+def _not_speculating(row: Row) -> Row:
+    """ROW with speculation off: one token a pass where its projection counted more."""
+    notes = [n for n in row.notes if not n.startswith("speculation")]
+    inputs = {k: v for k, v in row.inputs.items() if k != "tokens_per_pass"}
+    formula = row.formula.replace("batch * tokens_per_pass", "batch")
+    tps = evaluate(formula, inputs) if inputs != row.inputs else row.tokens_per_s
+    return replace(row, speculate="off", flags={**row.flags, "speculate": "off"}, notes=notes, formula=formula, inputs=inputs,
+                   tokens_per_s=tps)
 
 
 def _keep(row: Row | str, request: PlanRequest, floor: int, rows: list[Row], left_out: dict[str, int]) -> None:
@@ -204,14 +214,14 @@ def _row(profile: HardwareProfile, fmt: WeightFormat, dtype: str | None, kv: str
     recorded = fmt.decode.get(str(knobs.value("compute_dtype")))  # keyed as bench records it and doctor reads it: the knob
     measured = replace(facts, decode_compute=recorded) if recorded else with_layer_overhead(
         profile, with_kernel_rates(profile, facts, str(knobs.value("kernel"))), str(knobs.value("compute_dtype")))
-    tps, formula, inputs, note = projection(profile, measured, tiers, compute, batch)
+    speculate = str(knobs.value("speculate"))
+    tps, formula, inputs, note = projection(profile, measured, tiers, compute, batch, tokens_per_pass(speculate, fmt.speculation))
     context = memory["tokens"] // batch if memory["tokens"] is not None else None
     notes = [note] if note else []
     if facts.dtype in ITEMSIZE and compute != facts.dtype and not getattr(facts, "gguf_blocks", False):
         notes.append(f"the set holds {facts.dtype}, computed in {compute}: each use of a streamed unit converts it (not in the projection)")
-    speculate = str(knobs.value("speculate"))
     if speculate != "off":
-        notes.append(speculation_note(speculate))
+        notes.append(speculation_note(speculate, fmt.speculation.get(speculate)))
     return Row(fmt, compute, kv_dtype_of(profile, facts, knobs), residency, context, batch, speculate, 1,
                flags, tps, formula, inputs, memory, tiers, notes=notes, default=default)
 

@@ -18,7 +18,7 @@ def stage_row(profile: HardwareProfile, source: ModelSource, fmt: WeightFormat, 
               request, hosts: int):
     """The row of FMT over HOSTS hosts like PROFILE, each holding CONTEXT tokens a sequence; a string why not."""
     from ..distributed.plan import RankFacts, plan_stages
-    from .plancost import engine_dtype, kv_dtype_of, row_memory, speculation_note
+    from .plancost import engine_dtype, kv_dtype_of, row_memory, speculation_note, tokens_per_pass
     from .planner import Row
 
     facts = fmt.facts
@@ -55,11 +55,16 @@ def stage_row(profile: HardwareProfile, source: ModelSource, fmt: WeightFormat, 
                          "kv": kv * (b - a) // n, "weights_device": device})
     busiest = max(per_host, key=lambda h: h["device"] + h["host"])
     tiers = {t: sum(s.get(t, 0) for s in plan.stage_bytes) for t in ("device", "host", "storage")}
+    speculate = str(knobs.value("speculate"))
     inputs = {"batch": request.batch, **{f"stage_{r}_s": s for r, s in enumerate(plan.stage_seconds)}, "links_s": plan.link_seconds}
     if any(s is None for s in plan.stage_seconds):
         tps, formula, inputs = None, "unavailable", {}
     else:
-        formula = "batch / (" + " + ".join(f"stage_{r}_s" for r in range(hosts)) + " + links_s)"
+        per_pass = tokens_per_pass(speculate, fmt.speculation)
+        if per_pass != 1.0:
+            inputs["tokens_per_pass"] = round(per_pass, 3)
+        formula = ("batch * tokens_per_pass" if per_pass != 1.0 else "batch") + " / (" + \
+            " + ".join(f"stage_{r}_s" for r in range(hosts)) + " + links_s)"
         tps = evaluate(formula, inputs)
     stage_memory = {"device": {"weights": busiest["weights_device"], "kv": busiest["kv"], "buffers": memory["device"]["buffers"],
                                "runtime": memory["device"]["runtime"], "total": busiest["device"]},
@@ -68,8 +73,7 @@ def stage_row(profile: HardwareProfile, source: ModelSource, fmt: WeightFormat, 
                     "tokens": tokens, "per_host": per_host}
     notes = [f"stages: {plan.formula}", f"links: {hosts} hops of {request.link_latency_s * 1e6:.0f} us + {hidden_bytes} bytes at "
              f"{request.link_bps / 1e9:.2f} GB/s (--link-bw); memory shown is the busiest host's"]
-    speculate = str(knobs.value("speculate"))
     if speculate != "off":
-        notes.append(speculation_note(speculate))
+        notes.append(speculation_note(speculate, fmt.speculation.get(speculate)))
     return Row(fmt, compute, kv_dtype_of(profile, facts, knobs), "stages", context, request.batch, speculate,
                hosts, {**flags, "stages": plan.counts()}, tps, formula, inputs, stage_memory, tiers, stages=plan.counts(), notes=notes)

@@ -126,10 +126,13 @@ def measure(record: Record, warmup: int = 0) -> GenerationStats:
     for step in record.steps:
         for tier, n in step.served.items():
             served[tier] = served.get(tier, 0) + n
+    speculation = speculation_figures(record)
+    if "passes" in speculation and gaps:  # the measured decode passes alone: what the decode rate is made of
+        speculation.update(decode_passes=len(gaps), decode_tokens=tokens, decode_tokens_per_pass=round(tokens / len(gaps), 3))
     return GenerationStats(
         ttft_s=times[0] - record.start if times else None, gaps_s=gaps, total_s=record.end - record.start, ledger=ledger,
         read_bytes_per_step=witnessed, served_bytes=served, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        step_tokens=counts, speculation=speculation_figures(record), grammar=dict(record.grammar),
+        step_tokens=counts, speculation=speculation, grammar=dict(record.grammar),
     )
 
 

@@ -90,8 +90,15 @@ def verify_lines(measured: list[dict]) -> list[str]:
             lines.append(f"  #{m['rank']}: projected {projected} tokens/s, {m['status']}: {m.get('reason', '')}")
             continue
         ratio = f", measured/projected {m['tokens_per_s'] / m['projected_tokens_per_s']:.2f}" if m.get("projected_tokens_per_s") else ""
-        lines.append(f"  #{m['rank']}: projected {projected} tokens/s, measured {m['tokens_per_s']:.3g} tokens/s "
-                     f"({m['ms_per_token']:.1f} ms/token median){ratio}")
+        how = (f"tokens over decode time, speculating: "
+               f"{m['speculation'].get('decode_tokens_per_pass', m['speculation'].get('tokens_per_pass'))} tokens a decode pass"
+               if m.get("rate") == "mean" else f"{m['ms_per_token']:.1f} ms/token median")
+        lines.append(f"  #{m['rank']}: projected {projected} tokens/s, measured {m['tokens_per_s']:.3g} tokens/s ({how}){ratio}")
+        disk = m.get("disk_now")
+        if disk:
+            lines.append(f"      at the {disk['bps'] / 1e9:.2f} GB/s the disk read just after the run ({disk['how']}) instead of the "
+                         f"profile's: projected {disk['projected_tokens_per_s']:.3g} tokens/s, measured/projected "
+                         f"{m['tokens_per_s'] / disk['projected_tokens_per_s']:.2f}")
         lines.append(f"      {m['command']}")
         lines += [f"      note: {note}" for note in m.get("notes", [])]
     return lines
@@ -153,9 +160,11 @@ def _runtime(memory: dict) -> str:
 
 
 def _twin(row: Row, rows: list[Row]) -> bool:
-    """A speculation-off row whose twin with speculation on ranks with it (same projection, one flag more)."""
+    """A speculation-off row whose twin with speculation on ranks with it (same projection, one flag more): until bench
+    has measured the set's tokens per pass, both project at one; after, the twin is slower and shown."""
     return row.flags.get("speculate") == "off" and any(
-        r is not row and r.flags == {k: v for k, v in row.flags.items() if k != "speculate"} and r.format is row.format for r in rows)
+        r is not row and r.flags == {k: v for k, v in row.flags.items() if k != "speculate"} and r.format is row.format
+        and r.tokens_per_s == row.tokens_per_s for r in rows)
 
 
 def _asked(plan: Plan) -> str:
