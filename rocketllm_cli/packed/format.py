@@ -151,6 +151,11 @@ class PackedTensor:
         import torch
 
         offsets, total = self.format.offsets()
+        if len(offsets) == 1:  # one part that fills the layout (a GGUF tensor's blocks): itself, no copy
+            (name, at), = offsets.items()
+            raw = self.parts[name].detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+            if at == 0 and raw.numel() == total:
+                return raw
         out = torch.zeros(total, dtype=torch.uint8)
         for name, at in offsets.items():
             raw = self.parts[name].detach().contiguous().cpu().reshape(-1).view(torch.uint8)

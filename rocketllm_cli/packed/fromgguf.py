@@ -41,7 +41,8 @@ def from_gguf(blocks: np.ndarray, ggml_type, raw: bool = False) -> PackedTensor:
     unpacker = None if raw else _UNPACKERS.get(qtype.name)
     if unpacker is None:
         fmt = PackedFormat("gguf", shape, block, gguf_type=qtype.name, block_bytes=block_bytes)
-        return PackedTensor(fmt, {"blocks": torch.from_numpy(np.array(blocks, copy=True))})  # off the mapping
+        owned = blocks.flags.owndata and blocks.flags.writeable and blocks.flags.c_contiguous  # read into memory of its own
+        return PackedTensor(fmt, {"blocks": torch.from_numpy(blocks if owned else np.array(blocks, copy=True))})  # off the mapping
     return unpacker(split, shape)
 
 

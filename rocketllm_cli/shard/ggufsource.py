@@ -103,13 +103,32 @@ class LazyGGUF:
         from ..packed.format import PackedTensor
 
         tensor = self._tensors[self.mapping[name]]
-        packed = from_gguf(tensor.data, tensor.tensor_type, raw=True)
+        packed = from_gguf(self._owned_bytes(tensor), tensor.tensor_type, raw=True)
         order = self._row_order(tensor)
         if order is not None:
             index = torch.from_numpy(order)
             packed = PackedTensor(packed.format, {part: t.index_select(0, index) for part, t in packed.parts.items()})
         self._release(tensor)  # the parts are copies: dropping the mapped pages loses nothing
         return packed
+
+    def _owned_bytes(self, tensor):
+        """The tensor's bytes as an array of its own, read from the file in one call: copying them off the mapping
+        faults it in a page at a time (200 MB/s here, against several GB/s for a read of the cached file)."""
+        import numpy as np
+
+        view = tensor.data
+        filename = getattr(self.reader.data, "filename", None)
+        if view.dtype != np.uint8 or filename is None:
+            return np.array(view, copy=True)
+        out = np.empty(view.shape, dtype=np.uint8)
+        buffer, done = memoryview(out).cast("B"), 0
+        with open(filename, "rb", buffering=0) as f:
+            while done < len(buffer):
+                got = os.preadv(f.fileno(), [buffer[done:]], int(tensor.data_offset) + done)
+                if got <= 0:
+                    raise ModelError(f"{Path(filename).name}: tensor {tensor.name} ends past the end of the file")
+                done += got
+        return out
 
     def _release(self, tensor) -> None:
         """Drop the file's pages this tensor was read from out of the process: the mapping would otherwise keep

@@ -102,7 +102,7 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     if existing is not None:
         return existing, final, {"reused": True, **summarize(existing, 0.0)}
     # Everything that can refuse the input does so before anything is written, the disk space check included.
-    model = build_meta_model(source.config)
+    model = source._meta if source._meta is not None else build_meta_model(source.config)  # built once (~0.7 s for Gemma 3)
     layout = discover(model)
     pieces, sliced, made = split_experts(source, model, layout)
     names, converted = map_names(source, model, layout)

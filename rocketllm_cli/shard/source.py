@@ -82,6 +82,8 @@ class Source:
     _lazy: object = field(default=None, repr=False)
     # a GGUF's tokenizer, converted while the file's metadata was parsed for the config (None: it has none)
     _tokenizer: object = field(default=None, repr=False)
+    # the model skeleton (discover.build_meta_model) the source was mapped onto, where it built one: the sharder's own
+    _meta: object = field(default=None, repr=False)
 
     def fingerprint(self) -> str:
         return self.located.fingerprint()
@@ -310,9 +312,10 @@ def _open_gguf_shared(path: Path, AutoConfig, reader) -> Source:
     from .ggufsource import open_lazy
 
     tokenizer = _gguf_tokenizer(path, reader)  # before open_lazy lets the vocabulary's metadata go
-    lazy = open_lazy(path, config, build_meta_model(config))
+    meta = build_meta_model(config)
+    lazy = open_lazy(path, config, meta)
     if lazy is not None:
-        return Source("gguf", path, path.stem, config, shapes=dict(lazy.shapes), _lazy=lazy, _tokenizer=tokenizer)
+        return Source("gguf", path, path.stem, config, shapes=dict(lazy.shapes), _lazy=lazy, _tokenizer=tokenizer, _meta=meta)
     try:
         import torch
         from transformers import AutoModelForCausalLM
