@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
-from .errors import ParameterError, RocketError, report
+from .errors import ParameterError, RocketError
 from .options import KnobHelpCommand, PlainCommand, PlainGroup
-from .output import StdoutClosed, write_stderr, write_stdout
+from .output import StdoutClosed, report, write_stderr, write_stdout
 
 app = typer.Typer(
     cls=PlainGroup,

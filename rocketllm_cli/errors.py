@@ -93,7 +93,7 @@ def _in_cache(filename) -> str | None:
         return None
     from pathlib import Path
 
-    from .profiles.cache import cache_root
+    from .cachehome import cache_root
 
     root = cache_root().absolute()
     path = Path(os.fsdecode(filename)).absolute()
@@ -102,18 +102,3 @@ def _in_cache(filename) -> str | None:
 
 def _one_line(message: str) -> str:
     return " ".join(message.split()) or "error"
-
-
-def report(exc: BaseException) -> int:
-    """Print the exception the way the CLI does and return the exit code."""
-    from .output import write_stderr
-
-    message, code = describe(exc)
-    if getattr(exc, "rank0_reports", False) and os.environ.get("RANK", "0") != "0":
-        return code  # a pipeline's refusal every rank reached: rank 0 prints it once for all
-    if debug_enabled():
-        import traceback
-
-        traceback.print_exception(exc)
-    write_stderr(f"error: {message}")  # a closed stderr loses the line, not the exit code
-    return code

@@ -262,3 +262,19 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, set):
         return sorted(value)
     return str(value)
+
+
+def report(exc: BaseException) -> int:
+    """Print the exception the way the CLI does (errors.describe's one line; the traceback too under
+    ROCKETLLM_DEBUG=1) and return the exit code."""
+    from .errors import debug_enabled, describe
+
+    message, code = describe(exc)
+    if getattr(exc, "rank0_reports", False) and os.environ.get("RANK", "0") != "0":
+        return code  # a pipeline's refusal every rank reached: rank 0 prints it once for all
+    if debug_enabled():
+        import traceback
+
+        traceback.print_exception(exc)
+    write_stderr(f"error: {message}")  # a closed stderr loses the line, not the exit code
+    return code

@@ -81,7 +81,8 @@ def interrupted_set(checkpoint: Path, units: int = 2, dtype: str = "auto") -> st
 
 
 def test_ls_shows_each_set_as_it_is_on_disk(one_set, tiny_checkpoint):
-    from rocketllm_cli.profiles.cache import profile_dir, write_json
+    from rocketllm_cli.cachehome import write_json
+    from rocketllm_cli.profiles.cache import profile_dir
     from rocketllm_cli.shard.manifest import Manifest
 
     manifest = Manifest.load(one_set)
@@ -209,7 +210,8 @@ def test_an_interrupted_set_is_listed_as_partial_and_removed_with_its_leftovers(
 
 
 def test_rm_all_removes_every_set_and_leftover_and_nothing_else(one_set, tiny_checkpoint, cache):
-    from rocketllm_cli.profiles.cache import profile_dir, write_json
+    from rocketllm_cli.cachehome import write_json
+    from rocketllm_cli.profiles.cache import profile_dir
 
     interrupted_set(tiny_checkpoint, units=3, dtype="bf16")
     shutil.copytree(one_set, one_set.parent / f".{one_set.name}.old")  # what an interrupted replacement leaves

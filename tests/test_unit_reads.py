@@ -93,6 +93,7 @@ def test_a_set_streamed_from_storage_is_measured_once_and_kept_per_set(tiny_set,
 
 
 def test_a_cache_that_cannot_be_written_still_gets_this_process_its_answer(tiny_set, profile, monkeypatch, tmp_path):
+    from rocketllm_cli import cachehome
     from rocketllm_cli.profiles import cache
 
     manifest, directory = tiny_set
@@ -101,6 +102,6 @@ def test_a_cache_that_cannot_be_written_still_gets_this_process_its_answer(tiny_
     def refuse(path, doc):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(cache, "write_json", refuse)
+    monkeypatch.setattr(cachehome, "write_json", refuse)
     reads = unitreads.load_or_measure(profile, directory, manifest)
     assert reads is not None and reads.rows and not (tmp_path / "nowhere").exists()

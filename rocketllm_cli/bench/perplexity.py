@@ -213,7 +213,7 @@ def divergence(positions: int, vocabulary: int, names: tuple[str, str], log=None
 def scratch_directory(positions: int, vocabulary: int) -> Path:
     """Where the model's log-probabilities wait: the cache directory, else the system's temporary directory (often in
     memory, so second), the first writable one with room for the file and SCRATCH_MARGIN."""
-    from ..profiles.cache import cache_root, unwritable
+    from ..cachehome import cache_root, unwritable
 
     needed, tried = 4 * positions * vocabulary, []
     for directory in dict.fromkeys((cache_root(), Path(tempfile.gettempdir()))):

@@ -98,7 +98,7 @@ def rm(names: NamesArg = None, all_sets: AllOpt = False, yes: YesOpt = False, js
 
 
 def path(json: JsonOpt = False) -> None:
-    from ..profiles.cache import cache_dir
+    from ..cachehome import cache_dir
     from ..shard.cachedir import cache_origin
 
     output = Output(as_json=json)

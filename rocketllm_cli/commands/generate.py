@@ -284,7 +284,7 @@ def _cold_reason(batch: bool, pictures: bool, logprobs, constraint, chat) -> str
 
 def _no_run_dir() -> str | None:
     """Why warm servers cannot be kept here (their directory cannot be made or written), or None."""
-    from ..profiles.cache import unwritable
+    from ..cachehome import unwritable
     from ..warm.registry import run_path, run_dir
 
     try:

@@ -55,7 +55,7 @@ def _sources() -> list[Path]:
 
 
 def _cache_folder(cxx: str) -> Path:
-    from ..profiles.cache import cache_dir
+    from ..cachehome import cache_dir
 
     digest = hashlib.sha256()
     for path in _sources():

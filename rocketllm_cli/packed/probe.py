@@ -88,7 +88,7 @@ def stored_path():
 
 
 def _stored(key: str) -> Capabilities | None:
-    from ..profiles.cache import read_json
+    from ..cachehome import read_json
 
     try:
         doc = (read_json(stored_path()) or {}).get(key)
@@ -102,7 +102,7 @@ def _stored(key: str) -> Capabilities | None:
 
 
 def _store(caps: Capabilities) -> None:
-    from ..profiles.cache import read_json, write_json
+    from ..cachehome import read_json, write_json
 
     try:
         path = stored_path()

@@ -10,7 +10,7 @@ import importlib
 
 _HOMES = {
     "ModelFacts": "..shard.modelfacts", "model_facts_from_path": "..shard.modelfacts", "parse_param_count": "..shard.modelfacts",
-    "cache_dir": ".cache", "Projection": ".cost", "TierCost": ".cost", "plan_tier_bytes": ".cost", "project": ".cost",
+    "cache_dir": "..cachehome", "Projection": ".cost", "TierCost": ".cost", "plan_tier_bytes": ".cost", "project": ".cost",
     "HardwareProfile": ".hardware", "Knob": ".knobs.resolve", "Knobs": ".knobs.resolve", "resolve_knobs": ".knobs.resolve",
     "Capability": ".records", "Measurement": ".records",
 }

@@ -14,7 +14,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from .cache import cache_dir, profile_dir, read_json, write_json
+from .cache import profile_dir
+from ..cachehome import cache_dir, read_json, write_json
 from .probe import capabilities as caps
 from .probe import measure
 from .probe.devices import choose_device, device_memory, torch_accelerators

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ..dtypes import NAMES as DTYPES
 from ..errors import ShardError
-from ..profiles.cache import cache_dir, profile_dir
+from ..profiles.cache import profile_dir
+from ..cachehome import cache_dir
 from .target import SHARDS, beside, shards_root
 
 LEFTOVERS = ("partial", "old")

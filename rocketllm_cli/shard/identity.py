@@ -19,7 +19,7 @@ KEPT = 256  # remembered files; the oldest are forgotten first
 def known_fingerprint(path: Path) -> str | None:
     """The file's content hash where an earlier run took it and the file is unchanged since; None otherwise (never
     reads the file: a header-only caller, `plan`, pays no hash of a 40 GB file)."""
-    from ..profiles.cache import cache_dir, read_json
+    from ..cachehome import cache_dir, read_json
 
     path = Path(path)
     try:
@@ -32,7 +32,7 @@ def known_fingerprint(path: Path) -> str | None:
 
 def content_fingerprint(path: Path) -> str:
     """The file's content hash (16 hex digits), from the memo when the file is unchanged since it was taken."""
-    from ..profiles.cache import cache_dir, read_json, write_json
+    from ..cachehome import cache_dir, read_json, write_json
 
     path = Path(path)
     st = path.stat()

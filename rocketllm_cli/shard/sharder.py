@@ -25,7 +25,7 @@ from ..errors import Interrupted, ParameterError, ShardError
 from ..output import BLINK_S, no_progress
 from ..sizes import format_bytes
 from . import journal, stfile
-from ..profiles.cache import unwritable
+from ..cachehome import unwritable
 from .checks import DISK_FULL, check_space, free_bytes
 from .discover import Layout, build_meta_model, discover
 from .fusion import FusionPlan, plan_fusion

@@ -28,7 +28,7 @@ SHARDS = "shards"  # <cache>/shards/<name>-<fingerprint>-<dtype>
 
 def shards_root() -> Path:
     """Where shard sets go unless --out says otherwise (ROCKETLLM_CACHE moves it)."""
-    from ..profiles.cache import cache_dir
+    from ..cachehome import cache_dir
 
     return cache_dir() / SHARDS
 

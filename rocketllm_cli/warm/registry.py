@@ -45,7 +45,7 @@ def run_path() -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isabs(runtime) and os.access(runtime, os.W_OK):
         return Path(runtime) / "rocketllm"
-    from ..profiles.cache import cache_root
+    from ..cachehome import cache_root
 
     return cache_root() / "run"
 

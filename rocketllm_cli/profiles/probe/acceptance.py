@@ -23,7 +23,7 @@ def _key(directory: Path, manifest, mode: str) -> str:
 
 
 def _where() -> Path:
-    from ..cache import cache_dir
+    from ...cachehome import cache_dir
 
     return cache_dir() / FILE
 
@@ -32,7 +32,7 @@ def record(directory: Path, manifest, figures: dict) -> None:
     """Keep a run's speculation FIGURES (text/stats.py: mode, proposed, accepted, passes, tokens, and over the measured
     decode passes alone decode_passes, decode_tokens, which are kept where given: the prefill's pass makes one token
     whatever the drafts); a run that did not speculate, or made no pass, is not kept."""
-    from ..cache import read_json, write_json
+    from ...cachehome import read_json, write_json
 
     mode = str(figures.get("mode") or "off")
     passes, tokens = figures.get("decode_passes", figures.get("passes")), figures.get("decode_tokens", figures.get("tokens"))
@@ -53,7 +53,7 @@ def record(directory: Path, manifest, figures: dict) -> None:
 
 def lookup(directory: Path, manifest, modes) -> dict[str, dict]:
     """{mode: the stored figures} for this set, for each of MODES measured."""
-    from ..cache import read_json
+    from ...cachehome import read_json
 
     stored = read_json(_where()) or {}
     found = {}

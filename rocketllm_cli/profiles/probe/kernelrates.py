@@ -163,7 +163,7 @@ def _where(profile):
 
 
 def _load(profile) -> dict:
-    from ..cache import read_json
+    from ...cachehome import read_json
 
     if profile.fingerprint not in _memo:  # read once per process: a plan asks for every row
         stored = read_json(_where(profile)) or {}
@@ -173,7 +173,7 @@ def _load(profile) -> dict:
 
 
 def _save(profile, stored: dict) -> None:
-    from ..cache import write_json
+    from ...cachehome import write_json
 
     _memo[profile.fingerprint] = dict(stored)
     try:

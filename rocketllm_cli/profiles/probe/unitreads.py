@@ -171,7 +171,8 @@ def set_key(directory: Path, manifest) -> str:
 def load_or_measure(profile, directory: Path, manifest, log=None) -> UnitReads | None:
     """The stored answer for this set on this machine, else measured now and stored. None where nothing streams
     from a file the probe can evict (the storage probe's figures stand)."""
-    from ..cache import profile_dir, read_json, write_json
+    from ..cache import profile_dir
+    from ...cachehome import read_json, write_json
 
     where = profile_dir(profile.fingerprint) / FILE
     key = set_key(directory, manifest)
