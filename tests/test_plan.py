@@ -21,11 +21,11 @@ from rocketllm_cli.app import app
 from rocketllm_cli.profiles import Capability, HardwareProfile, Measurement, model_facts_from_path, resolve_knobs
 from rocketllm_cli.profiles.cost import plan_tier_bytes, project
 from rocketllm_cli.profiles.knobs.formulas import evaluate
-from rocketllm_cli.profiles.plancost import context_of
-from rocketllm_cli.profiles.planformats import read_source
-from rocketllm_cli.profiles.planner import SIGNIFICANT, PlanError, PlanRequest, make_plan
-from rocketllm_cli.profiles.planrun import commands
-from rocketllm_cli.profiles.whatif import profile_from_file, what_if
+from rocketllm_cli.planning.projection import context_of
+from rocketllm_cli.planning.formats import read_source
+from rocketllm_cli.planning.planner import SIGNIFICANT, PlanError, PlanRequest, make_plan
+from rocketllm_cli.planning.commandlines import commands
+from rocketllm_cli.planning.whatif import profile_from_file, what_if
 
 pytestmark = pytest.mark.compat
 
@@ -357,7 +357,7 @@ def test_verify_of_a_streaming_speculating_row(monkeypatch, tmp_path):
     again = measured["disk_now"]["projected_tokens_per_s"]
     assert again == pytest.approx(evaluate(row.formula, {**row.inputs, "storage_bps": 1e8}))
     assert again < row.tokens_per_s  # 0.1 GB/s against the profile's 2.5
-    from rocketllm_cli.profiles.report.plan import verify_lines
+    from rocketllm_cli.planning.report import verify_lines
 
     text = "\n".join(verify_lines([measured]))
     assert "tokens over decode time" in text and "at the 0.10 GB/s the disk read just after the run" in text
@@ -386,7 +386,7 @@ def test_plan_of_a_gguf_projects_from_the_decode_bench_measured_on_its_set(smoll
 
     from rocketllm_cli.app import app
     from rocketllm_cli.profiles import HardwareProfile
-    from rocketllm_cli.profiles.planformats import sets_of_gguf
+    from rocketllm_cli.planning.formats import sets_of_gguf
     from rocketllm_cli.profiles.probe.decodecompute import record
     from rocketllm_cli.shard import identity
     from rocketllm_cli.shard.manifest import Manifest

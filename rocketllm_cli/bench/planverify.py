@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..profiles.planrun import bench_args, set_path
+from ..planning.commandlines import bench_args, set_path
 from ..sizes import format_bytes
 
 WITH_RAM = "ROCKETLLM_WITH_RAM"

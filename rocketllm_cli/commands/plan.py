@@ -60,7 +60,7 @@ def run(
     summary_only: Annotated[bool, typer.Option("--summary", help="Print only the one-line summary (for an issue).")] = False,
     json_output: JsonOpt = False,
 ) -> None:
-    from ..profiles.planner import PlanRequest
+    from ..planning.planner import PlanRequest
 
     model = pick_model(model, model_option)
     if hosts > 1 and link_bw is None:
@@ -69,10 +69,10 @@ def run(
         raise UsageError("--link-bw and --link-latency go with --hosts N (N at least 2)")
     request = PlanRequest(min_context, _size("--max-memory", max_memory), batch, quality, hosts,
                           _size("--link-bw", link_bw, rate=True) or 0.0, link_latency)
-    from ..profiles.planformats import read_source
-    from ..profiles.planner import make_plan
-    from ..profiles.report.plan import document, render, summary
-    from ..profiles.whatif import what_if
+    from ..planning.formats import read_source
+    from ..planning.planner import make_plan
+    from ..planning.report import document, render, summary
+    from ..planning.whatif import what_if
 
     source = read_source(Path(model))
     out = Output(as_json=json_output)
@@ -95,7 +95,7 @@ def _profile(path: Path | None, source, out: Output):
     from ..profiles import HardwareProfile
 
     if path is not None:
-        from ..profiles.whatif import profile_from_file
+        from ..planning.whatif import profile_from_file
 
         return profile_from_file(path)
     where = source.run_path if source.run_path.is_dir() else source.run_path.parent

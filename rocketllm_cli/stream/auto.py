@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 from ..output import BLINK_S, no_progress
 from ..shard.manifest import MANIFEST, Manifest
-from .plan import RESIDENT_KINDS, check_floor
+from ..tiers import RESIDENT_KINDS
+from .plan import check_floor
 
 if TYPE_CHECKING:  # torch and transformers load only once the model path has been checked
     from .model import EngineConfig, StreamingModel

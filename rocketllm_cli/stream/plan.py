@@ -18,11 +18,10 @@ from math import ceil
 from ..errors import ParameterError
 from ..shard.manifest import Manifest
 from ..sizes import format_bytes
-from ..tiers import TIERS
+from ..tiers import RESIDENT_KINDS, TIERS
 
 _FLOAT_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors names of the float dtypes a unit may hold
 
-RESIDENT_KINDS = ("root", "vision")  # always on the device, their bytes taken from the device budget first
 
 
 @dataclass

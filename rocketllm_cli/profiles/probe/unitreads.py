@@ -84,7 +84,7 @@ def sample_units(manifest) -> list:
     """Decoder-layer units in the order a pass reads them, from the first, until SAMPLE_BYTES: what streams on every
     token (an embedding or head may stay resident; experts stage elsewhere; resident kinds are read once). A set
     without layer units samples its other streamed kinds."""
-    from ...stream.plan import RESIDENT_KINDS
+    from ...tiers import RESIDENT_KINDS
 
     return first_layers([u for u in manifest.units if u.kind not in RESIDENT_KINDS and u.kind != "expert"], SAMPLE_BYTES)
 

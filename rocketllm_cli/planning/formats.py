@@ -120,9 +120,9 @@ def with_measured_decode(source: ModelSource, profile) -> ModelSource:
         return source
     from ..dtypes import NAMES
     from ..shard.manifest import Manifest
-    from .knobs.table import SPECULATION_MODES
-    from .probe import acceptance
-    from .probe.decodecompute import lookup
+    from ..profiles.knobs.table import SPECULATION_MODES
+    from ..profiles.probe import acceptance
+    from ..profiles.probe.decodecompute import lookup
 
     try:
         manifest = Manifest.load(directories[0])

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..sizes import format_bytes, format_rate
-from .hardware import HardwareProfile
-from .records import Capability, Measurement
+from ..profiles.hardware import HardwareProfile
+from ..profiles.records import Capability, Measurement
 
 STORAGE_READS = ("storage_read", "storage_read_direct")
 

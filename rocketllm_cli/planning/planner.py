@@ -1,6 +1,6 @@
 """rocketllm plan: whole configurations of a model on a machine, ranked by projected tokens per second.
 
-Enumerated: weight format (as stored, or requantised where the model allows it: planformats.py) x compute dtype (each
+Enumerated: weight format (as stored, or requantised where the model allows it: formats.py) x compute dtype (each
 the profile measured a matvec for) x KV dtype (the compute dtype, int4) x residency (derived, all resident, all in the
 host tier, all from storage) x context (derived, or the shortest asked for: a shorter KV cache leaves memory to the
 weights) x speculation (derived, off) x hosts (one, or pipeline stages over 2, 4 ... N).
@@ -8,7 +8,7 @@ weights) x speculation (derived, off) x hosts (one, or pipeline stages over 2, 4
 Each candidate is `resolve_knobs` with that candidate's flags: what `generate` would run with them. Its projection is
 the cost model's (`cost.project` on `cost.plan_tier_bytes`, the figures `doctor --model` prints; stages: the stage
 planner's `plan_stages`), its memory per tier the knobs' own terms (max_context's room after weights, buffers and
-reserve: plancost.py). A candidate whose context does not fit its memory is dropped, so every row runs.
+reserve: projection.py). A candidate whose context does not fit its memory is dropped, so every row runs.
 Ranked by tokens per second compared at three significant digits, then by fewer changes from the defaults, fewer
 hosts and less memory; the defaults' own row is resolved once more with no flag at all, and the first row says why it differs.
 """
@@ -21,14 +21,14 @@ from dataclasses import dataclass, field, replace
 from ..dtypes import ITEMSIZE
 from ..errors import RocketError
 from ..sizes import format_bytes
-from .cost import plan_tier_bytes
-from .hardware import HardwareProfile
-from .knobs.formulas import evaluate
-from .knobs.resolve import Knobs, resolve_knobs
-from .plancost import engine_dtype, kv_dtype_of, projection, row_memory, speculation_note, tokens_per_pass
-from .planformats import ModelSource, WeightFormat, with_measured_decode
-from .probe.decodecompute import with_layer_overhead
-from .probe.kernelrates import with_kernel_rates
+from ..profiles.cost import plan_tier_bytes
+from ..profiles.hardware import HardwareProfile
+from ..profiles.knobs.formulas import evaluate
+from ..profiles.knobs.resolve import Knobs, resolve_knobs
+from .projection import engine_dtype, kv_dtype_of, projection, row_memory, speculation_note, tokens_per_pass
+from .formats import ModelSource, WeightFormat, with_measured_decode
+from ..profiles.probe.decodecompute import with_layer_overhead
+from ..profiles.probe.kernelrates import with_kernel_rates
 from .whatif import capped
 
 RESIDENCIES = ("auto", "resident", "host", "storage")
@@ -154,7 +154,7 @@ def _enumerate(source: ModelSource, profile: HardwareProfile, request: PlanReque
                                    {}, explicit=request.max_memory is not None)
                         _keep(row, request, floor, rows, left_out)
                 for hosts in _host_counts(request.hosts):
-                    from .planstages import stage_row
+                    from .stages import stage_row
 
                     _keep(stage_row(budget, source, fmt, dtype if dtype != default_dtype else None, kv, floor, request, hosts),
                           request, floor, rows, left_out)

@@ -7,18 +7,18 @@ the head; one stream's seconds per token are its stages in turn plus the hidden 
 from __future__ import annotations
 
 from ..dtypes import ITEMSIZE
-from .cost import tier_bandwidth
-from .hardware import HardwareProfile
-from .knobs.formulas import evaluate
-from .knobs.resolve import resolve_knobs
-from .planformats import ModelSource, WeightFormat
+from ..profiles.cost import tier_bandwidth
+from ..profiles.hardware import HardwareProfile
+from ..profiles.knobs.formulas import evaluate
+from ..profiles.knobs.resolve import resolve_knobs
+from .formats import ModelSource, WeightFormat
 
 
 def stage_row(profile: HardwareProfile, source: ModelSource, fmt: WeightFormat, dtype: str | None, kv: str, context: int,
               request, hosts: int):
     """The row of FMT over HOSTS hosts like PROFILE, each holding CONTEXT tokens a sequence; a string why not."""
     from ..distributed.plan import RankFacts, plan_stages
-    from .plancost import engine_dtype, kv_dtype_of, row_memory, speculation_note, tokens_per_pass
+    from .projection import engine_dtype, kv_dtype_of, row_memory, speculation_note, tokens_per_pass
     from .planner import Row
 
     facts = fmt.facts

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shlex
 
-from .knobs.table import KNOBS_BY_NAME
+from ..profiles.knobs.table import KNOBS_BY_NAME
 
 CACHE_KNOBS = ("device_cache_bytes", "host_cache_bytes")
 TORCHRUN = ("torchrun --nnodes {hosts} --node-rank R --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 "

@@ -8,11 +8,11 @@ in the row's dtype, written as a formula whose value is the row's tokens per sec
 
 from __future__ import annotations
 
-from .cost import project
-from .hardware import HardwareProfile
-from .knobs import formulas
-from .knobs.formulas import Context, evaluate
-from .knobs.resolve import Knobs
+from ..profiles.cost import project
+from ..profiles.hardware import HardwareProfile
+from ..profiles.knobs import formulas
+from ..profiles.knobs.formulas import Context, evaluate
+from ..profiles.knobs.resolve import Knobs
 
 
 def speculation_note(mode: str, measured: dict | None = None) -> str:
