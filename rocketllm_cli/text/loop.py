@@ -159,9 +159,9 @@ class Generator:
         hit = self.prefix_cache.lookup(list(single.prompt_ids)) if self._caching(single) and not spec.on else None
         extra = self._model_inputs(single)  # a picture's tensors (pixel values, ...), as the processor made them
         if hit is not None:
-            from .prefix import generate_cache_kwarg
+            from ..stream.kvcache import generate_cache_kwarg
 
-            extra[generate_cache_kwarg(self.model)] = hit.cache
+            extra[generate_cache_kwarg()] = hit.cache
         keep = self._caching(single) and single.keep_prefix
         if keep:
             extra["return_dict_in_generate"] = True  # the output then carries the cache to store

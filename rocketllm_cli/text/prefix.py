@@ -55,13 +55,6 @@ def decide(setting: str, plan, manifest) -> tuple[bool, str]:
     return True, "on: auto, and every weight is resident, so a reused prefix skips its prefill compute"
 
 
-def generate_cache_kwarg(model) -> str:
-    """The keyword transformers' generate takes a cache under: `cache` from 5.x on, `past_key_values` before."""
-    from ..stream.kvcache import generate_cache_kwarg as keyword
-
-    return keyword()
-
-
 def output_cache(output):
     """The cache a `return_dict_in_generate=True` output carries (named `cache` in 5.x, `past_key_values` before)."""
     for name in ("cache", "past_key_values"):
@@ -71,7 +64,8 @@ def output_cache(output):
     return None
 
 
-_CROPPABLE = {"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"}  # a DummyLayer holds nothing
+# cache layers prefix.crop handles (a DummyLayer holds nothing); reuse.py and speculate.py ask the same of a cache
+CROPPABLE = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"})
 MODES = ("blocks", "extend", "exact")
 
 
@@ -119,7 +113,7 @@ def supported(cache) -> tuple[bool, str]:
         return False, f"the model's cache is a {type(cache).__name__}, not a DynamicCache"
     layers = getattr(cache, "layers", None)
     if layers is not None:
-        other = {type(layer).__name__ for layer in layers} - _CROPPABLE
+        other = {type(layer).__name__ for layer in layers} - CROPPABLE
         if other:
             return False, f"the model has {', '.join(sorted(other))} cache layers, which cannot be cropped back"
         return True, ""

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-CROPPABLE = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"})  # cache layers prefix.crop handles
+from .prefix import CROPPABLE
+
 STATES = ("conv_states", "recurrent_states")  # what transformers' linear-attention cache layers keep
 PROBE_PREFIX, PROBE_NEW = 13, 7  # tokens the probe keeps, then extends by (odd: no chunk boundary lines up)
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # max logit change / max |logit| a continuation may show
@@ -117,11 +118,11 @@ def _probe(model) -> Reuse:
 def _output(model, ids: torch.Tensor, cache=None):
     """generate() of one greedy token, as the generation loop calls it (a kept cache under its keyword)."""
     from .loop import pad_token_id
-    from .prefix import generate_cache_kwarg
+    from ..stream.kvcache import generate_cache_kwarg
 
     extra = {}
     if cache is not None:
-        extra[generate_cache_kwarg(model)] = copy.deepcopy(cache)
+        extra[generate_cache_kwarg()] = copy.deepcopy(cache)
         if linear_only(cache):
             ids = ids[:, PROBE_PREFIX:]
     device = getattr(model, "device", None) or torch.device("cpu")
