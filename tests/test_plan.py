@@ -18,14 +18,14 @@ from cli_contract import one_error_line
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.planning.commandlines import commands
+from rocketllm_cli.planning.formats import read_source
+from rocketllm_cli.planning.planner import SIGNIFICANT, PlanError, PlanRequest, make_plan
+from rocketllm_cli.planning.projection import context_of
+from rocketllm_cli.planning.whatif import profile_from_file, what_if
 from rocketllm_cli.profiles import Capability, HardwareProfile, Measurement, model_facts_from_path, resolve_knobs
 from rocketllm_cli.profiles.cost import plan_tier_bytes, project
 from rocketllm_cli.profiles.knobs.formulas import evaluate
-from rocketllm_cli.planning.projection import context_of
-from rocketllm_cli.planning.formats import read_source
-from rocketllm_cli.planning.planner import SIGNIFICANT, PlanError, PlanRequest, make_plan
-from rocketllm_cli.planning.commandlines import commands
-from rocketllm_cli.planning.whatif import profile_from_file, what_if
 
 pytestmark = pytest.mark.compat
 
@@ -385,8 +385,8 @@ def test_plan_of_a_gguf_projects_from_the_decode_bench_measured_on_its_set(smoll
     from typer.testing import CliRunner
 
     from rocketllm_cli.app import app
-    from rocketllm_cli.profiles import HardwareProfile
     from rocketllm_cli.planning.formats import sets_of_gguf
+    from rocketllm_cli.profiles import HardwareProfile
     from rocketllm_cli.profiles.probe.decodecompute import record
     from rocketllm_cli.shard import identity
     from rocketllm_cli.shard.manifest import Manifest

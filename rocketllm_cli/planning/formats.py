@@ -119,10 +119,10 @@ def with_measured_decode(source: ModelSource, profile) -> ModelSource:
     if not directories:
         return source
     from ..dtypes import NAMES
-    from ..shard.manifest import Manifest
     from ..profiles.knobs.table import SPECULATION_MODES
     from ..profiles.probe import acceptance
     from ..profiles.probe.decodecompute import lookup
+    from ..shard.manifest import Manifest
 
     try:
         manifest = Manifest.load(directories[0])

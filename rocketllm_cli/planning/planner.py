@@ -20,15 +20,15 @@ from dataclasses import dataclass, field, replace
 
 from ..dtypes import ITEMSIZE
 from ..errors import RocketError
-from ..sizes import format_bytes
 from ..profiles.cost import plan_tier_bytes
 from ..profiles.hardware import HardwareProfile
 from ..profiles.knobs.formulas import evaluate
 from ..profiles.knobs.resolve import Knobs, resolve_knobs
-from .projection import engine_dtype, kv_dtype_of, projection, row_memory, speculation_note, tokens_per_pass
-from .formats import ModelSource, WeightFormat, with_measured_decode
 from ..profiles.probe.decodecompute import with_layer_overhead
 from ..profiles.probe.kernelrates import with_kernel_rates
+from ..sizes import format_bytes
+from .formats import ModelSource, WeightFormat, with_measured_decode
+from .projection import engine_dtype, kv_dtype_of, projection, row_memory, speculation_note, tokens_per_pass
 from .whatif import capped
 
 RESIDENCIES = ("auto", "resident", "host", "storage")

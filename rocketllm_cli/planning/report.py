@@ -6,11 +6,11 @@ import io
 import shutil
 from dataclasses import asdict
 
-from ..sizes import format_bytes, format_rate
 from ..profiles.knobs.resolve import describe_input
-from .planner import Plan, Row
-from .commandlines import commands
 from ..profiles.report.redact import redact, redact_tree
+from ..sizes import format_bytes, format_rate
+from .commandlines import commands
+from .planner import Plan, Row
 
 
 def document(plan: Plan, model: str, measured: list[dict] | None = None) -> dict:

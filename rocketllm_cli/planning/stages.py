@@ -18,8 +18,8 @@ def stage_row(profile: HardwareProfile, source: ModelSource, fmt: WeightFormat, 
               request, hosts: int):
     """The row of FMT over HOSTS hosts like PROFILE, each holding CONTEXT tokens a sequence; a string why not."""
     from ..distributed.plan import RankFacts, plan_stages
-    from .projection import engine_dtype, kv_dtype_of, row_memory, speculation_note, tokens_per_pass
     from .planner import Row
+    from .projection import engine_dtype, kv_dtype_of, row_memory, speculation_note, tokens_per_pass
 
     facts = fmt.facts
     if hosts > facts.num_layers:

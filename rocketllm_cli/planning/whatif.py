@@ -12,9 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import UsageError
-from ..sizes import format_bytes, format_rate
 from ..profiles.hardware import HardwareProfile
 from ..profiles.records import Capability, Measurement
+from ..sizes import format_bytes, format_rate
 
 STORAGE_READS = ("storage_read", "storage_read_direct")
 
