@@ -22,10 +22,11 @@ from .format import PackedFormat, PackedTensor
 SUB_BLOCK = 32  # Q4_K: each 256-element super-block is 8 int4 groups of this many
 
 
-def from_gguf(blocks: np.ndarray, ggml_type, raw: bool = False) -> PackedTensor:
+def from_gguf(blocks: np.ndarray, ggml_type, raw: bool = False, copy: bool = True) -> PackedTensor:
     """A GGUF tensor's blocks (`GGUFReader(path).tensors[i].data`: uint8 [rows, bytes_per_row], rows = N)
     in the portable layout, or as the raw blocks themselves (kind gguf) where `raw` or no unpacker applies.
-    `ggml_type` is a `gguf.GGMLQuantizationType` or its name."""
+    `ggml_type` is a `gguf.GGMLQuantizationType` or its name. copy=False: raw blocks the caller read into an array of
+    their own and hands over are kept as they are, not copied."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     qtype = ggml_type if isinstance(ggml_type, GGMLQuantizationType) else GGMLQuantizationType[str(ggml_type)]
@@ -41,8 +42,8 @@ def from_gguf(blocks: np.ndarray, ggml_type, raw: bool = False) -> PackedTensor:
     unpacker = None if raw else _UNPACKERS.get(qtype.name)
     if unpacker is None:
         fmt = PackedFormat("gguf", shape, block, gguf_type=qtype.name, block_bytes=block_bytes)
-        owned = blocks.flags.owndata and blocks.flags.writeable and blocks.flags.c_contiguous  # read into memory of its own
-        return PackedTensor(fmt, {"blocks": torch.from_numpy(blocks if owned else np.array(blocks, copy=True))})  # off the mapping
+        kept = not copy and blocks.flags.writeable and blocks.flags.c_contiguous
+        return PackedTensor(fmt, {"blocks": torch.from_numpy(blocks if kept else np.array(blocks, copy=True))})  # off the mapping
     return unpacker(split, shape)
 
 

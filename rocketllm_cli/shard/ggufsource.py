@@ -103,7 +103,7 @@ class LazyGGUF:
         from ..packed.format import PackedTensor
 
         tensor = self._tensors[self.mapping[name]]
-        packed = from_gguf(self._owned_bytes(tensor), tensor.tensor_type, raw=True)
+        packed = from_gguf(self._owned_bytes(tensor), tensor.tensor_type, raw=True, copy=False)
         order = self._row_order(tensor)
         if order is not None:
             index = torch.from_numpy(order)
