@@ -31,8 +31,10 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 class NativeKernels:
     """y = x · Wᵀ computed on GGUF's quantized blocks as stored, by the library's `isa` variant."""
 
-    def __init__(self, lib: ctypes.CDLL, isa: str, runnable: tuple[str, ...], layouts: dict[str, tuple[int, int, int]]):
+    def __init__(self, lib: ctypes.CDLL, isa: str, runnable: tuple[str, ...], layouts: dict[str, tuple[int, int, int]],
+                 build: str = ""):
         self._lib = lib
+        self.build = build  # the build's key (its cache folder: sources, compiler, flags), so measurements follow an edit
         self.isa = isa  # the variant in use: "avx512", "avx2" or "scalar"
         self.isas = runnable  # every variant this CPU runs, best first
         self._isa_id = ISAS.index(isa)
@@ -62,13 +64,13 @@ class NativeKernels:
             return None, f"unknown native variant {isa!r}: choose one of {', '.join(ISAS)}"
         ceiling = ISAS.index(isa) if isa is not None else len(ISAS) - 1
         chosen = next(name for name in runnable if ISAS.index(name) <= ceiling)  # scalar always runs
-        return cls(lib, chosen, runnable, layouts), ""
+        return cls(lib, chosen, runnable, layouts, Path(path).parent.name), ""
 
     def with_isa(self, isa: str) -> NativeKernels:
         """The same library driven by variant `isa`, which this CPU must run (tests use it to cover each one)."""
         if isa not in self.isas:
             raise ValueError(f"native variant {isa!r} does not run here: this CPU runs {', '.join(self.isas)}")
-        return NativeKernels(self._lib, isa, self.isas, self._layouts)
+        return NativeKernels(self._lib, isa, self.isas, self._layouts, self.build)
 
     def supported(self, gguf_type) -> bool:
         """Whether `gguf_type` (a name such as "Q4_K", or a gguf.GGMLQuantizationType) has kernels."""

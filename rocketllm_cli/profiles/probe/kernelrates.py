@@ -59,9 +59,10 @@ def rates(profile, blocks: dict[str, dict[str, int]], mode: str) -> dict | None:
     stored = _load(profile)
     paths = {t: "native" if nk is not None and nk.supported(t) else "torch decoder" for t in blocks if _decodable(t)}
     isa = nk.isa if nk is not None else "none"
+    build = nk.build if nk is not None else ""
 
-    def key(t: str, shape: str) -> str:
-        how = f"{isa}-{mode}" if paths[t] == "native" else "torch"
+    def key(t: str, shape: str) -> str:  # a rate of another build of the kernels is measured again
+        how = f"{isa}-{build}-{mode}" if paths[t] == "native" else "torch"
         return f"{VERSION}-{how}-t{threads}-p{pool >> 20}-{t}-{shape}"
 
     keys = {(t, shape): key(t, shape) for t in paths for shape in blocks[t]}
