@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from rocketllm_cli.bench.perplexity import score
 from rocketllm_cli.profiles import resolve_knobs
 from rocketllm_cli.sizes import format_bytes, parse_bytes
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.stream.kvcache import cache_bytes, generate_cache_kwarg
 
 DEFAULT_VARIANTS = ("auto", "fp16", "fp8", "int4", "int4@256", "int4@512")
@@ -123,9 +123,9 @@ def admitted(model_path: str, budgets: list[int], residual: int, variants: list[
     """max_context per KV budget for each variant a knob can store (fp8 is not one)."""
     from transformers import AutoConfig
 
+    from rocketllm_cli.checkpoint.modelfacts import facts_from_manifest
     from rocketllm_cli.profiles import HardwareProfile
-    from rocketllm_cli.shard.modelfacts import facts_from_manifest
-    from rocketllm_cli.stream.auto import ensure_shards
+    from rocketllm_cli.auto import ensure_shards
 
     manifest, directory = ensure_shards(model_path)
     facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))

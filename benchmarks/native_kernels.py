@@ -24,10 +24,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from rocketllm_cli.checkpoint.ggmlblocks import dequantize_blocks
 from rocketllm_cli.native import kernels, why_not
 from rocketllm_cli.native.kernels import GGML_IDS
 from rocketllm_cli.native.sample import sample_blocks
-from rocketllm_cli.packed.ggmlblocks import dequantize_blocks
 
 N = K = 4096
 

@@ -8,7 +8,7 @@ __all__ = ["AutoModel", "HardwareProfile", "__version__"]
 def __getattr__(name: str):
     # Lazy, so `import rocketllm` stays cheap and imports torch only when a model is made.
     if name == "AutoModel":
-        from rocketllm_cli.stream.auto import AutoModel
+        from rocketllm_cli.auto import AutoModel
 
         return AutoModel
     if name == "HardwareProfile":

@@ -104,7 +104,7 @@ def equality(report: Report, device: str, work: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from rocketllm_cli.compat import dtype_kwargs
-    from rocketllm_cli.stream.auto import AutoModel
+    from rocketllm_cli.auto import AutoModel
     from rocketllm_cli.synthetic import ARCHS
 
     prompt = torch.tensor([PROMPT], device=device)
@@ -288,7 +288,7 @@ def profile_resident(report: Report, device: str, spec: str) -> None:
     from rocketllm_cli.bench.sources import synthetic_checkpoint
     from rocketllm_cli.bench.timing import timed_run
     from rocketllm_cli.compat import dtype_kwargs
-    from rocketllm_cli.stream.auto import AutoModel
+    from rocketllm_cli.auto import AutoModel
 
     source = synthetic_checkpoint(spec)
     tokens = 64

@@ -212,7 +212,7 @@ def stateful_factory(tmp_path_factory):
 @pytest.fixture(scope="module")
 def resident_tiny_llama(tiny_factory):
     """The tiny Llama the server tests serve (seed 21), every unit resident; one per test module, closed after it."""
-    from rocketllm_cli.stream.auto import AutoModel
+    from rocketllm_cli.auto import AutoModel
 
     streamed = AutoModel.from_pretrained(tiny_factory("llama", seed=21), device_cache_bytes="1GB")
     yield streamed

@@ -185,9 +185,9 @@ def test_the_auto_regime_runs_the_derived_plan_with_the_kv_this_run_holds(tiny_f
     from math import ceil
 
     from rocketllm_cli.bench.timing import WARMUP
+    from rocketllm_cli.checkpoint.modelfacts import model_facts_from_path
     from rocketllm_cli.profiles.knobs.formulas import engine_compute_dtype
     from rocketllm_cli.profiles.knobs.shape import pass_shape_of
-    from rocketllm_cli.shard.modelfacts import model_facts_from_path
     from rocketllm_cli.stream.context import RUN_MARGIN_TOKENS
 
     model = tiny_factory("llama", seed=11)

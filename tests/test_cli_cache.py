@@ -82,8 +82,8 @@ def interrupted_set(checkpoint: Path, units: int = 2, dtype: str = "auto") -> st
 
 def test_ls_shows_each_set_as_it_is_on_disk(one_set, tiny_checkpoint):
     from rocketllm_cli.cachehome import write_json
+    from rocketllm_cli.checkpoint.manifest import Manifest
     from rocketllm_cli.profiles.cache import profile_dir
-    from rocketllm_cli.shard.manifest import Manifest
 
     manifest = Manifest.load(one_set)
     _, bf16, _ = sharder.shard(tiny_checkpoint, dtype="bf16", log=lambda m: None)
@@ -123,7 +123,7 @@ def measured_profiles() -> Path:
 
 
 def test_a_load_updates_last_used_only_for_sets_in_the_cache(measured_profiles, one_set, tiny_checkpoint, tmp_path):
-    from rocketllm_cli.stream.auto import AutoModel
+    from rocketllm_cli.auto import AutoModel
 
     shutil.copytree(measured_profiles, one_set.parent.parent / "profiles")
     days_ago = time.time() - 3 * 86400

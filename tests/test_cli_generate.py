@@ -20,8 +20,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.checkpoint.manifest import Manifest
 from rocketllm_cli.compat import dtype_kwargs
-from rocketllm_cli.shard.manifest import Manifest
 from rocketllm_cli.shard.sharder import shard
 
 pytestmark = pytest.mark.compat

@@ -16,8 +16,8 @@ from collections import Counter
 import pytest
 
 from rocketllm_cli import output as output_module
+from rocketllm_cli.checkpoint.manifest import Manifest
 from rocketllm_cli.output import Output
-from rocketllm_cli.shard.manifest import Manifest
 from rocketllm_cli.sizes import format_bytes
 
 CLI = [sys.executable, "-m", "rocketllm_cli"]

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from rocketllm_cli.app import app
 from rocketllm_cli.commands.serve import MISSING_EXTRA
 from rocketllm_cli.server.worker import SHUTTING_DOWN, STOP_WAIT_S
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 
 START_TIMEOUT_S = 240  # SmolLM2 is sharded (dequantized) on first use: ~25 s here, longer on a busy machine
 STOP_TIMEOUT_S = 60  # the helper's patience after a signal; the server stops within ~5 s even with streams in flight
@@ -48,7 +48,7 @@ def tiny(tiny_factory):
 
 # -- help ------------------------------------------------------------------------------------------------
 def test_help_shows_the_derived_defaults_from_the_cached_profile(tiny, tmp_path):
-    from rocketllm_cli.stream.auto import AutoModel
+    from rocketllm_cli.auto import AutoModel
 
     AutoModel.from_pretrained(tiny).close()  # caches this machine's profile in the session cache
     start = time.monotonic()

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.checkpoint.manifest import MANIFEST, Manifest
 from rocketllm_cli.shard import sharder
 from rocketllm_cli.shard.journal import JOURNAL
-from rocketllm_cli.shard.manifest import MANIFEST, Manifest
 
 pytestmark = pytest.mark.compat
 

@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel
 from serve_helpers import LiveServer
 
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 
 pytestmark = pytest.mark.realmodel
 

@@ -11,12 +11,12 @@ from test_knobs import GiB, synthetic
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.checkpoint.modelfacts import model_facts_from_path
 from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.profiles import resolve_knobs
 from rocketllm_cli.profiles.knobs.formulas import evaluate
 from rocketllm_cli.profiles.knobs.shape import pass_shape_of
-from rocketllm_cli.shard.modelfacts import model_facts_from_path
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 
 ADMITTED = 300  # tokens the budget below holds
 
@@ -142,7 +142,7 @@ def test_a_refusal_int4_would_admit_says_how_many_tokens_it_would(tight, int4_ad
 
 def test_int4_admits_over_three_times_the_bf16_context_in_the_same_memory():
     """SmolLM2-135M's shape (30 layers, 3 KV heads of 64) on a machine whose KV room is fixed."""
-    from rocketllm_cli.shard.modelfacts import ModelFacts
+    from rocketllm_cli.checkpoint.modelfacts import ModelFacts
 
     facts = ModelFacts("smol", 270_000_000, 30, 4_000_000, 57_000_000, 57_000_000, 23_040, 1 << 20, "bf16",
                        kv_values_per_token=11_520, kv_growing_layers=30, kv_head_dim=64)
@@ -158,7 +158,7 @@ def test_int4_admits_over_three_times_the_bf16_context_in_the_same_memory():
 
 def test_a_device_cache_larger_than_the_model_takes_only_the_models_bytes_from_the_context():
     """`--device-cache-bytes 1TB` says "keep everything resident": the KV room is what the model leaves, not 0."""
-    from rocketllm_cli.shard.modelfacts import ModelFacts
+    from rocketllm_cli.checkpoint.modelfacts import ModelFacts
 
     facts = ModelFacts("smol", 270_000_000, 30, 4_000_000, 57_000_000, 57_000_000, 23_040, 1 << 20, "bf16",
                        kv_values_per_token=11_520, kv_growing_layers=30, kv_head_dim=64)
@@ -175,7 +175,7 @@ def test_streaming_buffers_sized_for_a_layer_leave_the_context_its_room():
     """A 2.8 B Llama under a 1.2 GiB limit: the 144 MiB tied embedding fits resident, so the buffers hold 60 MiB
     layers, as device_cache_bytes sized them. Counting three embedding-sized buffers left the context 0 tokens and
     every prompt was refused."""
-    from rocketllm_cli.shard.modelfacts import ModelFacts
+    from rocketllm_cli.checkpoint.modelfacts import ModelFacts
 
     MiB = 1 << 20
     facts = ModelFacts("big", 1_787_295_744, 26, 62_926_848, 151_191_552, 151_191_552 + 2 * MiB, 106_496, 2048, "bf16",

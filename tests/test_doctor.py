@@ -77,12 +77,12 @@ def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint
     """Until bench has measured a set, compute is the matvec floor and the report says what that leaves out; once
     bench recorded its resident decode here, every regime is projected from it: compute as measured, io as before;
     and another set of this machine is projected with the per-layer work that measurement found beyond the floor."""
+    import shutil
+
+    from rocketllm_cli.checkpoint.manifest import Manifest
+    from rocketllm_cli.checkpoint.modelfacts import model_facts_from_path
     from rocketllm_cli.profiles import HardwareProfile
     from rocketllm_cli.profiles.probe.decodecompute import layer_overhead, record
-    from rocketllm_cli.shard.manifest import Manifest
-    from rocketllm_cli.shard.modelfacts import model_facts_from_path
-
-    import shutil
 
     shards = tmp_path / "set"
     assert CliRunner().invoke(app, ["shard", str(tiny_checkpoint), "--out", str(shards)]).exit_code == 0

@@ -9,19 +9,23 @@ import shutil
 
 import pytest
 import torch
+from test_packed_stream import (  # the packed sets' own prompt and greedy run
+    HUGE,
+    PROMPT,
+    _greedy,
+)
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rocketllm_cli.checkpoint.manifest import MANIFEST, RESHARD, Manifest
+from rocketllm_cli.checkpoint.packedformat import PackedFormat, PackedTensor
 from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.errors import ShardError
 from rocketllm_cli.packed import dequantize
-from rocketllm_cli.packed.format import PackedFormat, PackedTensor
 from rocketllm_cli.packed.rtn import quantize_rtn
 from rocketllm_cli.shard.fusion import fuse, shared_input_groups
-from rocketllm_cli.shard.manifest import MANIFEST, RESHARD, Manifest
 from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 from rocketllm_cli.stream.packedbind import FusedGroup
-from test_packed_stream import HUGE, PROMPT, _greedy  # the packed sets' own prompt and greedy run
 
 
 def test_the_trace_groups_linears_that_read_one_input(tiny_factory):

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.checkpoint import stfile
 from rocketllm_cli.errors import ShardError
-from rocketllm_cli.shard import stfile
 from rocketllm_cli.sizes import format_bytes
 
 FUZZ = settings(derandomize=True, deadline=None, database=None,

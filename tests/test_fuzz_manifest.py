@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from rocketllm_cli.checkpoint.manifest import MANIFEST, RESHARD, Manifest
 from rocketllm_cli.errors import ShardError
 from rocketllm_cli.shard import sharder
-from rocketllm_cli.shard.manifest import MANIFEST, RESHARD, Manifest
 
 FUZZ = settings(derandomize=True, deadline=None, database=None, max_examples=150,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

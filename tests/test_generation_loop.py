@@ -19,7 +19,7 @@ from rocketllm_cli.bench.timing import WARMUP, timed_run
 from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.server.common import refused
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.text.loop import GenerationRequest, Generator, pad_token_id
 from rocketllm_cli.text.prompts import check_context
 from rocketllm_cli.text.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams

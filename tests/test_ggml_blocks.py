@@ -1,4 +1,4 @@
-"""rocketllm_cli.packed.ggmlblocks against gguf's own dequantization, bit for bit, for every supported type.
+"""rocketllm_cli.checkpoint.ggmlblocks against gguf's own dequantization, bit for bit, for every supported type.
 
 Blocks come three ways: random bytes with sensible (finite, modest) fp16 scales, fully random bytes (scales may be
 inf or NaN: NaN positions must match, every other value's bits too), and gguf's own quantizer where it has one.
@@ -20,8 +20,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-from rocketllm_cli.packed import ggmlblocks  # noqa: E402
-from rocketllm_cli.packed.ggmlblocks import SUPPORTED, dequantize_blocks, unsupported  # noqa: E402
+from rocketllm_cli.checkpoint import ggmlblocks  # noqa: E402
+from rocketllm_cli.checkpoint.ggmlblocks import (  # noqa: E402
+    SUPPORTED,
+    dequantize_blocks,
+    unsupported,
+)
 
 REAL_GGUF = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TYPES = sorted(SUPPORTED)

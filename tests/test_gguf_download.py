@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
-from rocketllm_cli.shard.manifest import Manifest
+from rocketllm_cli.checkpoint.manifest import Manifest
 
 pytestmark = pytest.mark.realmodel
 
@@ -91,7 +91,7 @@ def test_the_default_set_keeps_the_files_floats_and_computes_like_transformers_f
 def test_an_untied_embedding_decoded_into_the_set_makes_it_bf16_where_it_is_most_of_the_floats():
     """The auto dtype of a blocks set, from the header's types alone: the blocks are no float tensor; the file's F32
     norms decide (fp32) unless an untied embedding (looked up by rows, decoded into the set) outweighs them."""
-    from rocketllm_cli.shard.ggufheader import blocks_set_dtype, shard_sizes
+    from rocketllm_cli.checkpoint.ggufheader import blocks_set_dtype, shard_sizes
 
     q4k, f32 = 12, 0
     tied = {"token_embd.weight": (q4k, (256, 1000)), "blk.0.attn_q.weight": (q4k, (256, 256)), "output_norm.weight": (f32, (256,))}
@@ -116,7 +116,7 @@ def test_the_default_set_is_planned_whole_where_memory_holds_it(gemma_gguf, tmp_
     knobs = json.loads(invoke("profile", "--model", out, "--json").stdout)["knobs"]
     if knobs["device_cache_bytes"]["value"] < manifest.total_bytes:
         pytest.skip("this machine's free memory does not hold the whole set")
-    from rocketllm_cli.stream.auto import AutoModel
+    from rocketllm_cli.auto import AutoModel
 
     with AutoModel.from_pretrained(out) as model:
         assert set(model.plan.tier.values()) == {"device"}, model.residency_text()
@@ -130,7 +130,7 @@ def test_the_default_set_is_planned_whole_where_memory_holds_it(gemma_gguf, tmp_
 def test_plan_offers_no_int4_kv_for_a_model_with_sliding_window_layers(gemma_gguf):
     """The header says Gemma 3 has sliding-window layers (not which): no row may need an int4 KV cache, which a
     load refuses for such a model (every row of `plan` runs)."""
-    from rocketllm_cli.shard.modelfacts import model_facts_from_path
+    from rocketllm_cli.checkpoint.modelfacts import model_facts_from_path
 
     facts = model_facts_from_path(gemma_gguf)
     assert facts.kv_window_values > 0 and facts.kv_growing_layers == facts.num_layers  # the KV never undercounted

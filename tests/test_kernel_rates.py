@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
+from rocketllm_cli.checkpoint.modelfacts import ModelFacts
 from rocketllm_cli.profiles import HardwareProfile, project
 from rocketllm_cli.profiles.probe import decodecompute, kernelrates
 from rocketllm_cli.profiles.records import Capability, Measurement
-from rocketllm_cli.shard.modelfacts import ModelFacts
 
 MiB = 1024**2
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from serve_helpers import LiveServer
 
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 
 TASK = "rocketllm_facts"
 TASK_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "lm_eval"

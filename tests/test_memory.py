@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rocketllm_cli.shard.manifest import Manifest
+from rocketllm_cli.checkpoint.manifest import Manifest
 from rocketllm_cli.synthetic import config_for, write_checkpoint
 
 PROBE = Path(__file__).parent / "fixtures" / "rss_probe.py"

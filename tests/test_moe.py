@@ -15,8 +15,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from rocketllm_cli.shard import stfile
-from rocketllm_cli.shard.manifest import MANIFEST, Manifest
+from rocketllm_cli.checkpoint import stfile
+from rocketllm_cli.checkpoint.manifest import MANIFEST, Manifest
 from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream.experts import ExpertCache
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel
@@ -228,7 +228,7 @@ def test_generate_stats_report_experts_and_cache(moe, tiny_factory):
 
 
 def test_cost_model_counts_a_token_s_routed_experts_not_every_weight(moe):
-    from rocketllm_cli.shard.modelfacts import (
+    from rocketllm_cli.checkpoint.modelfacts import (
         facts_from_manifest,
         model_facts_from_path,
     )

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from rocketllm_cli import native
+from rocketllm_cli.checkpoint.ggmlblocks import SUPPORTED, dequantize_blocks
 from rocketllm_cli.native import build
 from rocketllm_cli.native.kernels import GGML_IDS, NativeKernels
-from rocketllm_cli.packed.ggmlblocks import SUPPORTED, dequantize_blocks
 
 TYPES = list(GGML_IDS)  # Q4_0 ... IQ4_XS
 GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # the rest: random codes, modest scales
@@ -323,7 +323,7 @@ def test_a_machine_without_a_compiler_runs_gguf_blocks_and_says_why_it_is_slow(s
 
 
 def test_a_build_begun_in_the_background_is_the_one_kernels_returns(monkeypatch):
-    """A first run starts the build beside its sharding (stream/auto.py); kernels() then waits for it, not a second."""
+    """A first run starts the build beside its sharding (auto.py); kernels() then waits for it, not a second."""
     first = native.kernels()
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_background", None)

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rocketllm_cli.checkpoint.manifest import INT4_LAYOUTS, Manifest
+from rocketllm_cli.checkpoint.packedformat import PackedFormat, PackedTensor
 from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.errors import ShardError
 from rocketllm_cli.packed import dequantize
 from rocketllm_cli.packed.cpulayout import LAYOUTS, cpu_layout, from_layout, to_layout
-from rocketllm_cli.packed.format import PackedFormat, PackedTensor
 from rocketllm_cli.packed.kernelform import to_kernel_form, to_portable
 from rocketllm_cli.packed.rtn import quantize_rtn
-from rocketllm_cli.shard.manifest import INT4_LAYOUTS, Manifest
 from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 from rocketllm_cli.stream.packedbind import PackedBinding
@@ -219,10 +219,10 @@ def test_int4_shards_in_another_cpus_order_say_so_when_they_stream(quantized):
 
     from transformers import AutoConfig
 
+    from rocketllm_cli.checkpoint.modelfacts import facts_from_manifest
     from rocketllm_cli.packed.cpulayout import LAYOUTS
     from rocketllm_cli.profiles import HardwareProfile, resolve_knobs
-    from rocketllm_cli.shard.modelfacts import facts_from_manifest
-    from rocketllm_cli.stream.auto import engine_config
+    from rocketllm_cli.auto import engine_config
 
     mode, manifest, directory, _ = quantized
     here = cpu_layout()

@@ -20,10 +20,21 @@ from typer.testing import CliRunner
 from rocketllm_cli.app import app
 from rocketllm_cli.planning.commandlines import commands
 from rocketllm_cli.planning.formats import read_source
-from rocketllm_cli.planning.planner import SIGNIFICANT, PlanError, PlanRequest, make_plan
+from rocketllm_cli.planning.planner import (
+    SIGNIFICANT,
+    PlanError,
+    PlanRequest,
+    make_plan,
+)
 from rocketllm_cli.planning.projection import context_of
 from rocketllm_cli.planning.whatif import profile_from_file, what_if
-from rocketllm_cli.profiles import Capability, HardwareProfile, Measurement, model_facts_from_path, resolve_knobs
+from rocketllm_cli.profiles import (
+    Capability,
+    HardwareProfile,
+    Measurement,
+    model_facts_from_path,
+    resolve_knobs,
+)
 from rocketllm_cli.profiles.cost import plan_tier_bytes, project
 from rocketllm_cli.profiles.knobs.formulas import evaluate
 
@@ -249,10 +260,9 @@ def test_a_70b_header_plans_in_seconds(tmp_path, gguf_70b):
         assert seconds < 10  # about 0.1-0.5 s here; the budget is 2 s
 
 
-def test_a_doctor_document_is_a_profile(monkeypatch, tmp_path, gguf_70b):
+def test_a_doctor_document_is_a_profile(tmp_path, gguf_70b):
     from rocketllm_cli.profiles.report import document
 
-    monkeypatch.setattr(document, "_packed_kernels", lambda device: [])
     original = cpu_profile(ram=24 * GiB)
     path = tmp_path / "doctor.json"
     path.write_text(json.dumps(document.build(original, None, None)))
@@ -385,11 +395,11 @@ def test_plan_of_a_gguf_projects_from_the_decode_bench_measured_on_its_set(smoll
     from typer.testing import CliRunner
 
     from rocketllm_cli.app import app
+    from rocketllm_cli.checkpoint.manifest import Manifest
     from rocketllm_cli.planning.formats import sets_of_gguf
     from rocketllm_cli.profiles import HardwareProfile
     from rocketllm_cli.profiles.probe.decodecompute import record
     from rocketllm_cli.shard import identity
-    from rocketllm_cli.shard.manifest import Manifest
     from rocketllm_cli.synthetic.gguf import write_llama_gguf
 
     monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))

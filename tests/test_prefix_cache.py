@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.prefix import (
     BLOCK_TOKENS,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.text import reuse
 from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.prefix import PrefixCache

@@ -86,7 +86,7 @@ AGREEING = ("total_bytes", "num_layers", "layer_bytes", "largest_unit_bytes", "n
 def test_one_builder_agrees_with_itself_across_forms(tiny_factory, tmp_path, arch):
     from transformers import AutoConfig
 
-    from rocketllm_cli.shard.modelfacts import facts_from_manifest
+    from rocketllm_cli.checkpoint.modelfacts import facts_from_manifest
     from rocketllm_cli.shard.sharder import shard
 
     src = tiny_factory(arch)

@@ -23,10 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from rocketllm_cli.checkpoint.packedformat import PackedFormat, PackedTensor
 from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.errors import ModelError
 from rocketllm_cli.packed import dequantize
-from rocketllm_cli.packed.format import PackedFormat, PackedTensor
 from rocketllm_cli.packed.fromint import IntWeight
 from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel

@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
-from rocketllm_cli.shard.manifest import Manifest
+from rocketllm_cli.checkpoint.manifest import Manifest
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.compat]
@@ -154,7 +154,7 @@ def test_the_gguf_keeps_its_packed_blocks_and_the_set_is_about_its_size(smol, ma
 
 def test_doctor_sizes_the_gguf_as_the_set_shard_writes(smol, manifest, smollm2_gguf):
     """`doctor --model FILE.gguf` predicts, from the header alone, the bytes the packed set really holds."""
-    from rocketllm_cli.shard.modelfacts import model_facts_from_path
+    from rocketllm_cli.checkpoint.modelfacts import model_facts_from_path
 
     predicted, written = model_facts_from_path(smollm2_gguf), model_facts_from_path(smol)
     assert predicted.total_bytes == written.total_bytes == manifest.total_bytes

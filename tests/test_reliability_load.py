@@ -19,9 +19,9 @@ from cli_contract import one_error_line
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.checkpoint.manifest import MANIFEST, RESHARD, Manifest
 from rocketllm_cli.errors import ShardError
 from rocketllm_cli.shard import checks, sharder
-from rocketllm_cli.shard.manifest import MANIFEST, RESHARD, Manifest
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 from rocketllm_cli.synthetic import config_for, write_checkpoint
 

@@ -17,8 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.checkpoint.manifest import Manifest
 from rocketllm_cli.shard import checks, sharder
-from rocketllm_cli.shard.manifest import Manifest
 from rocketllm_cli.sizes import format_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serve_helpers import LiveServer, Script
 
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.prompts import encode_prompt
 from rocketllm_cli.text.sampling import SamplingParams

@@ -10,7 +10,7 @@ import pytest
 import torch
 from serve_helpers import LiveServer
 
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 
 TURNS = ("Name a number.", "Another one?", "And a third?")
 DIGITS = [6 + ord(c) for c in "0123456789"]  # the synthetic tokenizer's byte tokens, which no merge joins

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from serve_helpers import LiveServer
 
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.sampling import SamplingParams
 

@@ -19,7 +19,7 @@ from rocketllm_cli.server.tools import (
     detect,
     parser_for,
 )
-from rocketllm_cli.stream.auto import AutoModel
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.synthetic.tokenizer import CHAT_TEMPLATE
 
 CORPUS = Path(__file__).parent / "fixtures" / "tool_calls"

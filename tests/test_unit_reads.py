@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
+from rocketllm_cli.checkpoint.manifest import Manifest
+from rocketllm_cli.checkpoint.modelfacts import facts_from_manifest
 from rocketllm_cli.profiles import HardwareProfile, resolve_knobs
 from rocketllm_cli.profiles.cache import profile_dir
 from rocketllm_cli.profiles.probe import unitreads
 from rocketllm_cli.profiles.probe.unitreads import IN_FLIGHTS, UnitReadRow, UnitReads
-from rocketllm_cli.shard.manifest import Manifest
-from rocketllm_cli.shard.modelfacts import facts_from_manifest
 from rocketllm_cli.shard.sharder import shard
 
 
@@ -73,7 +73,7 @@ def test_the_read_knobs_follow_the_sets_own_reads(tiny_set, profile):
 
 
 def test_a_set_streamed_from_storage_is_measured_once_and_kept_per_set(tiny_set, monkeypatch):
-    from rocketllm_cli.stream.auto import AutoModel
+    from rocketllm_cli.auto import AutoModel
 
     manifest, directory = tiny_set
     calls = []

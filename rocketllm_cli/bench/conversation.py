@@ -57,8 +57,8 @@ def run_conversation(req: ConversationRequest, log) -> dict:
 
 
 def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> tuple[dict, object]:
-    from ..shard.manifest import Manifest
-    from ..stream.auto import AutoModel
+    from ..auto import AutoModel
+    from ..checkpoint.manifest import Manifest
     from ..text.loop import GenerationRequest, Generator
     from ..text.reuse import prefix_cache_for
     from ..text.sampling import SamplingParams

@@ -11,7 +11,7 @@ def over_regimes(model: str | None, synthetic: str | None, regimes: tuple[str, .
                  what: str, measure, log) -> dict:
     """measure(shards, regime, flags) -> (run, profile) for each regime that can run here; owned: knobs the mode sets
     itself (a flag for one of them is ignored, with a warning); what: the mode's name in that warning."""
-    from ..stream.auto import ensure_shards
+    from ..auto import ensure_shards
     from .regimes import REGIME_KNOBS, skip_reason
     from .report import hardware_line, load_average
     from .sources import synthetic_checkpoint

@@ -51,8 +51,8 @@ def run_grammar(req: GrammarRequest, log) -> dict:
 
 
 def _measure(shards, regime: str, req: GrammarRequest, flags: dict, log) -> tuple[dict, object]:
-    from ..shard.manifest import Manifest
-    from ..stream.auto import AutoModel
+    from ..auto import AutoModel
+    from ..checkpoint.manifest import Manifest
     from ..text.constraints import Constraint
     from ..text.loop import GenerationRequest, Generator
     from ..text.prompts import encode_prompt

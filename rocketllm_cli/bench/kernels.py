@@ -22,11 +22,11 @@ def run_kernels(log=lambda m: None, types: tuple[str, ...] | None = None) -> dic
     import torch
     import torch.nn.functional as F
 
+    from ..checkpoint.ggmlblocks import SUPPORTED, dequantize_blocks
     from ..errors import RocketError
     from ..native import kernels, why_not
     from ..native.kernels import GGML_IDS
     from ..native.sample import sample_blocks
-    from ..packed.ggmlblocks import SUPPORTED, dequantize_blocks
     from ..profiles.probe.kernelrates import measure_native
 
     nk = kernels()

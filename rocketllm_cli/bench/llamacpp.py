@@ -28,7 +28,7 @@ WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
 def gguf_file(model: str | None, manifest) -> tuple[Path | None, str]:
     """The GGUF file MODEL is, or (None, why not) for a checkpoint, a shard set or a synthetic model."""
-    from ..shard.manifest import MANIFEST
+    from ..checkpoint.manifest import MANIFEST
 
     path = Path(model).expanduser() if model else None
     if path is not None and path.is_file() and path.suffix == ".gguf":

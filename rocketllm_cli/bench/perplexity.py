@@ -269,8 +269,8 @@ def run_perplexity(req: PerplexityRequest, log, progress=None) -> dict:
     """Shard (or reuse) MODEL and REF, check they share a tokenizer, score the text with each in one regime."""
     from transformers import AutoTokenizer
 
+    from ..auto import ensure_shards
     from ..output import no_progress
-    from ..stream.auto import ensure_shards
     from .report import hardware_line, load_average
     from .sources import synthetic_checkpoint
 
@@ -352,7 +352,7 @@ def _window_and_stride(req: PerplexityRequest, directories: list[Path], n: int) 
 
 
 def _score_one(directory: Path, manifest, ids: list[int], window: int, stride: int, req: PerplexityRequest, log, sink=None):
-    from ..stream.auto import AutoModel
+    from ..auto import AutoModel
     from .regimes import REGIME_KNOBS, regime_overrides
     from .timing import ms_summary
 

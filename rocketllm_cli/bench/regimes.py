@@ -54,8 +54,8 @@ def read_method(knobs) -> str:
 
 def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: dict, log) -> dict:
     """Load MODEL in `regime`, generate, and return the measured row (the ledger's figures over the measured steps)."""
-    from ..shard.manifest import Manifest
-    from ..stream.auto import AutoModel
+    from ..auto import AutoModel
+    from ..checkpoint.manifest import Manifest
     from ..stream.context import run_tokens
     from .timing import WARMUP
 

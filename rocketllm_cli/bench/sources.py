@@ -55,8 +55,8 @@ def synthetic_checkpoint(spec: str, log=lambda m: None) -> Path:
 
 def hf_checkpoint(model: str, manifest, log=lambda m: None) -> tuple[Path | None, str]:
     """A Hugging Face directory with the same weights as the shards, for the baselines; (None, why) when there is none."""
+    from ..checkpoint.manifest import MANIFEST
     from ..profiles import cache_dir
-    from ..shard.manifest import MANIFEST
 
     path = Path(model).expanduser()
     if path.is_dir() and (path / MANIFEST).is_file():

@@ -6,9 +6,9 @@ import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.manifest import Manifest
 from ..errors import UsageError
 from ..output import no_progress
-from ..shard.manifest import Manifest
 from .baselines import BASELINES, ON_GGUF, REGIMES_OF, run_baseline
 from .defaults import BATCH_REGIME, DECODE_TOKENS, PROMPT_TOKENS
 from .llamacpp import gguf_file, run_llamacpp
@@ -59,8 +59,8 @@ class BenchRequest:
 
 def run_bench(req: BenchRequest, log, progress=None) -> dict:
     """progress: Output.progress or alike; first-use sharding gets its bar, and each phase a status line beside its log line."""
+    from ..auto import ensure_shards
     from ..profiles import cache_dir
-    from ..stream.auto import ensure_shards
     from .report import hardware_line, load_average
     from .sources import hf_checkpoint, synthetic_checkpoint
 
@@ -142,7 +142,7 @@ def run_bench(req: BenchRequest, log, progress=None) -> dict:
 
 def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log, phase=no_progress) -> tuple[dict, object, object]:
     """Throughput vs batch size N in one regime: each step of a batch of N is one streaming pass."""
-    from ..stream.auto import AutoModel
+    from ..auto import AutoModel
     from .timing import ms_summary, percentile, timed_batch
 
     streamed = AutoModel.from_pretrained(shards, flags=flags, log=log, **regime_overrides(regime, Manifest.load(shards)))
@@ -172,8 +172,8 @@ def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log, ph
 def _profile_and_facts(shards: Path, manifest):
     from transformers import AutoConfig
 
+    from ..checkpoint.modelfacts import facts_from_manifest
     from ..profiles import HardwareProfile
-    from ..shard.modelfacts import facts_from_manifest
 
     return HardwareProfile.load(storage_path=shards), facts_from_manifest(manifest, AutoConfig.from_pretrained(shards))
 

@@ -93,7 +93,7 @@ def run(
 
             raise UsageError("under torchrun, bench a MODEL path every rank can read (write a --synthetic model once without torchrun)")
         if not launch.is_first:
-            from ..distributed.stages import run_later_stage
+            from ..auto import run_later_stage
 
             return run_later_stage(model, knob_flags)
         from ..distributed.stages import join

@@ -57,7 +57,9 @@ def run(
     COMPUTE_THREADS.poll()  # the first sample: the report's own, at its end, says what others used meanwhile
     out = Output(as_json=json_output)
     profile = HardwareProfile.load(storage_path=model, refresh=refresh, log=out.log)
-    document = report.build(profile, facts, source, model_path=model, log=out.log)
+    from ..packed.probe import report_rows
+
+    document = report.build(profile, facts, source, model_path=model, log=out.log, kernels=report_rows(profile.compute_device))
     from ..distributed.launch import launched
 
     launch = launched()  # under torchrun: every rank measures itself and its link; rank 0 reports the stage plan

@@ -72,7 +72,7 @@ def run(
 
     launch = launched()  # under torchrun: rank 0 generates, the other ranks run their layers for it
     if launch is not None and not launch.is_first:
-        from ..distributed.stages import run_later_stage
+        from ..auto import run_later_stage
 
         validate_knob_flags(knob_flags or {})
         return run_later_stage(pick_model(model if model_option is None or prompt is not None else None, model_option), knob_flags)
@@ -119,7 +119,7 @@ def run(
         output.log(f"note: {cold}, so the model loads in this process (no warm server)")
 
     # cheap: from_pretrained checks MODEL before torch and transformers are imported
-    from ..stream.auto import AutoModel
+    from ..auto import AutoModel
 
     started = time.perf_counter()
     sized, encoded = None, []

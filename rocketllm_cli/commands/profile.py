@@ -22,11 +22,10 @@ def run(
     knob_flags: dict,
 ) -> None:
     from ..profiles import HardwareProfile, model_facts_from_path, resolve_knobs
-    from ..profiles.knobs.resolve import describe_input
-    from ..profiles.report.redact import redact
-
     from ..profiles.knobs.formulas import evaluate, memory_floor
+    from ..profiles.knobs.resolve import describe_input
     from ..profiles.knobs.shape import pass_shape_of
+    from ..redact import redact
 
     facts = model_facts_from_path(model) if model is not None else None
     shape = pass_shape_of(model) if model is not None else None

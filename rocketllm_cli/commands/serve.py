@@ -67,7 +67,7 @@ def run(
 
     launch = launched()  # under torchrun: rank 0 serves HTTP, the other ranks run their layers for it
     if launch is not None and not launch.is_first:
-        from ..distributed.stages import run_later_stage
+        from ..auto import run_later_stage
 
         return run_later_stage(model, knob_flags)
     idle_s = None
@@ -106,11 +106,11 @@ def run(
 
 def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output, api_key=None, max_queue=None,
            idle_s=None, warm_key=None) -> None:
+    from ..auto import AutoModel
     from ..server.client import default_model_id
     from ..server.serving import make_server, sigterm_as_ctrl_c
     from ..server.state import ServerState
     from ..server.worker import STOP_WAIT_S
-    from ..stream.auto import AutoModel
 
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
     state = None

@@ -53,8 +53,8 @@ def run(
         raise ShardError(f"bad --quantize {quantize!r}: expected auto, int4, int8 or none")
     check_locatable(model)  # a mistyped path is refused before torch and transformers are imported
 
+    from ..checkpoint.manifest import MANIFEST, Manifest
     from ..shard.checks import verify as verify_dir
-    from ..shard.manifest import MANIFEST, Manifest
     from ..shard.sharder import shard, summarize
     output = Output(as_json=json)
     path = Path(model).expanduser()

@@ -24,14 +24,14 @@ import weakref
 import torch
 from torch import nn
 
+from ..checkpoint.manifest import Manifest
 from ..errors import RocketError
-from ..shard.manifest import Manifest
 from ..tiers import TIERS
 from .group import (
     F_CACHE,
     F_COMPUTE_US,
-    F_FINAL,
     F_DEVICE_B,
+    F_FINAL,
     F_HOST_B,
     F_OP,
     F_PAST,
@@ -548,41 +548,12 @@ def group_for(launch, timeout_s: float, device: str = "cpu") -> StageGroup:
     return _GROUP
 
 
-def run_later_stage(model, flags: dict | None) -> None:
-    """A rank other than 0 of `generate`, `serve` or `bench` under torchrun: for every model rank 0 loads, open this rank's
-    share of MODEL with rank 0's knob keywords and run its layers until rank 0 closes it; return when rank 0 ends (its
-    prompt, output and HTTP server are rank 0's alone)."""
-    from ..stream.auto import AutoModel
-    from .launch import launched
-
-    flags = flags or {}
-    group = join(launched(), flags)
-    orderly = False  # rank 0 said the end: every rank closes together
-    try:
-        while True:
-            order = group.broadcast(None)
-            if order.get("op") != "load":
-                orderly = True
-                return
-            streamed = AutoModel.from_pretrained(model, flags=flags, **order.get("overrides", {}))
-            try:
-                final = streamed.stage.serve()
-            finally:
-                streamed.close()
-            if final:  # rank 0 ended with this model open (its close skipped): no broadcast follows
-                orderly = True
-                return
-    finally:
-        group.close(orderly)
-
-
 def plan_for_doctor(launch, profile, facts, knobs, flags: dict | None = None) -> dict:
     """`doctor --model` under torchrun: every rank's measurements and links, and the plan rank 0 would make, from the
     model's facts alone (layers of equal size: no shard set is read). Returns the plan's document on every rank."""
     from ..dtypes import ITEMSIZE
-    from .plan import describe_rank, plan_stages
-
     from ..profiles import resolve_knobs
+    from .plan import describe_rank, plan_stages
 
     group = StageGroup(launch, int(knobs.value("stage_timeout_s")), profile.compute_device)
     try:

@@ -131,7 +131,7 @@ class NativeKernels:
 def _layouts(lib: ctypes.CDLL) -> tuple[dict[str, tuple[int, int, int]], str]:
     """name -> (GGML type number, block elements, block bytes) as the library reports them, checked against the
     torch reference's table; ({}, reason) on any disagreement (a stale or foreign library)."""
-    from ..packed.ggmlblocks import SUPPORTED
+    from ..checkpoint.ggmlblocks import SUPPORTED
 
     layouts = {}
     for name, type_id in GGML_IDS.items():

@@ -16,7 +16,7 @@ F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0"
 
 def sample_blocks(name: str, rows: int, k: int, seed: int = 0) -> torch.Tensor:
     """uint8 [rows, k / block elements · block bytes] of type NAME (one of F16_FIELDS)."""
-    from ..packed.ggmlblocks import SUPPORTED
+    from ..checkpoint.ggmlblocks import SUPPORTED
 
     rng = np.random.default_rng(seed)
     qk, nbytes = SUPPORTED[name]

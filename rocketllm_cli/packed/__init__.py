@@ -5,11 +5,12 @@
     bound = bind(packed, "cpu", torch.bfloat16)     # kernel layout where a kernel runs, else the portable parts
     y = linear(x, bound)                            # the kernel, or dequantize into the scratch buffer + F.linear
 
-Modules: format (descriptors and PackedTensor), nibbles (4-bit code order), fromgguf (GGUF blocks -> portable),
+Modules: nibbles (4-bit code order), fromgguf (GGUF blocks -> portable),
 fromint (compressed-tensors, GPTQ and AWQ integer codes -> portable),
 rtn (round-to-nearest quantization), dequant (portable -> float), scratch (the one reusable buffer), layout
 (portable -> torch's kernel layouts, the op calls), probe (which kernels work on a device), dense (a kernel-bound
-weight multiplied densely for many rows), compute (bind, linear).
+weight multiplied densely for many rows), compute (bind, linear). The descriptors and PackedTensor live below,
+in checkpoint/packedformat.py: a shard set's manifest records them.
 
 Importing the package is cheap: each name below loads its module (and torch) when first used.
 """
@@ -17,7 +18,7 @@ Importing the package is cheap: each name below loads its module (and torch) whe
 from importlib import import_module
 
 _HOME = {
-    "PackedFormat": "format", "PackedTensor": "format", "from_gguf": "fromgguf", "quantize_rtn": "rtn",
+    "PackedFormat": "..checkpoint.packedformat", "PackedTensor": "..checkpoint.packedformat", "from_gguf": "fromgguf", "quantize_rtn": "rtn",
     "dequantize": "dequant", "dequantize_into": "dequant", "Scratch": "scratch", "SCRATCH": "scratch",
     "Capabilities": "probe", "capabilities": "probe", "BoundWeight": "compute", "bind": "compute",
     "kernel_path": "compute", "linear": "compute",
@@ -29,4 +30,5 @@ __all__ = sorted(_HOME)
 def __getattr__(name: str):
     if name not in _HOME:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f".{_HOME[name]}", __name__), name)
+    home = _HOME[name]
+    return getattr(import_module(home if home.startswith(".") else f".{home}", __name__), name)

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import dtypes
+from ..checkpoint.packedformat import PackedFormat, PackedTensor
 from ..threads import COMPUTE_THREADS
 from . import dense, layout
 from .dequant import dequantize_into
-from .format import PackedFormat, PackedTensor
 from .probe import capabilities
 from .scratch import SCRATCH, Scratch
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import PackedTensor
+from ..checkpoint.packedformat import PackedTensor
 from .kernelform import to_portable
 from .scratch import SCRATCH, Scratch
 
@@ -72,6 +72,6 @@ def _codes_into(block: torch.Tensor, stage: torch.Tensor | None, codes: torch.Te
 def _gguf_into(out: torch.Tensor, blocks: torch.Tensor, gguf_type: str) -> None:
     """Raw blocks through the exact torch decoder of their type (ggmlblocks.py: gguf's own numbers, bit for bit), on
     OUT's device: blocks kept on the host travel there once per use, a bounded tile at a time."""
-    from .ggmlblocks import dequantize_blocks
+    from ..checkpoint.ggmlblocks import dequantize_blocks
 
     dequantize_blocks(blocks if blocks.device == out.device else blocks.to(out.device), gguf_type, out=out)

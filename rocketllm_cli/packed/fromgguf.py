@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..checkpoint.packedformat import PackedFormat, PackedTensor
 from . import nibbles
-from .format import PackedFormat, PackedTensor
 
 SUB_BLOCK = 32  # Q4_K: each 256-element super-block is 8 int4 groups of this many
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import dtypes
+from ..checkpoint.packedformat import PackedFormat, PackedTensor
 from . import nibbles
-from .format import PackedFormat, PackedTensor
 from .layout import INT4_GROUPS
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: nibble i of a word holds column AWQ_ORDER[i] of its eight

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint.packedformat import PackedTensor
 from . import cpulayout
-from .format import PackedTensor
 
 MIDPOINT = 8  # the kernels compute (q − 8)·scale + zero
 

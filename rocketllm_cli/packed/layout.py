@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint.packedformat import PackedFormat, PackedTensor
 from . import cpulayout, kernelform, nibbles
-from .format import PackedFormat, PackedTensor
 
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes the int4 kernels accept
 INT4_ROW_MULTIPLE = 16  # N must be a multiple of this for the CPU op (8 elsewhere: 16 serves both)

@@ -226,3 +226,28 @@ def _key(device) -> str:
         if module is not None and hasattr(module, "current_device"):
             device = torch.device(device.type, module.current_device())
     return str(device)
+
+
+def report_rows(device: str) -> list[dict]:
+    """What packed (int4/int8) weights compute with on the compute device: this probe's answer,
+    the activation dtype it chose and each dtype's timed call, so a report shows a slow choice at a glance."""
+    n, k = TIMING_SHAPE
+    try:
+        caps = capabilities(device)
+    except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a row saying so, never a failed report
+        return [{"name": "packed_kernels", "value": False, "fallback_taken": "dequantize into scratch",
+                 "reason": f"the kernel probe failed: {type(exc).__name__}: {exc}"}]
+    rows = []
+    for kind in ("int4", "int8"):
+        timed = sorted((t, d) for kd, d, t in caps.seconds if kd == kind)
+        if not timed:
+            rows.append({"name": f"packed_{kind}", "value": False, "fallback_taken": "dequantize into scratch",
+                         "reason": f"no {kind} kernel computed correctly on {device}"})
+            continue
+        calls = ", ".join(f"{d} {t * 1e6:.0f} us" for t, d in timed)
+        dense_rows, dense_dtype = caps.dense_from(kind)
+        dense = (f"; from {dense_rows} rows of x (a prefill) dequantized and multiplied in {dense_dtype}, measured faster"
+                 if dense_rows else "; every pass through the kernel (a dense multiply was not faster)")
+        rows.append({"name": f"packed_{kind}", "value": f"{timed[0][1]} activations", "fallback_taken": None,
+                     "reason": f"{kind} kernel, fastest dtype of one [1,{k}] x [{k},{n}] call timed in turns on one thread: {calls}{dense}"})
+    return rows

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from .. import dtypes
+from ..checkpoint.packedformat import PackedFormat, PackedTensor
 from ..errors import ParameterError
 from . import nibbles
-from .format import PackedFormat, PackedTensor
 
 LEVELS = {4: 15, 8: 127}  # int4: codes 0..15 over the range; int8: −127..127 around 0
 

@@ -17,12 +17,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from ..checkpoint.ggufheader import FILE_TYPES, read_gguf_tensors
+from ..checkpoint.modelfacts import (
+    ModelFacts,
+    _build,
+    _tensor_units,
+    config_int,
+    expert_count,
+    model_facts_from_path,
+    read_json_object,
+)
+from ..checkpoint.packedformat import PackedFormat
+from ..checkpoint.stfile import read_header
 from ..dtypes import ITEMSIZE, short_name
 from ..errors import ModelError
-from ..packed.format import PackedFormat
-from ..shard.ggufheader import FILE_TYPES, read_gguf_tensors
-from ..shard.modelfacts import ModelFacts, _build, _tensor_units, config_int, expert_count, model_facts_from_path, read_json_object
-from ..shard.stfile import read_header
 
 RTN_GROUP, INT4_ROWS = 32, 16  # shard/packing.py: int4 group 32, N a multiple of 16 for the int4 kernels
 FLOAT_GGUF = ("F32", "F16", "BF16")
@@ -118,11 +126,11 @@ def with_measured_decode(source: ModelSource, profile) -> ModelSource:
     directories = [source.path] if source.kind == "shards" else sets_of_gguf(source.path) if source.kind == "gguf" else []
     if not directories:
         return source
+    from ..checkpoint.manifest import Manifest
     from ..dtypes import NAMES
     from ..profiles.knobs.table import SPECULATION_MODES
     from ..profiles.probe import acceptance
     from ..profiles.probe.decodecompute import lookup
-    from ..shard.manifest import Manifest
 
     try:
         manifest = Manifest.load(directories[0])

@@ -7,7 +7,7 @@ import shutil
 from dataclasses import asdict
 
 from ..profiles.knobs.resolve import describe_input
-from ..profiles.report.redact import redact, redact_tree
+from ..redact import redact, redact_tree
 from ..sizes import format_bytes, format_rate
 from .commandlines import commands
 from .planner import Plan, Row

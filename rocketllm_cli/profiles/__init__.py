@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 _HOMES = {
-    "ModelFacts": "..shard.modelfacts", "model_facts_from_path": "..shard.modelfacts", "parse_param_count": "..shard.modelfacts",
+    "ModelFacts": "..checkpoint.modelfacts", "model_facts_from_path": "..checkpoint.modelfacts", "parse_param_count": "..checkpoint.modelfacts",
     "cache_dir": "..cachehome", "Projection": ".cost", "TierCost": ".cost", "plan_tier_bytes": ".cost", "project": ".cost",
     "HardwareProfile": ".hardware", "Knob": ".knobs.resolve", "Knobs": ".knobs.resolve", "resolve_knobs": ".knobs.resolve",
     "Capability": ".records", "Measurement": ".records",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..shard.modelfacts import ModelFacts
+from ..checkpoint.modelfacts import ModelFacts
 from ..tiers import TIERS
 from .hardware import HardwareProfile
 from .knobs.resolve import Knobs

@@ -14,8 +14,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from .cache import profile_dir
 from ..cachehome import cache_dir, read_json, write_json
+from ..redact import redact
+from .cache import profile_dir
 from .probe import capabilities as caps
 from .probe import measure
 from .probe.devices import choose_device, device_memory, torch_accelerators
@@ -33,7 +34,6 @@ from .probe.runtime import METHOD as RUNTIME_METHOD
 from .probe.runtime import measure_runtime, process_memory
 from .probe.storage import measure_storage, probe_bytes
 from .records import Capability, Measurement
-from .report.redact import redact
 
 Log = Callable[[str], None]
 BUSY_SHARE = 0.25  # other processes using this share of the CPUs while measuring make the figures suspect

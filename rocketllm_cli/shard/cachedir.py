@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..cachehome import cache_dir
 from ..dtypes import NAMES as DTYPES
 from ..errors import ShardError
 from ..profiles.cache import profile_dir
-from ..cachehome import cache_dir
 from .target import SHARDS, beside, shards_root
 
 LEFTOVERS = ("partial", "old")
@@ -171,7 +171,7 @@ def _describe(root: Path, name: str, pieces: list[Path]) -> CachedSet:
 
 def _read_manifest(entry: CachedSet, final: Path) -> None:
     """Fill ENTRY from the set's manifest, checked as a load checks it; a set that would not load is damaged."""
-    from .manifest import MANIFEST, Manifest
+    from ..checkpoint.manifest import MANIFEST, Manifest
 
     try:
         manifest = Manifest.load(final)

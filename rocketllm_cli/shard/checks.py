@@ -7,9 +7,9 @@ import hashlib
 import shutil
 from pathlib import Path
 
+from ..checkpoint.manifest import Manifest
 from ..errors import ShardError
 from ..sizes import format_bytes
-from .manifest import Manifest
 
 HEADROOM = 64 << 20  # free space left over after sharding, for everything else on the disk
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .manifest import fused_name
+from ..checkpoint.manifest import fused_name
 
 
 class _Reached(Exception):
@@ -182,8 +182,8 @@ def member_weights(group: tuple[str, ...]) -> list[str]:
 
 def fuse(packed: list) -> object | None:
     """One PackedTensor of the members' rows one after another, or None where their formats do not allow it."""
+    from ..checkpoint.packedformat import PackedFormat, PackedTensor
     from ..packed.cpulayout import BLOCK
-    from ..packed.format import PackedFormat, PackedTensor
 
     first = packed[0].format
     for p in packed[1:]:

@@ -71,8 +71,8 @@ class LazyGGUF:
 
     def auto_dtype(self) -> str:
         """The float dtype of a set keeping this file's blocks, as `shard --dtype auto` picks it (from the header's
-        types: shard/ggufheader.py blocks_set_dtype, which `doctor` sizes the set with too)."""
-        from .ggufheader import blocks_set_dtype
+        types: checkpoint/ggufheader.py blocks_set_dtype, which `doctor` sizes the set with too)."""
+        from ..checkpoint.ggufheader import blocks_set_dtype
 
         return blocks_set_dtype({t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape)) for t in self._tensors.values()})
 
@@ -91,7 +91,7 @@ class LazyGGUF:
         """The PackedFormat read_packed will give: the tensor's own blocks."""
         from gguf import GGML_QUANT_SIZES
 
-        from ..packed.format import PackedFormat
+        from ..checkpoint.packedformat import PackedFormat
 
         tensor = self._tensors[self.mapping[name]]
         block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
@@ -99,8 +99,8 @@ class LazyGGUF:
 
     def read_packed(self, name: str):
         """The tensor's blocks in the portable packed layout (exact), rows in transformers' order."""
+        from ..checkpoint.packedformat import PackedTensor
         from ..packed import from_gguf
-        from ..packed.format import PackedTensor
 
         tensor = self._tensors[self.mapping[name]]
         packed = from_gguf(self._owned_bytes(tensor), tensor.tensor_type, raw=True, copy=False)

@@ -10,8 +10,8 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from ..checkpoint.manifest import MANIFEST, Manifest, TensorRecord, UnitRecord
 from ..errors import ShardError
-from .manifest import MANIFEST, Manifest, TensorRecord, UnitRecord
 
 JOURNAL = "journal.jsonl"
 

@@ -1,6 +1,6 @@
 """Which weights a shard set stores packed (low-bit), and their packed form.
 
-A packed weight is stored as one byte tensor holding its parts (packed/format.py), with the format in the manifest.
+A packed weight is stored as one byte tensor holding its parts (checkpoint/packedformat.py), with the format in the manifest.
 Only weights a low-bit kernel can compute on are packed: the weight of an `nn.Linear` (or an embedding table tied
 to one, the output head), [N out, K in] as the module holds it. Everything else stays in the set's float dtype.
 
@@ -15,7 +15,7 @@ to one, the output head), [N out, K in] as the module holds it. Everything else 
     int8  round-to-nearest int8, one scale per row (lossy)
 
 A GGUF type kept as its blocks computes on the native kernels (rocketllm_cli/native: fp32 activations, or 8-bit ones
-with `--kernel int8`) and, where they are not built, through the exact torch decoder (packed/ggmlblocks.py); Q8_0
+with `--kernel int8`) and, where they are not built, through the exact torch decoder (checkpoint/ggmlblocks.py); Q8_0
 was once re-scaled per row for torch's int8 kernel (1.2% relative RMS error on SmolLM2's embedding). The grid types
 (IQ2/IQ3/IQ1, TQ, MXFP4, NVFP4) are kept as blocks too and decoded by the torch decoder when used (no native kernel
 yet); a type nothing here decodes (Q8_1, Q8_K, Q1_0) is refused in one line. Llama's Q/K row permutation
@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..checkpoint.ggmlblocks import SUPPORTED
+from ..checkpoint.manifest import set_key
 from ..errors import ParameterError
-from ..packed.ggmlblocks import SUPPORTED
-from .manifest import set_key
 
 PACKINGS = ("auto", "none", "int4", "int8")
 INT4_MODES = ("packed", "int4")  # PackPlan modes that may write int4 (and so record its code order)
 # GGUF types kept as their own blocks, byte for byte (mode "blocks"): the native kernels compute on them
-# (rocketllm_cli/native), the exact torch decoder (packed/ggmlblocks.py) where those are not built. Q4_0, Q4_1 and
+# (rocketllm_cli/native), the exact torch decoder (checkpoint/ggmlblocks.py) where those are not built. Q4_0, Q4_1 and
 # Q4_K were once converted to torch's int4 layout, whose kernel runs fp32 activations ~10x slower than bf16 ones.
 # The grid types (IQ2/IQ3/IQ1, TQ, MXFP4, NVFP4) have no native kernel yet: they stay blocks too, decoded when used.
 KEPT = tuple(name for name, (elems, _) in SUPPORTED.items() if elems > 1)
@@ -152,7 +152,7 @@ def read_packed(source, mapping, name: str, plan: PackPlan):
 def packed_nbytes(source, mapping, name: str, plan: PackPlan, shape: tuple[int, int]) -> int:
     """Bytes the packed weight will take, known before it is read (the disk-space check; a scale that needs fp32
     where fp16 was expected can make the real size a little larger)."""
-    from ..packed.format import PackedFormat
+    from ..checkpoint.packedformat import PackedFormat
 
     if plan.params[name] == "source":
         fmt = source._lazy.packed_format(mapping[name])
@@ -185,8 +185,8 @@ def _scale_dtype(weight: torch.Tensor) -> str:
 
 def _per_row_int8(packed):
     """Q8_0 (a scale per 32 values) -> int8 with one fp32 scale per row, a block of rows at a time."""
+    from ..checkpoint.packedformat import PackedFormat, PackedTensor
     from ..packed import dequantize, quantize_rtn
-    from ..packed.format import PackedFormat, PackedTensor
 
     n, k = packed.format.shape
     codes, scales = [], []

@@ -99,7 +99,7 @@ class QuantizedSafetensors:
 
     def packed_format(self, name: str):
         """The PackedFormat read_packed gives (the scales' dtype as stored; fp32 where zero points make it so)."""
-        from ..packed.format import PackedFormat
+        from ..checkpoint.packedformat import PackedFormat
         from ..packed.fromint import kernel_group
 
         module = self.modules[name]

@@ -19,18 +19,26 @@ from pathlib import Path
 
 import torch
 
+from ..cachehome import unwritable
+from ..checkpoint import stfile
+from ..checkpoint.manifest import (
+    FORMAT_VERSION,
+    FUSED_VERSION,
+    PACKED_VERSION,
+    Manifest,
+    TensorRecord,
+    UnitRecord,
+)
 from ..dtypes import NAMES as DTYPES
 from ..dtypes import short_name, torch_dtype
 from ..errors import Interrupted, ParameterError, ShardError
 from ..output import BLINK_S, no_progress
 from ..sizes import format_bytes
-from . import journal, stfile
-from ..cachehome import unwritable
+from . import journal
 from .checks import DISK_FULL, check_space, free_bytes
 from .discover import Layout, build_meta_model, discover
 from .fusion import FusionPlan, plan_fusion
 from .journal import JOURNAL
-from .manifest import FORMAT_VERSION, FUSED_VERSION, PACKED_VERSION, Manifest, TensorRecord, UnitRecord
 from .names import SourceMap, map_names, split_experts
 from .packing import (
     PackPlan,
@@ -43,7 +51,6 @@ from .packing import (
 )
 from .source import Source, locate, open_source, save_tokenizer
 from .target import default_out, exclusive, find_existing, partial_of, reusable, swap_in
-
 
 # Ctrl-C before any unit reached the disk (reading, planning, or the first unit): the same words wherever it lands.
 NOTHING_KEPT = "interrupted before the first unit was written: nothing to resume"
@@ -132,7 +139,7 @@ def resolve_dtype(source: Source, dtype: str, blocks: bool = False) -> str:
     """The set's float dtype: DTYPE, or for "auto" the one most of the source's float values are stored in.
 
     BLOCKS: a GGUF whose quantized tensors stay its own blocks: they are no float tensor of the set, so its own float
-    tensors decide (its F32 norms stay F32, as llama.cpp and transformers read them; shard/ggufheader.py
+    tensors decide (its F32 norms stay F32, as llama.cpp and transformers read them; checkpoint/ggufheader.py
     blocks_set_dtype)."""
     if dtype != "auto":
         if dtype not in DTYPES:

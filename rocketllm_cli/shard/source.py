@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..checkpoint import stfile
+from ..checkpoint.manifest import MANIFEST, RESHARD, UNIT_FILE
 from ..errors import ModelError, ShardError
-from . import stfile
-from .manifest import MANIFEST, RESHARD, UNIT_FILE
 from .quantconfig import check_declared, quantization_config
 from .quantsource import open_quantized
 
@@ -141,7 +141,7 @@ def check_locatable(model: str | os.PathLike) -> None:
     if path.exists() and not (path.is_dir() and (path / MANIFEST).is_file()):
         located = locate(path)
         if located.kind == "gguf":
-            from .ggufheader import header_problem
+            from ..checkpoint.ggufheader import header_problem
 
             problem = header_problem(located.path)  # its header alone: a cut download is one line before any import
             if problem:
@@ -284,7 +284,7 @@ def _open_gguf(path: Path) -> Source:
     """A GGUF read one tensor at a time (ggufsource.py); where transformers' processor must see the whole file,
     dequantized by transformers as a whole (memory: the full model, once). The file's metadata is parsed once for
     the config, the tensor map and the tokenizer (ggufsource.shared_reader)."""
-    from .ggufheader import header_problem
+    from ..checkpoint.ggufheader import header_problem
 
     problem = header_problem(path)  # before any reader trips over the missing end or a type it cannot decode
     if problem is not None:
@@ -344,7 +344,7 @@ def _open_gguf_shared(path: Path, AutoConfig, reader) -> Source:
 def gguf_special_token_flags(path: Path) -> dict[str, bool]:
     """`add_bos_token` / `add_eos_token` as the GGUF at `path` declares them (`tokenizer.ggml.add_*_token`); only
     those it declares."""
-    from .ggufheader import read_gguf
+    from ..checkpoint.ggufheader import read_gguf
 
     try:
         meta, _ = read_gguf(path)
@@ -393,7 +393,9 @@ def _gguf_tokenizer(path: Path, reader=None):
 def _reads_vocabulary_itself() -> bool:
     """Whether transformers' GGUF tokenizer conversion reads the vocabulary with its own reader (5.x), not gguf's."""
     try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import get_gguf_tokenizer  # noqa: F401
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            get_gguf_tokenizer,  # noqa: F401
+        )
     except ImportError:
         return False
     return True

@@ -15,11 +15,11 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..checkpoint import stfile
+from ..checkpoint.manifest import MANIFEST, UNIT_FILE, Manifest, set_key
 from ..dtypes import NAMES as DTYPES
 from ..errors import ShardError
-from . import stfile
 from .journal import JOURNAL
-from .manifest import MANIFEST, UNIT_FILE, Manifest, set_key
 from .quantconfig import declares_packed
 from .source import TOKENIZER_FILES, Located
 

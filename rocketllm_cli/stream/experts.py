@@ -22,9 +22,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from ..checkpoint.manifest import Manifest
 from ..profiles.knobs.table import EXPERT_CACHE_POLICIES
 from ..shard.expertlayout import Direct, Fused, resolve_pieces, top_k
-from ..shard.manifest import Manifest
 from .ledger import Ledger
 from .plan import ResidencyPlan
 from .store import WeightStore, _aligned_buffer, _round_up

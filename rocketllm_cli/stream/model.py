@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint.manifest import RESHARD, Manifest
+from ..checkpoint.packedformat import PackedFormat
 from ..dtypes import KV_INT4_GROUP, torch_dtype
 from ..errors import KnobError, ParameterError, ShardError
-from ..packed.format import PackedFormat
+from ..heap import return_large_blocks
 from ..profiles.knobs.formulas import (
     DEFAULT_EXPERT_CACHE_POLICY,
     FALLBACK_COMPUTE_DTYPE,
@@ -28,8 +30,6 @@ from ..profiles.knobs.formulas import (
 )
 from ..profiles.knobs.table import KNOBS_BY_NAME
 from ..shard.discover import build_meta_model
-from ..shard.manifest import RESHARD, Manifest
-from ..heap import return_large_blocks
 from ..threads import COMPUTE_THREADS
 from .assets import load_generation_config, load_processor, load_tokenizer
 from .attention import planless_attention
@@ -120,6 +120,10 @@ class StreamingModel:
     Holds the residency plan (`plan`), the weight store (`store`), the byte ledger (`ledger`) and the tokenizer; close()
     (or a with block) stops its IO threads and unmaps its files. AutoModel.from_pretrained builds one from resolved knobs.
     """
+
+    # generate()'s json_schema/grammar: adds the grammar's logits processor to generate's keywords. The grammar engine
+    # lives in text/, above this layer: AutoModel.from_pretrained sets it (text/grammar.py constrained_kwargs).
+    constrain = None
 
     def __init__(self, directory: Path, config: EngineConfig, manifest: Manifest | None = None, tokenizer=None) -> None:
         """Open the shard set in DIRECTORY as `config` says; `manifest` and `tokenizer` (the set's, loaded already)
@@ -342,9 +346,10 @@ class StreamingModel:
 
         check_generate_call(self.__dict__.get("knobs"), args, kwargs, getattr(self.model, "generation_config", None), self.model.config)
         if json_schema is not None or grammar is not None:
-            from ..text.grammar import constrained_kwargs
-
-            constrained_kwargs(self, args, kwargs, json_schema, grammar)
+            if self.constrain is None:
+                raise ParameterError("{json_schema} and {grammar} need the grammar engine: open the model with "
+                                     "AutoModel.from_pretrained", "json_schema" if json_schema is not None else "grammar")
+            self.constrain(self, args, kwargs, json_schema, grammar)
         if not any(kwargs.get(name) is not None for name in ("cache", "past_key_values")):
             from .kvcache import generate_cache_kwarg
 

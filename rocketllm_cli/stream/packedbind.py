@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from ..checkpoint.manifest import RESHARD
+from ..checkpoint.packedformat import PackedFormat, PackedTensor
 from ..errors import ShardError
 from ..packed import compute
-from ..packed.format import PackedFormat, PackedTensor
-from ..shard.manifest import RESHARD
 from .unbound import UnboundWeightError
 
 _CLASSES: dict[type, type] = {}

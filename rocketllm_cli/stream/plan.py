@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import ceil
 
+from ..checkpoint.manifest import Manifest
 from ..errors import ParameterError
-from ..shard.manifest import Manifest
 from ..sizes import format_bytes
 from ..tiers import RESIDENT_KINDS, TIERS
 

@@ -15,9 +15,9 @@ import time
 import torch
 
 from .. import dtypes
+from ..checkpoint.manifest import RESHARD, UnitRecord
+from ..checkpoint.stfile import DTYPES
 from ..errors import ShardError
-from ..shard.manifest import RESHARD, UnitRecord
-from ..shard.stfile import DTYPES
 
 
 class RowGathers:
@@ -59,7 +59,7 @@ class RowGathers:
     def gather_packed_rows(self, name: str, key: str, fmt, ids: torch.Tensor) -> torch.Tensor:
         """gather_rows for a table stored packed (int8 with one scale per row, or a GGUF type's own blocks): only the
         rows looked up are read and dequantized, into a sparse full-shaped table of the compute dtype."""
-        from ..packed.format import PackedTensor
+        from ..checkpoint.packedformat import PackedTensor
 
         unit = self.units[name]
         record = next(t for t in unit.tensors if t.name == key)
@@ -85,7 +85,7 @@ class RowGathers:
         started = time.perf_counter()
         picked = {part: parts[part].index_select(0, index.to(parts[part].device)) for part in widths}
         if fmt.kind == "gguf":
-            from ..packed.ggmlblocks import dequantize_blocks
+            from ..checkpoint.ggmlblocks import dequantize_blocks
 
             values = dequantize_blocks(picked["blocks"], fmt.gguf_type).to(self.dtype)
         else:

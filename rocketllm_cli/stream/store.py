@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.manifest import RESHARD, Manifest, UnitRecord
+from ..checkpoint.stfile import ALIGN, DTYPES
 from ..errors import ShardError
 from ..output import BLINK_S, no_progress
-from ..shard.manifest import RESHARD, Manifest, UnitRecord
-from ..shard.stfile import ALIGN, DTYPES
 from .ledger import Ledger
 from .plan import ResidencyPlan
 from .rows import RowGathers, pread

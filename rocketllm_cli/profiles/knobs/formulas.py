@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 from math import ceil, floor
 
+from ...checkpoint.modelfacts import ModelFacts
 from ...dtypes import ITEMSIZE, KV_INT4_GROUP, int4_kv_value_bytes
-from ...shard.modelfacts import ModelFacts
 from ...sizes import format_bytes
 from ..hardware import HardwareProfile
 from ..probe.storage import IN_FLIGHT, IN_FLIGHT_NOTE, in_flight_inputs
@@ -64,7 +64,7 @@ class Context:
         self.device_free = profile.vram_free if profile.vram_free is not None else profile.ram_available
 
     def compute_dtype(self) -> str:
-        """The dtype the engine will compute in (stream/auto.py engine_config applies the same rule)."""
+        """The dtype the engine will compute in (auto.py engine_config applies the same rule)."""
         return engine_compute_dtype(str(self.values["compute_dtype"]), "compute_dtype" in self.overridden,
                                     self.model.dtype if self.model else "", self.profile.compute_device,
                                     bool(self.model and self.model.gguf_blocks))

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
+from ...checkpoint.modelfacts import ModelFacts
 from ...errors import KnobError
-from ...shard.modelfacts import ModelFacts
 from ...sizes import format_bytes
 from ..hardware import HardwareProfile
 from .formulas import DERIVATIONS, Context, evaluate

@@ -82,7 +82,7 @@ def rates(profile, blocks: dict[str, dict[str, int]], mode: str) -> dict | None:
 
 
 def _decodable(name: str) -> bool:
-    from ...packed.ggmlblocks import SUPPORTED
+    from ...checkpoint.ggmlblocks import SUPPORTED
 
     return name in SUPPORTED
 
@@ -93,7 +93,7 @@ def _measure_decoder(products: list[tuple[str, str]], threads: int) -> dict[tupl
     import torch
     import torch.nn.functional as F
 
-    from ...packed.ggmlblocks import SUPPORTED, dequantize_blocks
+    from ...checkpoint.ggmlblocks import SUPPORTED, dequantize_blocks
 
     found = {}
     for name, shape in products:
@@ -134,7 +134,7 @@ def measure_native(nk, products: list[tuple[str, str]], mode: str, threads: int,
     shape cut from POOL_BYTES of random bytes, the best of REPEATS sweeps over them after a warm-up sweep."""
     import torch
 
-    from ...packed.ggmlblocks import SUPPORTED
+    from ...checkpoint.ggmlblocks import SUPPORTED
 
     pool = torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8)
     found = {}

@@ -171,8 +171,8 @@ def set_key(directory: Path, manifest) -> str:
 def load_or_measure(profile, directory: Path, manifest, log=None) -> UnitReads | None:
     """The stored answer for this set on this machine, else measured now and stored. None where nothing streams
     from a file the probe can evict (the storage probe's figures stand)."""
-    from ..cache import profile_dir
     from ...cachehome import read_json, write_json
+    from ..cache import profile_dir
 
     where = profile_dir(profile.fingerprint) / FILE
     key = set_key(directory, manifest)
@@ -220,7 +220,7 @@ def with_own_reads(profile, facts, path, knobs, resolve, log=None, *, manifest=N
     knob is set by hand; else (facts, knobs) unchanged. `manifest`: the set's, where the caller has it loaded."""
     from dataclasses import replace
 
-    from ...shard.manifest import Manifest
+    from ...checkpoint.manifest import Manifest
 
     directory = Path(path) if path is not None else None
     if directory is None or not (directory / "manifest.json").is_file() or not (always or reads_from_storage(knobs, facts)):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 
 from ... import __version__
-from ...shard.modelfacts import ModelFacts
+from ...checkpoint.modelfacts import ModelFacts
+from ...redact import redact_env_value, redact_tree
 from ...threads import COMPUTE_THREADS, wait_policy
 from ..cost import plan_tier_bytes, project
 from ..hardware import BUSY_SHARE, HardwareProfile
 from ..knobs.resolve import resolve_knobs
 from ..probe.machine import package_version
-from .redact import redact, redact_env_value, redact_tree
 
 # (distribution, import name, what its absence costs)
 OPTIONAL_PACKAGES = (
@@ -25,9 +25,11 @@ OPTIONAL_PACKAGES = (
 VERSIONED = ("torch", "transformers", "safetensors", "accelerate", "gguf")
 
 
-def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str | None, model_path=None, log=None) -> dict:
+def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str | None, model_path=None, log=None,
+          kernels: list[dict] | None = None) -> dict:
     """Every field of the report; strings are redacted (no home path, user or host name, secrets). `model_path`: the
-    shard set the facts describe, whose own reads are measured where it streams from storage."""
+    shard set the facts describe, whose own reads are measured where it streams from storage. `kernels`: rows the
+    layers above add to the capabilities (the packed-kernel probe's, packed/probe.py report_rows)."""
     facts = profile.facts
     doc = {
         "versions": {"rocketllm": __version__, "python": facts.get("python"), "os": facts.get("os"),
@@ -35,7 +37,7 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
         "cpu": {**facts.get("cpu", {}), "cores_used": profile.cpu_cores},
         "memory": {"ram_total": profile.ram_total, "ram_available": profile.ram_available},
         "accelerators": _accelerators(profile),
-        "capabilities": [c.to_dict() for c in profile.capabilities.values()] + _packed_kernels(profile.compute_device),
+        "capabilities": [c.to_dict() for c in profile.capabilities.values()] + list(kernels or ()),
         "optional_packages": [_package(*p) for p in OPTIONAL_PACKAGES],
         "measurements": [m.to_dict() for m in profile.measurements.values()],
         "storage": {k: profile.storage.get(k) for k in ("directory", "mount_point", "fstype", "kind")},
@@ -78,39 +80,12 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
     return redact_tree(doc)
 
 
-def _packed_kernels(device: str) -> list[dict]:
-    """What packed (int4/int8) weights compute with on the compute device: the kernel probe's answer (packed/probe.py),
-    the activation dtype it chose and each dtype's timed call, so a report shows a slow choice at a glance."""
-    from ...packed.probe import TIMING_SHAPE, capabilities
-
-    n, k = TIMING_SHAPE
-    try:
-        caps = capabilities(device)
-    except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a row saying so, never a failed report
-        return [{"name": "packed_kernels", "value": False, "fallback_taken": "dequantize into scratch",
-                 "reason": f"the kernel probe failed: {type(exc).__name__}: {exc}"}]
-    rows = []
-    for kind in ("int4", "int8"):
-        timed = sorted((t, d) for kd, d, t in caps.seconds if kd == kind)
-        if not timed:
-            rows.append({"name": f"packed_{kind}", "value": False, "fallback_taken": "dequantize into scratch",
-                         "reason": f"no {kind} kernel computed correctly on {device}"})
-            continue
-        calls = ", ".join(f"{d} {t * 1e6:.0f} us" for t, d in timed)
-        dense_rows, dense_dtype = caps.dense_from(kind)
-        dense = (f"; from {dense_rows} rows of x (a prefill) dequantized and multiplied in {dense_dtype}, measured faster"
-                 if dense_rows else "; every pass through the kernel (a dense multiply was not faster)")
-        rows.append({"name": f"packed_{kind}", "value": f"{timed[0][1]} activations", "fallback_taken": None,
-                     "reason": f"{kind} kernel, fastest dtype of one [1,{k}] x [{k},{n}] call timed in turns on one thread: {calls}{dense}"})
-    return rows
-
-
 def _with_decode_compute(profile: HardwareProfile, model: ModelFacts, model_path, knobs) -> ModelFacts:
     """The facts with the set's resident decode as bench measured it here, where it has (decodecompute.py)."""
     from dataclasses import replace
     from pathlib import Path
 
-    from ...shard.manifest import Manifest
+    from ...checkpoint.manifest import Manifest
     from ..probe.decodecompute import lookup
 
     directory = Path(model_path)

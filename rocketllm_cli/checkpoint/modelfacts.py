@@ -16,7 +16,14 @@ from pathlib import Path
 
 from ..dtypes import ITEMSIZE, short_name
 from ..errors import ModelError, ShardError
-from .ggufheader import FILE_TYPES, GGML_NAMES, kept_as_blocks, read_gguf_tensors, shard_sizes
+from ..redact import redact
+from .ggufheader import (
+    FILE_TYPES,
+    GGML_NAMES,
+    kept_as_blocks,
+    read_gguf_tensors,
+    shard_sizes,
+)
 from .stfile import read_header
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -259,8 +266,6 @@ def _block_bytes(rows) -> dict[str, dict[str, int]]:
 def model_facts_from_path(path: Path) -> ModelFacts:
     """Sizes of the model at `path`: a shard directory (manifest.json), a HF directory (config.json +
     *.safetensors), or a .gguf file. Raises ModelError with one line when it is none of these."""
-    from ..profiles.report.redact import redact  # here: profiles imports this module
-
     try:
         return _facts_of(Path(path).expanduser())
     except ModelError as exc:

@@ -6,13 +6,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..output import BLINK_S, no_progress
-from ..shard.manifest import MANIFEST, Manifest
-from ..tiers import RESIDENT_KINDS
-from .plan import check_floor
+from .checkpoint.manifest import MANIFEST, Manifest
+from .output import BLINK_S, no_progress
+from .stream.plan import check_floor
+from .tiers import RESIDENT_KINDS
 
 if TYPE_CHECKING:  # torch and transformers load only once the model path has been checked
-    from .model import EngineConfig, StreamingModel
+    from .stream.model import EngineConfig, StreamingModel
 
 
 def ensure_shards(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=None) -> tuple[Manifest, Path]:
@@ -20,7 +20,7 @@ def ensure_shards(model: str | os.PathLike, out: Path | None = None, dtype: str 
     path = Path(str(model)).expanduser()
     if path.is_dir() and (path / MANIFEST).is_file():
         return Manifest.load(path), path
-    from ..shard.sharder import shard
+    from .shard.sharder import shard
 
     manifest, directory, _ = shard(model, out=out, dtype=dtype, progress=progress, log=log or (lambda m: None))
     return manifest, directory
@@ -28,10 +28,10 @@ def ensure_shards(model: str | os.PathLike, out: Path | None = None, dtype: str 
 
 def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, list[str]]:
     """Turn resolved knobs into the engine's config; returns it and the decisions worth logging once."""
-    from .model import EngineConfig
+    from .stream.model import EngineConfig
 
     notes = []
-    from ..profiles.knobs.formulas import engine_compute_dtype
+    from .profiles.knobs.formulas import engine_compute_dtype
 
     # the same rule the KV knobs were sized with (max_context counts K and V in this dtype)
     blocks = manifest.packing == "blocks"
@@ -42,7 +42,7 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         notes.append(f"shards hold {manifest.dtype}, computing in {compute}: each streamed use converts (reshard with --dtype {compute} to avoid it)")
     layouts = {t.packed.get("layout") for u in manifest.units for t in u.tensors if t.packed and t.packed.get("kind") == "int4"}
     if layouts and profile.compute_device == "cpu":
-        from ..packed.cpulayout import cpu_layout
+        from .packed.cpulayout import cpu_layout
 
         here = cpu_layout()
         if here is not None and layouts != {here}:
@@ -75,7 +75,7 @@ def _without_native_kernels(manifest: Manifest, profile) -> str:
     if profile.compute_device != "cpu" or not any(t.packed and t.packed.get("kind") == "gguf" for u in manifest.units
                                                   for t in u.tensors):
         return ""
-    from ..native import kernels, why_not
+    from .native import kernels, why_not
 
     if kernels() is not None:
         return ""
@@ -87,14 +87,14 @@ def _start_first_run_work(model, refresh: bool) -> None:
     """What a first run needs beside sharding, begun before it on the other cores: the native kernels' build (a GGUF's
     blocks compute on them) and the profile's measurement of the runtime's memory (an interpreter importing torch and
     transformers). SmolLM2's first generate on a fresh cache spent 3.9 s and 3.3 s on them after its 6.4 s of sharding."""
-    from ..profiles import HardwareProfile
+    from .profiles import HardwareProfile
 
     if str(model).endswith(".gguf") or _is_blocks_set(Path(str(model)).expanduser()):
-        from ..native import build_in_background
+        from .native import build_in_background
 
         build_in_background()
     if refresh or not HardwareProfile.host_cached():
-        from ..profiles.probe.runtime import start
+        from .profiles.probe.runtime import start
 
         start()
 
@@ -112,11 +112,11 @@ def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> 
     """Sharding a large model takes long: refuse a budget that cannot run it before, from the source's headers.
 
     Only with a profile measured already: a bad input must not leave a new one behind."""
-    from ..errors import RocketError
-    from ..profiles import HardwareProfile, resolve_knobs
-    from ..profiles.knobs.formulas import memory_floor
-    from ..profiles.knobs.shape import pass_shape_of
-    from ..shard.modelfacts import model_facts_from_path
+    from .checkpoint.modelfacts import model_facts_from_path
+    from .errors import RocketError
+    from .profiles import HardwareProfile, resolve_knobs
+    from .profiles.knobs.formulas import memory_floor
+    from .profiles.knobs.shape import pass_shape_of
 
     path = Path(str(model)).expanduser()
     if not path.exists() or (path / MANIFEST).is_file():
@@ -136,7 +136,7 @@ def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> 
 def _load_draft(target, knobs, progress, log):
     """The draft model speculative decoding drafts with, every weight resident; None unless the speculate knob is draft
     (auto is draft where layers stream and a draft model is given). Refused when its vocabulary is not the target's."""
-    from ..errors import ParameterError
+    from .errors import ParameterError
 
     path = knobs.value("draft_model")
     mode = knobs.value("speculate")
@@ -149,7 +149,7 @@ def _load_draft(target, knobs, progress, log):
             (log or (lambda m: None))(f"note: the draft model is not loaded: speculation is {mode} ({knobs['speculate'].formula})")
         return None
     everything = 1 << 62  # device_cache_bytes covering any model: every unit bound once, nothing streams
-    from ..distributed.launch import alone
+    from .distributed.launch import alone
 
     with alone():  # under torchrun the draft is rank 0's own, whole and resident
         draft = AutoModel.from_pretrained(path, progress=progress, log=log, device_cache_bytes=everything, host_cache_bytes=0,
@@ -205,20 +205,19 @@ class AutoModel:
             the weights get what that frees (profiles/knobs resolve_knobs). None (a server, a session): any request.
         knob_overrides: any knob by name (device_cache_bytes="4GiB", io_workers=2, ...); beats ROCKETLLM_<NAME> and the derivation.
         """
-        from ..shard.source import check_locatable
+        from .shard.source import check_locatable
 
         check_locatable(model)  # a mistyped path is refused before torch and transformers are imported
 
         from transformers import AutoConfig
 
-        from ..profiles import HardwareProfile, resolve_knobs
-        from ..profiles.knobs.formulas import memory_floor
-        from ..profiles.knobs.shape import pass_shape
-        from ..profiles.probe.unitreads import with_own_reads
-        from ..shard.cachedir import mark_used
-        from ..shard.modelfacts import facts_from_manifest
-
-        from ..heap import return_large_blocks
+        from .checkpoint.modelfacts import facts_from_manifest
+        from .heap import return_large_blocks
+        from .profiles import HardwareProfile, resolve_knobs
+        from .profiles.knobs.formulas import memory_floor
+        from .profiles.knobs.shape import pass_shape
+        from .profiles.probe.unitreads import with_own_reads
+        from .shard.cachedir import mark_used
 
         return_large_blocks()  # before sharding too: its tensors' memory goes back once each is written
         _start_first_run_work(model, refresh_profile)
@@ -227,8 +226,8 @@ class AutoModel:
         mark_used(directory)  # for `rocketllm cache ls`; a set outside the cache is left untouched
         # What the process holds beside the weights is in place before the profile reads the free memory (live), so
         # the plan counts it as it is: the runtime (the engine's imports) and the tokenizer.
-        from .assets import load_tokenizer
-        from .model import StreamingModel
+        from .stream.assets import load_tokenizer
+        from .stream.model import StreamingModel
 
         tokenizer = load_tokenizer(directory)
         # A status on a terminal when it is slow (measuring); off one silent as before, so a first run's error stays one line.
@@ -239,11 +238,11 @@ class AutoModel:
         hf_config = AutoConfig.from_pretrained(directory)
         facts = facts_from_manifest(manifest, hf_config)
         shape = pass_shape(hf_config)
-        from ..distributed.launch import launched
+        from .distributed.launch import launched
 
         launch = launched()  # under torchrun: this rank's share of the layers, the others' on their ranks
         if launch is not None:
-            from ..distributed.stages import join, share_cores, shared_memory_profile
+            from .distributed.stages import join, share_cores, shared_memory_profile
 
             group = join(launch, flags)
             share_cores(group, profile, log)
@@ -261,12 +260,12 @@ class AutoModel:
         config, notes = engine_config(profile, knobs, manifest)
         resident = sum(u.tensor_bytes for u in manifest.units if u.kind in RESIDENT_KINDS)
         check_floor(profile, memory_floor(profile, facts, knobs, run_tokens, shape, resident), knobs["reserve_bytes"].overridden)
-        from .store import LOAD_PROGRESS
+        from .stream.store import LOAD_PROGRESS
 
         loading = LOAD_PROGRESS.set(progress)  # the store's resident load gets the same kind of bar as sharding
         try:
             if launch is not None:
-                from ..distributed.stages import open_stages
+                from .distributed.stages import open_stages
 
                 streamed = open_stages(launch, directory, manifest, profile, knobs, facts, config, log, overrides=knob_overrides)
             else:
@@ -274,7 +273,7 @@ class AutoModel:
         finally:
             LOAD_PROGRESS.reset(loading)
         if manifest.vision:  # the vision tower and projector: resident, read once, in the device budget (plan.py)
-            from ..sizes import format_bytes
+            from .sizes import format_bytes
 
             images = "" if streamed.processor is not None else f"; images refused: the model {streamed.processor_error}"
             (log or (lambda m: None))(f"resident modules: vision tower {format_bytes(sum(u.tensor_bytes for u in manifest.vision))} "
@@ -284,6 +283,9 @@ class AutoModel:
                 (log or (lambda m: None))(note)
         if slow:
             (log or (lambda m: None))(slow)
+        from .text.grammar import constrained_kwargs
+
+        streamed.constrain = constrained_kwargs  # json_schema/grammar in generate(): the engine above stream
         streamed.knobs = knobs
         streamed.profile = profile
         streamed.facts = facts
@@ -295,3 +297,31 @@ class AutoModel:
             streamed.close()
             raise
         return streamed
+
+
+def run_later_stage(model, flags: dict | None) -> None:
+    """A rank other than 0 of `generate`, `serve` or `bench` under torchrun: for every model rank 0 loads, open this rank's
+    share of MODEL with rank 0's knob keywords and run its layers until rank 0 closes it; return when rank 0 ends (its
+    prompt, output and HTTP server are rank 0's alone)."""
+    from .distributed.launch import launched
+    from .distributed.stages import join
+
+    flags = flags or {}
+    group = join(launched(), flags)
+    orderly = False  # rank 0 said the end: every rank closes together
+    try:
+        while True:
+            order = group.broadcast(None)
+            if order.get("op") != "load":
+                orderly = True
+                return
+            streamed = AutoModel.from_pretrained(model, flags=flags, **order.get("overrides", {}))
+            try:
+                final = streamed.stage.serve()
+            finally:
+                streamed.close()
+            if final:  # rank 0 ended with this model open (its close skipped): no broadcast follows
+                orderly = True
+                return
+    finally:
+        group.close(orderly)

@@ -114,7 +114,7 @@ def header_problem(path: Path) -> str | None:
     for name, (type_id, _) in infos.items():
         if type_id in _KEPT_IDS or (type_id in _BLOCKS and _BLOCKS[type_id][0] == 1):
             continue
-        from ..packed.ggmlblocks import unsupported  # imports torch: only for such a file
+        from .ggmlblocks import unsupported  # imports torch: only for such a file
 
         try:
             from gguf import GGMLQuantizationType

@@ -301,7 +301,7 @@ def _validate_tensor(t: dict, module: str, dtype: str, seen: set[str]) -> None:
         numel *= d
     _require(_count(t["offset"]) and _count(t["nbytes"]) and t["nbytes"] == numel * stored.itemsize, f"tensor {name[:60]!r}: bad offset or size")
     if t.get("packed") is not None:
-        from ..packed.format import PackedFormat
+        from .packedformat import PackedFormat
 
         try:
             fmt = PackedFormat.from_dict(t["packed"])
