@@ -15,12 +15,13 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app, flag_of
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.bench.timing import WARMUP, timed_run
 from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.errors import ParameterError
-from rocketllm_cli.server.common import refused
-from rocketllm_cli.auto import AutoModel
-from rocketllm_cli.text.loop import GenerationRequest, Generator, pad_token_id
+from rocketllm_cli.server.refusals import refused
+from rocketllm_cli.text.endtokens import pad_token_id
+from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.prompts import check_context
 from rocketllm_cli.text.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from rocketllm_cli.text.stats import measure

@@ -21,3 +21,52 @@ def test_no_module_imports_from_a_layer_above_its_own():
     done = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "1 kept, 0 broken" in done.stdout, done.stdout[-2000:]
+
+
+def test_no_two_modules_import_each_other_through_any_path():
+    """No circle of imports between modules (imports inside functions counted; annotation-only imports under
+    TYPE_CHECKING are not run and are left out): a module's dependencies can be read without finding it again."""
+    grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter (pip install -e '.[dev]')")
+    graph = grimp.build_graph("rocketllm_cli", cache_dir=None, exclude_type_checking_imports=True)
+    circles = [sorted(found) for found in _strongly_connected(graph) if len(found) > 1]
+    assert not circles, circles
+
+
+def _strongly_connected(graph) -> list[set[str]]:
+    """Tarjan's components of the module graph, iteratively (the package's depth would do recursively too)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    counter = 0
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(child)))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                found.append(component)
+    return found

@@ -36,7 +36,7 @@ from rocketllm_cli.profiles import (
     resolve_knobs,
 )
 from rocketllm_cli.profiles.cost import plan_tier_bytes, project
-from rocketllm_cli.profiles.knobs.formulas import evaluate
+from rocketllm_cli.profiles.knobs.expression import evaluate
 
 pytestmark = pytest.mark.compat
 

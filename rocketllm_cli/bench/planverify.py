@@ -77,7 +77,7 @@ def _at_disk_now(row, entry: dict) -> dict:
     """The row's own formula with the storage bandwidth bench read off the disk just after the run (disk_now) in place
     of the profile's: a shared disk delivers what it delivers this hour (1.7 and 2.5 GB/s within one hour here), and
     this says whether the model holds at the bandwidth the run had. {} where nothing streamed or it was not measured."""
-    from ..profiles.knobs.formulas import evaluate
+    from ..profiles.knobs.expression import evaluate
 
     disk = entry.pop("disk_now", None)
     if not disk or "storage_bps" not in row.inputs or entry.get("status") != "measured":

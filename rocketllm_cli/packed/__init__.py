@@ -20,7 +20,7 @@ from importlib import import_module
 _HOME = {
     "PackedFormat": "..checkpoint.packedformat", "PackedTensor": "..checkpoint.packedformat", "from_gguf": "fromgguf", "quantize_rtn": "rtn",
     "dequantize": "dequant", "dequantize_into": "dequant", "Scratch": "scratch", "SCRATCH": "scratch",
-    "Capabilities": "probe", "capabilities": "probe", "BoundWeight": "compute", "bind": "compute",
+    "Capabilities": "probe", "capabilities": "probe", "BoundWeight": "bound", "bind": "compute",
     "kernel_path": "compute", "linear": "compute",
 }
 

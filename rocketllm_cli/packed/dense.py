@@ -35,7 +35,7 @@ def supported(path: str, device: torch.device) -> bool:
 
 def dense_linear(x: torch.Tensor, weight, scratch: Scratch = SCRATCH) -> torch.Tensor:
     """x [M, K] contiguous in weight.dtype -> x·Wᵀ [M, N] in weight.dtype for a weight bound for the int4 or int8 kernel
-    (compute.BoundWeight), multiplied in weight.dense_dtype (fp32 where the probe found bf16 matmuls slow)."""
+    (bound.BoundWeight), multiplied in weight.dense_dtype (fp32 where the probe found bf16 matmuls slow)."""
     dtype = weight.dense_dtype or weight.dtype
     if x.dtype != dtype:  # one call either way (the probe's dense dtype is fp32 where bf16 matmuls are slow)
         return _dense(x.to(dtype), weight, scratch, dtype).to(x.dtype)

@@ -158,7 +158,7 @@ def _time_in_turns(kind: str, bits: int, group, candidates: list[torch.dtype], d
 def _dense_crossover(kind: str, bits: int, group, dtype: torch.dtype, device) -> tuple[int, str]:
     """(the fewest rows of x, of DENSE_ROWS, from which dense.dense_linear beat the kernel at TIMING_SHAPE and at every
     larger count tried (0: it lost at the most rows), the dtype it multiplied in)."""
-    from .compute import BoundWeight
+    from .bound import BoundWeight
     from .scratch import Scratch
 
     weight = torch.randn(TIMING_SHAPE, generator=torch.Generator().manual_seed(2))

@@ -22,13 +22,21 @@ from ..dtypes import ITEMSIZE
 from ..errors import RocketError
 from ..profiles.cost import plan_tier_bytes
 from ..profiles.hardware import HardwareProfile
-from ..profiles.knobs.formulas import evaluate
+from ..profiles.knobs.expression import evaluate
 from ..profiles.knobs.resolve import Knobs, resolve_knobs
 from ..profiles.probe.decodecompute import with_layer_overhead
 from ..profiles.probe.kernelrates import with_kernel_rates
 from ..sizes import format_bytes
 from .formats import ModelSource, WeightFormat, with_measured_decode
-from .projection import engine_dtype, kv_dtype_of, projection, row_memory, speculation_note, tokens_per_pass
+from .projection import (
+    engine_dtype,
+    kv_dtype_of,
+    projection,
+    row_memory,
+    speculation_note,
+    tokens_per_pass,
+)
+from .rows import Row
 from .whatif import capped
 
 RESIDENCIES = ("auto", "resident", "host", "storage")
@@ -48,57 +56,6 @@ class PlanRequest:
     hosts: int = 1
     link_bps: float = 0.0
     link_latency_s: float = 0.0
-
-
-@dataclass
-class Row:
-    format: WeightFormat
-    compute_dtype: str
-    kv_dtype: str
-    residency: str  # auto | resident | host | storage | stages
-    context: int | None  # tokens per sequence
-    batch: int
-    speculate: str
-    hosts: int
-    flags: dict  # knob -> value: what differs from the defaults (and what a capped plan must spell out)
-    tokens_per_s: float | None
-    formula: str
-    inputs: dict
-    memory: dict  # per tier: device (weights, KV, buffers), host (weights), storage (the set); budget, used
-    tiers: dict  # bytes served per tier per pass
-    stages: str = ""  # --stages layer counts
-    notes: list[str] = field(default_factory=list)
-    default: bool = False
-    why: str = ""  # the first row: why the defaults differ from it
-    rank: int = 0
-
-    def key(self) -> tuple:
-        return (self.format.name, self.compute_dtype, self.kv_dtype, self.memory["device"]["weights"], self.memory["host"]["weights"],
-                self.context, self.batch, self.speculate, self.hosts, self.stages)
-
-    def residency_text(self) -> str:
-        if self.stages:
-            return f"{self.hosts} hosts, layers {self.stages.replace(',', '/')}"
-        total, m = self.format.facts.total_bytes, self.memory
-        device, host = m["device"]["weights"], m["host"]["weights"]
-        if device >= total:
-            return "all resident"
-        parts = [f"{name} {format_bytes(b)}" for name, b in (("device", device), ("host", host), ("storage", total - device - host)) if b]
-        return "all in host tier" if host >= total else "all from storage" if not device and not host else " + ".join(parts)
-
-    def short(self) -> str:
-        speed = f"{self.tokens_per_s:.3g} tokens/s" if self.tokens_per_s else "speed unavailable"
-        return (f"#{self.rank} {speed}: {self.format.label}, compute {self.compute_dtype}, KV {self.kv_dtype}, "
-                f"{self.context if self.context is not None else '?'} tokens, {self.residency_text()}, {format_bytes(self.memory['used'])} memory")
-
-    def to_dict(self) -> dict:
-        return {"rank": self.rank, "default": self.default, "why_defaults_differ": self.why or None, "tokens_per_s": self.tokens_per_s,
-                "format": {"name": self.format.name, "quantize": self.format.quantize, "label": self.format.label,
-                           "total_bytes": self.format.facts.total_bytes, "kl": self.format.kl, "kl_note": self.format.kl_note},
-                "compute_dtype": self.compute_dtype, "kv_cache_dtype": self.kv_dtype, "residency": self.residency,
-                "residency_text": self.residency_text(), "context": self.context, "batch": self.batch, "speculate": self.speculate,
-                "hosts": self.hosts, "stages": self.stages or None, "flags": self.flags, "formula": self.formula, "inputs": self.inputs,
-                "memory": self.memory, "bytes_per_pass": self.tiers, "notes": self.notes}
 
 
 @dataclass
@@ -349,7 +306,7 @@ def _nearest(source: ModelSource, profile: HardwareProfile, request: PlanRequest
         return max(gaps)
 
     nearest = min(rows, key=lambda r: (miss(r), r.rank))
-    limit = f", the model's own limit" if request.min_context and request.min_context > source.facts.max_positions else ""
+    limit = ", the model's own limit" if request.min_context and request.min_context > source.facts.max_positions else ""
     reach = [f"at most {max(r.context or 0 for r in rows)} tokens of context{limit}"] if request.min_context else []
     reach += [f"at least {format_bytes(min(r.memory['used'] for r in rows))} of memory"] if request.max_memory else []
     reach += ["no format with a measured KL"] if request.quality is not None and all(r.format.kl is None for r in rows) else []

@@ -11,7 +11,8 @@ from __future__ import annotations
 from ..profiles.cost import project
 from ..profiles.hardware import HardwareProfile
 from ..profiles.knobs import formulas
-from ..profiles.knobs.formulas import Context, evaluate
+from ..profiles.knobs.expression import evaluate
+from ..profiles.knobs.formulas import Context
 from ..profiles.knobs.resolve import Knobs
 
 

@@ -10,7 +10,8 @@ from ..profiles.knobs.resolve import describe_input
 from ..redact import redact, redact_tree
 from ..sizes import format_bytes, format_rate
 from .commandlines import commands
-from .planner import Plan, Row
+from .planner import Plan
+from .rows import Row
 
 
 def document(plan: Plan, model: str, measured: list[dict] | None = None) -> dict:

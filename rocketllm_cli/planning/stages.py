@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..dtypes import ITEMSIZE
 from ..profiles.cost import tier_bandwidth
 from ..profiles.hardware import HardwareProfile
-from ..profiles.knobs.formulas import evaluate
+from ..profiles.knobs.expression import evaluate
 from ..profiles.knobs.resolve import resolve_knobs
 from .formats import ModelSource, WeightFormat
 
@@ -18,8 +18,14 @@ def stage_row(profile: HardwareProfile, source: ModelSource, fmt: WeightFormat, 
               request, hosts: int):
     """The row of FMT over HOSTS hosts like PROFILE, each holding CONTEXT tokens a sequence; a string why not."""
     from ..distributed.plan import RankFacts, plan_stages
-    from .planner import Row
-    from .projection import engine_dtype, kv_dtype_of, row_memory, speculation_note, tokens_per_pass
+    from .projection import (
+        engine_dtype,
+        kv_dtype_of,
+        row_memory,
+        speculation_note,
+        tokens_per_pass,
+    )
+    from .rows import Row
 
     facts = fmt.facts
     if hosts > facts.num_layers:

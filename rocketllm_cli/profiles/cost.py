@@ -9,11 +9,14 @@ A tier with bytes but no measurement makes the total unavailable; nothing is gue
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ..checkpoint.modelfacts import ModelFacts
 from ..tiers import TIERS
 from .hardware import HardwareProfile
-from .knobs.resolve import Knobs
+
+if TYPE_CHECKING:  # an annotation only: knobs/formulas.py projects through this module, and resolve imports it
+    from .knobs.resolve import Knobs
 
 
 @dataclass(frozen=True)

@@ -9,31 +9,27 @@ from __future__ import annotations
 
 import json
 
+from ..text.constraints import Constraint
 from ..text.loop import GenerationRequest
-from .common import (
-    APIError,
-    Prepared,
-    bad,
+from .events import job_events, new_id, sse
+from .fields import (
     boolean,
-    check_context,
     check_fields,
     check_model,
     function_tool,
-    job_events,
-    new_id,
     number,
     required,
     sampling,
-    sse,
     stop_strings,
     string,
     tool_list,
     tool_schema,
 )
-from ..text.constraints import Constraint
 from .images import anthropic_image
 from .openai_api import tool_choice
+from .prepared import Prepared
 from .prompts import PromptError
+from .refusals import APIError, bad, check_context
 from .structured import Structure, plan, relaxed_header
 
 FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k", "tools",

@@ -22,8 +22,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from . import anthropic_api, openai_api, responses_api, tokens
-from .client import KEEP_ALIVE_HEADER
-from .common import STATS_HEADER, APIError, outcomes_of, parse_body, unknown_model
+from .client import KEEP_ALIVE_HEADER, STATS_HEADER
+from .events import outcomes_of
+from .fields import parse_body
+from .refusals import APIError, unknown_model
 from .state import ServerState
 from .worker import SHUTTING_DOWN, Job, QueueFull
 

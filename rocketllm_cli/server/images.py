@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import ImageError
 from ..text.images import decode_base64, decode_image, image_from_url
-from .common import bad
+from .refusals import bad
 
 
 def text_only(kind: str, where: str, param: str, state) -> Exception:

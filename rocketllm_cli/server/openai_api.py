@@ -6,23 +6,15 @@ from __future__ import annotations
 from ..text.constraints import Constraint
 from ..text.logprobs import MAX_TOP
 from ..text.loop import GenerationRequest
-from .common import (
-    APIError,
-    Prepared,
-    bad,
+from .events import job_events, new_id, now, outcomes_of, sse
+from .fields import (
     boolean,
-    check_context,
     check_fields,
     check_model,
     function_tool,
-    job_events,
-    new_id,
-    now,
-    outcomes_of,
     number,
     required,
     sampling,
-    sse,
     stop_strings,
     string,
     tool_list,
@@ -30,7 +22,9 @@ from .common import (
 )
 from .images import openai_image
 from .logprob_shapes import chat_content, chat_logprobs, completion_logprobs, echoed
+from .prepared import Prepared
 from .prompts import PromptError
+from .refusals import APIError, bad, check_context
 from .structured import plan, relaxed_header
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 
-from .common import Prepared, bad, job_events, new_id, now, sse
+from .events import job_events, new_id, now, sse
 from .openai_api import prepare_chat
+from .prepared import Prepared
+from .refusals import bad
 
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_k", "seed", "stream",
                     "stream_options", "tools", "tool_choice", "parallel_tool_calls", "text", "store", "truncation", "top_logprobs",
@@ -26,7 +28,8 @@ PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "
 
 def prepare_response(body: dict, state) -> Prepared:
     """The Responses request as a prepared chat completion (its errors naming the Responses fields)."""
-    from .common import APIError, check_fields
+    from .fields import check_fields
+    from .refusals import APIError
 
     check_fields(body, FIELDS, REFUSED)
     for name, allowed in (("store", (None, False)), ("background", (None, False)), ("truncation", (None, "disabled"))):

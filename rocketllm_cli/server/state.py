@@ -13,10 +13,10 @@ from ..text.images import refusal as image_refusal
 from ..text.loop import Generator
 from ..text.prefix import PrefixCache, decide
 from ..text.prompts import context_reason, int4_context
-from ..text.sampling import DEFAULT_MAX_NEW_TOKENS
 from ..text.reuse import reuse_for
-from .metrics import Metrics
+from ..text.sampling import DEFAULT_MAX_NEW_TOKENS
 from .logprob_shapes import TokenText
+from .metrics import Metrics
 from .prompts import PromptBuilder
 from .structured import lark_literal
 from .tools import FAMILIES, choose

@@ -121,7 +121,7 @@ def plan(state, tools: list[dict], choice: object, parallel: bool, answer: Const
     for exact adherence (OpenAI strict: true, Anthropic structured outputs, a tool marked strict); without it a schema
     keyword the engine does not implement is left unenforced and said so (Structure.relaxed), not refused."""
     from ..text.constraints import EngineUnavailable, GrammarError
-    from .common import bad
+    from .refusals import bad
 
     offered = bool(tools) and choice != "none"
     if offered and answer is not None and choice != "auto":

@@ -3,7 +3,8 @@ remote tokenizer reads vLLM's; llama.cpp's clients read llama-server's): the mod
 
 from __future__ import annotations
 
-from .common import bad, boolean, check_fields
+from .fields import boolean, check_fields
+from .refusals import bad
 
 
 def tokenize(body: dict, state) -> dict:
@@ -12,7 +13,7 @@ def tokenize(body: dict, state) -> dict:
     check_fields(body, frozenset({"content", "prompt", "messages", "add_special", "add_special_tokens", "with_pieces", "model",
                                   "add_generation_prompt"}))
     if body.get("model") is not None and body["model"] != state.model_id:
-        from .common import unknown_model
+        from .refusals import unknown_model
 
         raise unknown_model(str(body["model"]), state)
     tokenizer = state.builder.tokenizer

@@ -17,6 +17,7 @@ from ..checkpoint.manifest import RESHARD
 from ..checkpoint.packedformat import PackedFormat, PackedTensor
 from ..errors import ShardError
 from ..packed import compute
+from ..packed.bound import BoundWeight
 from .unbound import UnboundWeightError
 
 _CLASSES: dict[type, type] = {}
@@ -169,7 +170,7 @@ class PackedBinding:
 
     def __init__(self, module: nn.Linear, tensor: str, fmt: PackedFormat, device: torch.device, dtype: torch.dtype, placeholder,
                  persistent: bool = False, group: FusedGroup | None = None, mode: str = "exact") -> None:
-        self.mode = mode  # the native kernels' mode (compute.NATIVE_MODES)
+        self.mode = mode  # the native kernels' mode (packed/bound.py NATIVE_MODES)
         shape = tuple(module.weight.shape) if group is None else fmt.shape
         if shape != fmt.shape:
             raise ShardError(f"packed weight {tensor} is {list(fmt.shape)}, the model's is {list(shape)}; {RESHARD}")
@@ -267,6 +268,6 @@ def _direct_int4(fmt: PackedFormat, device: torch.device, dtype: torch.dtype):
     def bound(data: torch.Tensor):
         sz = data[sz_at:sz_end].view(stored).view(fmt.groups, n, 2)
         kernel = {"weight": data[codes_at:codes_end].view(n, k // 2), "scales_and_zeros": sz if stored == dtype else sz.to(dtype), "tiles": tiles}
-        return compute.BoundWeight(fmt, dtype, device, "int4", kernel=kernel, dense_rows=dense_rows, dense_dtype=dense_dtype)
+        return BoundWeight(fmt, dtype, device, "int4", kernel=kernel, dense_rows=dense_rows, dense_dtype=dense_dtype)
 
     return bound

@@ -186,7 +186,8 @@ def check_floor(profile, floor, reserve_given: bool = False) -> None:
     least (FLOOR: profiles/knobs/formulas.py memory_floor, a Derivation). The line gives the floor and its parts,
     what this process has, and what to do; a memory cgroup's limit to raise is worked out with the reserve that
     grows with it (unless RESERVE_GIVEN: set by hand)."""
-    from ..profiles.knobs.formulas import CGROUP_RESERVE_FRACTION, evaluate
+    from ..profiles.knobs.expression import evaluate
+    from ..profiles.knobs.formulas import CGROUP_RESERVE_FRACTION
 
     inputs = floor.inputs
     need = int(evaluate(floor.formula, inputs))

@@ -98,7 +98,7 @@ def constrained_kwargs(model, args: tuple, kwargs: dict, json_schema: dict | Non
     from transformers import LogitsProcessorList
 
     from ..errors import ParameterError
-    from .loop import eos_token_ids
+    from .endtokens import eos_token_ids
 
     if json_schema is not None and grammar is not None:
         raise ParameterError("give {json_schema} or {grammar}, not both", "json_schema", "grammar")

@@ -22,6 +22,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 from .constraints import Constraint
+from .endtokens import eos_token_ids, pad_token_id
 from .grammar import Grammars
 from .logprobs import LogprobRecorder, prompt_logprobs
 from .sampling import SamplingParams
@@ -74,21 +75,6 @@ class GenerationOutcome:
     def ledger(self) -> dict:
         """The ledger's summary of this generation (empty for a model without a ledger)."""
         return self.stats.ledger
-
-
-def eos_token_ids(model) -> list[int]:
-    """The model's end-of-sequence ids, in the generation config's order."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-
-
-def pad_token_id(model) -> int:
-    """The one pad rule: generation_config.pad_token_id, else the first end-of-sequence id, else 0."""
-    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-    if pad is not None:
-        return int(pad)
-    eos = eos_token_ids(model)
-    return eos[0] if eos else 0
 
 
 class Generator:

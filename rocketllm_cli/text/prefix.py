@@ -36,6 +36,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .cachekinds import CROPPABLE
+
 BLOCK_TOKENS = 16
 
 
@@ -64,8 +66,6 @@ def output_cache(output):
     return None
 
 
-# cache layers prefix.crop handles (a DummyLayer holds nothing); reuse.py and speculate.py ask the same of a cache
-CROPPABLE = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"})
 MODES = ("blocks", "extend", "exact")
 
 
@@ -362,7 +362,7 @@ class PrefixCache:
 
     def _store_whole(self, ids: list[int], cache) -> int:
         """Keep CACHE whole: it holds the state after every id but the last, which generate sampled and never fed."""
-        from .reuse import linear_only
+        from .cachekinds import linear_only
 
         ids, whole_prompt = list(ids[:-1]), not linear_only(cache)
         if not ids or (whole_prompt and seq_length(cache) != len(ids)):

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .prefix import CROPPABLE
+from .cachekinds import CROPPABLE, declared_kinds, layer_kinds, linear_only
+from .endtokens import pad_token_id
 
 STATES = ("conv_states", "recurrent_states")  # what transformers' linear-attention cache layers keep
 PROBE_PREFIX, PROBE_NEW = 13, 7  # tokens the probe keeps, then extends by (odd: no chunk boundary lines up)
@@ -30,33 +31,6 @@ HALF_TOLERANCE = 3e-2  # 16-bit compute
 class Reuse:
     mode: str | None  # "blocks", "extend", or None: prefix reuse is off for this model
     reason: str = ""  # why (for "extend" and None)
-
-
-def layer_kinds(cache) -> set[str] | None:
-    """The class names of a cache's layers (None for a cache without layers: a list, a legacy cache)."""
-    layers = getattr(cache, "layers", None)
-    return None if layers is None else {type(layer).__name__ for layer in layers}
-
-
-def declared_kinds(model) -> set[str] | None:
-    """The layer kinds of the DynamicCache transformers' generate would build for MODEL, without running it;
-    None when the model builds a cache of its own or this transformers cannot say."""
-    supports = getattr(model, "_supports_default_dynamic_cache", None)
-    if supports is not None and not supports():
-        return None
-    try:
-        from transformers import DynamicCache
-
-        return layer_kinds(DynamicCache(config=model.config.get_text_config(decoder=True)))
-    except Exception:  # noqa: BLE001 - a transformers whose DynamicCache takes no config: the probe finds out
-        return None
-
-
-def linear_only(cache) -> bool:
-    """Every layer keeps a state and none a KV: transformers' generate cannot tell how many tokens such a cache has
-    seen, so it is given only the tokens after them (a cache with an attention layer is given the whole prompt)."""
-    flags = getattr(cache, "is_linear", None)
-    return bool(flags) and all(flags)
 
 
 EXACT_REASON = ("an int4 KV cache's int4 blocks and full-precision window depend on its length, so a prompt's cache is "
@@ -117,7 +91,6 @@ def _probe(model) -> Reuse:
 
 def _output(model, ids: torch.Tensor, cache=None):
     """generate() of one greedy token, as the generation loop calls it (a kept cache under its keyword)."""
-    from .loop import pad_token_id
     from ..stream.kvcache import generate_cache_kwarg
 
     extra = {}

@@ -106,8 +106,7 @@ def _mode(setting: str, knobs, draft, explicit: bool) -> tuple[str, str]:
 
 def cannot_roll_back(model) -> str:
     """Why MODEL's cache cannot be cropped back past rejected drafted tokens, or "" when it can."""
-    from .prefix import CROPPABLE
-    from .reuse import declared_kinds
+    from .cachekinds import CROPPABLE, declared_kinds
 
     inner = getattr(model, "model", model) if type(model).__name__ == "StreamingModel" else model
     stateful = getattr(inner, "_is_stateful", None)  # transformers up to 5.24 marks such models; 5.25 dropped the mark

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from math import ceil, floor
+from math import ceil
 
 from ...checkpoint.modelfacts import ModelFacts
 from ...dtypes import ITEMSIZE, KV_INT4_GROUP, int4_kv_value_bytes
 from ...sizes import format_bytes
 from ..hardware import HardwareProfile
 from ..probe.storage import IN_FLIGHT, IN_FLIGHT_NOTE, in_flight_inputs
+from .expression import evaluate
 from .shape import ACTIVATION_VALUE_BYTES, PassShape
 
 GiB, MiB = 1024**3, 1024**2
@@ -33,7 +34,6 @@ CGROUP_RESERVE_FRACTION = 0.10  # the reserve inside a memory cgroup: a tenth of
 MIN_CONTEXT = 2048  # a server's KV cache holds at least this many tokens where memory allows (kv_cache_bytes)
 CONTEXT_SHARE = 0.5  # ... and at most this share of what the runtime and the least streaming buffers leave
 FLOOR_CONTEXT = 256  # the least context the floor counts for a server (a one-shot run: its own tokens)
-NAMESPACE = {"min": min, "max": max, "floor": floor, "ceil": ceil, "__builtins__": {}}
 
 
 @dataclass
@@ -42,11 +42,6 @@ class Derivation:
     inputs: dict = field(default_factory=dict)
     source: str = "derived"  # derived | measured | default
     note: str = ""
-
-
-def evaluate(formula: str, inputs: dict) -> object:
-    """The value of a knob formula for the given inputs (only min/max/floor/ceil and arithmetic)."""
-    return eval(formula, dict(NAMESPACE), dict(inputs))  # noqa: S307 - our own formulas, a closed namespace
 
 
 class Context:

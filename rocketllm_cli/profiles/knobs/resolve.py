@@ -11,7 +11,8 @@ from ...checkpoint.modelfacts import ModelFacts
 from ...errors import KnobError
 from ...sizes import format_bytes
 from ..hardware import HardwareProfile
-from .formulas import DERIVATIONS, Context, evaluate
+from .expression import evaluate
+from .formulas import DERIVATIONS, Context
 from .shape import PassShape
 from .table import KNOB_SPECS, KNOBS_BY_NAME
 

@@ -26,8 +26,8 @@ def record(profile, directory: Path, manifest, compute_dtype: str, ms: dict, thr
     """Keep a resident decode measurement of the set (`ms`: bench's median/p10/p90 in milliseconds). With its FACTS,
     also what the cost model's floor (its products alone, on the kernels KERNEL picks) left out per layer, which
     projects the sets of this machine that bench has not measured (layer_overhead)."""
-    from ..cache import profile_dir
     from ...cachehome import read_json, write_json
+    from ..cache import profile_dir
 
     where = profile_dir(profile.fingerprint) / FILE
     stored = read_json(where) or {}
@@ -48,8 +48,8 @@ def record(profile, directory: Path, manifest, compute_dtype: str, ms: dict, thr
 
 def lookup(profile, directory: Path, manifest, compute_dtype: str) -> dict | None:
     """The stored measurement for this set and compute dtype on this machine, or None."""
-    from ..cache import profile_dir
     from ...cachehome import read_json
+    from ..cache import profile_dir
 
     entry = (read_json(profile_dir(profile.fingerprint) / FILE) or {}).get(_key(directory, manifest, compute_dtype))
     if not isinstance(entry, dict) or not isinstance(entry.get("seconds"), (int, float)) or entry["seconds"] <= 0:
@@ -77,8 +77,8 @@ def layer_overhead(profile, compute_dtype: str, architecture: str = "") -> dict 
     COMPUTE_DTYPE, those of ARCHITECTURE where there are any (a Gemma 3 layer's four norms and q/k norms cost 0.7 ms
     where a Llama layer's two cost 0.27, 2 cores): the median of (measured - floor) / layers,
     {"seconds", "sets": [names], "architecture": what they are}; None where none was."""
-    from ..cache import profile_dir
     from ...cachehome import read_json
+    from ..cache import profile_dir
 
     found = []
     for entry in (read_json(profile_dir(profile.fingerprint) / FILE) or {}).values():

@@ -150,7 +150,7 @@ def in_flight_inputs(kind: str, cpu_cores: int, direct: bool) -> dict:
 def in_flight(kind: str, direct: bool) -> int:
     """Unit reads the engine keeps in flight with this method on this machine, as the io_workers knob derives it."""
     # Imported here, not at the top: the knob formulas import this module.
-    from ..knobs.formulas import evaluate
+    from ..knobs.expression import evaluate
 
     return evaluate(IN_FLIGHT, in_flight_inputs(kind, usable_cores(), direct))
 

@@ -48,7 +48,8 @@ def build(profile: HardwareProfile, model: ModelFacts | None, model_source: str 
                     "measured_at": profile.measured_at, "tiers": profile.tier_meaning(), "warnings": _busy_warnings(profile)},
     }
     if model is not None:
-        from ..knobs.formulas import evaluate, memory_floor
+        from ..knobs.expression import evaluate
+        from ..knobs.formulas import memory_floor
         from ..knobs.shape import pass_shape_of
         from ..probe.decodecompute import with_layer_overhead
         from ..probe.kernelrates import with_kernel_rates

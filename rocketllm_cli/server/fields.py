@@ -1,82 +1,13 @@
-"""What both APIs share: the error they raise, field checks with plain messages, sampling settings, SSE framing."""
+"""Request bodies read field by field with plain messages: the JSON itself, tools' schemas, numbers, strings,
+stop strings and the sampling settings both APIs share."""
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from dataclasses import dataclass, field
 
 from ..errors import ParameterError
-from ..text.loop import GenerationOutcome, GenerationRequest
 from ..text.sampling import SamplingParams
-from .client import STATS_HEADER  # "1": a streamed reply's usage chunk carries the engine's figures
-from .structured import FREE, Structure
-from .worker import STOP_WAIT_S
-
-
-class APIError(Exception):
-    """A request the server refuses: HTTP status, message, and the field it is about. Each API renders its own shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-@dataclass
-class Prepared:
-    """A checked request, ready for the worker, and what its response needs."""
-
-    request: GenerationRequest
-    stream: bool = False
-    tools: bool = False  # parse the reply for tool calls
-    include_usage: bool = False
-    headers: dict = field(default_factory=dict)  # extra response headers (ignored settings, tool_choice not enforced)
-    echo: str = ""  # the prompt text a completion echoes before its reply
-    structure: Structure = FREE  # what constrained decoding enforces, and the text the server writes around the reply
-    n: int = 1  # choices: rows of one batch, one streaming pass for all of them
-    echo_ids: list[int] | None = None  # an echoed prompt's ids, whose log-probabilities a completion returns first
-    settings: dict = field(default_factory=dict)  # what a response repeats of its request (the Responses API's object)
-    stats: bool = False  # the caller asked for the engine's figures (STATS_HEADER): bytes per tier, residency, peak RSS
-
-    def rows(self) -> list[GenerationRequest]:
-        """The request as the worker runs it: n rows sharing one cancel event (a client that leaves stops them all)."""
-        import dataclasses
-
-        return [self.request] + [dataclasses.replace(self.request) for _ in range(self.n - 1)]
-
-    def reply_text(self, outcome) -> str:
-        """The whole reply: the structure's prefill and closing around the generated text."""
-        return self.structure.prefill + outcome.text + self.closing(outcome)
-
-    def closing(self, outcome) -> str:
-        """The structure's closing, where the grammar ran to its end (not after max_tokens or a stop string cut it)."""
-        return self.structure.closing if outcome.finish_reason == "stop" and outcome.stop_sequence is None else ""
-
-    def finish(self, splitter, outcome) -> tuple[str, list]:
-        """What a streamed reply's splitter still holds once OUTCOME ended, its closing written: (content not sent, calls)."""
-        held = splitter.feed(self.closing(outcome))
-        rest, calls = splitter.finish()
-        return held + rest, calls
-
-    def splitter(self, parser):
-        """A StreamSplitter for this reply's tool calls, holding the prefill already (None when tools are not parsed)."""
-        if not self.tools:
-            return None
-        from .tools import StreamSplitter
-
-        splitter = StreamSplitter(parser)
-        splitter.feed(self.structure.prefill)  # a call's opening: held back with the call
-        return splitter
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param, code)
-
-
-def unknown_model(name: str, state) -> APIError:
-    return APIError(404, f"model '{name}' does not exist; this server serves '{state.model_id}' (see GET /v1/models)",
-                    "model", "model_not_found")
+from .refusals import APIError, bad, refused, unknown_model
 
 
 def check_model(body: dict, state) -> None:
@@ -146,6 +77,8 @@ def _kind(value: object) -> str:
 
 
 JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
 SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 
@@ -299,94 +232,3 @@ def sampling(body: dict, max_tokens: int, temperature_max: float, temperature_de
         return SamplingParams(**settings)
     except ParameterError as exc:  # the fields are checked above; a check of the library's own still reads in the API's terms
         raise refused(exc) from None
-
-
-API_FIELDS = {"max_new_tokens": "max_tokens"}  # library keyword -> request field, where they differ
-
-
-def api_field(param: str) -> str:
-    return API_FIELDS.get(param, param)
-
-
-def refused(exc: ParameterError) -> APIError:
-    """A library ParameterError as a 400 that names the request's fields."""
-    return bad(exc.spelled(lambda name: f"'{api_field(name)}'"), api_field(exc.params[0]) if exc.params else None)
-
-
-def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, param: str, why: str = "",
-                  int4: int | None = None, default: int | None = None) -> int:
-    """max_tokens, or when it is not given `default` within what the context leaves; a prompt that does not fit is a 400.
-    `why`: how max_context was reached (text.prompts.context_reason); `int4`: what a server with an int4 KV cache
-    would admit in the same memory (text.prompts.int4_context), said where that holds the request."""
-    reason = f" ({why})" if why else ""
-
-    def suggestion(needed: int) -> str:
-        return f"; a server started with --kv-cache-dtype int4 would admit {int4} tokens in the same memory" if \
-            int4 is not None and int4 >= needed else ""
-
-    if max_tokens is None:
-        left = max_context - prompt_tokens
-        if left < 1:
-            raise bad(f"the prompt is {prompt_tokens} tokens, but the context allows {max_context}{reason}; shorten the prompt"
-                      + suggestion(prompt_tokens + 1), "messages", "context_length_exceeded")
-        return left if default is None else min(left, default)
-    if prompt_tokens + max_tokens > max_context:
-        raise bad(f"the prompt is {prompt_tokens} tokens and {param} is {max_tokens}, but the context allows {max_context}{reason}; "
-                  f"shorten the prompt or lower {param}" + suggestion(prompt_tokens + max_tokens), param, "context_length_exceeded")
-    return max_tokens
-
-
-def new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex[:24]
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def sse(data: object, event: str | None = None) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
-
-
-HEARTBEAT_S = 5.0  # a stream quiet this long (waiting in the queue, a slow prefill) sends a keep-alive
-
-
-async def job_events(job, heartbeat: float = HEARTBEAT_S):
-    """A job's events as they come: ("text", (index, piece)), ("logprobs", (index, entries)), ("heartbeat", None), then
-    one of ("done", outcome), ("cancelled", outcome) or ("failed", exception) (outcome: the first row's; every row's are
-    in outcomes_of(job, outcome)). A stream sees "cancelled" only when the server stops (a client
-    that left reads no more): once told "stopping", this waits at most STOP_WAIT_S for the running step's outcome,
-    so a long step cannot hold the stream open."""
-    import asyncio
-
-    deadline = None
-    while True:
-        wait = heartbeat if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            kind, payload = await job.next_event(wait)
-        except (asyncio.TimeoutError, TimeoutError):
-            if deadline is not None:
-                yield "cancelled", _nothing_more(job)
-                return
-            yield "heartbeat", None
-            continue
-        if kind == "stopping":
-            deadline = time.monotonic() + STOP_WAIT_S
-            continue
-        if kind == "cancelled" and payload is None:  # cancelled before it ran
-            payload = _nothing_more(job)
-        yield kind, payload
-        if kind not in ("text", "logprobs"):
-            return
-
-
-def outcomes_of(job, outcome) -> list:
-    """Every row's outcome once a job ended (the one given for each row when it never ran or the server stopped)."""
-    return list(job.outcomes) if len(job.outcomes) == len(job.requests) else [outcome] * len(job.requests)
-
-
-def _nothing_more(job) -> GenerationOutcome:
-    """The outcome a stream reports when the job never ran, or the server stopped before its step ended:
-    the prompt, and no generated tokens counted (the text already streamed stands)."""
-    return GenerationOutcome(text="", token_ids=[], prompt_tokens=len(job.request.prompt_ids), finish_reason="cancelled")
