@@ -19,11 +19,12 @@ from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.bench.timing import WARMUP, timed_run
 from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.errors import ParameterError
+from rocketllm_cli.replies import DEFAULT_REPLY_TOKENS
 from rocketllm_cli.server.refusals import refused
+from rocketllm_cli.stream.context import check_context
 from rocketllm_cli.text.endtokens import pad_token_id
 from rocketllm_cli.text.loop import GenerationRequest, Generator
-from rocketllm_cli.text.prompts import check_context
-from rocketllm_cli.text.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from rocketllm_cli.text.sampling import SamplingParams
 from rocketllm_cli.text.stats import measure
 from rocketllm_cli.text.streamer import Row
 
@@ -182,8 +183,8 @@ def test_library_errors_name_keywords_and_each_caller_spells_them():
 def test_the_cli_default_token_count_is_the_library_default():
     from rocketllm_cli.commands import generate
 
-    assert inspect.signature(generate.run).parameters["max_new_tokens"].default == DEFAULT_MAX_NEW_TOKENS
-    assert SamplingParams().max_new_tokens == DEFAULT_MAX_NEW_TOKENS
+    assert inspect.signature(generate.run).parameters["max_new_tokens"].default == DEFAULT_REPLY_TOKENS
+    assert SamplingParams().max_new_tokens == DEFAULT_REPLY_TOKENS
 
 
 @pytest.mark.parametrize("config, pad", [

@@ -23,7 +23,7 @@ from serve_helpers import LiveServer, Script
 
 from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.text.loop import GenerationRequest, Generator
-from rocketllm_cli.text.prompts import encode_prompt
+from rocketllm_cli.text.promptids import encode_prompt
 from rocketllm_cli.text.sampling import SamplingParams
 
 MODEL = "tiny"

@@ -33,7 +33,7 @@ import pytest
 from serve_helpers import LiveServer, Script
 
 from rocketllm_cli.text.loop import GenerationRequest, Generator
-from rocketllm_cli.text.prompts import encode_prompt
+from rocketllm_cli.text.promptids import encode_prompt
 from rocketllm_cli.text.sampling import SamplingParams
 
 MODEL = "tiny"

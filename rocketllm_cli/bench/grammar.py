@@ -55,7 +55,7 @@ def _measure(shards, regime: str, req: GrammarRequest, flags: dict, log) -> tupl
     from ..checkpoint.manifest import Manifest
     from ..text.constraints import Constraint
     from ..text.loop import GenerationRequest, Generator
-    from ..text.prompts import encode_prompt
+    from ..text.promptids import encode_prompt
     from ..text.sampling import SamplingParams
     from ..text.stats import measure
     from .regimes import regime_overrides

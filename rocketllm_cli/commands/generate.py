@@ -19,7 +19,8 @@ from ..options import (
     with_knob_options,
 )
 from ..output import Output
-from ..text.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from ..replies import DEFAULT_REPLY_TOKENS
+from ..text.sampling import SamplingParams
 
 NAME = "generate"
 DEFAULT_KEEP_ALIVE = "5m"  # ollama's: how long a model stays loaded after a generate
@@ -48,7 +49,7 @@ def run(
     model: ModelArg = None,
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; read from stdin when absent or '-'.", show_default=False)] = None,
     model_option: ModelOpt = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = DEFAULT_REPLY_TOKENS,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = SamplingParams.temperature,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = SamplingParams.top_p,
     top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely (0 = off).")] = SamplingParams.top_k,
@@ -122,21 +123,23 @@ def run(
     from ..auto import AutoModel
 
     started = time.perf_counter()
-    sized, encoded = None, []
-    if not pictures:  # no server kept: the KV cache holds this run's tokens, the rest of the memory goes to the weights
-        from ..stream.context import run_tokens
-        from ..text.prompts import encode_prompt
+    from ..stream.context import run_tokens
+    from ..text.promptids import encode_prompt
 
-        def sized(tokenizer):  # the prompts' ids, kept: the model keeps this tokenizer
-            encoded.extend(encode_prompt(tokenizer, p, chat, system)[0].tolist() for p in prompts)
-            return run_tokens([len(one) for one in encoded], params.max_new_tokens)
+    encoded = []
+
+    def counted(tokenizer):  # the prompts' ids, kept: the model keeps this tokenizer
+        encoded.extend(encode_prompt(tokenizer, p, chat, system)[0].tolist() for p in prompts)
+        return run_tokens([len(one) for one in encoded], params.max_new_tokens)
+
+    # no server kept: the KV cache holds this run's tokens, the rest of the memory goes to the weights
+    sized = None if pictures else counted
 
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log, run_tokens=sized)
     load_s = round(time.perf_counter() - started, 3)  # sharding or finding the shards, plus loading
     try:
-        from ..stream.context import int4_context
+        from ..stream.context import check_context, context_reason, int4_context
         from ..text.loop import GenerationRequest, Generator
-        from ..text.prompts import check_context, context_reason, encode_prompt
 
         inputs = None
         if pictures:
@@ -285,7 +288,7 @@ def _cold_reason(batch: bool, pictures: bool, logprobs, constraint, chat) -> str
 def _no_run_dir() -> str | None:
     """Why warm servers cannot be kept here (their directory cannot be made or written), or None."""
     from ..cachehome import unwritable
-    from ..warm.registry import run_path, run_dir
+    from ..warm.registry import run_dir, run_path
 
     try:
         run_dir()

@@ -4,6 +4,7 @@ the request's own field names."""
 from __future__ import annotations
 
 from ..errors import ParameterError
+from ..stream.context import check_context as fits
 
 
 class APIError(Exception):
@@ -37,22 +38,10 @@ def refused(exc: ParameterError) -> APIError:
 
 def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, param: str, why: str = "",
                   int4: int | None = None, default: int | None = None) -> int:
-    """max_tokens, or when it is not given `default` within what the context leaves; a prompt that does not fit is a 400.
-    `why`: how max_context was reached (text.prompts.context_reason); `int4`: what a server with an int4 KV cache
-    would admit in the same memory (text.prompts.int4_context), said where that holds the request."""
-    reason = f" ({why})" if why else ""
-
-    def suggestion(needed: int) -> str:
-        return f"; a server started with --kv-cache-dtype int4 would admit {int4} tokens in the same memory" if \
-            int4 is not None and int4 >= needed else ""
-
-    if max_tokens is None:
-        left = max_context - prompt_tokens
-        if left < 1:
-            raise bad(f"the prompt is {prompt_tokens} tokens, but the context allows {max_context}{reason}; shorten the prompt"
-                      + suggestion(prompt_tokens + 1), "messages", "context_length_exceeded")
-        return left if default is None else min(left, default)
-    if prompt_tokens + max_tokens > max_context:
-        raise bad(f"the prompt is {prompt_tokens} tokens and {param} is {max_tokens}, but the context allows {max_context}{reason}; "
-                  f"shorten the prompt or lower {param}" + suggestion(prompt_tokens + max_tokens), param, "context_length_exceeded")
-    return max_tokens
+    """The library's context check (stream/context.py) as a 400 naming the request's fields: max_tokens, or when it
+    is not given `default` within what the context leaves. `param`: the request's name for the reply's length."""
+    names = {"max_new_tokens": param, "prompt": "messages", "kv_cache_dtype": "a server started with --kv-cache-dtype"}
+    try:
+        return fits(prompt_tokens, max_tokens, max_context, why, int4, default)
+    except ParameterError as exc:
+        raise bad(exc.spelled(names.__getitem__), names[exc.params[0]], "context_length_exceeded") from None

@@ -9,12 +9,13 @@ import threading
 import time
 from typing import Callable
 
+from ..profiles.knobs.formulas import MIN_CONTEXT
+from ..replies import DEFAULT_REPLY_TOKENS
+from ..stream.context import context_reason, int4_context
 from ..text.images import refusal as image_refusal
 from ..text.loop import Generator
 from ..text.prefix import PrefixCache, decide
-from ..text.prompts import context_reason, int4_context
 from ..text.reuse import reuse_for
-from ..text.sampling import DEFAULT_MAX_NEW_TOKENS
 from .logprob_shapes import TokenText
 from .metrics import Metrics
 from .prompts import PromptBuilder
@@ -89,11 +90,11 @@ class ServerState:
         knobs = model.knobs
         # 0 is a real answer (the memory holds no context: every request is refused with the numbers), None is none
         self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") is not None else \
-            int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+            int(getattr(model.config, "max_position_embeddings", 0) or MIN_CONTEXT)
         self.context_why = context_reason(knobs)
         # the reply length of a request that sets none: what the projected speed fits in a minute (the knob's formula)
         knob = knobs["default_max_tokens"] if knobs is not None else None
-        self.default_max_tokens = int(knob.value) if knob is not None and knob.value is not None else DEFAULT_MAX_NEW_TOKENS
+        self.default_max_tokens = int(knob.value) if knob is not None and knob.value is not None else DEFAULT_REPLY_TOKENS
         self.default_max_tokens_why = (f"from {knob.source}" if knob.overridden else f"= {knob.formula} with {_inputs(knob.inputs)}") \
             if knob is not None else "generate's default"
         self.context_int4 = int4_context(knobs, getattr(model, "config", None))  # what an int4 KV cache would admit instead

@@ -17,19 +17,31 @@ def run_tokens(prompt_lengths: list[int], max_new_tokens: int) -> int:
     return len(prompt_lengths) * (max(prompt_lengths) + max_new_tokens + RUN_MARGIN_TOKENS)
 
 
-def check_context(prompt_tokens: int, max_new_tokens: int, max_context: int, why: str = "", int4: int | None = None) -> None:
-    """A prompt and its new tokens must fit the context the model (or the max_context knob) allows.
-    `why`: how max_context was reached (context_reason), said in the refusal with what to change; `int4`: what an
-    int4 KV cache would admit in the same memory (int4_context), said where that holds the request."""
-    if prompt_tokens + max_new_tokens > max_context:
-        reason = f" ({why})".replace("{", "{{").replace("}", "}}") if why else ""
-        more, params = ("", ("max_new_tokens",))
-        if int4 is not None and int4 >= prompt_tokens + max_new_tokens:
-            more, params = (f"; {{kv_cache_dtype}} int4 would admit {int4} tokens in the same memory", ("max_new_tokens", "kv_cache_dtype"))
-        raise ParameterError(
-            f"prompt is {prompt_tokens} tokens and {{max_new_tokens}} {max_new_tokens}, but the context allows {max_context}{reason}; "
-            "shorten the prompt or lower {max_new_tokens}" + more, *params,
-        )
+def check_context(prompt_tokens: int, max_new_tokens: int | None, max_context: int, why: str = "", int4: int | None = None,
+                  default: int | None = None) -> int:
+    """A prompt and its new tokens must fit the context the model (or the max_context knob) allows; returns the new
+    tokens to run: max_new_tokens, or where that is None `default` within what the context leaves after the prompt
+    (all of it without a default). `why`: how max_context was reached (context_reason), said in the refusal with what
+    to change; `int4`: what an int4 KV cache would admit in the same memory (int4_context), said where that holds the
+    request. The server's refusal is this one with its own field names (server/refusals.py)."""
+    reason = f" ({why})".replace("{", "{{").replace("}", "}}") if why else ""
+    needed = prompt_tokens + (1 if max_new_tokens is None else max_new_tokens)
+    if needed <= max_context:
+        if max_new_tokens is not None:
+            return max_new_tokens
+        left = max_context - prompt_tokens
+        return left if default is None else min(left, default)
+    first = ("prompt",) if max_new_tokens is None else ("max_new_tokens",)
+    more, params = "", first
+    if int4 is not None and int4 >= needed:
+        more, params = f"; {{kv_cache_dtype}} int4 would admit {int4} tokens in the same memory", (*first, "kv_cache_dtype")
+    if max_new_tokens is None:
+        raise ParameterError(f"prompt is {prompt_tokens} tokens, but the context allows {max_context}{reason}; shorten the prompt"
+                             + more, *params)
+    raise ParameterError(
+        f"prompt is {prompt_tokens} tokens and {{max_new_tokens}} {max_new_tokens}, but the context allows {max_context}{reason}; "
+        "shorten the prompt or lower {max_new_tokens}" + more, *params,
+    )
 
 
 def context_reason(knobs) -> str:

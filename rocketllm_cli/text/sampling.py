@@ -1,12 +1,11 @@
-"""Sampling settings of one generation, and the default token count (torch-free: the CLI imports it for its flags)."""
+"""Sampling settings of one generation (torch-free: the CLI imports it for its flags)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..errors import ParameterError
-
-DEFAULT_MAX_NEW_TOKENS = 256
+from ..replies import DEFAULT_REPLY_TOKENS
 
 
 @dataclass
@@ -17,7 +16,7 @@ class SamplingParams:
     the generation loop applies it (text/loop.py, HoldEndOfSequence), not generate's own processors.
     """
 
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int = DEFAULT_REPLY_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

@@ -58,16 +58,18 @@ KV_SHARE = 0.25  # room beside the weights for the KV cache, streaming buffers a
 def room_for(model: str) -> tuple[bool, str]:
     """Whether MODEL can load beside the warm servers running now: (fits, the figures in words). From the memory free
     now (what the running servers hold is already taken) against its weights on disk plus KV_SHARE plus the reserve
-    (a tenth of RAM, at least 1 GiB, as the reserve knob's floor); a size not known before loading does not fit."""
+    (the reserve knob's rule on a machine: profiles/knobs/formulas.py MACHINE_RESERVE); a size not known before loading does not fit."""
     import psutil
 
+    from ..profiles.knobs.expression import evaluate
+    from ..profiles.knobs.formulas import MACHINE_RESERVE, machine_reserve_inputs
     from ..sizes import format_bytes
 
     weights = model_bytes(model)
     memory = psutil.virtual_memory()
     if weights is None:
         return False, "its size is not known before it loads"
-    reserve = max(1 << 30, memory.total // 10)
+    reserve = int(evaluate(MACHINE_RESERVE, machine_reserve_inputs(memory.total)))
     need = int(weights * (1 + KV_SHARE)) + reserve
     words = (f"{format_bytes(memory.available)} free, {format_bytes(need)} needed ({format_bytes(weights)} of weights, "
              f"+{KV_SHARE:.0%}, + {format_bytes(reserve)} reserve)")

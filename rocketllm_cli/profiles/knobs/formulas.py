@@ -16,6 +16,7 @@ from math import ceil
 
 from ...checkpoint.modelfacts import ModelFacts
 from ...dtypes import ITEMSIZE, KV_INT4_GROUP, int4_kv_value_bytes
+from ...replies import DEFAULT_REPLY_TOKENS
 from ...sizes import format_bytes
 from ..hardware import HardwareProfile
 from ..probe.storage import IN_FLIGHT, IN_FLIGHT_NOTE, in_flight_inputs
@@ -28,7 +29,6 @@ FALLBACK_COMPUTE_DTYPE = "fp32"  # runs on every device
 FALLBACK_PREFETCH_DEPTH = 2  # double buffering
 FALLBACK_DIRECT_IO = False  # buffered reads work on every filesystem
 DEFAULT_EXPERT_CACHE_POLICY = "lfu"  # why: see expert_cache_policy() below
-DEFAULT_REPLY_TOKENS = 256  # default_max_tokens where no speed can be projected (generate's own default, text/sampling.py)
 DEFAULT_DRAFT_TOKENS = 10  # transformers' prompt-lookup default; a streaming pass costs its bytes, not its tokens
 CGROUP_RESERVE_FRACTION = 0.10  # the reserve inside a memory cgroup: a tenth of its limit (reserve_bytes)
 MIN_CONTEXT = 2048  # a server's KV cache holds at least this many tokens where memory allows (kv_cache_bytes)
@@ -119,9 +119,16 @@ def reserve_bytes(c: Context) -> Derivation:
         # and left 430 MiB of itself unused while a 2.8 B model streamed 1.35 GiB a token (docs/HARDWARE.md).
         return Derivation("floor(reserve_fraction * ram_total)", {"reserve_fraction": CGROUP_RESERVE_FRACTION, "ram_total": c.profile.ram_total},
                           note="ram_total is this process's memory cgroup limit: the OS lives outside it")
-    # The floor is a quarter of a small machine (a 1 GiB container would otherwise reserve all of itself).
-    return Derivation("max(min(min_reserve_bytes, floor(small_machine_fraction * ram_total)), floor(reserve_fraction * ram_total))",
-                      {"min_reserve_bytes": GiB, "small_machine_fraction": 0.25, "reserve_fraction": 0.10, "ram_total": c.profile.ram_total})
+    return Derivation(MACHINE_RESERVE, machine_reserve_inputs(c.profile.ram_total))
+
+
+# The floor is a quarter of a small machine (a 1 GiB container would otherwise reserve all of itself).
+MACHINE_RESERVE = "max(min(min_reserve_bytes, floor(small_machine_fraction * ram_total)), floor(reserve_fraction * ram_total))"
+
+
+def machine_reserve_inputs(ram_total: int) -> dict:
+    """The reserve knob's inputs on a machine (not a cgroup) of RAM_TOTAL bytes; warm/launch.py sizes room with them."""
+    return {"min_reserve_bytes": GiB, "small_machine_fraction": 0.25, "reserve_fraction": 0.10, "ram_total": ram_total}
 
 
 def runtime_bytes(c: Context) -> Derivation:

@@ -1,11 +1,8 @@
-"""A prompt as token ids: the chat template by default, and the check that it leaves room to generate."""
+"""A prompt as token ids: the chat template by default (the context check it must pass is stream/context.py)."""
 
 from __future__ import annotations
 
 from ..errors import ParameterError, RocketError
-from ..stream.context import check_context, context_reason, int4_context
-
-__all__ = ["check_context", "context_reason", "encode_prompt", "int4_context"]
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, system: str | None = None):
