@@ -89,17 +89,22 @@ WEATHER_SCHEMA = {
     "additionalProperties": False,
 }
 WEATHER_DESCRIPTION = "Get the current weather in a city."
-OPENAI_TOOL = {"type": "function", "function": {"name": "get_weather", "description": WEATHER_DESCRIPTION,
-                                                "parameters": WEATHER_SCHEMA}}
+OPENAI_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": WEATHER_DESCRIPTION, "parameters": WEATHER_SCHEMA},
+}
 ANTHROPIC_TOOL = {"name": "get_weather", "description": WEATHER_DESCRIPTION, "input_schema": WEATHER_SCHEMA}
 
 CITY_PROMPT = "Give the city of Paris: its name, its country and its population as a whole number."
-JSON_PROMPT = ("Describe the city of Paris as a JSON object with the keys name (string), country (string) "
-               "and population (integer). Reply with the JSON object only.")
+JSON_PROMPT = (
+    "Describe the city of Paris as a JSON object with the keys name (string), country (string) "
+    "and population (integer). Reply with the JSON object only."
+)
 WEATHER_PROMPT = "What is the weather in Paris right now, in Celsius?"
 
 
 # ---------------------------------------------------------------------------------------------- the harness
+
 
 class NotApplicable(Exception):
     """The installed client version lacks what the check needs."""
@@ -143,9 +148,11 @@ CHECKS: list[Check] = []
 
 def check(client: str, feature: str):
     """Register a check: a function of the Ctx that returns a short account of what came back, or raises."""
+
     def register(fn: Callable[[Ctx], str]) -> Callable[[Ctx], str]:
         CHECKS.append(Check(client, feature, fn))
         return fn
+
     return register
 
 
@@ -246,6 +253,7 @@ def run_check(c: Check, ctx: Ctx) -> Result:
 
 # ------------------------------------------------------------------------------------------- validation
 
+
 def _validate(instance: Any, schema: dict, model: type[BaseModel] | None) -> None:
     try:
         import jsonschema
@@ -255,7 +263,9 @@ def _validate(instance: Any, schema: dict, model: type[BaseModel] | None) -> Non
         try:
             jsonschema.validate(instance, schema)
         except jsonschema.ValidationError as exc:
-            raise Wrong(f"off the schema: {one_line(exc.message, 120)}: {one_line(json.dumps(instance), 120)}") from None
+            raise Wrong(
+                f"off the schema: {one_line(exc.message, 120)}: {one_line(json.dumps(instance), 120)}"
+            ) from None
     elif model is not None:
         model.model_validate(instance, strict=True)
 
@@ -303,8 +313,10 @@ def run_async(coro):
 
 # ------------------------------------------------------------------------------------------- openai SDK
 
+
 def openai_client(ctx: Ctx, async_: bool = False):
     import openai
+
     cls = openai.AsyncOpenAI if async_ else openai.OpenAI
     return cls(base_url=ctx.openai_url, api_key=API_KEY, max_retries=0, timeout=ctx.timeout)
 
@@ -324,8 +336,13 @@ def _openai_tool_result(choice) -> str:
 def openai_parse(ctx: Ctx) -> str:
     client = openai_client(ctx)
     parse = need(client.chat.completions, "parse", "this openai version has no chat.completions.parse")
-    r = parse(model=ctx.model, messages=[{"role": "user", "content": CITY_PROMPT}], response_format=City,
-              max_tokens=ctx.max_tokens, temperature=0)
+    r = parse(
+        model=ctx.model,
+        messages=[{"role": "user", "content": CITY_PROMPT}],
+        response_format=City,
+        max_tokens=ctx.max_tokens,
+        temperature=0,
+    )
     msg = r.choices[0].message
     if msg.parsed is None:
         raise Wrong(f"parsed is None (refusal={msg.refusal!r}): {one_line(repr(msg.content), 120)}")
@@ -335,8 +352,12 @@ def openai_parse(ctx: Ctx) -> str:
 @check("openai", "response_format json_object")
 def openai_json_object(ctx: Ctx) -> str:
     r = openai_client(ctx).chat.completions.create(
-        model=ctx.model, messages=[{"role": "user", "content": JSON_PROMPT}], response_format={"type": "json_object"},
-        max_tokens=ctx.max_tokens, temperature=0)
+        model=ctx.model,
+        messages=[{"role": "user", "content": JSON_PROMPT}],
+        response_format={"type": "json_object"},
+        max_tokens=ctx.max_tokens,
+        temperature=0,
+    )
     data = as_json(r.choices[0].message.content)
     if not isinstance(data, dict):
         raise Wrong(f"JSON but not an object: {one_line(json.dumps(data), 120)}")
@@ -349,25 +370,40 @@ def openai_json_object(ctx: Ctx) -> str:
 @check("openai", "tool_choice {function: get_weather}")
 def openai_named_tool(ctx: Ctx) -> str:
     r = openai_client(ctx).chat.completions.create(
-        model=ctx.model, messages=[{"role": "user", "content": WEATHER_PROMPT}], tools=[OPENAI_TOOL],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=ctx.max_tokens, temperature=0)
+        model=ctx.model,
+        messages=[{"role": "user", "content": WEATHER_PROMPT}],
+        tools=[OPENAI_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=ctx.max_tokens,
+        temperature=0,
+    )
     return _openai_tool_result(r.choices[0])
 
 
 @check("openai", 'tool_choice "required"')
 def openai_required_tool(ctx: Ctx) -> str:
     r = openai_client(ctx).chat.completions.create(
-        model=ctx.model, messages=[{"role": "user", "content": WEATHER_PROMPT}], tools=[OPENAI_TOOL],
-        tool_choice="required", max_tokens=ctx.max_tokens, temperature=0)
+        model=ctx.model,
+        messages=[{"role": "user", "content": WEATHER_PROMPT}],
+        tools=[OPENAI_TOOL],
+        tool_choice="required",
+        max_tokens=ctx.max_tokens,
+        temperature=0,
+    )
     return _openai_tool_result(r.choices[0])
 
 
 @check("openai", "stream, tool_choice {function: get_weather}")
 def openai_stream_tool(ctx: Ctx) -> str:
     stream = openai_client(ctx).chat.completions.create(
-        model=ctx.model, messages=[{"role": "user", "content": WEATHER_PROMPT}], tools=[OPENAI_TOOL],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=ctx.max_tokens,
-        temperature=0, stream=True)
+        model=ctx.model,
+        messages=[{"role": "user", "content": WEATHER_PROMPT}],
+        tools=[OPENAI_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=ctx.max_tokens,
+        temperature=0,
+        stream=True,
+    )
     calls: dict[int, dict[str, str]] = {}
     text, finish, deltas = "", None, 0
     for chunk in stream:
@@ -392,8 +428,10 @@ def openai_stream_tool(ctx: Ctx) -> str:
 
 # ---------------------------------------------------------------------------------------- anthropic SDK
 
+
 def anthropic_client(ctx: Ctx, async_: bool = False):
     import anthropic
+
     cls = anthropic.AsyncAnthropic if async_ else anthropic.Anthropic
     return cls(base_url=ctx.base_url, api_key=API_KEY, max_retries=0, timeout=ctx.timeout)
 
@@ -401,6 +439,7 @@ def anthropic_client(ctx: Ctx, async_: bool = False):
 def anthropic_sampling(create: Callable) -> dict:
     """temperature=0 as a parameter where the SDK's create takes one, else in the body (newer SDKs dropped it)."""
     import inspect
+
     if "temperature" in inspect.signature(create).parameters:
         return {"temperature": 0}
     return {"extra_body": {"temperature": 0}}
@@ -420,8 +459,13 @@ def _anthropic_tool_result(msg) -> str:
 def _anthropic_forced(ctx: Ctx, choice: dict) -> str:
     client = anthropic_client(ctx)
     msg = client.messages.create(
-        model=ctx.model, max_tokens=ctx.max_tokens, messages=[{"role": "user", "content": WEATHER_PROMPT}],
-        tools=[ANTHROPIC_TOOL], tool_choice=choice, **anthropic_sampling(client.messages.create))
+        model=ctx.model,
+        max_tokens=ctx.max_tokens,
+        messages=[{"role": "user", "content": WEATHER_PROMPT}],
+        tools=[ANTHROPIC_TOOL],
+        tool_choice=choice,
+        **anthropic_sampling(client.messages.create),
+    )
     return _anthropic_tool_result(msg)
 
 
@@ -438,6 +482,7 @@ def anthropic_any_tool(ctx: Ctx) -> str:
 @check("anthropic", "output_config.format json_schema")
 def anthropic_output_config(ctx: Ctx) -> str:
     import inspect
+
     client = anthropic_client(ctx)
     fmt = {"format": {"type": "json_schema", "schema": CITY_SCHEMA}}
     # Newer SDKs take output_config as a parameter; older ones get it through extra_body.
@@ -448,8 +493,13 @@ def anthropic_output_config(ctx: Ctx) -> str:
     sampling = anthropic_sampling(client.messages.create)
     if "extra_body" in extra and "extra_body" in sampling:
         extra["extra_body"].update(sampling.pop("extra_body"))
-    msg = client.messages.create(model=ctx.model, max_tokens=ctx.max_tokens,
-                                 messages=[{"role": "user", "content": CITY_PROMPT}], **extra, **sampling)
+    msg = client.messages.create(
+        model=ctx.model,
+        max_tokens=ctx.max_tokens,
+        messages=[{"role": "user", "content": CITY_PROMPT}],
+        **extra,
+        **sampling,
+    )
     text = "".join(getattr(b, "text", "") for b in msg.content)
     return city(text) + f" stop={msg.stop_reason}"
 
@@ -457,12 +507,18 @@ def anthropic_output_config(ctx: Ctx) -> str:
 @check("anthropic", "messages.parse(output_format=City)")
 def anthropic_parse(ctx: Ctx) -> str:
     import inspect
+
     client = anthropic_client(ctx)
     parse = need(client.messages, "parse", "this anthropic version has no messages.parse")
     if "output_format" not in inspect.signature(parse).parameters:
         raise NotApplicable("messages.parse takes no output_format in this anthropic version")
-    msg = parse(model=ctx.model, max_tokens=ctx.max_tokens, messages=[{"role": "user", "content": CITY_PROMPT}],
-                output_format=City, **anthropic_sampling(parse))
+    msg = parse(
+        model=ctx.model,
+        max_tokens=ctx.max_tokens,
+        messages=[{"role": "user", "content": CITY_PROMPT}],
+        output_format=City,
+        **anthropic_sampling(parse),
+    )
     if msg.parsed_output is None:
         text = "".join(getattr(b, "text", "") for b in msg.content)
         raise Wrong(f"parsed_output is None (stop_reason={msg.stop_reason}): {one_line(repr(text), 120)}")
@@ -473,9 +529,14 @@ def anthropic_parse(ctx: Ctx) -> str:
 def anthropic_stream_tool(ctx: Ctx) -> str:
     client = anthropic_client(ctx)
     stream = client.messages.create(
-        model=ctx.model, max_tokens=ctx.max_tokens, messages=[{"role": "user", "content": WEATHER_PROMPT}],
-        tools=[ANTHROPIC_TOOL], tool_choice={"type": "tool", "name": "get_weather"}, stream=True,
-        **anthropic_sampling(client.messages.create))
+        model=ctx.model,
+        max_tokens=ctx.max_tokens,
+        messages=[{"role": "user", "content": WEATHER_PROMPT}],
+        tools=[ANTHROPIC_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        stream=True,
+        **anthropic_sampling(client.messages.create),
+    )
     name, partial, text, stop, deltas = None, "", "", None, 0
     for event in stream:
         if event.type == "content_block_start" and event.content_block.type == "tool_use" and name is None:
@@ -498,13 +559,20 @@ def anthropic_stream_tool(ctx: Ctx) -> str:
 
 # ------------------------------------------------------------------------------------------- instructor
 
+
 def _instructor_openai(ctx: Ctx, mode_name: str) -> str:
     import instructor
+
     mode = need(instructor.Mode, mode_name, f"this instructor version has no Mode.{mode_name}")
     client = instructor.from_openai(openai_client(ctx), mode=mode)
     obj = client.chat.completions.create(
-        model=ctx.model, response_model=City, max_retries=0, messages=[{"role": "user", "content": CITY_PROMPT}],
-        max_tokens=ctx.max_tokens, temperature=0)
+        model=ctx.model,
+        response_model=City,
+        max_retries=0,
+        messages=[{"role": "user", "content": CITY_PROMPT}],
+        max_tokens=ctx.max_tokens,
+        temperature=0,
+    )
     return city(obj)
 
 
@@ -525,12 +593,18 @@ def instructor_json(ctx: Ctx) -> str:
 
 def _instructor_anthropic(ctx: Ctx, mode_name: str) -> str:
     import instructor
+
     mode = need(instructor.Mode, mode_name, f"this instructor version has no Mode.{mode_name}")
     raw = anthropic_client(ctx)
     client = instructor.from_anthropic(raw, mode=mode)
     obj = client.messages.create(
-        model=ctx.model, response_model=City, max_retries=0, messages=[{"role": "user", "content": CITY_PROMPT}],
-        max_tokens=ctx.max_tokens, **anthropic_sampling(raw.messages.create))
+        model=ctx.model,
+        response_model=City,
+        max_retries=0,
+        messages=[{"role": "user", "content": CITY_PROMPT}],
+        max_tokens=ctx.max_tokens,
+        **anthropic_sampling(raw.messages.create),
+    )
     return city(obj)
 
 
@@ -546,15 +620,19 @@ def instructor_anthropic_json(ctx: Ctx) -> str:
 
 # ------------------------------------------------------------------------------------------- pydantic-ai
 
+
 def _pydantic_ai(ctx: Ctx, provider: str, wrapper: str | None) -> str:
     import pydantic_ai
+
     if provider == "openai":
         from pydantic_ai.models.openai import OpenAIChatModel
         from pydantic_ai.providers.openai import OpenAIProvider
+
         model = OpenAIChatModel(ctx.model, provider=OpenAIProvider(openai_client=openai_client(ctx, async_=True)))
     else:
         from pydantic_ai.models.anthropic import AnthropicModel
         from pydantic_ai.providers.anthropic import AnthropicProvider
+
         prov = AnthropicProvider(anthropic_client=anthropic_client(ctx, async_=True))
         profile = None
         if wrapper == "NativeOutput":
@@ -565,8 +643,9 @@ def _pydantic_ai(ctx: Ctx, provider: str, wrapper: str | None) -> str:
     output_type: Any = City
     if wrapper:
         output_type = need(pydantic_ai, wrapper, f"this pydantic-ai version has no {wrapper}")(City)
-    agent = pydantic_ai.Agent(model, output_type=output_type, retries=0,
-                              model_settings={"max_tokens": ctx.max_tokens, "temperature": 0})
+    agent = pydantic_ai.Agent(
+        model, output_type=output_type, retries=0, model_settings={"max_tokens": ctx.max_tokens, "temperature": 0}
+    )
     result = run_async(agent.run(CITY_PROMPT))
     return city(result.output)
 
@@ -598,16 +677,33 @@ def pydantic_ai_anthropic_native(ctx: Ctx) -> str:
 
 # -------------------------------------------------------------------------------------------- langchain
 
+
 def _chat_openai(ctx: Ctx):
     from langchain_openai import ChatOpenAI
-    return ChatOpenAI(base_url=ctx.openai_url, api_key=API_KEY, model=ctx.model, temperature=0,
-                      max_tokens=ctx.max_tokens, max_retries=0, timeout=ctx.timeout)
+
+    return ChatOpenAI(
+        base_url=ctx.openai_url,
+        api_key=API_KEY,
+        model=ctx.model,
+        temperature=0,
+        max_tokens=ctx.max_tokens,
+        max_retries=0,
+        timeout=ctx.timeout,
+    )
 
 
 def _chat_anthropic(ctx: Ctx):
     from langchain_anthropic import ChatAnthropic
-    return ChatAnthropic(base_url=ctx.base_url, api_key=API_KEY, model=ctx.model, temperature=0,
-                         max_tokens=ctx.max_tokens, max_retries=0, timeout=ctx.timeout)
+
+    return ChatAnthropic(
+        base_url=ctx.base_url,
+        api_key=API_KEY,
+        model=ctx.model,
+        temperature=0,
+        max_tokens=ctx.max_tokens,
+        max_retries=0,
+        timeout=ctx.timeout,
+    )
 
 
 def _langchain_tool_result(msg) -> str:
@@ -653,7 +749,9 @@ def lc_openai_json_mode(ctx: Ctx) -> str:
 
 @check("langchain-openai", 'bind_tools tool_choice="get_weather"')
 def lc_openai_named_tool(ctx: Ctx) -> str:
-    return _langchain_tool_result(_chat_openai(ctx).bind_tools([get_weather], tool_choice="get_weather").invoke(WEATHER_PROMPT))
+    return _langchain_tool_result(
+        _chat_openai(ctx).bind_tools([get_weather], tool_choice="get_weather").invoke(WEATHER_PROMPT)
+    )
 
 
 @check("langchain-openai", 'bind_tools tool_choice="any"')
@@ -670,6 +768,7 @@ def lc_anthropic_default(ctx: Ctx) -> str:
 def lc_anthropic_json_schema(ctx: Ctx) -> str:
     import inspect
     from langchain_anthropic import ChatAnthropic
+
     sig = inspect.signature(ChatAnthropic.with_structured_output)
     if "json_schema" not in str(sig.parameters.get("method", "")):
         raise NotApplicable("this langchain-anthropic has no method='json_schema'")
@@ -678,18 +777,24 @@ def lc_anthropic_json_schema(ctx: Ctx) -> str:
 
 @check("langchain-anthropic", 'bind_tools tool_choice="get_weather"')
 def lc_anthropic_named_tool(ctx: Ctx) -> str:
-    return _langchain_tool_result(_chat_anthropic(ctx).bind_tools([get_weather], tool_choice="get_weather").invoke(WEATHER_PROMPT))
+    return _langchain_tool_result(
+        _chat_anthropic(ctx).bind_tools([get_weather], tool_choice="get_weather").invoke(WEATHER_PROMPT)
+    )
 
 
 @check("langchain-anthropic", 'bind_tools tool_choice="any"')
 def lc_anthropic_any_tool(ctx: Ctx) -> str:
-    return _langchain_tool_result(_chat_anthropic(ctx).bind_tools([get_weather], tool_choice="any").invoke(WEATHER_PROMPT))
+    return _langchain_tool_result(
+        _chat_anthropic(ctx).bind_tools([get_weather], tool_choice="any").invoke(WEATHER_PROMPT)
+    )
 
 
 # ----------------------------------------------------------------------------------------- openai-agents
 
+
 def _agents_model(ctx: Ctx):
     import agents
+
     agents.set_tracing_disabled(True)
     return agents.OpenAIChatCompletionsModel(model=ctx.model, openai_client=openai_client(ctx, async_=True))
 
@@ -697,9 +802,14 @@ def _agents_model(ctx: Ctx):
 @check("openai-agents", "Agent(output_type=City) Runner.run")
 def agents_output_type(ctx: Ctx) -> str:
     import agents
-    agent = agents.Agent(name="city", instructions="Answer with the requested data.", model=_agents_model(ctx),
-                         output_type=City,
-                         model_settings=agents.ModelSettings(temperature=0, max_tokens=ctx.max_tokens))
+
+    agent = agents.Agent(
+        name="city",
+        instructions="Answer with the requested data.",
+        model=_agents_model(ctx),
+        output_type=City,
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=ctx.max_tokens),
+    )
     result = run_async(agents.Runner.run(agent, CITY_PROMPT, max_turns=2))
     return city(result.final_output)
 
@@ -708,6 +818,7 @@ def agents_output_type(ctx: Ctx) -> str:
 def agents_required_tool(ctx: Ctx) -> str:
     """ok when the tool ran with valid arguments; what the run did after that is reported, not judged."""
     import agents
+
     calls: list[dict] = []
 
     @agents.function_tool
@@ -722,10 +833,13 @@ def agents_required_tool(ctx: Ctx) -> str:
         return get_weather(city, unit)
 
     get_weather_tool.name = "get_weather"
-    agent = agents.Agent(name="weather", instructions="Use the tools to answer.", model=_agents_model(ctx),
-                         tools=[get_weather_tool],
-                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
-                                                             max_tokens=ctx.max_tokens))
+    agent = agents.Agent(
+        name="weather",
+        instructions="Use the tools to answer.",
+        model=_agents_model(ctx),
+        tools=[get_weather_tool],
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=ctx.max_tokens),
+    )
     try:
         result = run_async(agents.Runner.run(agent, WEATHER_PROMPT, max_turns=3))
         ending = f"final: {one_line(repr(result.final_output), 60)}"
@@ -738,8 +852,10 @@ def agents_required_tool(ctx: Ctx) -> str:
 
 # ---------------------------------------------------------------------------------------------- litellm
 
+
 def _litellm():
     import litellm
+
     litellm.telemetry = False
     litellm.suppress_debug_info = True
     return litellm
@@ -748,32 +864,57 @@ def _litellm():
 @check("litellm", "completion(openai/..., response_format=City)")
 def litellm_response_format(ctx: Ctx) -> str:
     litellm = _litellm()
-    r = litellm.completion(model=f"openai/{ctx.model}", api_base=ctx.openai_url, api_key=API_KEY,
-                           messages=[{"role": "user", "content": CITY_PROMPT}], response_format=City,
-                           max_tokens=ctx.max_tokens, temperature=0, num_retries=0, timeout=ctx.timeout)
+    r = litellm.completion(
+        model=f"openai/{ctx.model}",
+        api_base=ctx.openai_url,
+        api_key=API_KEY,
+        messages=[{"role": "user", "content": CITY_PROMPT}],
+        response_format=City,
+        max_tokens=ctx.max_tokens,
+        temperature=0,
+        num_retries=0,
+        timeout=ctx.timeout,
+    )
     return city(r.choices[0].message.content)
 
 
 @check("litellm", "completion(openai/..., tool_choice {function: get_weather})")
 def litellm_named_tool(ctx: Ctx) -> str:
     litellm = _litellm()
-    r = litellm.completion(model=f"openai/{ctx.model}", api_base=ctx.openai_url, api_key=API_KEY,
-                           messages=[{"role": "user", "content": WEATHER_PROMPT}], tools=[OPENAI_TOOL],
-                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                           max_tokens=ctx.max_tokens, temperature=0, num_retries=0, timeout=ctx.timeout)
+    r = litellm.completion(
+        model=f"openai/{ctx.model}",
+        api_base=ctx.openai_url,
+        api_key=API_KEY,
+        messages=[{"role": "user", "content": WEATHER_PROMPT}],
+        tools=[OPENAI_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=ctx.max_tokens,
+        temperature=0,
+        num_retries=0,
+        timeout=ctx.timeout,
+    )
     return _openai_tool_result(r.choices[0])
 
 
 @check("litellm", "completion(anthropic/..., response_format=City)")
 def litellm_anthropic_response_format(ctx: Ctx) -> str:
     litellm = _litellm()
-    r = litellm.completion(model=f"anthropic/{ctx.model}", api_base=ctx.base_url, api_key=API_KEY,
-                           messages=[{"role": "user", "content": CITY_PROMPT}], response_format=City,
-                           max_tokens=ctx.max_tokens, temperature=0, num_retries=0, timeout=ctx.timeout)
+    r = litellm.completion(
+        model=f"anthropic/{ctx.model}",
+        api_base=ctx.base_url,
+        api_key=API_KEY,
+        messages=[{"role": "user", "content": CITY_PROMPT}],
+        response_format=City,
+        max_tokens=ctx.max_tokens,
+        temperature=0,
+        num_retries=0,
+        timeout=ctx.timeout,
+    )
     return city(r.choices[0].message.content)
 
 
 # -------------------------------------------------------------------------------------------------- llm
+
 
 @check("llm", "llm --schema 'name, country, population int'")
 def llm_schema(ctx: Ctx) -> str:
@@ -782,14 +923,33 @@ def llm_schema(ctx: Ctx) -> str:
         raise ImportError("no llm command next to this python or on PATH")
     with tempfile.TemporaryDirectory(prefix="llm-user-") as home:
         (Path(home) / "extra-openai-models.yaml").write_text(
-            f"- model_id: rocketllm-test\n  model_name: {json.dumps(ctx.model)}\n  api_base: {json.dumps(ctx.openai_url)}\n"
-            "  supports_schema: true\n  supports_tools: true\n")
+            f"- model_id: rocketllm-test\n  model_name: {json.dumps(ctx.model)}\n  api_base: "
+            f"{json.dumps(ctx.openai_url)}\n"
+            "  supports_schema: true\n  supports_tools: true\n"
+        )
         env = {**os.environ, "LLM_USER_PATH": home, "OPENAI_API_KEY": API_KEY}
         try:
             proc = subprocess.run(
-                [exe, "-m", "rocketllm-test", "--no-log", "--schema", "name, country, population int",
-                 "-o", "max_tokens", str(ctx.max_tokens), "-o", "temperature", "0", CITY_PROMPT],
-                capture_output=True, text=True, timeout=ctx.timeout, env=env)
+                [
+                    exe,
+                    "-m",
+                    "rocketllm-test",
+                    "--no-log",
+                    "--schema",
+                    "name, country, population int",
+                    "-o",
+                    "max_tokens",
+                    str(ctx.max_tokens),
+                    "-o",
+                    "temperature",
+                    "0",
+                    CITY_PROMPT,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=ctx.timeout,
+                env=env,
+            )
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"llm gave no answer in {ctx.timeout:g} s") from None
     if proc.returncode != 0:
@@ -800,15 +960,34 @@ def llm_schema(ctx: Ctx) -> str:
 
 # ------------------------------------------------------------------------------------------------- main
 
-DIST = {"openai": "openai", "anthropic": "anthropic", "instructor": "instructor", "pydantic-ai": "pydantic-ai-slim",
-        "langchain-openai": "langchain-openai", "langchain-anthropic": "langchain-anthropic",
-        "openai-agents": "openai-agents", "litellm": "litellm", "llm": "llm"}
+DIST = {
+    "openai": "openai",
+    "anthropic": "anthropic",
+    "instructor": "instructor",
+    "pydantic-ai": "pydantic-ai-slim",
+    "langchain-openai": "langchain-openai",
+    "langchain-anthropic": "langchain-anthropic",
+    "openai-agents": "openai-agents",
+    "litellm": "litellm",
+    "llm": "llm",
+}
 
 
 def versions() -> dict[str, str]:
     out = {}
-    for name in ["openai", "anthropic", "instructor", "pydantic-ai-slim", "langchain-openai", "langchain-anthropic",
-                 "openai-agents", "litellm", "llm", "pydantic", "jsonschema"]:
+    for name in [
+        "openai",
+        "anthropic",
+        "instructor",
+        "pydantic-ai-slim",
+        "langchain-openai",
+        "langchain-anthropic",
+        "openai-agents",
+        "litellm",
+        "llm",
+        "pydantic",
+        "jsonschema",
+    ]:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -882,16 +1061,30 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
 
     used = sorted({c.client for c in checks}, key=list(DIST).index)
-    print(f"server {base}, model {model}, max_tokens {args.max_tokens}, "
-          f"{time.strftime('%Y-%m-%d %H:%M', time.localtime())}; "
-          + ", ".join(f"{DIST[n]} {vers.get(DIST[n], '?')}" for n in used) + "\n")
+    print(
+        f"server {base}, model {model}, max_tokens {args.max_tokens}, "
+        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime())}; "
+        + ", ".join(f"{DIST[n]} {vers.get(DIST[n], '?')}" for n in used)
+        + "\n"
+    )
     print(table(results, args.width))
     counts = {k: sum(r.result == k for r in results) for k in ("ok", "FAIL", "n/a")}
     print(f"\n{counts['ok']} ok, {counts['FAIL']} FAIL, {counts['n/a']} n/a of {len(results)} checks")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"base_url": base, "model": model, "max_tokens": args.max_tokens, "timeout": args.timeout,
-             "versions": vers, "results": [asdict(r) for r in results]}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "base_url": base,
+                    "model": model,
+                    "max_tokens": args.max_tokens,
+                    "timeout": args.timeout,
+                    "versions": vers,
+                    "results": [asdict(r) for r in results],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -73,6 +73,7 @@ READY_TIMEOUT_S = 300  # loading the tokenizer and setting an engine up; not par
 # Engine adapters (run in the child). Each exposes the same small surface so the measuring loop is shared.
 # ----------------------------------------------------------------------------------------------------------
 
+
 class LlguidanceEngine:
     """llguidance: the JSON schema is compiled when the LLMatcher is built; masks are computed lazily."""
 
@@ -162,6 +163,7 @@ ADAPTERS = {"llguidance": LlguidanceEngine, "xgrammar": XgrammarEngine}
 # Child process: set up once, then answer one schema file at a time with a stream of messages.
 # ----------------------------------------------------------------------------------------------------------
 
+
 def first_line(exc) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:300]
@@ -227,8 +229,15 @@ def run_instance(engine, tok, artefact, test, bitmask, words):
         finally:
             gc.enable()
     except Exception as exc:  # an engine raising mid-value counts as a refusal, with its reason
-        result = {"tokens": len(ids), "accepted": False, "reject_at": None, "reason": "error: " + first_line(exc),
-                  "disagree": False, "mask_ns": [], "preempted": []}
+        result = {
+            "tokens": len(ids),
+            "accepted": False,
+            "reject_at": None,
+            "reason": "error: " + first_line(exc),
+            "disagree": False,
+            "mask_ns": [],
+            "preempted": [],
+        }
     result["valid"] = bool(test["valid"])
     result["round_trip"] = round_trip
     return result
@@ -256,9 +265,19 @@ def run_schema(engine, tok, path, conn, bitmask, words):
         return
     finally:
         gc.enable()
-    conn.send(("compiled", {"compile_ns": done - started, "build_ns": matched - started,
-                            "grammar_ns": built - started, "first_mask_ns": done - matched,
-                            "compile_cpu_ns": cpu_ns, "compile_preempted": preempted}))
+    conn.send(
+        (
+            "compiled",
+            {
+                "compile_ns": done - started,
+                "build_ns": matched - started,
+                "grammar_ns": built - started,
+                "first_mask_ns": done - matched,
+                "compile_cpu_ns": cpu_ns,
+                "compile_preempted": preempted,
+            },
+        )
+    )
     for index, test in enumerate(doc.get("tests", [])):
         result = run_instance(engine, tok, artefact, test, bitmask, words)
         result["index"] = index
@@ -287,6 +306,7 @@ def worker_main(engine_name, tokenizer_dir, options, conn, cpu):
 # Parent: drive a child per engine, enforce timeouts, restart after a kill or a crash.
 # ----------------------------------------------------------------------------------------------------------
 
+
 class Timeout(Exception):
     pass
 
@@ -306,8 +326,9 @@ class EngineProcess:
             return
         ctx = multiprocessing.get_context("spawn")  # fresh interpreter: no inherited threads or engine state
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, daemon=True,
-                                args=(self.engine, self.tokenizer_dir, self.options, child, self.cpu))
+        self.proc = ctx.Process(
+            target=worker_main, daemon=True, args=(self.engine, self.tokenizer_dir, self.options, child, self.cpu)
+        )
         self.proc.start()
         child.close()
         kind, payload = self.receive(time.monotonic() + READY_TIMEOUT_S)
@@ -342,8 +363,13 @@ class EngineProcess:
     def run_schema(self, path, timeout):
         """One schema file -> (row, instance results). Compile and tests each get `timeout` seconds."""
         self.ensure_started()
-        row = {"file": Path(path).name, "category": category(Path(path).name), "status": None, "error": None,
-               "test_status": None}
+        row = {
+            "file": Path(path).name,
+            "category": category(Path(path).name),
+            "status": None,
+            "error": None,
+            "test_status": None,
+        }
         instances = []
         self.conn.send(str(path))
         try:
@@ -384,6 +410,7 @@ def category(name: str) -> str:
 # Statistics and reporting.
 # ----------------------------------------------------------------------------------------------------------
 
+
 def percentile(sorted_values, q):
     """Linear interpolation between closest ranks (numpy's default), on an already sorted list."""
     if not sorted_values:
@@ -399,8 +426,14 @@ def describe(values):
     values = sorted(values)
     if not values:
         return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
-    return {"count": len(values), "mean": sum(values) / len(values), "p50": percentile(values, 50),
-            "p90": percentile(values, 90), "p99": percentile(values, 99), "max": values[-1]}
+    return {
+        "count": len(values),
+        "mean": sum(values) / len(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": values[-1],
+    }
 
 
 def summarise_schema(row, instances):
@@ -409,14 +442,19 @@ def summarise_schema(row, instances):
     invalid = [r for r in instances if not r["valid"]]
     masks_us = [ns / 1000 for r in valid for ns in clean_masks(r)]
     row.update(
-        valid_tried=len(valid), valid_accepted=sum(r["accepted"] for r in valid),
-        invalid_tried=len(invalid), invalid_accepted=sum(r["accepted"] for r in invalid),
-        masks=len(masks_us), mask_us_mean=sum(masks_us) / len(masks_us) if masks_us else None,
-        mask_us_max=max(masks_us, default=None), masks_preempted=sum(len(r["preempted"]) for r in valid),
+        valid_tried=len(valid),
+        valid_accepted=sum(r["accepted"] for r in valid),
+        invalid_tried=len(invalid),
+        invalid_accepted=sum(r["accepted"] for r in invalid),
+        masks=len(masks_us),
+        mask_us_mean=sum(masks_us) / len(masks_us) if masks_us else None,
+        mask_us_max=max(masks_us, default=None),
+        masks_preempted=sum(len(r["preempted"]) for r in valid),
         disagreements=sum(r["disagree"] for r in instances),
         not_round_trip=sum(not r["round_trip"] for r in instances),
-        wrongly_rejected=[{k: r[k] for k in ("index", "tokens", "reject_at", "reason")}
-                          for r in valid if not r["accepted"]],
+        wrongly_rejected=[
+            {k: r[k] for k in ("index", "tokens", "reject_at", "reason")} for r in valid if not r["accepted"]
+        ],
         wrongly_accepted=[r["index"] for r in invalid if r["accepted"]],
     )
     return row
@@ -443,9 +481,12 @@ def summarise_engine(rows, instances, starts, wall_s, busy=None):
             key = r["reason"].split(":")[0]
             reasons[key] = reasons.get(key, 0) + 1
     return {
-        "setup_s": starts[0]["setup_s"] if starts else None, "starts": len(starts), "wall_s": wall_s,
+        "setup_s": starts[0]["setup_s"] if starts else None,
+        "starts": len(starts),
+        "wall_s": wall_s,
         "machine_busy_pct": busy,
-        "schemas_tried": len(rows), "schemas_compiled": len(ok),
+        "schemas_tried": len(rows),
+        "schemas_compiled": len(ok),
         "unsupported": sum(r["status"] == "unsupported" for r in rows),
         "compile_timeouts": sum(r["status"] == "timeout" for r in rows),
         "crashes": sum(r["status"] == "crash" for r in rows),
@@ -455,14 +496,17 @@ def summarise_engine(rows, instances, starts, wall_s, busy=None):
         "compiles_preempted": sum(r["compile_preempted"] for r in ok),
         "build_ms": describe([r["build_ms"] for r in ok]),
         "compile_first_mask_ms": describe([r["first_mask_ms"] for r in ok]),
-        "valid_tried": len(valid), "valid_accepted": sum(r["accepted"] for r in valid),
+        "valid_tried": len(valid),
+        "valid_accepted": sum(r["accepted"] for r in valid),
         "valid_rejected_by_reason": reasons,
         "invalid_tried": sum(not r["valid"] for r in instances),
         "invalid_accepted": sum(r["accepted"] for r in instances if not r["valid"]),
         "disagreements": sum(r["disagree"] for r in instances),
         "not_round_trip": sum(not r["round_trip"] for r in instances),
         "masks_preempted": sum(len(r["preempted"]) for r in valid),
-        "mask_us_all": describe(first + later), "mask_us_first": describe(first), "mask_us_later": describe(later),
+        "mask_us_all": describe(first + later),
+        "mask_us_first": describe(first),
+        "mask_us_later": describe(later),
     }
 
 
@@ -485,8 +529,10 @@ def engine_table(name, version, s):
     add = lambda k, v: lines.append(f"| {k} | {v} |")
     add("tokenizer set-up (s)", fmt(s["setup_s"], 3))
     add("schemas compiled / tried", pct(s["schemas_compiled"], s["schemas_tried"]))
-    add("unsupported (error) / compile timeout / crash",
-        f"{s['unsupported']} / {s['compile_timeouts']} / {s['crashes']}")
+    add(
+        "unsupported (error) / compile timeout / crash",
+        f"{s['unsupported']} / {s['compile_timeouts']} / {s['crashes']}",
+    )
     add("schemas whose tests were cut short (timeout/crash)", s["test_phase_cut_short"])
     add("compile = time to first mask (ms): mean / p50 / p90 / p99 / max", stats_cells(s["compile_ms"], 2))
     add("  of which grammar + matcher (ms): mean / p50 / p90 / p99 / max", stats_cells(s["build_ms"], 2))
@@ -494,10 +540,15 @@ def engine_table(name, version, s):
     add("compile, process CPU time (ms): mean / p50 / p90 / p99 / max", stats_cells(s["compile_cpu_ms"], 2))
     add("compiles preempted by other processes (wall time inflated)", s["compiles_preempted"])
     add("valid values fully accepted / tried", pct(s["valid_accepted"], s["valid_tried"]))
-    add("valid values wrongly rejected (by where)",
+    add(
+        "valid values wrongly rejected (by where)",
         f"{s['valid_tried'] - s['valid_accepted']:,}"
-        + (" (" + ", ".join(f"{k}: {v}" for k, v in sorted(s["valid_rejected_by_reason"].items())) + ")"
-           if s["valid_rejected_by_reason"] else ""))
+        + (
+            " (" + ", ".join(f"{k}: {v}" for k, v in sorted(s["valid_rejected_by_reason"].items())) + ")"
+            if s["valid_rejected_by_reason"]
+            else ""
+        ),
+    )
     add("invalid values wrongly accepted / tried", pct(s["invalid_accepted"], s["invalid_tried"]))
     add("mask/consume disagreements", s["disagreements"])
     add("masks preempted by other processes (left out of mask times)", f"{s['masks_preempted']:,}")
@@ -513,23 +564,32 @@ def notable(results, top=5):
     lines = []
     for name, res in results.items():
         ok = sorted((r for r in res["rows"] if r["status"] == "ok"), key=lambda r: -r["compile_ms"])[:top]
-        lines.append(f"- {name}, slowest compiles: "
-                     + ", ".join(f"{r['file']} {r['compile_ms']:,.0f} ms" for r in ok))
+        lines.append(f"- {name}, slowest compiles: " + ", ".join(f"{r['file']} {r['compile_ms']:,.0f} ms" for r in ok))
         bad = [r for r in res["rows"] if r["status"] in ("timeout", "crash") or r["test_status"] not in (None, "ok")]
         for r in bad:
             lines.append(f"- {name}, {r['file']}: {r['status']} {r['error'] or ''} {r['test_status'] or ''}".rstrip())
     if len(results) == 2:
         (a, ra), (b, rb) = results.items()
         by_file = {r["file"]: r for r in rb["rows"]}
-        pairs = [(r, by_file[r["file"]]) for r in ra["rows"]
-                 if r["status"] == "ok" and by_file.get(r["file"], {}).get("status") == "ok"]
-        ratio = sorted(pairs, key=lambda p: -max(p[0]["compile_ms"] / p[1]["compile_ms"],
-                                                 p[1]["compile_ms"] / p[0]["compile_ms"]))[:top]
-        lines.append(f"- compile ratio extremes ({a} ms vs {b} ms): "
-                     + ", ".join(f"{x['file']} {x['compile_ms']:,.1f} vs {y['compile_ms']:,.1f}" for x, y in ratio))
-        only_a = [r["file"] for r in ra["rows"] if r["status"] == "ok" and by_file.get(r["file"], {}).get("status") != "ok"]
+        pairs = [
+            (r, by_file[r["file"]])
+            for r in ra["rows"]
+            if r["status"] == "ok" and by_file.get(r["file"], {}).get("status") == "ok"
+        ]
+        ratio = sorted(
+            pairs, key=lambda p: -max(p[0]["compile_ms"] / p[1]["compile_ms"], p[1]["compile_ms"] / p[0]["compile_ms"])
+        )[:top]
+        lines.append(
+            f"- compile ratio extremes ({a} ms vs {b} ms): "
+            + ", ".join(f"{x['file']} {x['compile_ms']:,.1f} vs {y['compile_ms']:,.1f}" for x, y in ratio)
+        )
+        only_a = [
+            r["file"] for r in ra["rows"] if r["status"] == "ok" and by_file.get(r["file"], {}).get("status") != "ok"
+        ]
         by_file_a = {r["file"]: r for r in ra["rows"]}
-        only_b = [r["file"] for r in rb["rows"] if r["status"] == "ok" and by_file_a.get(r["file"], {}).get("status") != "ok"]
+        only_b = [
+            r["file"] for r in rb["rows"] if r["status"] == "ok" and by_file_a.get(r["file"], {}).get("status") != "ok"
+        ]
         lines.append(f"- compiled only by {a}: {len(only_a)}; only by {b}: {len(only_b)}")
     return "\n".join(lines)
 
@@ -549,8 +609,10 @@ def common_subset(results):
 def comparison_table(subset):
     """Side by side, one column per engine, on the common subset."""
     names = list(subset)
-    lines = ["| metric (schemas compiled by every engine) | " + " | ".join(names) + " |",
-             "|---" * (len(names) + 1) + "|"]
+    lines = [
+        "| metric (schemas compiled by every engine) | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
     row = lambda label, cell: lines.append(f"| {label} | " + " | ".join(cell(subset[n]) for n in names) + " |")
     row("schemas", lambda s: fmt(s["schemas_tried"]))
     row("compile (ms): mean / p50 / p90 / p99 / max", lambda s: stats_cells(s["compile_ms"], 2))
@@ -599,6 +661,7 @@ def version(package):
 # Main.
 # ----------------------------------------------------------------------------------------------------------
 
+
 def sample_files(directory, n, seed):
     """A seeded random sample of the schema files, the same for every engine; sorted names for stable output."""
     files = sorted(p.name for p in Path(directory).glob("*.json"))
@@ -625,8 +688,12 @@ def run_engine(name, files, args, options, log):
         proc.close()
     wall_s = time.monotonic() - started
     busy = busy_pct(counters, cpu_counters())
-    return {"summary": summarise_engine(rows, all_instances, proc.starts, wall_s, busy), "rows": rows,
-            "starts": proc.starts, "instances": all_instances}
+    return {
+        "summary": summarise_engine(rows, all_instances, proc.starts, wall_s, busy),
+        "rows": rows,
+        "starts": proc.starts,
+        "instances": all_instances,
+    }
 
 
 def main():
@@ -635,11 +702,18 @@ def main():
     parser.add_argument("--schemas", required=True, help="MaskBench data directory (jsonschemabench/maskbench/data)")
     parser.add_argument("--sample", type=int, default=400, help="number of schema files (default 400)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--timeout", type=float, default=30.0,
-                        help="seconds allowed for one schema's compile, and again for its test values (default 30)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds allowed for one schema's compile, and again for its test values (default 30)",
+    )
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
-    parser.add_argument("--xgrammar-non-strict", action="store_true",
-                        help="compile_json_schema(strict_mode=False): allow properties/items the schema does not list")
+    parser.add_argument(
+        "--xgrammar-non-strict",
+        action="store_true",
+        help="compile_json_schema(strict_mode=False): allow properties/items the schema does not list",
+    )
     parser.add_argument("--json", help="write every per-schema row and the summaries here")
     args = parser.parse_args()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
@@ -653,12 +727,12 @@ def main():
         results[name] = run_engine(name, files, args, options, log)
 
     header = [
-        "## Grammar engines on MaskBench", "",
-        f"CPU: {cpu_model()} ({os.cpu_count()} logical cores; engine child pinned to one, single-threaded); "
-        f"Python {platform.python_version()}; tokenizer {args.tokenizer}; "
-        f"{len(files)} schema files sampled with seed {args.seed} from {args.schemas}; timeout {args.timeout:g} s. "
-        f"Options: llguidance JSON defaults; xgrammar any_whitespace=True, "
-        f"strict_mode={not args.xgrammar_non_strict}. Times: mean / p50 / p90 / p99 / max.",
+        "## Grammar engines on MaskBench",
+        "",
+        f"CPU: {cpu_model()} ({os.cpu_count()} logical cores; engine child pinned to one, single-threaded); Python "
+        f"{platform.python_version()}; tokenizer {args.tokenizer}; {len(files)} schema files sampled with seed "
+        f"{args.seed} from {args.schemas}; timeout {args.timeout:g} s. Options: llguidance JSON defaults; xgrammar "
+        f"any_whitespace=True, strict_mode={not args.xgrammar_non_strict}. Times: mean / p50 / p90 / p99 / max.",
     ]
     tables = [engine_table(name, versions[name], res["summary"]) for name, res in results.items()]
     subset = common_subset(results)
@@ -667,11 +741,18 @@ def main():
     text = "\n\n".join(["\n".join(header), *tables, "### Notable schemas\n\n" + notable(results)])
     print(text)
     if args.json:
-        payload = {"cpu": cpu_model(), "versions": versions, "sample": args.sample, "seed": args.seed,
-                   "timeout_s": args.timeout, "options": options, "files": files,
-                   "common_subset": subset,
-                   # per-value results (with every mask time) stay out: rows carry their per-schema figures
-                   "engines": {n: {k: v for k, v in res.items() if k != "instances"} for n, res in results.items()}}
+        payload = {
+            "cpu": cpu_model(),
+            "versions": versions,
+            "sample": args.sample,
+            "seed": args.seed,
+            "timeout_s": args.timeout,
+            "options": options,
+            "files": files,
+            "common_subset": subset,
+            # per-value results (with every mask time) stay out: rows carry their per-schema figures
+            "engines": {n: {k: v for k, v in res.items() if k != "instances"} for n, res in results.items()},
+        }
         Path(args.json).write_text(json.dumps(payload, indent=1))
         log(f"wrote {args.json}")
 

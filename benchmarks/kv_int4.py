@@ -57,7 +57,9 @@ def parse_variant(spec: str, residual: int) -> tuple[str, int]:
 def label(spec: str, model, residual: int) -> str:
     dtype, window = parse_variant(spec, residual)
     if dtype == "auto":
-        return f"{str(model.dtype).removeprefix('torch.').replace('bfloat16', 'bf16').replace('float32', 'fp32')} (auto)"
+        return (
+            f"{str(model.dtype).removeprefix('torch.').replace('bfloat16', 'bf16').replace('float32', 'fp32')} (auto)"
+        )
     if dtype == "fp8":
         return "fp8 e4m3 (a cast, no knob)"
     return f"int4, {window} full-precision tokens" if dtype == "int4" else dtype
@@ -70,31 +72,51 @@ def fp8_cache(model):
     return QuantizedKVCache([CastLayer(torch.float8_e4m3fn) for _ in range(layers)])
 
 
-def run(model_path: str, context: int, new: int, residual: int, variants: list[str], text_path: Path | None = None,
-        offset: int = 0, perplexity: bool = True) -> dict:
+def run(
+    model_path: str,
+    context: int,
+    new: int,
+    residual: int,
+    variants: list[str],
+    text_path: Path | None = None,
+    offset: int = 0,
+    perplexity: bool = True,
+) -> dict:
     figures: dict = {}
     text = (text_path or ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
     ppl_text = (ROOT / "tests" / "fixtures" / "perplexity.txt").read_text(encoding="utf-8")
     reference = None
     for spec in variants:
         dtype, window = parse_variant(spec, residual)
-        model = AutoModel.from_pretrained(model_path, kv_cache_dtype="auto" if dtype == "fp8" else dtype, kv_residual_tokens=window)
+        model = AutoModel.from_pretrained(
+            model_path, kv_cache_dtype="auto" if dtype == "fp8" else dtype, kv_residual_tokens=window
+        )
         if dtype == "fp8":
-            model.new_kv_cache = lambda model=model: fp8_cache(model)  # generate, the teacher-forced pass and perplexity take it
+            # generate, the teacher-forced pass and perplexity take it
+            model.new_kv_cache = lambda model=model: fp8_cache(model)
         try:
             tok = model.tokenizer
             ids = tok(text, return_tensors="pt").input_ids[:, offset : offset + context - new]
             assert ids.shape[1] == context - new, "the prompt text is too short for this context and offset"
             started = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True)
+            out = model.generate(
+                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True
+            )
             seconds = time.perf_counter() - started
-            tokens = out.sequences[0, ids.shape[1]:].tolist()
+            tokens = out.sequences[0, ids.shape[1] :].tolist()
             cache = getattr(out, "cache", None) or out.past_key_values
-            row = {"variant": spec, "kv_cache": label(spec, model, residual), "kv_bytes": cache_bytes(cache),
-                   "cache_tokens": cache.get_seq_length(), "generate_s": round(seconds, 1), "tokens": tokens}
+            row = {
+                "variant": spec,
+                "kv_cache": label(spec, model, residual),
+                "kv_bytes": cache_bytes(cache),
+                "cache_tokens": cache.get_seq_length(),
+                "generate_s": round(seconds, 1),
+                "tokens": tokens,
+            }
             if reference is None:
                 reference = tokens
-                row["teacher_forced_agreement"] = teacher_forced(model, ids, reference)  # its own tokens: one pass's rounding
+                # its own tokens: one pass's rounding
+                row["teacher_forced_agreement"] = teacher_forced(model, ids, reference)
             else:
                 same = [a == b for a, b in zip(tokens, reference)]
                 row["free_running_agreement"] = sum(same) / len(same)
@@ -110,7 +132,8 @@ def run(model_path: str, context: int, new: int, residual: int, variants: list[s
 
 
 def teacher_forced(model, prompt: torch.Tensor, reference: list[int]) -> float:
-    """Prompt + reference tokens in one pass through a fresh int4 cache: how often its argmax is the reference's next token."""
+    """Prompt + reference tokens in one pass through a fresh int4 cache: how often its argmax is the reference's next
+    token."""
     ids = torch.cat([prompt, torch.tensor([reference])], dim=1)
     with torch.inference_mode():
         logits = model(input_ids=ids, use_cache=True, **{generate_cache_kwarg(): model.new_kv_cache()}).logits[0]
@@ -137,8 +160,9 @@ def admitted(model_path: str, budgets: list[int], residual: int, variants: list[
             dtype, window = parse_variant(spec, residual)
             if dtype == "fp8":
                 continue
-            knobs = resolve_knobs(profile, facts, kwargs={"kv_cache_bytes": budget, "kv_cache_dtype": dtype,
-                                                          "kv_residual_tokens": window})
+            knobs = resolve_knobs(
+                profile, facts, kwargs={"kv_cache_bytes": budget, "kv_cache_dtype": dtype, "kv_residual_tokens": window}
+            )
             rows[budget][spec] = knobs.value("max_context")
     return {"max_positions": facts.max_positions, "rows": rows}
 
@@ -148,34 +172,59 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--residual", type=int, default=64, help="kv_residual_tokens of a plain `int4` (the knob's default is 64)")
+    ap.add_argument(
+        "--residual", type=int, default=64, help="kv_residual_tokens of a plain `int4` (the knob's default is 64)"
+    )
     ap.add_argument("--budget", nargs="*", default=["32MiB", "48MiB", "56MiB"])
     ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), help="the first is the reference")
     ap.add_argument("--text", type=Path, default=None, help="the prompt's text (default docs/ARCHITECTURE.md)")
-    ap.add_argument("--offset", type=int, default=0, help="the prompt starts at this token of the text: another prompt, same length")
-    ap.add_argument("--no-perplexity", dest="perplexity", action="store_false", help="skip the perplexity column (it does not depend on the prompt)")
+    ap.add_argument(
+        "--offset", type=int, default=0, help="the prompt starts at this token of the text: another prompt, same length"
+    )
+    ap.add_argument(
+        "--no-perplexity",
+        dest="perplexity",
+        action="store_false",
+        help="skip the perplexity column (it does not depend on the prompt)",
+    )
     args = ap.parse_args()
-    figures = run(args.model, args.context, args.new, args.residual, args.variants, args.text, args.offset, args.perplexity)
+    figures = run(
+        args.model, args.context, args.new, args.residual, args.variants, args.text, args.offset, args.perplexity
+    )
     budgets = admitted(args.model, [parse_bytes(b) for b in args.budget], args.residual, args.variants)
     ref = figures[args.variants[0]]
-    print(f"{Path(args.model).name} at {args.context} tokens of context ({args.context - args.new} prompt from token {args.offset} "
-          f"of {(args.text or Path('docs/ARCHITECTURE.md')).name} + {args.new} greedy)\n")
-    print("| KV cache | KV bytes at the end | × reference | free-running agreement (first difference) | teacher-forced agreement "
-          "| perplexity | Δ perplexity | max_context, " + " / ".join(format_bytes(b) for b in budgets["rows"]) + " of KV |")
+    print(
+        f"{Path(args.model).name} at {args.context} tokens of context ({args.context - args.new} prompt from token "
+        f"{args.offset} of {(args.text or Path('docs/ARCHITECTURE.md')).name} + {args.new} greedy)\n"
+    )
+    print(
+        "| KV cache | KV bytes at the end | × reference | free-running agreement (first difference) | teacher-forced "
+        "agreement | perplexity | Δ perplexity | max_context, "
+        + " / ".join(format_bytes(b) for b in budgets["rows"])
+        + " of KV |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for spec in args.variants:
         row = figures[spec]
-        contexts = " / ".join(str(budgets["rows"][b][spec]) for b in budgets["rows"]) if spec in next(iter(budgets["rows"].values())) else "n/a"
+        contexts = (
+            " / ".join(str(budgets["rows"][b][spec]) for b in budgets["rows"])
+            if spec in next(iter(budgets["rows"].values()))
+            else "n/a"
+        )
         ppl = f"{row['perplexity']:.4f}" if row["perplexity"] is not None else "-"
         if row is ref:
-            print(f"| {row['kv_cache']} | {format_bytes(row['kv_bytes'])} | 1.00 | reference | "
-                  f"{100 * row['teacher_forced_agreement']:.1f}% (its own tokens) | {ppl} | | {contexts} |")
+            print(
+                f"| {row['kv_cache']} | {format_bytes(row['kv_bytes'])} | 1.00 | reference | "
+                f"{100 * row['teacher_forced_agreement']:.1f}% (its own tokens) | {ppl} | | {contexts} |"
+            )
             continue
         first = "none" if row["first_difference"] is None else f"at {row['first_difference']}"
         delta = f"{100 * (row['perplexity'] / ref['perplexity'] - 1):+.2f}%" if row["perplexity"] is not None else "-"
-        print(f"| {row['kv_cache']} | {format_bytes(row['kv_bytes'])} | {row['kv_bytes'] / ref['kv_bytes']:.3f} | "
-              f"{100 * row['free_running_agreement']:.1f}% ({first}) | {100 * row['teacher_forced_agreement']:.1f}% | "
-              f"{ppl} | {delta} | {contexts} |")
+        print(
+            f"| {row['kv_cache']} | {format_bytes(row['kv_bytes'])} | {row['kv_bytes'] / ref['kv_bytes']:.3f} | "
+            f"{100 * row['free_running_agreement']:.1f}% ({first}) | {100 * row['teacher_forced_agreement']:.1f}% | "
+            f"{ppl} | {delta} | {contexts} |"
+        )
     print(f"\n(the model's own limit is {budgets['max_positions']} tokens)")
     for row in figures.values():
         row.pop("tokens")

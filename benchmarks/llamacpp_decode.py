@@ -35,7 +35,9 @@ def main() -> None:
 
         module.llama_cpp.llama_model_default_params = without_extra_buffers
     started = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=args.model, n_ctx=256, n_threads=args.threads, n_gpu_layers=0, verbose=False, use_mmap=True)
+    llm = llama_cpp.Llama(
+        model_path=args.model, n_ctx=256, n_threads=args.threads, n_gpu_layers=0, verbose=False, use_mmap=True
+    )
     load = time.perf_counter() - started
     prompt = (llm.tokenize(b"The capital of France is") * 4)[:16]
     started = time.perf_counter()
@@ -48,8 +50,11 @@ def main() -> None:
         llm.eval([token])
         times.append(time.perf_counter() - started)
     decode = sorted(times[1:])
-    print(f"llama.cpp: load {load:.2f} s, prefill of 16 tokens {prefill * 1e3:.0f} ms, decode median "
-          f"{decode[len(decode) // 2] * 1e3:.1f} ms/token (min {decode[0] * 1e3:.1f}, max {decode[-1] * 1e3:.1f}), {args.tokens} tokens")
+    print(
+        f"llama.cpp: load {load:.2f} s, prefill of 16 tokens {prefill * 1e3:.0f} ms, decode median "
+        f"{decode[len(decode) // 2] * 1e3:.1f} ms/token (min {decode[0] * 1e3:.1f}, max {decode[-1] * 1e3:.1f}), "
+        f"{args.tokens} tokens"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""lm-evaluation-harness against `rocketllm serve`: its `local-completions` backend (loglikelihood through /v1/completions
+"""lm-evaluation-harness against `rocketllm serve`: its `local-completions` backend (loglikelihood through
+/v1/completions
 with echo and logprobs, its remote tokenizer through /tokenizer_info and /tokenize) beside its own `hf` backend on the
 same weights, per choice of a multiple-choice task built from local data (benchmarks/lm_eval/facts.jsonl, 20 questions).
 
@@ -31,8 +32,14 @@ def run(model: str, model_args: str) -> tuple[list[list[float]], float]:
     here = os.getcwd()
     os.chdir(TASK_DIR)  # the task's data file is named relative to the working directory
     try:
-        result = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], task_manager=TaskManager(include_path=str(TASK_DIR)),
-                                         log_samples=True, batch_size=1)
+        result = lm_eval.simple_evaluate(
+            model=model,
+            model_args=model_args,
+            tasks=[TASK],
+            task_manager=TaskManager(include_path=str(TASK_DIR)),
+            log_samples=True,
+            batch_size=1,
+        )
     finally:
         os.chdir(here)
     samples = sorted(result["samples"][TASK], key=lambda s: s["doc_id"])
@@ -46,16 +53,21 @@ def main() -> None:
     parser.add_argument("--hf", required=True, help="the same weights as a transformers model directory")
     parser.add_argument("--dtype", default="float32", help="the hf backend's dtype (match the server's --dtype)")
     args = parser.parse_args()
-    served, served_acc = run("local-completions", f"model={args.model},base_url={args.base_url.rstrip('/')}/v1/completions,"
-                             "tokenizer_backend=remote,tokenized_requests=True,num_concurrent=1,max_retries=1")
+    served, served_acc = run(
+        "local-completions",
+        f"model={args.model},base_url={args.base_url.rstrip('/')}/v1/completions,"
+        "tokenizer_backend=remote,tokenized_requests=True,num_concurrent=1,max_retries=1",
+    )
     local, local_acc = run("hf", f"pretrained={args.hf},dtype={args.dtype},device=cpu")
     worst = max(abs(a - b) for s, h in zip(served, local) for a, b in zip(s, h))
     print("| question | choice | local-completions (rocketllm serve) | hf | difference |\n|---|---|---|---|---|")
     for q, (s, h) in enumerate(zip(served, local)):
         for c, (a, b) in enumerate(zip(s, h)):
             print(f"| {q} | {c} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
-    print(f"\nlargest difference {worst:.2e} nats over {sum(map(len, served))} choices; "
-          f"accuracy {served_acc:.3f} (local-completions) vs {local_acc:.3f} (hf); hf dtype {args.dtype}")
+    print(
+        f"\nlargest difference {worst:.2e} nats over {sum(map(len, served))} choices; "
+        f"accuracy {served_acc:.3f} (local-completions) vs {local_acc:.3f} (hf); hf dtype {args.dtype}"
+    )
 
 
 if __name__ == "__main__":

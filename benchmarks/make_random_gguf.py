@@ -1,6 +1,7 @@
 """A random-weight Llama GGUF of a given shape and block type, for runs larger than RAM.
 
-    python benchmarks/make_random_gguf.py OUT.gguf --like SmolLM2-135M-Instruct.Q4_1.gguf [--preset 2.5b] [--hidden 2560 ...]
+    python benchmarks/make_random_gguf.py OUT.gguf --like SmolLM2-135M-Instruct.Q4_1.gguf [--preset 2.5b] [--hidden 2560
+    ...]
 
 The tokenizer and every other metadata key come from the GGUF `--like` (its vocabulary sets the embedding's rows);
 blocks are random but well formed (fp16 scales sized for weights of about 0.02, random codes), written one tensor at
@@ -28,10 +29,26 @@ from rocketllm_cli.sizes import format_bytes
 from rocketllm_cli.synthetic.gguf import TYPES, write_llama_gguf
 
 PRESETS = {
-    "2.5b": {"hidden": 2560, "layers": 32, "intermediate": 6912, "heads": 32, "kv_heads": 8, "qtype": "Q4_0",
-             "embed_type": "Q4_0", "output_type": "Q4_0"},
-    "2.8b": {"hidden": 3072, "layers": 26, "intermediate": 8192, "heads": 24, "kv_heads": 8, "qtype": "Q4_0",
-             "embed_type": "Q8_0", "output_type": None},
+    "2.5b": {
+        "hidden": 2560,
+        "layers": 32,
+        "intermediate": 6912,
+        "heads": 32,
+        "kv_heads": 8,
+        "qtype": "Q4_0",
+        "embed_type": "Q4_0",
+        "output_type": "Q4_0",
+    },
+    "2.8b": {
+        "hidden": 3072,
+        "layers": 26,
+        "intermediate": 8192,
+        "heads": 24,
+        "kv_heads": 8,
+        "qtype": "Q4_0",
+        "embed_type": "Q8_0",
+        "output_type": None,
+    },
 }
 
 
@@ -44,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
     parser.add_argument("--qtype", choices=TYPES, help="the layers' weights")
     parser.add_argument("--embed-type", choices=TYPES)
-    parser.add_argument("--output-type", choices=(*TYPES, "tied"), help="a head of its own in this type, or tied to the embedding")
+    parser.add_argument(
+        "--output-type", choices=(*TYPES, "tied"), help="a head of its own in this type, or tied to the embedding"
+    )
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -54,7 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         if given is not None:
             shape[name] = None if given == "tied" else given
     path = write_llama_gguf(args.out, args.like, seed=args.seed, context=args.context, **shape)
-    print(f"{path}: {format_bytes(path.stat().st_size)} ({path.stat().st_size} bytes), {_parameters(path) / 1e9:.2f} B parameters")
+    print(
+        f"{path}: {format_bytes(path.stat().st_size)} ({path.stat().st_size} bytes), {_parameters(path) / 1e9:.2f} B "
+        f"parameters"
+    )
 
 
 def _parameters(path: Path) -> int:

@@ -96,9 +96,18 @@ def main() -> None:
 
     def record(what, variant, mode, th, cache, nbytes, seconds):
         wall, cpu = seconds
-        rows.append({"weights": what, "variant": variant, "mode": mode, "threads": th, "cache": cache,
-                     "gb_per_s": round(nbytes / wall / 1e9, 2), "us_per_call": round(wall * 1e6, 1),
-                     "gb_per_cpu_s": round(nbytes / cpu / 1e9, 2) if th == 1 else None})
+        rows.append(
+            {
+                "weights": what,
+                "variant": variant,
+                "mode": mode,
+                "threads": th,
+                "cache": cache,
+                "gb_per_s": round(nbytes / wall / 1e9, 2),
+                "us_per_call": round(wall * 1e6, 1),
+                "gb_per_cpu_s": round(nbytes / cpu / 1e9, 2) if th == 1 else None,
+            }
+        )
         print(f"{what} {variant} {mode} t{th} {cache}: {rows[-1]['gb_per_s']} GB/s", file=sys.stderr)
 
     for name in args.types.split(","):
@@ -110,8 +119,9 @@ def main() -> None:
                 kern = nk.with_isa(isa)
                 for mode in ("exact", "int8"):
                     for cache, n_copies in (("cold", copies), ("hot", 1)):
-                        seconds = best_seconds(lambda i: kern.matmul(ws[i], name, x, mode=mode, out=out, threads=th),
-                                               n_copies, args.repeat)
+                        seconds = best_seconds(
+                            lambda i: kern.matmul(ws[i], name, x, mode=mode, out=out, threads=th), n_copies, args.repeat
+                        )
                         record(name, isa, mode, th, cache, first.numel(), seconds)
             torch.set_num_threads(th)
             seconds = best_seconds(lambda i: F.linear(x, dequantize_blocks(ws[i], name)), copies, 2)
@@ -122,8 +132,15 @@ def main() -> None:
         for th in threads:
             torch.set_num_threads(th)
             seconds = best_seconds(lambda i: F.linear(xd, dense[i]), len(dense), args.repeat)
-            record(f"dense {str(dtype).removeprefix('torch.')}", "torch F.linear", "-", th, "cold",
-                   dense[0].numel() * dense[0].element_size(), seconds)
+            record(
+                f"dense {str(dtype).removeprefix('torch.')}",
+                "torch F.linear",
+                "-",
+                th,
+                "cold",
+                dense[0].numel() * dense[0].element_size(),
+                seconds,
+            )
     if args.json:
         print(json.dumps({"cpu": cpu_report(), "rows": rows}, indent=1))
         return
@@ -131,8 +148,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         cpu = "" if r["gb_per_cpu_s"] is None else r["gb_per_cpu_s"]
-        print(f"| {r['weights']} | {r['variant']} | {r['mode']} | {r['threads']} | {r['cache']} | {r['gb_per_s']} | "
-              f"{r['us_per_call']} | {cpu} |")
+        print(
+            f"| {r['weights']} | {r['variant']} | {r['mode']} | {r['threads']} | {r['cache']} | {r['gb_per_s']} | "
+            f"{r['us_per_call']} | {cpu} |"
+        )
 
 
 if __name__ == "__main__":

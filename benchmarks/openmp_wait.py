@@ -8,6 +8,7 @@ the thread count at the machine's cores (OMP_NUM_THREADS turns the following off
 earlier default GOMP_SPINCOUNT=1000 among them. Prints each run as it goes, then the Markdown table
 docs/HARDWARE.md shows ("OpenMP threads").
 """
+
 import json
 import os
 import subprocess
@@ -22,14 +23,33 @@ POLICIES = {
     f"GOMP_SPINCOUNT=1000, {CORES} threads": {"GOMP_SPINCOUNT": "1000", "OMP_NUM_THREADS": CORES},
     f"PASSIVE, {CORES} threads": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": CORES},
 }
-REGIMES = {"resident": ["--device-cache-bytes", "1TB"], "storage": ["--device-cache-bytes", "0", "--host-cache-bytes", "0"]}
+REGIMES = {
+    "resident": ["--device-cache-bytes", "1TB"],
+    "storage": ["--device-cache-bytes", "0", "--host-cache-bytes", "0"],
+}
+
+
 def run(env_extra, regime):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     env.update(env_extra)
-    cmd = [sys.executable, "-m", "rocketllm_cli", "generate", SHARDS, "The history of computing is", "--raw", "-n", "48", "--json", *REGIMES[regime]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rocketllm_cli",
+        "generate",
+        SHARDS,
+        "The history of computing is",
+        "--raw",
+        "-n",
+        "48",
+        "--json",
+        *REGIMES[regime],
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     doc = json.loads(out.stdout)
     return doc["stats"]["per_token_ms"]
+
+
 results = {}
 for load in ("idle", "busy"):
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load == "busy" else None
@@ -41,7 +61,8 @@ for load in ("idle", "busy"):
                     results.setdefault((load, regime, name), []).append(ms)
                     print(load, regime, name, ms, flush=True)
     finally:
-        if hog: hog.kill()
+        if hog:
+            hog.kill()
 print()
 print("| regime, machine | " + " | ".join(POLICIES) + " |")
 print("|---|" + "---|" * len(POLICIES))

@@ -32,7 +32,9 @@ from rocketllm_cli.packed import (
 
 # where the tests look for it too: $ROCKETLLM_TEST_GGUF, else ../shared/models/ beside the repository
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_GGUF = Path(os.environ.get("ROCKETLLM_TEST_GGUF") or Path(__file__).resolve().parents[2] / "shared" / "models" / GGUF_NAME)
+DEFAULT_GGUF = Path(
+    os.environ.get("ROCKETLLM_TEST_GGUF") or Path(__file__).resolve().parents[2] / "shared" / "models" / GGUF_NAME
+)
 # (label, GGUF tensor standing for W [N, K], K, N)
 SHAPES = (
     ("[1,576]x[576,1536] ffn_up", "blk.0.ffn_up.weight", 576, 1536),
@@ -73,10 +75,19 @@ def q6_k_like(n: int, k: int) -> object:
 
 
 COLUMNS = (
-    "bf16 F.linear", "fp32 F.linear", "int4 kernel bf16", "int4 kernel fp16", "int4 kernel fp32",
-    "int8 kernel bf16", "int8 kernel fp16", "int8 kernel fp32",
-    "int4 scratch+F.linear bf16", "stored-format scratch+F.linear bf16", "Q6_K raw scratch+F.linear bf16",
-    "int4 bind bf16 (once)", "int4 bind fp32 (once)",
+    "bf16 F.linear",
+    "fp32 F.linear",
+    "int4 kernel bf16",
+    "int4 kernel fp16",
+    "int4 kernel fp32",
+    "int8 kernel bf16",
+    "int8 kernel fp16",
+    "int8 kernel fp32",
+    "int4 scratch+F.linear bf16",
+    "stored-format scratch+F.linear bf16",
+    "Q6_K raw scratch+F.linear bf16",
+    "int4 bind bf16 (once)",
+    "int4 bind fp32 (once)",
 )
 
 
@@ -94,7 +105,11 @@ def row(weight: torch.Tensor, native, repeat: int, budget: float) -> dict:
         "fp32 F.linear": best_ms(lambda: F.linear(x32, weight), repeat, budget),
     }
     for kind, packed in (("int4", int4), ("int8", int8)):
-        for short, dtype, x in (("bf16", torch.bfloat16, x16), ("fp16", torch.float16, x32.half()), ("fp32", torch.float32, x32)):
+        for short, dtype, x in (
+            ("bf16", torch.bfloat16, x16),
+            ("fp16", torch.float16, x32.half()),
+            ("fp32", torch.float32, x32),
+        ):
             bound = bind(packed, "cpu", dtype) if caps.supports(kind, dtype) else None
             if bound is not None and bound.path == kind:
                 cells[f"{kind} kernel {short}"] = best_ms(lambda: linear(x, bound), repeat, budget)
@@ -127,9 +142,11 @@ def main() -> None:
 
         tensors = {t.name: t for t in GGUFReader(path).tensors}
     load = os.getloadavg()
-    print(f"# packed linear, ms per call, best of <= {args.repeat} | torch {torch.__version__}, "
-          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs | "
-          f"load before {load[0]:.2f} {load[1]:.2f} | kernels {capabilities('cpu')}")
+    print(
+        f"# packed linear, ms per call, best of <= {args.repeat} | torch {torch.__version__}, "
+        f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs | "
+        f"load before {load[0]:.2f} {load[1]:.2f} | kernels {capabilities('cpu')}"
+    )
     print("\n| shape (stored as; MiB bf16 / int4 g32 / int8 / stored) | " + " | ".join(COLUMNS) + " |")
     print("|---" * (len(COLUMNS) + 1) + "|")
     for label, name, k, n in SHAPES:

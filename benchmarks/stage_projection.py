@@ -1,4 +1,5 @@
-"""Project seconds per token for a model split over N hosts by the stage planner (distributed/plan.py), against one host.
+"""Project seconds per token for a model split over N hosts by the stage planner (distributed/plan.py), against one
+host.
 
     python benchmarks/stage_projection.py --model-size 70B --weight-bits 4 --ram 32GiB --hosts 1 2 4 8
 
@@ -37,20 +38,37 @@ def main() -> None:
     n = facts.num_layers
     layer = (facts.total_bytes - facts.non_layer_bytes) // n
     hidden_bytes = args.hidden * 2
-    print(f"model {args.model_size} at {args.weight_bits:g} bits: {format_bytes(facts.total_bytes)}, {n} layers; each host: "
-          f"{format_bytes(ram)} for weights, compute {compute / 1e9:.2f} GB/s, storage {storage / 1e9:.2f} GB/s "
-          f"(this machine's profile); hidden state {hidden_bytes} bytes\n")
+    print(
+        f"model {args.model_size} at {args.weight_bits:g} bits: {format_bytes(facts.total_bytes)}, {n} layers; each "
+        f"host: {format_bytes(ram)} for weights, compute {compute / 1e9:.2f} GB/s, storage {storage / 1e9:.2f} GB/s "
+        f"(this machine's profile); hidden state {hidden_bytes} bytes\n"
+    )
     print("| hosts | " + " | ".join(f"{name}: s/token (slowest stage)" for name in LINKS) + " |")
     print("|---|" + "---|" * len(LINKS))
     for hosts in args.hosts:
         cells = []
         for bps, latency in LINKS.values():
-            ranks = [RankFacts(r, f"host{r}", ram, 0, compute, host_bps, storage, "", latency if hosts > 1 else 0.0,
-                               bps if hosts > 1 else 0.0) for r in range(hosts)]
+            ranks = [
+                RankFacts(
+                    r,
+                    f"host{r}",
+                    ram,
+                    0,
+                    compute,
+                    host_bps,
+                    storage,
+                    "",
+                    latency if hosts > 1 else 0.0,
+                    bps if hosts > 1 else 0.0,
+                )
+                for r in range(hosts)
+            ]
             plan = plan_stages(ranks, [layer] * n, [layer] * n, facts.non_layer_bytes, 0, hidden_bytes)
             streamed = sum(t["storage"] for t in plan.stage_bytes)
-            cells.append(f"{plan.stream_seconds:.2f} ({plan.slowest_seconds:.2f}; {format_bytes(streamed)} from storage; "
-                         f"links {1000 * plan.link_seconds:.2f} ms)")
+            cells.append(
+                f"{plan.stream_seconds:.2f} ({plan.slowest_seconds:.2f}; {format_bytes(streamed)} from storage; links "
+                f"{1000 * plan.link_seconds:.2f} ms)"
+            )
         print(f"| {hosts} | " + " | ".join(cells) + " |")
 
 

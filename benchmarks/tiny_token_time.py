@@ -34,8 +34,14 @@ def per_token_ms(model, tokens: int, repeats: int) -> list[float]:
     for i in range(repeats + 1):
         started = time.perf_counter()
         with torch.inference_mode():
-            model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=tokens, min_new_tokens=tokens,
-                           do_sample=False, pad_token_id=3)
+            model.generate(
+                PROMPT,
+                attention_mask=torch.ones_like(PROMPT),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=3,
+            )
         if i:
             out.append((time.perf_counter() - started) * 1000 / tokens)
     return out
@@ -53,7 +59,10 @@ def main() -> None:
         for regime, budgets in REGIMES.items():
             with StreamingModel(directory, EngineConfig(prefetch_depth=0, **budgets), manifest) as model:
                 times = per_token_ms(model, args.tokens, args.repeats)
-            print(f"{regime:9s} median {statistics.median(times):6.2f} ms/token  (min {min(times):.2f}, max {max(times):.2f})")
+            print(
+                f"{regime:9s} median {statistics.median(times):6.2f} ms/token  (min {min(times):.2f}, max "
+                f"{max(times):.2f})"
+            )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = None,
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = None,
 ) -> None:
     """Run language models larger than memory by streaming them layer by layer.
 
@@ -74,8 +76,9 @@ def _register() -> None:
     for module in (doctor, profile, plan, shard, generate, serve, bench, ps, stop):
         # Commands with knob flags show each knob's value derived on this machine in their help.
         cls = KnobHelpCommand if getattr(module.run, "knob_options", False) else PlainCommand
-        app.command(name=module.NAME, help=module.HELP, no_args_is_help=getattr(module, "NO_ARGS_IS_HELP", False),
-                    cls=cls)(_guarded(module.run))
+        app.command(
+            name=module.NAME, help=module.HELP, no_args_is_help=getattr(module, "NO_ARGS_IS_HELP", False), cls=cls
+        )(_guarded(module.run))
     # A command of subcommands: a Typer app of its own, each subcommand guarded like a command.
     group = typer.Typer(cls=PlainGroup, name=cache.NAME, help=cache.HELP, no_args_is_help=True)
     for name, (run, text) in cache.SUBCOMMANDS.items():

@@ -15,7 +15,9 @@ if TYPE_CHECKING:  # torch and transformers load only once the model path has be
     from .stream.model import EngineConfig, StreamingModel
 
 
-def ensure_shards(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=None) -> tuple[Manifest, Path]:
+def ensure_shards(
+    model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=None
+) -> tuple[Manifest, Path]:
     """A complete shard set for MODEL: the directory itself if it is one, else shard it (or reuse)."""
     path = Path(str(model)).expanduser()
     if path.is_dir() and (path / MANIFEST).is_file():
@@ -35,20 +37,33 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
 
     # the same rule the KV knobs were sized with (max_context counts K and V in this dtype)
     blocks = manifest.packing == "blocks"
-    compute = engine_compute_dtype(str(knobs.value("compute_dtype")), knobs["compute_dtype"].overridden, manifest.dtype,
-                                   profile.compute_device, blocks)
+    compute = engine_compute_dtype(
+        str(knobs.value("compute_dtype")),
+        knobs["compute_dtype"].overridden,
+        manifest.dtype,
+        profile.compute_device,
+        blocks,
+    )
     # a GGUF's blocks compute in fp32 on a CPU by default: only its small float tensors convert, not worth a note
     if compute != manifest.dtype and not (blocks and not knobs["compute_dtype"].overridden):
-        notes.append(f"shards hold {manifest.dtype}, computing in {compute}: each streamed use converts (reshard with --dtype {compute} to avoid it)")
-    layouts = {t.packed.get("layout") for u in manifest.units for t in u.tensors if t.packed and t.packed.get("kind") == "int4"}
+        notes.append(
+            f"shards hold {manifest.dtype}, computing in {compute}: each streamed use converts (reshard with "
+            f"--dtype {compute} to avoid it)"
+        )
+    layouts = {
+        t.packed.get("layout") for u in manifest.units for t in u.tensors if t.packed and t.packed.get("kind") == "int4"
+    }
     if layouts and profile.compute_device == "cpu":
         from .packed.cpulayout import cpu_layout
 
         here = cpu_layout()
         if here is not None and layouts != {here}:
-            notes.append(f"int4 shards are in the {'/'.join(sorted(str(x) for x in layouts))} order another CPU's kernel reads, "
-                         f"this one reads {here}: each streamed use reorders them (to avoid it, run the source itself, or `rocketllm shard` it: "
-                         f"a set's name carries its int4 order, so this machine writes its own set beside this one)")
+            notes.append(
+                f"int4 shards are in the {'/'.join(sorted(str(x) for x in layouts))} order another CPU's kernel reads, "
+                f"this one reads {here}: each streamed use reorders them (to avoid it, run the source itself, or "
+                f"`rocketllm shard` it: a set's name carries its int4 order, so this machine writes its own set beside "
+                f"this one)"
+            )
     config = EngineConfig(
         device=profile.compute_device,
         compute_dtype=compute,
@@ -72,21 +87,25 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
 def _without_native_kernels(manifest: Manifest, profile) -> str:
     """One line where a set's GGUF blocks cannot run on the native kernels here (no compiler, a failed build): they
     compute through the exact torch decoder instead, an order of magnitude slower."""
-    if profile.compute_device != "cpu" or not any(t.packed and t.packed.get("kind") == "gguf" for u in manifest.units
-                                                  for t in u.tensors):
+    if profile.compute_device != "cpu" or not any(
+        t.packed and t.packed.get("kind") == "gguf" for u in manifest.units for t in u.tensors
+    ):
         return ""
     from .native import kernels, why_not
 
     if kernels() is not None:
         return ""
-    return (f"note: this model's GGUF blocks are decoded by torch for every product, about 10x slower than on the native "
-            f"kernels, which are not available: {why_not()}")
+    return (
+        f"note: this model's GGUF blocks are decoded by torch for every product, about 10x slower than on the native "
+        f"kernels, which are not available: {why_not()}"
+    )
 
 
 def _start_first_run_work(model, refresh: bool) -> None:
     """What a first run needs beside sharding, begun before it on the other cores: the native kernels' build (a GGUF's
     blocks compute on them) and the profile's measurement of the runtime's memory (an interpreter importing torch and
-    transformers). SmolLM2's first generate on a fresh cache spent 3.9 s and 3.3 s on them after its 6.4 s of sharding."""
+    transformers). SmolLM2's first generate on a fresh cache spent 3.9 s and 3.3 s on them after its 6.4 s of
+    sharding."""
     from .profiles import HardwareProfile
 
     if str(model).endswith(".gguf") or _is_blocks_set(Path(str(model)).expanduser()):
@@ -146,14 +165,23 @@ def _load_draft(target, knobs, progress, log):
         raise ParameterError("{speculate} draft needs a draft model: give {draft_model}", "speculate", "draft_model")
     if not path or mode != "draft":
         if path:
-            (log or (lambda m: None))(f"note: the draft model is not loaded: speculation is {mode} ({knobs['speculate'].formula})")
+            (log or (lambda m: None))(
+                f"note: the draft model is not loaded: speculation is {mode} ({knobs['speculate'].formula})"
+            )
         return None
     everything = 1 << 62  # device_cache_bytes covering any model: every unit bound once, nothing streams
     from .distributed.launch import alone
 
     with alone():  # under torchrun the draft is rank 0's own, whole and resident
-        draft = AutoModel.from_pretrained(path, progress=progress, log=log, device_cache_bytes=everything, host_cache_bytes=0,
-                                          speculate="off", compute_dtype=str(target.dtype).removeprefix("torch."))
+        draft = AutoModel.from_pretrained(
+            path,
+            progress=progress,
+            log=log,
+            device_cache_bytes=everything,
+            host_cache_bytes=0,
+            speculate="off",
+            compute_dtype=str(target.dtype).removeprefix("torch."),
+        )
     try:
         problem = _vocabulary_differs(target, draft)
     except BaseException:
@@ -186,8 +214,18 @@ class AutoModel:
     """`AutoModel.from_pretrained(path_or_id_or_gguf, **knob_overrides)` -> a StreamingModel."""
 
     @staticmethod
-    def from_pretrained(model: str | os.PathLike, *, out: Path | None = None, shard_dtype: str = "auto", flags: dict | None = None,
-                        refresh_profile: bool = False, progress=None, log=None, run_tokens=None, **knob_overrides) -> StreamingModel:
+    def from_pretrained(
+        model: str | os.PathLike,
+        *,
+        out: Path | None = None,
+        shard_dtype: str = "auto",
+        flags: dict | None = None,
+        refresh_profile: bool = False,
+        progress=None,
+        log=None,
+        run_tokens=None,
+        **knob_overrides,
+    ) -> StreamingModel:
         """Shard MODEL once (or reuse its shards) and open it streamed, every knob derived from this machine's profile.
 
         A memory budget that cannot run the model is refused before the model loads, and before sharding where a
@@ -195,15 +233,20 @@ class AutoModel:
 
         model: a Hugging Face model directory, a .gguf file, a hub id, or a shard directory (opened as it is).
         out: where to write the shards; default a directory under the cache named after the source and the dtype.
-        shard_dtype: the shards' dtype, bf16, fp16 or fp32; "auto" keeps the one most of the source's weights are stored in.
+        shard_dtype: the shards' dtype, bf16, fp16 or fp32; "auto" keeps the one most of the source's weights are stored
+        in.
         flags: knob values as a command line gave them (name -> text); a flag wins over a knob_overrides keyword.
         refresh_profile: measure this machine again instead of using its cached profile.
-        progress: a factory of context managers, progress(description, total), for the sharding progress (Output.progress).
-        log: called with one line per thing worth telling (sharding steps, shards converted on each use); default silent.
-        run_tokens: for a one-shot run, the most tokens of KV it holds (every row's prompt and new tokens, and a margin),
+        progress: a factory of context managers, progress(description, total), for the sharding progress
+        (Output.progress).
+        log: called with one line per thing worth telling (sharding steps, shards converted on each use); default
+        silent.
+        run_tokens: for a one-shot run, the most tokens of KV it holds (every row's prompt and new tokens, and a
+        margin),
             or a function of the set's tokenizer giving them: the KV cache is sized for those, not for any request, and
             the weights get what that frees (profiles/knobs resolve_knobs). None (a server, a session): any request.
-        knob_overrides: any knob by name (device_cache_bytes="4GiB", io_workers=2, ...); beats ROCKETLLM_<NAME> and the derivation.
+        knob_overrides: any knob by name (device_cache_bytes="4GiB", io_workers=2, ...); beats ROCKETLLM_<NAME> and the
+        derivation.
         """
         from .shard.source import check_locatable
 
@@ -230,8 +273,11 @@ class AutoModel:
         from .stream.model import StreamingModel
 
         tokenizer = load_tokenizer(directory)
-        # A status on a terminal when it is slow (measuring); off one silent as before, so a first run's error stays one line.
-        with (progress or no_progress)("measuring this machine once (cached afterwards)", after=BLINK_S, announce=False):
+        # A status on a terminal when it is slow (measuring); off one silent as before, so a first run's error stays one
+        # line.
+        with (progress or no_progress)(
+            "measuring this machine once (cached afterwards)", after=BLINK_S, announce=False
+        ):
             profile = HardwareProfile.load(storage_path=directory, refresh=refresh_profile)
         # The native kernels build (a compiler run, once per machine) before any weight is read, not beside them.
         slow = _without_native_kernels(manifest, profile)
@@ -251,15 +297,21 @@ class AutoModel:
             run_tokens = run_tokens(tokenizer) if tokenizer is not None else None
 
         def resolve(f):
-            return resolve_knobs(profile, f, flags=flags or {}, kwargs=knob_overrides, run_tokens=run_tokens, shape=shape)
+            return resolve_knobs(
+                profile, f, flags=flags or {}, kwargs=knob_overrides, run_tokens=run_tokens, shape=shape
+            )
 
         knobs = resolve(facts)
         # Streamed from storage: the read method and depth come from the set's own units read cold (once per set).
-        with (progress or no_progress)("measuring this set's reads once (cached afterwards)", after=BLINK_S, announce=False):
+        with (progress or no_progress)(
+            "measuring this set's reads once (cached afterwards)", after=BLINK_S, announce=False
+        ):
             facts, knobs = with_own_reads(profile, facts, directory, knobs, resolve, log, manifest=manifest)
         config, notes = engine_config(profile, knobs, manifest)
         resident = sum(u.tensor_bytes for u in manifest.units if u.kind in RESIDENT_KINDS)
-        check_floor(profile, memory_floor(profile, facts, knobs, run_tokens, shape, resident), knobs["reserve_bytes"].overridden)
+        check_floor(
+            profile, memory_floor(profile, facts, knobs, run_tokens, shape, resident), knobs["reserve_bytes"].overridden
+        )
         from .stream.store import LOAD_PROGRESS
 
         loading = LOAD_PROGRESS.set(progress)  # the store's resident load gets the same kind of bar as sharding
@@ -267,7 +319,9 @@ class AutoModel:
             if launch is not None:
                 from .distributed.stages import open_stages
 
-                streamed = open_stages(launch, directory, manifest, profile, knobs, facts, config, log, overrides=knob_overrides)
+                streamed = open_stages(
+                    launch, directory, manifest, profile, knobs, facts, config, log, overrides=knob_overrides
+                )
             else:
                 streamed = StreamingModel(directory, config, manifest, tokenizer)
         finally:
@@ -276,8 +330,10 @@ class AutoModel:
             from .sizes import format_bytes
 
             images = "" if streamed.processor is not None else f"; images refused: the model {streamed.processor_error}"
-            (log or (lambda m: None))(f"resident modules: vision tower {format_bytes(sum(u.tensor_bytes for u in manifest.vision))} "
-                                      f"({', '.join(u.module for u in manifest.vision)}){images}")
+            (log or (lambda m: None))(
+                f"resident modules: vision tower {format_bytes(sum(u.tensor_bytes for u in manifest.vision))} "
+                f"({', '.join(u.module for u in manifest.vision)}){images}"
+            )
         if any(tier != "device" for tier in streamed.plan.tier.values()):  # resident units convert once, at load
             for note in notes:
                 (log or (lambda m: None))(note)
@@ -300,7 +356,8 @@ class AutoModel:
 
 
 def run_later_stage(model, flags: dict | None) -> None:
-    """A rank other than 0 of `generate`, `serve` or `bench` under torchrun: for every model rank 0 loads, open this rank's
+    """A rank other than 0 of `generate`, `serve` or `bench` under torchrun: for every model rank 0 loads, open this
+    rank's
     share of MODEL with rank 0's knob keywords and run its layers until rank 0 closes it; return when rank 0 ends (its
     prompt, output and HTTP server are rank 0's alone)."""
     from .distributed.launch import launched

@@ -47,7 +47,6 @@ def unwritable(directory: Path) -> str | None:
     return None
 
 
-
 def read_json(path: Path) -> dict | None:
     """The stored document, or None when it is missing, unreadable, or of another cache format."""
     try:

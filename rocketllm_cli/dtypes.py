@@ -26,8 +26,12 @@ def int4_kv_value_bytes(head_dim: int) -> float:
 
 # Every other spelling seen in configs, GGUF/safetensors headers and flags.
 _SPELLINGS = {
-    **{n: n for n in NAMES}, **{v: k for k, v in _TORCH.items()}, **{v: k for k, v in SAFETENSORS.items()},
-    "half": "fp16", "float": "fp32", "bfloat": "bf16",
+    **{n: n for n in NAMES},
+    **{v: k for k, v in _TORCH.items()},
+    **{v: k for k, v in SAFETENSORS.items()},
+    "half": "fp16",
+    "float": "fp32",
+    "bfloat": "bf16",
 }
 
 

@@ -38,7 +38,8 @@ class KnobError(RocketError):
 
 
 class ImageError(RocketError):
-    """An image that cannot be used: it does not decode, its format or count is not accepted, or the model takes text only."""
+    """An image that cannot be used: it does not decode, its format or count is not accepted, or the model takes text
+    only."""
 
 
 class ParameterError(RocketError):
@@ -74,14 +75,19 @@ def describe(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         cache = _in_cache(exc.filename)
         if cache is not None:
-            return _one_line(f"cannot write {exc.filename} ({exc.strerror}): the cache directory {cache} is not writable; "
-                             "set ROCKETLLM_CACHE to a writable directory"), 1
+            return _one_line(
+                f"cannot write {exc.filename} ({exc.strerror}): the cache directory {cache} is not "
+                f"writable; "
+                "set ROCKETLLM_CACHE to a writable directory"
+            ), 1
     if isinstance(exc, PermissionError):
         return _one_line(f"permission denied: {exc.filename or exc}"), 1
     if isinstance(exc, OSError) and exc.errno == errno.EROFS:
         return _one_line(f"read-only file system: {exc.filename or exc}"), 1
     if isinstance(exc, OSError) and exc.errno == 28:
-        return _one_line(f"no space left on device: {exc.filename or ''} (free space, or shard with --out on another disk)"), 1
+        return _one_line(
+            f"no space left on device: {exc.filename or ''} (free space, or shard with --out on another disk)"
+        ), 1
     if isinstance(exc, ValueError):
         return _one_line(f"invalid value: {exc}"), 1
     return _one_line(f"internal error ({type(exc).__name__}: {exc}); rerun with ROCKETLLM_DEBUG=1 and report it"), 1

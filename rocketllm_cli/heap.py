@@ -41,5 +41,8 @@ def return_large_blocks() -> str:
     if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
         _done = "mallopt refused a fixed mmap threshold: the heap is left as it is"
         return _done
-    _done = f"blocks of {MMAP_THRESHOLD_BYTES >> 20} MiB and more are mapped and unmapped on their own (a fixed mmap threshold)"
+    _done = (
+        f"blocks of {MMAP_THRESHOLD_BYTES >> 20} MiB and more are mapped and unmapped on their own (a fixed mmap "
+        f"threshold)"
+    )
     return _done

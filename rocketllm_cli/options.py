@@ -1,4 +1,5 @@
-"""CLI options defined once: shared Annotated aliases, the knob flags every command can take, and how help shows them."""
+"""CLI options defined once: shared Annotated aliases, the knob flags every command can take, and how help shows
+them."""
 
 from __future__ import annotations
 
@@ -15,25 +16,52 @@ from .output import StdoutClosed, stdout_closed
 from .profiles.knobs.table import KNOB_SPECS
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of text.")]
-RefreshOpt = Annotated[bool, typer.Option("--refresh", help="Re-measure the hardware instead of using the cached profile.")]
+RefreshOpt = Annotated[
+    bool, typer.Option("--refresh", help="Re-measure the hardware instead of using the cached profile.")
+]
 ModelPathOpt = Annotated[
     Optional[Path],
     typer.Option("--model", help="Model or shard directory (or .gguf file); storage is measured where it lives."),
 ]
 
-ModelArg = Annotated[Optional[str], typer.Argument(help="Model directory, .gguf file, hub id, or shard directory (or give it as --model).", show_default=False)]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", metavar="MODEL", help="MODEL as an option, as llama-server and vLLM spell it; give it once, here or as the argument.", show_default=False)]
+ModelArg = Annotated[
+    Optional[str],
+    typer.Argument(
+        help="Model directory, .gguf file, hub id, or shard directory (or give it as --model).", show_default=False
+    ),
+]
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model",
+        metavar="MODEL",
+        help="MODEL as an option, as llama-server and vLLM spell it; give it once, here or as the argument.",
+        show_default=False,
+    ),
+]
 
 # Short enough for an 80-column panel title; the variables get the help's last paragraph (KNOB_ENV_HINT).
 KNOB_PANEL = "Knobs (derived from the measured hardware unless set)"
-KNOB_ENV_HINT = "Every knob can also be set as ROCKETLLM_<NAME> in the environment (e.g. ROCKETLLM_PREFETCH_DEPTH=2); a flag wins over the variable."
-_KNOB_METAVARS = {"bytes": "BYTES", "int": "INTEGER", "bool": "BOOLEAN", "choice": "CHOICE", "path": "PATH", "stages": "COUNTS"}  # the help lists the choices
+KNOB_ENV_HINT = (
+    "Every knob can also be set as ROCKETLLM_<NAME> in the environment (e.g. ROCKETLLM_PREFETCH_DEPTH=2); "
+    "a flag wins over the variable."
+)
+_KNOB_METAVARS = {
+    "bytes": "BYTES",
+    "int": "INTEGER",
+    "bool": "BOOLEAN",
+    "choice": "CHOICE",
+    "path": "PATH",
+    "stages": "COUNTS",
+}  # the help lists the choices
 
 
 def pick_model(positional: str | None, option: str | None, required: bool = True) -> str | None:
     """MODEL given once: as the argument, or as --model (the spelling llama-server and vLLM users type)."""
     if positional is not None and option is not None:
-        raise UsageError(f"MODEL given twice ({positional} and --model {option}); give it once, as the argument or as --model")
+        raise UsageError(
+            f"MODEL given twice ({positional} and --model {option}); give it once, as the argument or as --model"
+        )
     if required and positional is None and option is None:
         raise UsageError("no MODEL: give it as the first argument or as --model")
     return option if positional is None else positional
@@ -47,15 +75,30 @@ def with_knob_options(func):
     params = [p for p in sig.parameters.values() if p.name != "knob_flags"]
     for spec in KNOB_SPECS:
         # No square brackets: help is rich markup, which takes them for tags and drops them.
-        option = typer.Option(spec.flag, *spec.flags, help=f"{spec.help} Accepts {spec.accepted()}.", rich_help_panel=KNOB_PANEL,
-                              show_default=False, metavar=_KNOB_METAVARS[spec.kind])
+        option = typer.Option(
+            spec.flag,
+            *spec.flags,
+            help=f"{spec.help} Accepts {spec.accepted()}.",
+            rich_help_panel=KNOB_PANEL,
+            show_default=False,
+            metavar=_KNOB_METAVARS[spec.kind],
+        )
         params.append(
-            inspect.Parameter(f"knob_{spec.name}", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], option])
+            inspect.Parameter(
+                f"knob_{spec.name}",
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[Optional[str], option],
+            )
         )
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        flags = {spec.name: kwargs.pop(f"knob_{spec.name}") for spec in KNOB_SPECS if kwargs.get(f"knob_{spec.name}") is not None}
+        flags = {
+            spec.name: kwargs.pop(f"knob_{spec.name}")
+            for spec in KNOB_SPECS
+            if kwargs.get(f"knob_{spec.name}") is not None
+        }
         for spec in KNOB_SPECS:
             kwargs.pop(f"knob_{spec.name}", None)
         return func(*args, knob_flags=flags, **kwargs)
@@ -222,7 +265,9 @@ def derived_defaults() -> dict[str, str]:
         elif name == "prefix_cache":
             out[name] = "Default: auto, which turns it on only when every weight is resident"
         elif name == "speculate":
-            out[name] = "Default: auto, which turns it on only when layers stream (prompt lookup, or draft with --draft-model)"
+            out[name] = (
+                "Default: auto, which turns it on only when layers stream (prompt lookup, or draft with --draft-model)"
+            )
         elif name == "draft_model":
             out[name] = "Default: none"
         elif knob.value is None:
@@ -230,10 +275,15 @@ def derived_defaults() -> dict[str, str]:
         elif LIVE_INPUTS & set(getattr(knob, "inputs", {}) or {}):
             # from the memory free when the command starts: a figure that differs from one run to the next
             model = knob.note.startswith(("no model", "needs a model"))
-            out[name] = (f"Default: derived at start from the memory free then{', and from the model' if model else ''} "
-                         f"({knob.display()} now{', before a model' if model else ''})")
+            out[name] = (
+                f"Default: derived at start from the memory free then{', and from the model' if model else ''} "
+                f"({knob.display()} now{', before a model' if model else ''})"
+            )
         elif knob.note.startswith(("no model", "needs a model")):
-            out[name] = f"Default on this machine: {knob.display()} before the model's size is known (derived again for the model at start)"
+            out[name] = (
+                f"Default on this machine: {knob.display()} before the model's size is known (derived again "
+                f"for the model at start)"
+            )
         else:
             out[name] = f"Default on this machine: {knob.display()}"
     return out

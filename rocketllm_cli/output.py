@@ -10,11 +10,13 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 BLINK_S = 0.5  # a bar for a phase shorter than this would only flicker: phases that are usually quick wait this long
-ANNOUNCE_AFTER_S = 2.0  # off a terminal, a phase gets its one line only once it lasts this long (quick failures stay one line)
+# off a terminal, a phase gets its one line only once it lasts this long (quick failures stay one line)
+ANNOUNCE_AFTER_S = 2.0
 
 
 class StdoutClosed(Exception):
-    """Whoever read stdout went away (`| head -c 20`): the command stops and the CLI exits 0, quietly, as `yes | head` does."""
+    """Whoever read stdout went away (`| head -c 20`): the command stops and the CLI exits 0, quietly, as `yes | head`
+    does."""
 
 
 class Output:
@@ -49,8 +51,15 @@ class Output:
         write_stderr(f"warning: {message}")
 
     @contextmanager
-    def progress(self, description: str, total: int | None = None, *, units: int | None = None, after: float = 0.0,
-                 announce: bool = True) -> Iterator["Phase"]:
+    def progress(
+        self,
+        description: str,
+        total: int | None = None,
+        *,
+        units: int | None = None,
+        after: float = 0.0,
+        announce: bool = True,
+    ) -> Iterator["Phase"]:
         """One phase on stderr: `total` bytes (None: a phase without a measure, shown with its elapsed time), in
         `units` pieces if given; the caller advances it with phase.advance(nbytes, units=1).
 
@@ -141,7 +150,8 @@ def _same_terminal() -> bool:
 def _to_devnull(stream) -> None:
     try:
         fd = stream.fileno()
-    except (AttributeError, OSError, ValueError):  # not a file descriptor (a test's captured stream): nothing to flush later
+    # not a file descriptor (a test's captured stream): nothing to flush later
+    except (AttributeError, OSError, ValueError):
         return
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, fd)
@@ -216,7 +226,9 @@ def _after(seconds: float | None, action: Callable[[], None]) -> Iterator[None]:
 def _announcement(description: str, total: int | None, units: int | None) -> str:
     from .sizes import format_bytes
 
-    measure = ", ".join([*([f"{units} units"] if units is not None else []), *([format_bytes(total)] if total is not None else [])])
+    measure = ", ".join(
+        [*([f"{units} units"] if units is not None else []), *([format_bytes(total)] if total is not None else [])]
+    )
     return f"{description} ({measure})…" if measure else f"{description}…"
 
 
@@ -240,9 +252,17 @@ def _new_bars():
                     parts.append(f"{task.speed / 1e6:.{0 if task.speed >= 1e7 else 1}f} MB/s")
             return Text(" · ".join(parts))
 
-    # stdout stays stdout: a result written while a bar shows must not end up on stderr; a slow refresh costs a bench little
-    return Progress(TextColumn("{task.description}"), BarColumn(bar_width=24), Figures(), transient=True,
-                    console=Console(stderr=True), redirect_stdout=False, refresh_per_second=4)
+    # stdout stays stdout: a result written while a bar shows must not end up on stderr; a slow refresh costs a bench
+    # little
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=24),
+        Figures(),
+        transient=True,
+        console=Console(stderr=True),
+        redirect_stdout=False,
+        refresh_per_second=4,
+    )
 
 
 def _amounts(done: int, total: int) -> str:

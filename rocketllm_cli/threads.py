@@ -31,8 +31,10 @@ def wait_policy() -> str:
         if chosen:
             _decision = f"{', '.join(chosen)}, set by the user"
         else:
-            _decision = ("OpenMP's default spin after each parallel region (a decode step's hundreds of short kernels "
-                         "never wait for a sleeping thread); compute threads follow the free cores instead")
+            _decision = (
+                "OpenMP's default spin after each parallel region (a decode step's hundreds of short kernels "
+                "never wait for a sleeping thread); compute threads follow the free cores instead"
+            )
     return _decision
 
 
@@ -52,7 +54,9 @@ class ComputeThreads:
         self._set_threads, self._get_threads = set_threads, get_threads
         self.clock = clock
         self.enabled = "OMP_NUM_THREADS" not in os.environ and os.path.exists(os.path.join(proc, "stat"))
-        self.reason = "" if self.enabled else ("OMP_NUM_THREADS is set" if "OMP_NUM_THREADS" in os.environ else "no /proc/stat")
+        self.reason = (
+            "" if self.enabled else ("OMP_NUM_THREADS is set" if "OMP_NUM_THREADS" in os.environ else "no /proc/stat")
+        )
         self.most: int | None = None  # torch's default count, the most ever used
         self.current: int | None = None  # the compute threads the free cores allow now
         self.native_pass = False  # this pass is a decode on the native kernels: they get `current`, torch one thread
@@ -105,7 +109,8 @@ class ComputeThreads:
         ticks = os.sysconf("SC_CLK_TCK") * (now - last[0])
         others_all = max(0.0, (busy - last[1]) - (own - last[2])) / ticks
         available = _available_cpus(cpus)
-        self.others = max(0.0, others_all - (cpus - available))  # others fill the cores outside this process's set first
+        # others fill the cores outside this process's set first
+        self.others = max(0.0, others_all - (cpus - available))
         self.current = max(1, min(self.most, math.floor(available - self.others + 0.5)))
 
     def restore(self) -> None:
@@ -124,11 +129,15 @@ class ComputeThreads:
             return f"torch's own count ({self.reason})" if self.reason else "torch's own count"
         if self.others is None:
             now = f"{self._get()}, " if "torch" in sys.modules else ""
-            return (f"{now}torch's default until the cores other processes leave free are measured (every "
-                    f"{self.INTERVAL_S:g} s while a model runs)")
-        return (f"{self.current} of {self.most}: the cores other processes leave free ({self.others:.2f} cores used "
-                f"by others between the last two samples, {self.INTERVAL_S:g} s or more apart)"
-                + ("; a decode on the native kernels gives them these and torch one" if self.native_pass else ""))
+            return (
+                f"{now}torch's default until the cores other processes leave free are measured (every "
+                f"{self.INTERVAL_S:g} s while a model runs)"
+            )
+        return (
+            f"{self.current} of {self.most}: the cores other processes leave free ({self.others:.2f} cores used "
+            f"by others between the last two samples, {self.INTERVAL_S:g} s or more apart)"
+            + ("; a decode on the native kernels gives them these and torch one" if self.native_pass else "")
+        )
 
     def _read(self) -> tuple[int, int, int]:
         with open(os.path.join(self.proc, "stat")) as f:

@@ -1,4 +1,5 @@
-"""The GPU check: every tiny architecture on the accelerator, equal to plain transformers on it, with the defaults and in
+"""The GPU check: every tiny architecture on the accelerator, equal to plain transformers on it, with the defaults and
+in
 the host and storage regimes; the CLI on its defaults; serve answering one request; and a resident/host/storage bench of
 a 1B model beside plain transformers. It runs in minutes on a machine with a CUDA device and prints one Markdown report.
 
@@ -30,8 +31,11 @@ NEW_TOKENS = 8
 HUGE = 1 << 40
 STEPS = ("environment", "equality", "cli", "serve", "bench", "resident", "split")
 QUICK = ["environment", "equality", "cli"]
-REGIMES = {"resident": {"decode_graphs": "off"}, "host": {"device_cache_bytes": 0},
-           "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0}}
+REGIMES = {
+    "resident": {"decode_graphs": "off"},
+    "host": {"device_cache_bytes": 0},
+    "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0},
+}
 GRAPH_ARCHS = ("llama", "gemma3", "qwen3_moe")  # each compiles its decode step (seconds each): a sample of the families
 
 
@@ -80,15 +84,28 @@ def environment(report: Report, device: str) -> None:
     import torch
     import transformers
 
-    facts = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-             "cuda_available": torch.cuda.is_available(), "device": device}
+    facts = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "device": device,
+    }
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(0)
-        facts.update(gpu=props.name, capability=f"{props.major}.{props.minor}", vram_gib=round(props.total_memory / 2**30, 1),
-                     cuda=torch.version.cuda)
+        facts.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            vram_gib=round(props.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+        )
         try:
-            facts["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                             capture_output=True, text=True, timeout=30).stdout.strip()
+            facts["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError) as exc:
             facts["driver"] = f"unknown ({exc})"
     report.save("environment", facts)
@@ -143,7 +160,9 @@ def equality(report: Report, device: str, work: Path) -> None:
                 row[regime] = f"ERROR {type(exc).__name__}: {exc}"[:300]
                 row[f"{regime}_traceback"] = traceback.format_exc()[-2000:]
         rows.append(row)
-        shown = ["ok" if isinstance(row["transformers"], list) else row["transformers"]] + [row.get(r, "-") for r in columns]
+        shown = ["ok" if isinstance(row["transformers"], list) else row["transformers"]] + [
+            row.get(r, "-") for r in columns
+        ]
         table.append(f"| {arch} | " + " | ".join(shown) + " |")
     report.save("equality", rows)
     for line in table:
@@ -156,12 +175,16 @@ def equality(report: Report, device: str, work: Path) -> None:
 
 
 def _kl(reference: list, scores: list, expected, got) -> dict:
-    """KL(reference || scores) per step over the steps whose prefixes agree (up to and with the first differing token)."""
+    """KL(reference || scores) per step over the steps whose prefixes agree (up to and with the first differing
+    token)."""
     import torch
 
     steps = len(reference) if expected == got else next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b) + 1
     # tokens a processor masks (-inf in both: end-of-sequence under min_new_tokens) add nothing
-    values = [float(torch.where(r.isfinite(), r.exp() * (r - s), 0.0).sum()) for r, s in zip(reference[:steps], scores[:steps])]
+    values = [
+        float(torch.where(r.isfinite(), r.exp() * (r - s), 0.0).sum())
+        for r, s in zip(reference[:steps], scores[:steps])
+    ]
     return {"mean": sum(values) / max(1, len(values)), "max": max(values, default=0.0), "steps": len(values)}
 
 
@@ -183,7 +206,11 @@ def tiny(work: Path, arch: str) -> Path:
     from rocketllm_cli.synthetic import config_for, write_checkpoint
 
     dest = work / "tiny" / arch
-    return dest if (dest / "config.json").is_file() else write_checkpoint(config_for(arch), dest, dtype=torch.float32, seed=0)
+    return (
+        dest
+        if (dest / "config.json").is_file()
+        else write_checkpoint(config_for(arch), dest, dtype=torch.float32, seed=0)
+    )
 
 
 def _greedy(model, prompt, scores: list | None = None) -> list[int]:
@@ -192,23 +219,35 @@ def _greedy(model, prompt, scores: list | None = None) -> list[int]:
 
     extra = {"logits_processor": LogitsProcessorList([_Scores(scores)])} if scores is not None else {}
     with torch.inference_mode():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=3, **extra)
-    return out[0, prompt.shape[1]:].tolist()
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=3,
+            **extra,
+        )
+    return out[0, prompt.shape[1] :].tolist()
 
 
 def cli(report: Report, work: Path, env: dict) -> None:
     """The commands a user types first, on their defaults: doctor, and generate of a tiny model (it crashed once)."""
-    runs = {"doctor": ["doctor"],
-            "generate": ["generate", str(tiny(work, "llama")), "The capital of France is", "-n", "8", "--stats"],
-            "generate-moe": ["generate", str(tiny(work, "qwen3_moe")), "hello", "-n", "8", "--keep-alive", "0"]}
+    runs = {
+        "doctor": ["doctor"],
+        "generate": ["generate", str(tiny(work, "llama")), "The capital of France is", "-n", "8", "--stats"],
+        "generate-moe": ["generate", str(tiny(work, "qwen3_moe")), "hello", "-n", "8", "--keep-alive", "0"],
+    }
     results = {}
     for name, args in runs.items():
-        done = subprocess.run([sys.executable, "-m", "rocketllm_cli", *args], capture_output=True, text=True, env=env,
-                              timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "rocketllm_cli", *args], capture_output=True, text=True, env=env, timeout=300
+        )
         results[name] = {"rc": done.returncode, "stdout": done.stdout[-4000:], "stderr": done.stderr[-4000:]}
-        report.add(f"- `rocketllm {' '.join(args[:1])}` exit {done.returncode}"
-                   + ("" if done.returncode == 0 else f": {done.stderr.strip().splitlines()[-1:]}"))
+        report.add(
+            f"- `rocketllm {' '.join(args[:1])}` exit {done.returncode}"
+            + ("" if done.returncode == 0 else f": {done.stderr.strip().splitlines()[-1:]}")
+        )
     report.save("cli", results)
     (report.out / "doctor.md").write_text(results["doctor"]["stdout"])
     failed = [n for n, r in results.items() if r["rc"] != 0 or "Traceback" in r["stderr"]]
@@ -224,8 +263,13 @@ def serve(report: Report, work: Path, env: dict) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "rocketllm_cli", "serve", str(tiny(work, "llama")), "--port", str(port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "rocketllm_cli", "serve", str(tiny(work, "llama")), "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -237,11 +281,15 @@ def serve(report: Report, work: Path, env: dict) -> None:
                     raise AssertionError(f"serve exited {server.returncode}: {server.stdout.read()[-2000:]}") from None
                 time.sleep(0.5)
         body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
         answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
         report.save("serve", answer)
-        report.add(f"- chat completion: finish_reason {answer['choices'][0]['finish_reason']}, "
-                   f"{answer['usage']['completion_tokens']} tokens")
+        report.add(
+            f"- chat completion: finish_reason {answer['choices'][0]['finish_reason']}, "
+            f"{answer['usage']['completion_tokens']} tokens"
+        )
     finally:
         server.terminate()
         try:
@@ -251,13 +299,28 @@ def serve(report: Report, work: Path, env: dict) -> None:
 
 
 def bench(report: Report, env: dict, spec: str, tokens: int) -> None:
-    """bench of a synthetic model: resident (ours with the decode as CUDA graphs, beside plain transformers) and host with
+    """bench of a synthetic model: resident (ours with the decode as CUDA graphs, beside plain transformers) and host
+    with
     TOKENS tokens, storage with 4 (seconds each), each with its projection and limit."""
     docs = []
-    for regimes, count, extra in ((["resident", "host"], tokens, ["--baseline", "transformers", "--decode-graphs", "on"]),
-                                  (["storage"], 4, [])):
-        args = [sys.executable, "-m", "rocketllm_cli", "bench", "--synthetic", spec, "--regime", *regimes, *extra,
-                "--tokens", str(count), "--json"]
+    for regimes, count, extra in (
+        (["resident", "host"], tokens, ["--baseline", "transformers", "--decode-graphs", "on"]),
+        (["storage"], 4, []),
+    ):
+        args = [
+            sys.executable,
+            "-m",
+            "rocketllm_cli",
+            "bench",
+            "--synthetic",
+            spec,
+            "--regime",
+            *regimes,
+            *extra,
+            "--tokens",
+            str(count),
+            "--json",
+        ]
         done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=400)
         (report.out / f"bench-{regimes[0]}.stderr.txt").write_text(done.stderr[-20000:])
         if done.returncode != 0:
@@ -274,8 +337,10 @@ def _bench_rows(doc) -> list[str]:
     rows = ["| regime | engine | ms/token (median) | projected | limit | efficiency |", "|---|---|---|---|---|---|"]
     for row in doc.get("rows", []):
         ms = row.get("ms_per_token") or {}
-        rows.append(f"| {row.get('regime')} | {row.get('name', 'rocketllm')} | {ms.get('median', row.get('reason', ''))} | "
-                    f"{row.get('projected_ms', '')} | {row.get('limit_ms', '')} | {row.get('efficiency', '')} |")
+        rows.append(
+            f"| {row.get('regime')} | {row.get('name', 'rocketllm')} | {ms.get('median', row.get('reason', ''))} | "
+            f"{row.get('projected_ms', '')} | {row.get('limit_ms', '')} | {row.get('efficiency', '')} |"
+        )
     return rows
 
 
@@ -314,10 +379,12 @@ def profile_resident(report: Report, device: str, spec: str) -> None:
         graphed.close()
         eager.close()
     report.save("resident", figures)
-    report.add(f"- every unit resident, {tokens} tokens, the same loop, alternated (ms/token, two rounds): ours as CUDA graphs "
-               f"{figures['graphs']}, ours eager {figures['eager']}, plain transformers eager {figures['transformers']} "
-               f"({figures['dtype']}, {figures['bytes'] / 2**30:.2f} GiB of weights)"
-               + (f"; graphs failed: {figures['graphs_failed']}" if figures["graphs_failed"] else ""))
+    report.add(
+        f"- every unit resident, {tokens} tokens, the same loop, alternated (ms/token, two rounds): ours as CUDA "
+        f"graphs {figures['graphs']}, ours eager {figures['eager']}, plain transformers eager "
+        f"{figures['transformers']} ({figures['dtype']}, {figures['bytes'] / 2**30:.2f} GiB of weights)"
+        + (f"; graphs failed: {figures['graphs_failed']}" if figures["graphs_failed"] else "")
+    )
 
 
 def bench_split(report: Report, env: dict, spec: str, tokens: int) -> None:
@@ -326,8 +393,21 @@ def bench_split(report: Report, env: dict, spec: str, tokens: int) -> None:
     from rocketllm_cli.bench.sources import synthetic_checkpoint
 
     total = sum(f.stat().st_size for f in synthetic_checkpoint(spec).glob("*.safetensors"))
-    args = [sys.executable, "-m", "rocketllm_cli", "bench", "--synthetic", spec, "--regime", "auto", "--tokens", str(tokens),
-            "--device-cache-bytes", str(total // 2), "--json"]
+    args = [
+        sys.executable,
+        "-m",
+        "rocketllm_cli",
+        "bench",
+        "--synthetic",
+        spec,
+        "--regime",
+        "auto",
+        "--tokens",
+        str(tokens),
+        "--device-cache-bytes",
+        str(total // 2),
+        "--json",
+    ]
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     (report.out / "split.stderr.txt").write_text(done.stderr[-20000:])
     if done.returncode != 0:
@@ -355,18 +435,28 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     os.environ.setdefault("ROCKETLLM_CACHE", str(work / "cache"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    env = {**os.environ, "ROCKETLLM_KEEP_ALIVE": "0", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "ROCKETLLM_KEEP_ALIVE": "0",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     report.add("# rocketllm GPU check")
     steps = {
         "environment": ("environment", lambda: environment(report, device)),
-        "equality": ("equality with plain transformers (greedy, fp32 tiny checkpoints)", lambda: equality(report, device, work)),
+        "equality": (
+            "equality with plain transformers (greedy, fp32 tiny checkpoints)",
+            lambda: equality(report, device, work),
+        ),
         "cli": ("CLI defaults", lambda: cli(report, work, env)),
         "serve": ("serve", lambda: serve(report, work, env)),
         "bench": (f"bench {args.bench}", lambda: bench(report, env, args.bench, args.tokens)),
         "resident": ("resident decode profile", lambda: profile_resident(report, device, args.bench)),
-        "split": ("half the model on the device, the rest in host memory", lambda: bench_split(report, env, args.bench, args.tokens)),
+        "split": (
+            "half the model on the device, the rest in host memory",
+            lambda: bench_split(report, env, args.bench, args.tokens),
+        ),
     }
     chosen = args.steps or (QUICK if args.quick else list(steps))
     for name in chosen:

@@ -13,7 +13,8 @@ sharded, streamed with nothing resident and all resident, and compared with plai
 
     python tests/archsweep.py                      # every type, ARCHITECTURES.md written to docs/
     python tests/archsweep.py llama gemma3n_text   # some types, the table printed
-    python tests/archsweep.py --only dbrx xlstm    # re-run some types, their rows and the counts updated in the document
+    python tests/archsweep.py --only dbrx xlstm    # re-run some types, their rows and the counts updated in the
+    document
 """
 
 from __future__ import annotations
@@ -39,53 +40,169 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "ARCHITECTURES.md"
 
 # Size fields by name: shrunk to these wherever they are larger (or unset), in the config and every sub-config.
 _SIZES = {
-    64: ("hidden_size", "n_embd", "d_model", "embed_dim", "n_embed", "model_dim", "dim", "word_embed_proj_dim", "embedding_size",
-         "d_embed", "hidden_dim", "hidden_size_global", "adapter_in_dim", "adapter_out_dim", "adapter_input_size", "projection_dim", "text_hidden_size", "vision_hidden_size", "audio_hidden_size", "embedding_dim",
-         "emb_dim"),
-    128: ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim", "encoder_ffn_dim",
-          "dense_intermediate_size", "mlp_dim", "inner_hidden_size"),
-    32: ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size", "moe_ffn_hidden_size",
-         "expert_ffn_hidden_size",
-         "kv_lora_rank", "q_lora_rank", "moe_shared_expert_intermediate_size", "shared_intermediate_size"),
-    16: ("head_dim", "qk_nope_head_dim", "v_head_dim", "attention_head_dim", "kv_channels", "d_head", "linear_key_head_dim",
-         "linear_value_head_dim", "ssm_state_size", "state_size", "d_state", "mamba_d_state", "mamba_d_head", "time_step_rank",
-         "global_head_dim", "linear_head_dim", "swa_head_dim"),
+    64: (
+        "hidden_size",
+        "n_embd",
+        "d_model",
+        "embed_dim",
+        "n_embed",
+        "model_dim",
+        "dim",
+        "word_embed_proj_dim",
+        "embedding_size",
+        "d_embed",
+        "hidden_dim",
+        "hidden_size_global",
+        "adapter_in_dim",
+        "adapter_out_dim",
+        "adapter_input_size",
+        "projection_dim",
+        "text_hidden_size",
+        "vision_hidden_size",
+        "audio_hidden_size",
+        "embedding_dim",
+        "emb_dim",
+    ),
+    128: (
+        "intermediate_size",
+        "ffn_dim",
+        "n_inner",
+        "d_ff",
+        "ffn_hidden_size",
+        "decoder_ffn_dim",
+        "encoder_ffn_dim",
+        "dense_intermediate_size",
+        "mlp_dim",
+        "inner_hidden_size",
+    ),
+    32: (
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "expert_intermediate_size",
+        "moe_ffn_hidden_size",
+        "expert_ffn_hidden_size",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "moe_shared_expert_intermediate_size",
+        "shared_intermediate_size",
+    ),
+    16: (
+        "head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "attention_head_dim",
+        "kv_channels",
+        "d_head",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "ssm_state_size",
+        "state_size",
+        "d_state",
+        "mamba_d_state",
+        "mamba_d_head",
+        "time_step_rank",
+        "global_head_dim",
+        "linear_head_dim",
+        "swa_head_dim",
+    ),
     8: ("qk_rope_head_dim", "rope_head_dim", "rotary_dim"),
-    4: ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads", "encoder_attention_heads", "num_experts",
-        "num_local_experts", "n_routed_experts", "moe_num_experts", "linear_num_value_heads", "linear_num_heads", "mamba_n_heads"),
-    2: ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "num_experts_per_tok", "moe_topk", "top_k",
-        "num_experts_per_token", "moe_k", "zero_expert_num", "linear_num_key_heads", "n_group", "mamba_n_groups", "n_groups", "num_kv_shared_layers"),
-    1: ("n_shared_experts", "num_shared_experts", "num_expert_group", "topk_group", "first_k_dense_replace", "moe_layer_start_index"),
+    4: (
+        "num_attention_heads",
+        "n_head",
+        "num_heads",
+        "n_heads",
+        "decoder_attention_heads",
+        "encoder_attention_heads",
+        "num_experts",
+        "num_local_experts",
+        "n_routed_experts",
+        "moe_num_experts",
+        "linear_num_value_heads",
+        "linear_num_heads",
+        "mamba_n_heads",
+    ),
+    2: (
+        "num_key_value_heads",
+        "n_kv_heads",
+        "num_kv_heads",
+        "multi_query_group_num",
+        "num_experts_per_tok",
+        "moe_topk",
+        "top_k",
+        "num_experts_per_token",
+        "moe_k",
+        "zero_expert_num",
+        "linear_num_key_heads",
+        "n_group",
+        "mamba_n_groups",
+        "n_groups",
+        "num_kv_shared_layers",
+    ),
+    1: (
+        "n_shared_experts",
+        "num_shared_experts",
+        "num_expert_group",
+        "topk_group",
+        "first_k_dense_replace",
+        "moe_layer_start_index",
+    ),
     VOCAB: ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length"),
 }
 SHRINK = {name: size for size, names in _SIZES.items() for name in names}
 LAYERS = 4  # every layer count (decoder, encoder, hidden): they must agree where a model builds one cache for both
-_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_blocks", "decoder_layers", "num_decoder_layers", "encoder_layers",
-                 "num_encoder_layers")
+_LAYER_COUNTS = (
+    "num_hidden_layers",
+    "n_layer",
+    "n_layers",
+    "num_layers",
+    "num_blocks",
+    "decoder_layers",
+    "num_decoder_layers",
+    "encoder_layers",
+    "num_encoder_layers",
+)
 
 # Qwen4-Exp's indexed-attention layers need the token indexer's settings, which its default config leaves unset.
-_QSA = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8, "indexer_compress_ratio": 4}
+_QSA = {
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 8,
+    "indexer_compress_ratio": 4,
+}
 # dots3's sliding-window layers take their own attention sizes from swa_* arguments, which no config field shows:
 # as many KV heads as heads, and a head of nope + rope dimensions.
-_DOTS3 = {"num_key_value_heads": 4, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 32,
-          "swa_kv_lora_rank": 32, "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 16}
+_DOTS3 = {
+    "num_key_value_heads": 4,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 4,
+    "swa_q_lora_rank": 32,
+    "swa_kv_lora_rank": 32,
+    "swa_head_dim": 24,
+    "swa_qk_nope_head_dim": 16,
+    "swa_v_head_dim": 16,
+}
 # Only where the generic shrink leaves a config transformers refuses: model type -> config kwargs.
 OVERRIDES: dict[str, dict] = {
     "bamba": {"mamba_d_head": 32, "attn_layer_indices": [1, 3]},  # mamba heads x head size = expand x hidden
-    "granitemoehybrid": {"mamba_d_head": 32, "layer_types": ["linear_attention", "attention"] * (LAYERS // 2)},  # default: no attention
+    # default: no attention
+    "granitemoehybrid": {"mamba_d_head": 32, "layer_types": ["linear_attention", "attention"] * (LAYERS // 2)},
     "mamba2": {"head_dim": 32},
     # Rotary settings per layer type, as its checkpoints' configs give them (the default's one setting is not read).
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 50000.0}}},
-    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8}},  # read there unconditionally; DBRX's config.json sets both
-    "dots3_note": {"text_config": _DOTS3, "vision_config": {"mlp_layer_types": ["dense", "sparse"] * (LAYERS // 2)}},  # else 42 layers' pyramid
+    # read there unconditionally; DBRX's config.json sets both
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8}},
+    # else 42 layers' pyramid
+    "dots3_note": {"text_config": _DOTS3, "vision_config": {"mlp_layer_types": ["dense", "sparse"] * (LAYERS // 2)}},
     "dots3_note_text": _DOTS3,
     # One codebook, so a prompt is one row of ids; generation starts from a token of its own, as MusicGen's config sets.
     "musicgen": {"decoder": {"num_codebooks": 1, "decoder_start_token_id": VOCAB - 2}},
     "musicgen_melody": {"decoder": {"num_codebooks": 1, "decoder_start_token_id": VOCAB - 2}},
     "gpt_neo": {"attention_types": [[["global", "local"], LAYERS // 2]]},  # one entry per layer
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
-    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
-                                         "num_kv_shared_layers": 0}},  # 0: the config shares every layer, as it must
+    "gemma4_assistant": {
+        "text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "num_kv_shared_layers": 0}
+    },  # 0: the config shares every layer, as it must
     "gemma4_unified_assistant": {"text_config": {"num_kv_shared_layers": 0}},  # 0: the config shares every layer
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "qwen4_exp": {"text_config": _QSA},
@@ -93,7 +210,8 @@ OVERRIDES: dict[str, dict] = {
     "reformer": {"is_decoder": True, "axial_pos_shape": [16, 32], "axial_pos_embds_dim": [32, 32]},
     "xlstm": {"qk_dim_factor": 1.0},  # the cache rounds hidden x factor up to a multiple of 64, the projections do not
     "xmod": {"default_language": "en_XX"},
-    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"]},  # a shared block used twice
+    # a shared block used twice
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"]},
 }
 
 
@@ -101,13 +219,13 @@ OVERRIDES: dict[str, dict] = {
 # Each was checked with a config consistent by the model's own rules (see OVERRIDES).
 CANNOT_RUN = {
     "blt": "generate builds its cache from BltConfig, which has no num_hidden_layers (the layer counts live in its "
-           "patcher, encoder, decoder and global sub-configs), with the default config too",
-    "gemma3n": "its vision tower is a TimmWrapperModel, which needs the timm and Pillow packages (absent where this record was made); "
-               "gemma3n_text, the same text model, streams equal",
+    "patcher, encoder, decoder and global sub-configs), with the default config too",
+    "gemma3n": "its vision tower is a TimmWrapperModel, which needs the timm and Pillow packages (absent where this "
+    "record was made); gemma3n_text, the same text model, streams equal",
     "gemma4_assistant": "a speculative-decoding drafter: its forward needs the target model's embeddings and shared KV "
-                        "states, so it does not run as a causal LM of its own",
+    "states, so it does not run as a causal LM of its own",
     "gemma4_unified_assistant": "a speculative-decoding drafter: its forward needs the target model's embeddings and "
-                                "shared KV states, so it does not run as a causal LM of its own",
+    "shared KV states, so it does not run as a causal LM of its own",
 }
 
 
@@ -133,7 +251,8 @@ def sample(types: list[str], day: int, size: int = 8) -> list[str]:
 
 
 def tiny_configs(model_type: str) -> list:
-    """Tiny configs of MODEL_TYPE, every size field shrunk (sub-configs too), then OVERRIDES; token ids inside the vocab.
+    """Tiny configs of MODEL_TYPE, every size field shrunk (sub-configs too), then OVERRIDES; token ids inside the
+    vocab.
 
     Per-layer settings (layer types, sparsity per layer, indices of the attention layers ...) come three ways, tried
     in turn by the sweep until plain transformers runs one: derived by the config from the layer count; the first
@@ -218,7 +337,9 @@ def _shrunk(config, full: bool, picks: str | None) -> dict:
             out[key] = SHRINK["qk_rope_head_dim"]  # attention with a latent KV (DeepSeek): rotary over the rope part
         elif key == "num_key_value_heads" and "kv_lora_rank" in values and value is not None:
             out[key] = SHRINK["num_attention_heads"]  # latent-KV attention has one KV head per head
-        elif key in SHRINK and (value is None or (isinstance(value, int) and not isinstance(value, bool) and value > SHRINK[key])):
+        elif key in SHRINK and (
+            value is None or (isinstance(value, int) and not isinstance(value, bool) and value > SHRINK[key])
+        ):
             out[key] = SHRINK[key]
         elif "vocab_size" in key and isinstance(value, int) and value > VOCAB:
             out[key] = VOCAB
@@ -230,8 +351,11 @@ def _shrunk(config, full: bool, picks: str | None) -> dict:
                 out[key] = cut
             elif full:
                 out[key] = value
-        elif full and layers and isinstance(value, (list, dict)) and value and _per_layer(value, layers, [0]) is not None:
-            del out[key]  # a sub-config's per-layer settings, left to it (as its own defaults are) rather than kept too long
+        elif (
+            full and layers and isinstance(value, (list, dict)) and value and _per_layer(value, layers, [0]) is not None
+        ):
+            # a sub-config's per-layer settings, left to it (as its own defaults are) rather than kept too long
+            del out[key]
         elif full:
             out[key] = value
     return out
@@ -299,7 +423,9 @@ def _run(model_type: str, workdir: Path) -> tuple[str, str]:
             head = plain.get_output_embeddings()
             head = head[0] if isinstance(head, torch.nn.ModuleList) else head  # one head per codebook (MusicGen)
             vocab = head.weight.shape[0] if head is not None else VOCAB
-            prompt = torch.randint(3, min(vocab, VOCAB) - 16, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(1))
+            prompt = torch.randint(
+                3, min(vocab, VOCAB) - 16, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(1)
+            )
             expected_logits, expected = _outputs(plain, prompt)
             stage = 2
             plain.save_pretrained(workdir / "source")
@@ -309,16 +435,23 @@ def _run(model_type: str, workdir: Path) -> tuple[str, str]:
     else:  # the reason given: the config that got furthest, a missing package first, else the earliest tried
         return "cannot run", _short(max(failures, key=lambda f: f[:3])[3])
     del plain
-    runs = {"nothing resident": {"device_cache_bytes": 0, "host_cache_bytes": 0}, "resident": {"device_cache_bytes": 1 << 40}}
+    runs = {
+        "nothing resident": {"device_cache_bytes": 0, "host_cache_bytes": 0},
+        "resident": {"device_cache_bytes": 1 << 40},
+    }
     try:
         manifest, directory, _ = shard(workdir / "source", out=workdir / "shards", log=lambda m: None)
         for name, budgets in runs.items():
             with StreamingModel(directory, EngineConfig(**budgets), manifest) as model:
                 logits, tokens = _outputs(model, prompt)
             if not torch.equal(tokens, expected):
-                return "differs", f"{name}: tokens {tokens[0, PROMPT_LENGTH:].tolist()} != {expected[0, PROMPT_LENGTH:].tolist()}"
+                return "differs", (
+                    f"{name}: tokens {tokens[0, PROMPT_LENGTH:].tolist()} != {expected[0, PROMPT_LENGTH:].tolist()}"
+                )
             if not torch.allclose(logits, expected_logits, rtol=1e-4, atol=1e-5):
-                return "differs", f"{name}: prompt logits differ by up to {float((logits - expected_logits).abs().max()):.3g}"
+                return "differs", (
+                    f"{name}: prompt logits differ by up to {float((logits - expected_logits).abs().max()):.3g}"
+                )
     except RocketError as exc:
         return "refused", " ".join(str(exc).split())
     return "equal", ""
@@ -330,8 +463,16 @@ def _outputs(model, prompt):
     mask = torch.ones_like(prompt)
     with torch.inference_mode():
         logits = model(input_ids=prompt, attention_mask=mask).logits[0, -1].float()
-        tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                pad_token_id=0, num_return_sequences=1)  # the default, which MusicGen's own generate needs said
+        tokens = model.generate(
+            prompt,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            # the default, which MusicGen's own generate needs said
+            pad_token_id=0,
+            num_return_sequences=1,
+        )
     return logits, tokens
 
 
@@ -368,19 +509,22 @@ def sweep(types: list[str], seconds: int = TYPE_SECONDS, log=print) -> list[Resu
     return results
 
 
-def markdown(results: list[Result], transformers_version: str, torch_version: str, seconds: float, rerun: list[str] = ()) -> str:
+def markdown(
+    results: list[Result], transformers_version: str, torch_version: str, seconds: float, rerun: list[str] = ()
+) -> str:
     counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
     runnable = len(results) - counts["cannot run"]
     share = f"{100 * counts['equal'] / runnable:.0f}%" if runnable else "n/a"
     lines = [
         "# Architectures",
         "",
-        f"Every model type in the causal-LM mapping of transformers {transformers_version} (torch {torch_version}), as a tiny "
+        f"Every model type in the causal-LM mapping of transformers {transformers_version} (torch {torch_version}), as "
+        f"a tiny "
         "random model streamed by RocketLLM with nothing resident and all resident, compared with plain transformers "
         "token for token. Written by `tests/archsweep.py`; `pytest -m archsweep` runs the same sweep as tests.",
         "",
-        f"**{len(results)} model types: " + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES) + f"** — {share} of the {runnable} "
-        f"that plain transformers runs on CPU stream equal. Sweep wall time: {seconds / 60:.0f} min"
+        f"**{len(results)} model types: " + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES) + f"** — {share} of the "
+        f"{runnable} that plain transformers runs on CPU stream equal. Sweep wall time: {seconds / 60:.0f} min"
         + (f"; {len(rerun)} types re-run since with `--only`: {', '.join(f'`{t}`' for t in rerun)}." if rerun else "."),
         "",
     ]
@@ -404,8 +548,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=int, default=TYPE_SECONDS, help="limit per type")
     parser.add_argument("--out", type=Path, default=DOC, help="where the document goes")
-    parser.add_argument("--only", nargs="+", metavar="TYPE", help="re-run these types and update their rows (and the counts) "
-                                                                 "in the document --out holds")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="TYPE",
+        help="re-run these types and update their rows (and the counts) in the document --out holds",
+    )
     args = parser.parse_args(argv)
     if args.one:
         import torch
@@ -435,14 +583,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 _ROW = re.compile(r"^\| `(?P<type>[^`]+)` \| (?P<outcome>[a-z ]+) \| (?P<detail>.*) \|$")
-_WALL = re.compile(r"Sweep wall time: (?P<minutes>\d+) min(?:; \d+ types re-run since with `--only`: (?P<rerun>[^.]*))?")
+_WALL = re.compile(
+    r"Sweep wall time: (?P<minutes>\d+) min(?:; \d+ types re-run since with `--only`: (?P<rerun>[^.]*))?"
+)
 
 
 def read_document(path: Path) -> tuple[dict[str, Result], float, list[str]]:
     """The rows of a document markdown() wrote, its sweep's wall time in seconds and the types re-run since."""
     text = path.read_text()
-    rows = {m["type"]: Result(m["type"], m["outcome"], m["detail"].strip())
-            for m in map(_ROW.match, text.splitlines()) if m and m["outcome"] in OUTCOMES}
+    rows = {
+        m["type"]: Result(m["type"], m["outcome"], m["detail"].strip())
+        for m in map(_ROW.match, text.splitlines())
+        if m and m["outcome"] in OUTCOMES
+    }
     wall = _WALL.search(text)
     rerun = re.findall(r"`([^`]+)`", wall["rerun"]) if wall and wall["rerun"] else []
     return rows, 60.0 * float(wall["minutes"]) if wall else 0.0, rerun

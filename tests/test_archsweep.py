@@ -55,12 +55,20 @@ def test_sample_rotates_through_every_type():
 
 def test_only_reruns_some_types_and_updates_their_rows_and_the_counts(tmp_path, monkeypatch):
     doc = tmp_path / "ARCHITECTURES.md"
-    before = [Result("dbrx", "cannot run", "AttributeError: no rope_theta"), Result("gpt2", "equal"), Result("llama", "equal")]
+    before = [
+        Result("dbrx", "cannot run", "AttributeError: no rope_theta"),
+        Result("gpt2", "equal"),
+        Result("llama", "equal"),
+    ]
     doc.write_text(markdown(before, "5.0", "2.0", 1860.0))
     monkeypatch.setattr(archsweep, "sweep", lambda types, seconds: [Result(t, "equal", "", 1.0) for t in types])
     archsweep.main(["--only", "dbrx", "--out", str(doc)])
     rows, seconds, rerun = read_document(doc)
-    assert [(r.model_type, r.outcome) for r in rows.values()] == [("dbrx", "equal"), ("gpt2", "equal"), ("llama", "equal")]
+    assert [(r.model_type, r.outcome) for r in rows.values()] == [
+        ("dbrx", "equal"),
+        ("gpt2", "equal"),
+        ("llama", "equal"),
+    ]
     assert seconds == 1860.0 and rerun == ["dbrx"]
     assert "**3 model types: 3 equal, 0 refused, 0 cannot run, 0 differs, 0 error**" in doc.read_text()
     with pytest.raises(SystemExit, match="no_such_type"):
@@ -86,5 +94,8 @@ def test_a_config_from_a_later_transformers_names_the_version_to_install(case, t
 @pytest.mark.compat
 def test_an_unknown_model_type_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model_type"}))
-    with pytest.raises(ModelError, match=r"^unsupported architecture 'no_such_model_type': transformers \S+ does not know"):
+    with pytest.raises(
+        ModelError,
+        match=r"^unsupported architecture 'no_such_model_type': transformers \S+ does not know",
+    ):
         _load_config(tmp_path)

@@ -36,7 +36,8 @@ def test_each_turn_reuses_the_earlier_turns_and_gives_the_same_reply(doc):
         assert [t["turn"] for t in turns] == [1, 2, 3]
         assert turns[0]["reused_tokens"] == 0
         for before, after in zip(turns, turns[1:]):
-            assert after["prompt_tokens"] > before["prompt_tokens"] + before["reply_tokens"] - 2  # reply and a new message added
+            # reply and a new message added
+            assert after["prompt_tokens"] > before["prompt_tokens"] + before["reply_tokens"] - 2
             assert after["reused_tokens"] > before["reused_tokens"] and after["reused_tokens"] % 16 == 0
             assert after["reused_tokens"] <= before["prompt_tokens"] + before["reply_tokens"]
         for t in turns:
@@ -53,7 +54,10 @@ def test_the_table_has_a_row_per_turn(doc):
 
     lines = render_conversation(doc).splitlines()
     assert lines[0].startswith("**Hardware:** ")
-    header = lines.index("| regime | turn | prompt tokens | reused tokens (on) | prefill ms, reuse off | prefill ms, reuse on | speed-up | same reply |")
+    header = lines.index(
+        "| regime | turn | prompt tokens | reused tokens (on) | prefill ms, reuse off | prefill ms, "
+        "reuse on | speed-up | same reply |"
+    )
     rows = [line for line in lines[header + 2 :] if line.startswith("| ")]
     assert len(rows) == 6 and rows[0].startswith("| resident | 1 | ") and rows[-1].endswith("| yes |")
     assert lines[-2].startswith("- resident: computing in float32; residency: ")
@@ -61,10 +65,19 @@ def test_the_table_has_a_row_per_turn(doc):
     assert render_conversation(doc).splitlines()[header + 4].endswith("| no, from token 5 |")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--conversation", "0"], "error: --conversation must be between 1 and 20 turns (got 0)"),
-    (["--conversation", "2", "--baseline", "transformers"], "error: --conversation measures RocketLLM alone: drop --baseline and --batch"),
-    (["--conversation", "2", "--regime", "fast"], "error: bad --regime 'fast': expected resident, host, storage, auto, expert-cache or all"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--conversation", "0"], "error: --conversation must be between 1 and 20 turns (got 0)"),
+        (
+            ["--conversation", "2", "--baseline", "transformers"],
+            "error: --conversation measures RocketLLM alone: drop --baseline and --batch",
+        ),
+        (
+            ["--conversation", "2", "--regime", "fast"],
+            "error: bad --regime 'fast': expected resident, host, storage, auto, expert-cache or all",
+        ),
+    ],
+)
 def test_bad_input_is_one_error_line(tiny, args, message):
     assert one_error_line(invoke(tiny, *args), 2) == message

@@ -19,8 +19,22 @@ from rocketllm_cli.bench.timing import WARMUP
 
 
 def _bench_rows(model, *args) -> tuple[list[dict], str]:
-    result = CliRunner().invoke(app, ["bench", str(model), "--tokens", "2", "--prompt-tokens", "4", "--regime", "resident",
-                                      "--baseline", "llamacpp", *args])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(model),
+            "--tokens",
+            "2",
+            "--prompt-tokens",
+            "4",
+            "--regime",
+            "resident",
+            "--baseline",
+            "llamacpp",
+            *args,
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     return (json.loads(result.stdout)["rows"] if "--json" in args else []), result.stdout
 
@@ -29,7 +43,8 @@ def test_missing_llama_cpp_is_a_skipped_row_with_the_install_command(tiny_checkp
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
     rows, _ = _bench_rows(tiny_checkpoint, "--json")
     assert [(r["name"], r["regime"], r["status"], r["reason"]) for r in rows if r["name"] == "llamacpp"] == [
-        ("llamacpp", "resident", "skipped", NOT_INSTALLED)]
+        ("llamacpp", "resident", "skipped", NOT_INSTALLED)
+    ]
     assert NOT_INSTALLED == "llama-cpp-python is not installed (pip install llama-cpp-python)"
     _, text = _bench_rows(tiny_checkpoint)
     assert f"| llamacpp | resident | skipped: {NOT_INSTALLED} |" in text
@@ -115,9 +130,17 @@ def test_llamacpp_row_is_timed_like_every_row_in_a_process_of_its_own(fake_llama
     assert kwargs["n_ctx"] >= 6 + 1 + WARMUP + 4 and kwargs["model_path"] == str(gguf)
     assert row["ms_per_token"]["n"] == 4 and row["ms_per_token"]["median"] >= 9  # each fake step sleeps 10 ms
     assert row["ttft_ms"] >= 9
-    assert row["llamacpp"] == {"version": "0.0-test", "n_threads": 3, "n_gpu_layers": 0, "use_mmap": True, "gguf": "m.gguf",
-                               "gguf_bytes": 64}
-    gpu = run_llamacpp(gguf, "", "resident", 1, 2, SimpleNamespace(cpu_cores=2, compute_device="cuda"), log=lambda m: None)
+    assert row["llamacpp"] == {
+        "version": "0.0-test",
+        "n_threads": 3,
+        "n_gpu_layers": 0,
+        "use_mmap": True,
+        "gguf": "m.gguf",
+        "gguf_bytes": 64,
+    }
+    gpu = run_llamacpp(
+        gguf, "", "resident", 1, 2, SimpleNamespace(cpu_cores=2, compute_device="cuda"), log=lambda m: None
+    )
     assert gpu["status"] == "measured" and json.loads(fake_llama_cpp.read_text())["n_gpu_layers"] == -1
 
 
@@ -125,7 +148,9 @@ def test_a_crash_in_llama_cpp_is_a_skipped_row(fake_llama_cpp, tmp_path, monkeyp
     monkeypatch.setenv("FAKE_LLAMA_CRASH", "always")
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    row = run_llamacpp(gguf, "", "resident", 2, 4, SimpleNamespace(cpu_cores=2, compute_device="cpu"), log=lambda m: None)
+    row = run_llamacpp(
+        gguf, "", "resident", 2, 4, SimpleNamespace(cpu_cores=2, compute_device="cpu"), log=lambda m: None
+    )
     assert row["status"] == "skipped" and row["reason"].startswith("llama.cpp crashed (signal SIGSEGV)")
     assert "with its extra buffer types off; with them on it crashed (signal SIGSEGV)" in row["reason"]  # tried both
 
@@ -138,8 +163,9 @@ def test_a_build_whose_repacked_weights_crash_is_measured_without_them(fake_llam
     row = run_llamacpp(gguf, "", "resident", 2, 4, SimpleNamespace(cpu_cores=2, compute_device="cpu"), log=said.append)
     assert row["status"] == "measured", row
     assert json.loads(fake_llama_cpp.read_text())["use_extra_bufts"] is False
-    assert row["llamacpp"]["extra_buffers"] == ("its default crashed (signal SIGSEGV); measured with its extra buffer types "
-                                                "off (use_extra_bufts=False)")
+    assert row["llamacpp"]["extra_buffers"] == (
+        "its default crashed (signal SIGSEGV); measured with its extra buffer types off (use_extra_bufts=False)"
+    )
     assert "extra buffer types off" in said[-1]
 
 
@@ -148,7 +174,8 @@ def test_llamacpp_measures_the_real_gguf(smollm2_gguf):
     pytest.importorskip("llama_cpp")
     rows, _ = _bench_rows(smollm2_gguf, "--json")
     row = next(r for r in rows if r["name"] == "llamacpp")
-    if row["reason"].startswith("llama.cpp crashed"):  # inside llama.cpp (a CPU feature its build uses and this machine refuses)
+    # inside llama.cpp (a CPU feature its build uses and this machine refuses)
+    if row["reason"].startswith("llama.cpp crashed"):
         pytest.skip(row["reason"])
     assert row["status"] == "measured", row["reason"]
     assert row["ms_per_token"]["n"] == 2 and row["ms_per_token"]["median"] > 0

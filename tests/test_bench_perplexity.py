@@ -36,14 +36,28 @@ def text_file(tmp_path_factory) -> Path:
 
 
 def _bench(model: Path, text_file: Path, *extra: str) -> dict:
-    result = CliRunner().invoke(app, ["bench", str(model), "--perplexity", str(text_file), "--window", str(WINDOW),
-                                      "--stride", str(STRIDE), "--json", *extra])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(model),
+            "--perplexity",
+            str(text_file),
+            "--window",
+            str(WINDOW),
+            "--stride",
+            str(STRIDE),
+            "--json",
+            *extra,
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     return json.loads(result.stdout)
 
 
 def _plain_scores(path: Path, text: str) -> tuple[float, list[int], int]:
-    """Perplexity and per-position argmax by the textbook sliding window: labels of already-scored tokens set to -100."""
+    """Perplexity and per-position argmax by the textbook sliding window: labels of already-scored tokens set to
+    -100."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ids = torch.tensor([AutoTokenizer.from_pretrained(path)(text).input_ids])
@@ -69,7 +83,8 @@ def _plain_scores(path: Path, text: str) -> tuple[float, list[int], int]:
 
 @functools.lru_cache(maxsize=8)
 def _plain_logprobs(path: Path, text: str) -> torch.Tensor:
-    """[scored positions, vocabulary] float64 log-probabilities of the same textbook sliding window, in position order."""
+    """[scored positions, vocabulary] float64 log-probabilities of the same textbook sliding window, in position
+    order."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ids = torch.tensor([AutoTokenizer.from_pretrained(path)(text).input_ids])
@@ -88,10 +103,15 @@ def _plain_logprobs(path: Path, text: str) -> torch.Tensor:
 
 def _kl_summary(model: Path, reference: Path, text: str) -> dict:
     """KL(reference || model) per position by torch's own kl_div on transformers' distributions: mean, p99, max."""
-    per_token = torch.nn.functional.kl_div(_plain_logprobs(model, text), _plain_logprobs(reference, text),
-                                           reduction="none", log_target=True).sum(-1)
-    return {"mean": per_token.mean().item(), "p99": torch.quantile(per_token, 0.99).item(), "max": per_token.max().item(),
-            "n": len(per_token)}
+    per_token = torch.nn.functional.kl_div(
+        _plain_logprobs(model, text), _plain_logprobs(reference, text), reduction="none", log_target=True
+    ).sum(-1)
+    return {
+        "mean": per_token.mean().item(),
+        "p99": torch.quantile(per_token, 0.99).item(),
+        "max": per_token.max().item(),
+        "n": len(per_token),
+    }
 
 
 def _no_scratch_left() -> bool:
@@ -105,14 +125,17 @@ def tiny_pair(tiny_factory):
 
 @pytest.fixture(scope="module")
 def perturbed(tiny_pair, tmp_path_factory) -> Path:
-    """The first tiny model with noise on every weight (0.3% of its mean magnitude): close to it, as a quantisation is."""
+    """The first tiny model with noise on every weight (0.3% of its mean magnitude): close to it, as a quantisation
+    is."""
     from safetensors.torch import load_file, save_file
 
     dest = tmp_path_factory.mktemp("perturbed") / "llama-perturbed"
     shutil.copytree(tiny_pair[0], dest)
     weights = load_file(dest / "model.safetensors")
     generator = torch.Generator().manual_seed(5)
-    noisy = {name: w + 0.003 * w.abs().mean() * torch.randn(w.shape, generator=generator) for name, w in weights.items()}
+    noisy = {
+        name: w + 0.003 * w.abs().mean() * torch.randn(w.shape, generator=generator) for name, w in weights.items()
+    }
     save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
     return dest
 
@@ -148,7 +171,8 @@ def test_agreement_with_another_model_is_the_share_of_equal_argmax(tiny_pair, te
     want, backwards = _kl_summary(model, other, text_file.read_text()), _kl_summary(other, model, text_file.read_text())
     assert want["n"] == rows["model"]["tokens_scored"]
     assert {k: doc["kl_divergence"][k] for k in ("mean", "p99", "max")} == pytest.approx(
-        {k: want[k] for k in ("mean", "p99", "max")}, rel=1e-5)
+        {k: want[k] for k in ("mean", "p99", "max")}, rel=1e-5
+    )
     assert abs(want["mean"] - backwards["mean"]) > 0.01 * want["mean"]  # so the direction above is the one checked
 
 
@@ -196,15 +220,18 @@ def test_the_scratch_file_is_removed_on_ctrl_c_and_a_full_disk_is_one_line():
             assert meter.path.exists()
             raise KeyboardInterrupt
     assert not scratch.exists() and _no_scratch_left()
-    with pytest.raises(RocketError, match=r"KL divergence needs .* of scratch space .* set ROCKETLLM_CACHE or TMPDIR") as caught:
+    with pytest.raises(
+        RocketError, match=r"KL divergence needs .* of scratch space .* set ROCKETLLM_CACHE or TMPDIR"
+    ) as caught:
         scratch_directory(10**9, 10**9)
     assert "\n" not in str(caught.value)
 
 
 def test_markdown_has_both_rows_and_the_difference(tiny_pair, text_file):
     model, other = tiny_pair
-    result = CliRunner().invoke(app, ["bench", str(model), "--perplexity", str(text_file), "--window", str(WINDOW),
-                                      "--reference", str(other)])
+    result = CliRunner().invoke(
+        app, ["bench", str(model), "--perplexity", str(text_file), "--window", str(WINDOW), "--reference", str(other)]
+    )
     assert result.exit_code == 0, result.stderr
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| run | model | perplexity |")
@@ -264,11 +291,16 @@ def _bad(name, tmp_path):
         "no-file": (["--reference", "x"], "go with --perplexity FILE"),
         "baseline": (["--perplexity", str(TEXT), "--baseline", "transformers"], "drop --baseline"),
         "regimes": (["--perplexity", str(TEXT), "--regime", "host", "storage"], "one regime"),
-        "reference": (["--perplexity", str(TEXT), "--reference", str(tmp_path / "nope")], "--reference: model path not found"),
+        "reference": (
+            ["--perplexity", str(TEXT), "--reference", str(tmp_path / "nope")],
+            "--reference: model path not found",
+        ),
     }[name]
 
 
-@pytest.mark.parametrize("name", ["missing", "empty", "directory", "window", "stride", "no-file", "baseline", "regimes", "reference"])
+@pytest.mark.parametrize(
+    "name", ["missing", "empty", "directory", "window", "stride", "no-file", "baseline", "regimes", "reference"]
+)
 def test_bad_input_is_one_error_line(name, tiny_pair, tmp_path):
     args, words = _bad(name, tmp_path)
     result = CliRunner().invoke(app, ["bench", str(tiny_pair[0]), *args])
@@ -279,8 +311,24 @@ def test_bad_input_is_one_error_line(name, tiny_pair, tmp_path):
 
 def test_tokenizer_mismatch_is_one_error_line_in_a_fresh_process(tiny_pair, other_tokenizer, tmp_path):
     env = {**os.environ, "ROCKETLLM_CACHE": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-m", "rocketllm_cli", "bench", str(tiny_pair[0]), "--perplexity", str(TEXT),
-                          "--reference", str(other_tokenizer)], capture_output=True, text=True, env=env, timeout=300, check=False)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rocketllm_cli",
+            "bench",
+            str(tiny_pair[0]),
+            "--perplexity",
+            str(TEXT),
+            "--reference",
+            str(other_tokenizer),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
     assert run.returncode == 2 and run.stdout == ""
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "tokenizer mismatch" in errors[0] and "320 tokens" in errors[0], run.stderr
@@ -290,7 +338,9 @@ def test_tokenizer_mismatch_is_one_error_line_in_a_fresh_process(tiny_pair, othe
 @pytest.mark.realmodel
 def test_smollm2_perplexity_on_the_shipped_text(smollm2_gguf):
     """The real model reads English: its perplexity on the shipped text is far below a uniform guess (49152)."""
-    result = CliRunner().invoke(app, ["bench", str(smollm2_gguf), "--perplexity", str(TEXT), "--regime", "host", "--json"])
+    result = CliRunner().invoke(
+        app, ["bench", str(smollm2_gguf), "--perplexity", str(TEXT), "--regime", "host", "--json"]
+    )
     assert result.exit_code == 0, result.stderr
     row = json.loads(result.stdout)["rows"][0]
     assert 1 < row["perplexity"] < 100

@@ -13,18 +13,28 @@ PROMPT = torch.tensor([[1, 40, 57, 60, 71]])
 def _run(directory, manifest, **cfg) -> StreamingModel:
     model = StreamingModel(directory, EngineConfig(**cfg), manifest)
     with torch.inference_mode():
-        model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=3, do_sample=False, pad_token_id=3)
+        model.generate(
+            PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=3, do_sample=False, pad_token_id=3
+        )
     return model
 
 
 def test_converted_copies_are_released_after_each_use(tiny_factory, tmp_path):
     # bf16 shards computed in fp32: every streamed use converts, and no layer may keep its fp32 copy afterwards
-    manifest, directory, _ = shard(tiny_factory("llama", dtype=torch.bfloat16), out=tmp_path / "bf16", log=lambda m: None)
+    manifest, directory, _ = shard(
+        tiny_factory("llama", dtype=torch.bfloat16), out=tmp_path / "bf16", log=lambda m: None
+    )
     model = _run(directory, manifest, compute_dtype="fp32", device_cache_bytes=0, host_cache_bytes=0)
     try:
         streamed = [u.name for u in manifest.units if model.plan.tier[u.name] == "storage"]
         assert streamed, "the plan must stream something for this test to mean anything"
-        held = [(unit, b.attr) for unit in streamed for group in model.bindings[unit].values() for b in group if b._param is not None]
+        held = [
+            (unit, b.attr)
+            for unit in streamed
+            for group in model.bindings[unit].values()
+            for b in group
+            if b._param is not None
+        ]
         assert held == []
         for unit in streamed:
             for group in model.bindings[unit].values():
@@ -42,7 +52,9 @@ def test_persistent_views_keep_their_parameter(tiny_factory, tmp_path):
     try:
         hosted = [u.name for u in manifest.layers if model.plan.tier[u.name] == "host"]
         assert hosted
-        kept = [b._param for unit in hosted for group in model.bindings[unit].values() for b in group if not b.is_buffer]
+        kept = [
+            b._param for unit in hosted for group in model.bindings[unit].values() for b in group if not b.is_buffer
+        ]
         assert kept and all(p is not None for p in kept)
     finally:
         model.close()

@@ -1,4 +1,5 @@
-"""The memory and CPU limits are read from this process's own cgroup and its ancestors, v1 and v2, never the root's alone."""
+"""The memory and CPU limits are read from this process's own cgroup and its ancestors, v1 and v2, never the root's
+alone."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ def _write(root: Path, rel: str, text: str) -> None:
 
 def _v1(root: Path, group: str) -> None:
     _write(root, "proc/self/cgroup", f"5:cpu,cpuacct:{group}\n4:memory:{group}\n0::/\n")
-    _write(root, "proc/self/mountinfo",
-           "30 25 0:26 / /sys/fs/cgroup/memory rw,relatime shared:9 - cgroup cgroup rw,memory\n"
-           "31 25 0:27 / /sys/fs/cgroup/cpu,cpuacct rw,relatime shared:10 - cgroup cgroup rw,cpu,cpuacct\n")
+    _write(
+        root,
+        "proc/self/mountinfo",
+        "30 25 0:26 / /sys/fs/cgroup/memory rw,relatime shared:9 - cgroup cgroup rw,memory\n"
+        "31 25 0:27 / /sys/fs/cgroup/cpu,cpuacct rw,relatime shared:10 - cgroup cgroup rw,cpu,cpuacct\n",
+    )
     # the root group has no limit: reading it alone is what made a capped run see the whole machine
     _write(root, "sys/fs/cgroup/memory/memory.limit_in_bytes", str(9223372036854771712))
     _write(root, "sys/fs/cgroup/memory/memory.usage_in_bytes", str(10 * GIB))
@@ -61,7 +65,9 @@ def test_v2_group_and_cpu_max(tmp_path):
 def test_a_namespaced_mount_root_is_stripped(tmp_path):
     # a container sees its own subtree mounted at /sys/fs/cgroup/memory, with the host path in /proc/self/cgroup
     _write(tmp_path, "proc/self/cgroup", "4:memory:/docker/abc\n")
-    _write(tmp_path, "proc/self/mountinfo", "30 25 0:26 /docker/abc /sys/fs/cgroup/memory ro - cgroup cgroup rw,memory\n")
+    _write(
+        tmp_path, "proc/self/mountinfo", "30 25 0:26 /docker/abc /sys/fs/cgroup/memory ro - cgroup cgroup rw,memory\n"
+    )
     _write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", str(GIB))
     got = memory_limit(str(tmp_path))
     assert got is not None and got.limit == GIB
@@ -77,8 +83,12 @@ def test_v1_counts_clean_page_cache_active_or_not_and_leaves_mapped_and_dirty_pa
     _v1(tmp_path, "/bench/run-2")
     _write(tmp_path, "sys/fs/cgroup/memory/bench/run-2/memory.limit_in_bytes", str(2 * GIB))
     _write(tmp_path, "sys/fs/cgroup/memory/bench/run-2/memory.usage_in_bytes", str(GIB + GIB // 2))
-    _write(tmp_path, "sys/fs/cgroup/memory/bench/run-2/memory.stat",
-           f"total_active_file {GIB // 2}\ntotal_inactive_file {GIB // 4}\ntotal_mapped_file {GIB // 8}\ntotal_dirty {GIB // 8}\n"
-           "total_writeback 0\n")
+    _write(
+        tmp_path,
+        "sys/fs/cgroup/memory/bench/run-2/memory.stat",
+        f"total_active_file {GIB // 2}\ntotal_inactive_file {GIB // 4}\ntotal_mapped_file {GIB // 8}\ntotal_dirty "
+        f"{GIB // 8}\n"
+        "total_writeback 0\n",
+    )
     got = memory_limit(str(tmp_path))
     assert got is not None and got.available == GIB // 2 + (GIB // 2 + GIB // 4 - GIB // 8 - GIB // 8)

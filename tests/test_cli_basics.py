@@ -42,7 +42,9 @@ def test_profile_help_lists_every_knob_flag():
 def test_version():
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0 and result.stdout.strip() == f"rocketllm {__version__}"
-    done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "--version"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "rocketllm_cli", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0 and done.stdout.strip() == f"rocketllm {__version__}"
 
 
@@ -52,7 +54,9 @@ def test_usage_errors_are_one_line_with_exit_2():
     import sys
 
     for args in (["generate", "x", "-n", "abc"], ["bogus"], ["generate", "x", "--bogus"]):
-        done = subprocess.run([sys.executable, "-m", "rocketllm_cli", *args], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "rocketllm_cli", *args], capture_output=True, text=True, timeout=60
+        )
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2, (args, done.stderr)
         assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], (args, done.stderr)
@@ -66,7 +70,9 @@ def test_knob_help_keeps_its_accepted_values_and_shows_the_derived_default(tmp_p
     from rocketllm_cli.app import app
 
     for command in ("generate", "bench", "serve"):
-        result = CliRunner().invoke(app, [command, "--help"], env={"ROCKETLLM_CACHE": str(tmp_path / "empty"), "COLUMNS": "400"})
+        result = CliRunner().invoke(
+            app, [command, "--help"], env={"ROCKETLLM_CACHE": str(tmp_path / "empty"), "COLUMNS": "400"}
+        )
         assert result.exit_code == 0, result.output
         line = next(l for l in result.output.splitlines() if "--expert-cache-policy" in l)
         assert "Accepts one of lfu, lru" in line and "derived at start" in line, line

@@ -92,16 +92,33 @@ def test_ls_shows_each_set_as_it_is_on_disk(one_set, tiny_checkpoint):
     got = {s["name"]: s for s in doc["sets"]}
     assert set(got) == {one_set.name, bf16.name}
     row = got[one_set.name]
-    assert (row["model"], row["source_kind"], row["dtype"], row["state"]) == (manifest.source["name"], "safetensors", "fp32", "complete")
-    assert (row["units"], row["layers"], row["bytes"]) == (len(manifest.units), len(manifest.layers), allocated(one_set))
+    assert (row["model"], row["source_kind"], row["dtype"], row["state"]) == (
+        manifest.source["name"],
+        "safetensors",
+        "fp32",
+        "complete",
+    )
+    assert (row["units"], row["layers"], row["bytes"]) == (
+        len(manifest.units),
+        len(manifest.layers),
+        allocated(one_set),
+    )
     assert got[bf16.name]["dtype"] == "bf16" and got[bf16.name]["bytes"] < row["bytes"]  # half the bytes per weight
     assert doc["total_bytes"] == allocated(one_set) + allocated(bf16)
     assert doc["profiles"]["count"] == 1 and doc["profiles"]["bytes"] > 0
 
     text = invoke("ls").stdout
     line = next(l for l in text.splitlines() if l.startswith(one_set.name))
-    assert manifest.source["name"] in line and "fp32" in line and format_bytes(row["bytes"]) in line and line.endswith("complete")
-    assert f"total: 2 shard sets, {format_bytes(doc['total_bytes'])}" in text and "profiles: 1 measured (1 machine)" in text
+    assert (
+        manifest.source["name"] in line
+        and "fp32" in line
+        and format_bytes(row["bytes"]) in line
+        and line.endswith("complete")
+    )
+    assert (
+        f"total: 2 shard sets, {format_bytes(doc['total_bytes'])}" in text
+        and "profiles: 1 measured (1 machine)" in text
+    )
 
 
 def test_a_damaged_set_is_listed_as_damaged(one_set):
@@ -145,7 +162,10 @@ def test_rm_with_yes_removes_the_named_set_only(one_set, tiny_checkpoint):
     size = sets_by_name()[one_set.name]["bytes"]
     result = invoke("rm", one_set.name, "-y")
     assert result.exit_code == 0, result.stderr
-    assert f"removed {one_set.name} ({format_bytes(size)})" in result.stdout and f"freed {format_bytes(size)}" in result.stdout
+    assert (
+        f"removed {one_set.name} ({format_bytes(size)})" in result.stdout
+        and f"freed {format_bytes(size)}" in result.stdout
+    )
     assert not one_set.exists() and (other / "manifest.json").is_file()
     size = allocated(other)
     result = invoke("rm", other.name, "-y", "--json")
@@ -166,8 +186,13 @@ def test_rm_on_a_terminal_removes_only_after_yes(one_set, answer, removed):
     leader, follower = pty.openpty()  # stdin a real terminal; the answer waits in its input queue
     try:
         os.write(leader, f"{answer}\n".encode())
-        done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "cache", "rm", one_set.name], stdin=follower,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "rocketllm_cli", "cache", "rm", one_set.name],
+            stdin=follower,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         os.close(leader)
         os.close(follower)
@@ -187,9 +212,18 @@ def test_rm_of_an_unknown_or_path_like_name_is_one_line_and_removes_nothing(one_
 
 def test_rm_refuses_a_set_another_process_is_sharding(one_set):
     lock = one_set.parent / f".{one_set.name}.lock"
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
-                               "print('held', flush=True); sys.stdin.read()", str(lock)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); "
+            "sys.stdin.read()",
+            str(lock),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert "being sharded" in one_error_line(invoke("rm", one_set.name, "-y"))
@@ -238,7 +272,10 @@ def test_path_says_where_the_cache_is_and_why(cache, tmp_path, monkeypatch):
     assert result.stdout == f"{cache}\n" and "ROCKETLLM_CACHE" in result.stderr
     monkeypatch.delenv("ROCKETLLM_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert json.loads(invoke("path", "--json").stdout) == {"path": str(tmp_path / "xdg" / "rocketllm"), "from": "default"}
+    assert json.loads(invoke("path", "--json").stdout) == {
+        "path": str(tmp_path / "xdg" / "rocketllm"),
+        "from": "default",
+    }
 
 
 @pytest.mark.parametrize("args", [[], ["ls"], ["rm"], ["path"]])

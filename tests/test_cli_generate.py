@@ -55,16 +55,24 @@ def plain(tiny_model):
     def ids(prompt: str = PROMPT, chat: bool = False) -> torch.Tensor:
         if chat:
             messages = [{"role": "user", "content": prompt}]
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+            return tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
         return tokenizer(prompt, return_tensors="pt").input_ids
 
     def sequences(prompt_ids: torch.Tensor, n: int = NEW) -> torch.Tensor:
         with torch.inference_mode():
-            return model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=n, do_sample=False, pad_token_id=3)
+            return model.generate(
+                prompt_ids,
+                attention_mask=torch.ones_like(prompt_ids),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=3,
+            )
 
     def text(prompt: str = PROMPT, chat: bool = False) -> str:
         prompt_ids = ids(prompt, chat)
-        return tokenizer.decode(sequences(prompt_ids)[0, prompt_ids.shape[1]:], skip_special_tokens=True)
+        return tokenizer.decode(sequences(prompt_ids)[0, prompt_ids.shape[1] :], skip_special_tokens=True)
 
     return SimpleNamespace(ids=ids, sequences=sequences, text=text)
 
@@ -86,8 +94,12 @@ def resident(shards, plain) -> dict:
 
 def test_pipeline_stdout_is_only_the_generated_text(tiny_model, shards, resident, plain):
     cli = [sys.executable, "-m", "rocketllm_cli", "generate", str(tiny_model), "--raw", "-n", str(NEW)]
-    done = subprocess.run(["bash", "-c", 'echo "Hello" | "$@"', "sh", *cli], env={**os.environ, "PYTHONIOENCODING": "utf-8"},
-                          capture_output=True, timeout=180)
+    done = subprocess.run(
+        ["bash", "-c", 'echo "Hello" | "$@"', "sh", *cli],
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+        capture_output=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode("utf-8") == plain.text() + "\n"  # the text and its newline, no logs
     assert b"Traceback" not in done.stderr
@@ -122,15 +134,20 @@ def test_load_time_is_reported_beside_generation_time(shards, resident):
     result = invoke(shards, PROMPT, "--raw", "-n", NEW, "--stats")
     assert result.exit_code == 0, result.stderr
     line = next(line for line in result.stderr.splitlines() if line.startswith("time: "))
-    assert re.fullmatch(r"time: \d+\.\d+ s to find or write the shards and load them, then \d+\.\d+ s to generate", line), line
+    assert re.fullmatch(
+        r"time: \d+\.\d+ s to find or write the shards and load them, then \d+\.\d+ s to generate", line
+    ), line
 
 
-@pytest.mark.parametrize("knobs", [
-    ("--device-cache-bytes", "0", "--host-cache-bytes", "0"),
-    ("--device-cache-bytes", "0", "--host-cache-bytes", "1GB"),
-    ("--device-cache-bytes", "0", "--host-cache-bytes", "0", "--prefetch-depth", "0"),
-    ("--prefetch-depth", "0"),
-])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        ("--device-cache-bytes", "0", "--host-cache-bytes", "0"),
+        ("--device-cache-bytes", "0", "--host-cache-bytes", "1GB"),
+        ("--device-cache-bytes", "0", "--host-cache-bytes", "0", "--prefetch-depth", "0"),
+        ("--prefetch-depth", "0"),
+    ],
+)
 def test_streamed_text_equals_resident_text(knobs, shards, resident):
     doc = generate_json(shards, "--raw", *knobs)
     assert doc["text"] == resident["text"] and doc["new_tokens"] == resident["new_tokens"]
@@ -185,16 +202,34 @@ BAD_INPUTS = {
     "missing path": ("missing", [PROMPT], None, {}, "model path not found"),
     "not a model directory": ("empty dir", [PROMPT], None, {}, "no config.json"),
     "unsupported architecture": ("t5", [PROMPT], None, {}, "unsupported architecture 't5'"),
-    "--max-new-tokens 0": ("model", [PROMPT, "--max-new-tokens", "0"], None, {}, "--max-new-tokens must be at least 1 (got 0)"),
+    "--max-new-tokens 0": (
+        "model",
+        [PROMPT, "--max-new-tokens", "0"],
+        None,
+        {},
+        "--max-new-tokens must be at least 1 (got 0)",
+    ),
     "--max-new-tokens -1": ("model", [PROMPT, "-n", "-1"], None, {}, "--max-new-tokens must be at least 1 (got -1)"),
     "empty stdin": ("model", [], "", {}, "empty prompt"),
     "empty stdin with -": ("model", ["-"], "", {}, "empty prompt"),
     "whitespace-only stdin": ("model", [], " \n\t\n", {}, "empty prompt"),
     "whitespace-only prompt": ("model", ["   "], None, {}, "empty prompt"),
-    "--device-cache-bytes lots": ("model", [PROMPT, "--device-cache-bytes", "lots"], None, {}, "bad value 'lots' for device_cache_bytes"),
+    "--device-cache-bytes lots": (
+        "model",
+        [PROMPT, "--device-cache-bytes", "lots"],
+        None,
+        {},
+        "bad value 'lots' for device_cache_bytes",
+    ),
     "--io-workers 0": ("model", [PROMPT, "--io-workers", "0"], None, {}, "bad value '0' for io_workers"),
     "--dtype fp8": ("model", [PROMPT, "--dtype", "fp8"], None, {}, "bad value 'fp8' for compute_dtype"),
-    "ROCKETLLM_PREFETCH_DEPTH=-3": ("model", [PROMPT], None, {"ROCKETLLM_PREFETCH_DEPTH": "-3"}, "bad value '-3' for prefetch_depth (from ROCKETLLM_PREFETCH_DEPTH)"),
+    "ROCKETLLM_PREFETCH_DEPTH=-3": (
+        "model",
+        [PROMPT],
+        None,
+        {"ROCKETLLM_PREFETCH_DEPTH": "-3"},
+        "bad value '-3' for prefetch_depth (from ROCKETLLM_PREFETCH_DEPTH)",
+    ),
     "--temperature -1": ("model", [PROMPT, "--temperature", "-1"], None, {}, "--temperature must be >= 0"),
     "--top-p 0": ("model", [PROMPT, "--top-p", "0"], None, {}, "--top-p must be in (0, 1]"),
     "--top-k -1": ("model", [PROMPT, "--top-k", "-1"], None, {}, "--top-k must be >= 0"),
@@ -235,7 +270,8 @@ def test_prompt_longer_than_the_context_is_refused(shards, tiny_factory):
     result = invoke(short_context, LONG_PROMPT, "--raw", "-n", NEW)
     assert result.exit_code == 1 and result.stdout == "" and "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == result.stderr.strip().splitlines()[-1:]  # the tokenizer comes with the shards: a log line may precede it
+    # the tokenizer comes with the shards: a log line may precede it
+    assert errors == result.stderr.strip().splitlines()[-1:]
     assert "but the context allows 32" in errors[0]
 
 
@@ -243,7 +279,9 @@ def test_debug_shows_the_traceback_across_the_process_boundary(shards):
     command = [sys.executable, "-m", "rocketllm_cli", "generate", str(shards), PROMPT, "--io-workers", "0"]
     base = {k: v for k, v in os.environ.items() if k != "ROCKETLLM_DEBUG"}
     plain_run = subprocess.Popen(command, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    debug_run = subprocess.Popen(command, env={**base, "ROCKETLLM_DEBUG": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    debug_run = subprocess.Popen(
+        command, env={**base, "ROCKETLLM_DEBUG": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     out, err = plain_run.communicate(timeout=120)
     dout, derr = debug_run.communicate(timeout=120)
     assert plain_run.returncode == debug_run.returncode == 1 and out == dout == ""

@@ -15,7 +15,12 @@ from rocketllm_cli.commands import cache
 from rocketllm_cli.options import KNOB_ENV_HINT, KNOB_PANEL
 from rocketllm_cli.shard.sharder import shard
 
-COMMANDS = [[], *([c.name] for c in app.registered_commands), [cache.NAME], *([cache.NAME, name] for name in cache.SUBCOMMANDS)]
+COMMANDS = [
+    [],
+    *([c.name] for c in app.registered_commands),
+    [cache.NAME],
+    *([cache.NAME, name] for name in cache.SUBCOMMANDS),
+]
 PLAIN = {"COLUMNS": "80", "TERM": "dumb", "NO_COLOR": "1"}
 
 
@@ -32,7 +37,8 @@ def test_help_fits_80_columns_with_plain_metavars(words):
     assert max(len(line) for line in lines) <= 80
     assert "{" not in text and not re.search(r"<(str|bool|int|float|path|list)", text), text
     titles = [line for line in lines if line.startswith("╭")]
-    assert titles and all(re.fullmatch(r"╭─ \S.*\S ─+╮", line) for line in titles), titles  # no title cut into its border
+    # no title cut into its border
+    assert titles and all(re.fullmatch(r"╭─ \S.*\S ─+╮", line) for line in titles), titles
     usage = next(line for line in lines if "Usage:" in line)
     after_options = usage.split("[OPTIONS]")[1].split()  # MODEL [PROMPT], [NAME]..., COMMAND [ARGS]...
     assert all(re.fullmatch(r"COMMAND|\[ARGS\]\.\.\.|\[?[A-Z]+\]?(\.\.\.)?", word) for word in after_options), usage
@@ -60,7 +66,9 @@ def test_help_text_is_shown_as_written_not_read_as_markup():
     flat = lambda words: " ".join(render_help(words).replace("│", " ").split())  # noqa: E731
     assert "pip install -e '.[vision]'" in flat(["generate"])
     assert "pip install -e '.[server]'" in flat(["serve"])
-    assert re.search(r"--tokens INTEGER Decode tokens measured \(after one warm-up token\)\. \[default: \d+\]", flat(["bench"]))
+    assert re.search(
+        r"--tokens INTEGER Decode tokens measured \(after one warm-up token\)\. \[default: \d+\]", flat(["bench"])
+    )
     live = lambda text: re.sub(r"[\d.]+ [KMGT]?i?B now", "N now", text)  # noqa: E731 - free memory moves between two renders
     assert live(flat(["bench"])) == live(flat(["bench"]))  # a second help in one process is not escaped twice
 
@@ -115,12 +123,15 @@ def test_bench_takes_model_as_an_option(shards):
     assert document["model"]["num_layers"] == 4  # the tiny model's, from the path given to --model
 
 
-@pytest.mark.parametrize("args", [
-    ["generate", "./a", "Hello", "--model", "./b"],
-    ["shard", "./a", "--model", "./b"],
-    ["serve", "./a", "--model", "./b"],
-    ["bench", "./a", "--model", "./b"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "./a", "Hello", "--model", "./b"],
+        ["shard", "./a", "--model", "./b"],
+        ["serve", "./a", "--model", "./b"],
+        ["bench", "./a", "--model", "./b"],
+    ],
+)
 def test_model_given_twice_is_a_usage_error(args, tmp_path):
     line = one_error_line(invoke(*args), code=2)
     assert line == "error: MODEL given twice (./a and --model ./b); give it once, as the argument or as --model"
@@ -139,8 +150,10 @@ def test_every_declared_argument_is_positional_on_every_python():
     from typer.core import TyperArgument
 
     group = typer.main.get_command(app)
-    positional = {name: sorted(p.name for p in command.params if isinstance(p, TyperArgument))
-                  for name, command in group.commands.items()}
+    positional = {
+        name: sorted(p.name for p in command.params if isinstance(p, TyperArgument))
+        for name, command in group.commands.items()
+    }
     assert positional["generate"] == ["model", "prompt"]
     assert positional["serve"] == ["model"] and positional["shard"][0] == "model"
     chat = next(p for p in group.commands["generate"].params if p.name == "chat")

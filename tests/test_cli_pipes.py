@@ -37,7 +37,9 @@ def quiet(stderr: bytes) -> bool:
 
 def run_with_stdout_closed(*args: str) -> subprocess.CompletedProcess:
     """The reader of stdout is gone before the command writes a byte, so its first result write breaks the pipe."""
-    process = subprocess.Popen([*CLI, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
+    process = subprocess.Popen(
+        [*CLI, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env()
+    )
     process.stdout.close()
     _, err = process.communicate(timeout=300)
     return subprocess.CompletedProcess(process.args, process.returncode, b"", err)
@@ -46,8 +48,12 @@ def run_with_stdout_closed(*args: str) -> subprocess.CompletedProcess:
 # -- stdout closed: exit 0, nothing on stderr but the command's own logs -------------------------------------
 def test_generate_into_head_ends_quietly_with_exit_0(shards):
     pipeline = 'set -o pipefail; "$@" | head -c 5'  # pipefail: the status is rocketllm's, not head's
-    done = subprocess.run(["bash", "-c", pipeline, "sh", *CLI, "generate", str(shards), "Hello", "--raw", "-n", "200"],
-                          capture_output=True, env=env(), timeout=300)
+    done = subprocess.run(
+        ["bash", "-c", pipeline, "sh", *CLI, "generate", str(shards), "Hello", "--raw", "-n", "200"],
+        capture_output=True,
+        env=env(),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr.decode()
     assert len(done.stdout) == 5 and quiet(done.stderr), done.stderr.decode()
 
@@ -77,7 +83,9 @@ def test_help_and_version_end_quietly_when_stdout_is_closed():
 
 # -- stderr closed: the work goes on, the exit code stays ---------------------------------------------------
 def run_with_stderr_closed(*args: bytes | str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    process = subprocess.Popen([*CLI, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
+    process = subprocess.Popen(
+        [*CLI, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env()
+    )
     process.stderr.close()
     out, _ = process.communicate(stdin or b"", timeout=300)
     return subprocess.CompletedProcess(process.args, process.returncode, out, b"")
@@ -86,7 +94,8 @@ def run_with_stderr_closed(*args: bytes | str, stdin: bytes | None = None) -> su
 def test_a_closed_stderr_drops_the_warning_and_keeps_the_result(shards):
     expected = CliRunner().invoke(app, ["generate", str(shards), REPLACED, "--raw", "-n", NEW])
     assert expected.exit_code == 0 and expected.stdout.strip(), expected.stderr
-    done = run_with_stderr_closed("generate", str(shards), BAD, "--raw", "-n", NEW)  # the warning's write breaks the pipe
+    # the warning's write breaks the pipe
+    done = run_with_stderr_closed("generate", str(shards), BAD, "--raw", "-n", NEW)
     assert done.returncode == 0 and done.stdout.decode("utf-8") == expected.stdout
 
 
@@ -97,8 +106,12 @@ def test_a_closed_stderr_keeps_the_exit_code_of_an_error(shards):
 
 def test_stdout_and_stderr_into_one_closed_pipe(shards):
     pipeline = 'set -o pipefail; "$@" 2>&1 | head -c 5'
-    done = subprocess.run(["bash", "-c", pipeline, "sh", *CLI, "generate", str(shards), BAD, "--raw", "-n", "200"],
-                          capture_output=True, env=env(), timeout=300)
+    done = subprocess.run(
+        ["bash", "-c", pipeline, "sh", *CLI, "generate", str(shards), BAD, "--raw", "-n", "200"],
+        capture_output=True,
+        env=env(),
+        timeout=300,
+    )
     assert done.returncode == 0 and len(done.stdout) == 5, done.stdout
 
 
@@ -118,13 +131,20 @@ def test_bytes_that_are_not_utf8_become_u_fffd_with_one_warning(where, shards):
     chat = ["--chat"] if where == "--system" else ["--raw"]  # a system message needs the chat template
     expected = CliRunner().invoke(app, ["generate", str(shards), *decoded_args, *chat, "-n", NEW], input=decoded_stdin)
     assert expected.exit_code == 0, expected.stderr
-    done = subprocess.run([*CLI, "generate", str(shards), *args, *chat, "-n", NEW], input=stdin, capture_output=True,
-                          env=env(), timeout=300)
+    done = subprocess.run(
+        [*CLI, "generate", str(shards), *args, *chat, "-n", NEW],
+        input=stdin,
+        capture_output=True,
+        env=env(),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode("utf-8") == expected.stdout
     where_named = "stdin" if where == "--batch stdin" else where
     assert done.stderr.decode().splitlines() == [
-        f"warning: {where_named} is not valid UTF-8 (first bad byte at offset {offset}); undecodable bytes were replaced with U+FFFD"]
+        f"warning: {where_named} is not valid UTF-8 (first bad byte at offset {offset}); undecodable bytes were "
+        f"replaced with U+FFFD"
+    ]
 
 
 @pytest.mark.parametrize("terminal", [True, False])

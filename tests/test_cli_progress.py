@@ -24,7 +24,13 @@ CLI = [sys.executable, "-m", "rocketllm_cli"]
 # What a redrawn bar leaves in a log: a carriage return, tqdm's `%|` and `it/s`, bar glyphs (ours and tqdm's).
 BAR_MARKS = ("\r", "%|", "it/s", "━", "█", "▏", "Loading weights", "Converting and de-quantizing")
 # The switches the CLI sets itself: a parent that set them (an earlier in-process command) must not do its work.
-SWITCHES = ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "TOKENIZERS_PARALLELISM", "ROCKETLLM_DEBUG")
+SWITCHES = (
+    "TQDM_DISABLE",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "TRANSFORMERS_VERBOSITY",
+    "TOKENIZERS_PARALLELISM",
+    "ROCKETLLM_DEBUG",
+)
 
 
 def clean_env(**extra: str) -> dict:
@@ -32,7 +38,9 @@ def clean_env(**extra: str) -> dict:
 
 
 def run_cli(*args, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=clean_env(**(env or {})))
+    done = subprocess.run(
+        [*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=clean_env(**(env or {}))
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -51,11 +59,15 @@ def test_off_a_terminal_shard_and_generate_print_no_bar(tiny_checkpoint, tmp_pat
     out = tmp_path / "set"
     done = run_cli("shard", tiny_checkpoint, "--out", out)
     lines = assert_log_lines(done.stderr)
-    assert [line for line in lines if line.startswith("sharded ")] == [lines[-1]] and lines[-1].endswith(f"-> {out}"), lines
+    assert [line for line in lines if line.startswith("sharded ")] == [lines[-1]] and lines[-1].endswith(f"-> {out}"), (
+        lines
+    )
     assert done.stdout.splitlines()[0] == str(out)
 
     # generate shards on first use (into a cache of its own), then loads and generates
-    done = run_cli("generate", tiny_checkpoint, "Hello", "--raw", "-n", "4", env={"ROCKETLLM_CACHE": str(tmp_path / "cache")})
+    done = run_cli(
+        "generate", tiny_checkpoint, "Hello", "--raw", "-n", "4", env={"ROCKETLLM_CACHE": str(tmp_path / "cache")}
+    )
     lines = assert_log_lines(done.stderr)
     assert any(line.startswith("sharded ") for line in lines), lines
     assert done.stdout.strip()
@@ -126,8 +138,13 @@ logging.get_logger("transformers").warning("transformers' warning")
 
 @pytest.mark.parametrize("debug", ["", "1"])
 def test_library_bars_are_off_and_their_warnings_only_with_debug(debug):
-    done = subprocess.run([sys.executable, "-c", LIBRARY_NOISE], capture_output=True, text=True, timeout=300,
-                          env=clean_env(ROCKETLLM_DEBUG=debug))
+    done = subprocess.run(
+        [sys.executable, "-c", LIBRARY_NOISE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(ROCKETLLM_DEBUG=debug),
+    )
     assert done.returncode == 0, done.stderr
     assert "a library's bar" not in done.stderr and "\r" not in done.stderr
     shown = "a library's warning" in done.stderr, "transformers' warning" in done.stderr
@@ -143,9 +160,11 @@ def test_the_real_gguf_off_a_terminal_is_a_line_per_phase_and_no_warning(smollm2
     done = run_cli("shard", smollm2_gguf, "--out", out)
     manifest = Manifest.load(out)
     name = smollm2_gguf.stem
-    phases = [f"reading {name}…",
-              f"sharding {name} ({len(manifest.units)} units, {format_bytes(sum(u.tensor_bytes for u in manifest.units))})…",
-              f"saving the config and tokenizer of {name}…"]
+    phases = [
+        f"reading {name}…",
+        f"sharding {name} ({len(manifest.units)} units, {format_bytes(sum(u.tensor_bytes for u in manifest.units))})…",
+        f"saving the config and tokenizer of {name}…",
+    ]
     lines = assert_log_lines(done.stderr)
     assert lines[-1].startswith(f"sharded {name}: {len(manifest.units)} units"), lines
     assert lines[:-1] == [p for p in phases if p in lines[:-1]], lines

@@ -55,9 +55,20 @@ def test_help_shows_the_derived_defaults_from_the_cached_profile(tiny, tmp_path)
     result = invoke("--help")
     assert result.exit_code == 0 and time.monotonic() - start < 10
     text = flat(result.stdout)
-    for flag in ("--host", "--port", "--served-model-name", "--tool-parser", "--prefix-cache", "--device-cache-bytes", "--max-context"):
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--tool-parser",
+        "--prefix-cache",
+        "--device-cache-bytes",
+        "--max-context",
+    ):
         assert flag in text
-    assert "Default on this machine:" in text and "Default: auto, which turns it on only when every weight is resident" in text
+    assert (
+        "Default on this machine:" in text
+        and "Default: auto, which turns it on only when every weight is resident" in text
+    )
     assert "pip install -e '.[server]'" in text  # not eaten as markup
     assert re.search(r"--io-workers .*Accepts an integer >= 1\. Default on this machine: \d+\.", text)
 
@@ -81,22 +92,43 @@ def test_a_port_in_use_is_one_line_naming_it(tiny):
         taken.listen()
         port = taken.getsockname()[1]
         line = one_error_line(invoke(tiny, "--port", port))
-    assert line == (f"error: port {port} on 127.0.0.1 is already in use (another server?); stop that program or pass --port "
-                    "with a free port (--port 0 picks one)")
+    assert line == (
+        f"error: port {port} on 127.0.0.1 is already in use (another server?); stop that program or pass "
+        f"--port "
+        "with a free port (--port 0 picks one)"
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--port", "70000"], "error: --port must be between 0 and 65535 (got 70000)"),
-    (["--tool-parser", "xml"], "error: bad --tool-parser 'xml': expected one of hermes, llama3_json, mistral"),
-    (["--served-model-name", " "], "error: --served-model-name is empty; give the name clients should send, or leave it out"),
-    (["--prefix-cache", "sometimes"], "error: bad value 'sometimes' for prefix_cache (from --prefix-cache): expected one of auto, on, off"),
-    (["--device-cache-bytes", "lots"], "error: bad value 'lots' for device_cache_bytes (from --device-cache-bytes): expected a byte count "
-                                       "such as 1073741824, 1e9, 2GB, 1.5GiB or 512MiB"),
-    (["--max-queue", "0"], "error: --max-queue must be at least 1 (got 0)"),
-    (["--api-key", " "], "error: --api-key is empty (or ROCKETLLM_API_KEY is set but empty); give a key, or leave both out"),
-    (["--host", "192.0.2.1"], "error: cannot listen on 192.0.2.1: not an address of this machine; pass --host 127.0.0.1 "
-                              "(or 0.0.0.0 for every interface)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--port", "70000"], "error: --port must be between 0 and 65535 (got 70000)"),
+        (["--tool-parser", "xml"], "error: bad --tool-parser 'xml': expected one of hermes, llama3_json, mistral"),
+        (
+            ["--served-model-name", " "],
+            "error: --served-model-name is empty; give the name clients should send, or leave it out",
+        ),
+        (
+            ["--prefix-cache", "sometimes"],
+            "error: bad value 'sometimes' for prefix_cache (from --prefix-cache): expected one of auto, on, off",
+        ),
+        (
+            ["--device-cache-bytes", "lots"],
+            "error: bad value 'lots' for device_cache_bytes (from --device-cache-bytes): expected a byte count such as "
+            "1073741824, 1e9, 2GB, 1.5GiB or 512MiB",
+        ),
+        (["--max-queue", "0"], "error: --max-queue must be at least 1 (got 0)"),
+        (
+            ["--api-key", " "],
+            "error: --api-key is empty (or ROCKETLLM_API_KEY is set but empty); give a key, or leave both out",
+        ),
+        (
+            ["--host", "192.0.2.1"],
+            "error: cannot listen on 192.0.2.1: not an address of this machine; pass --host 127.0.0.1 (or 0.0.0.0 for "
+            "every interface)",
+        ),
+    ],
+)
 def test_bad_flags_are_one_line(tiny, args, message):
     assert one_error_line(invoke(tiny, *args)) == message
 
@@ -104,7 +136,8 @@ def test_bad_flags_are_one_line(tiny, args, message):
 def test_a_missing_model_is_one_line(tmp_path):
     missing = tmp_path / "no-such-model"
     assert one_error_line(invoke(missing, "--port", "0")) == (
-        f"error: model path not found: {missing} (give a model directory, a .gguf file or a hub id like org/name)")
+        f"error: model path not found: {missing} (give a model directory, a .gguf file or a hub id like org/name)"
+    )
 
 
 def test_model_as_an_option_reaches_the_loader(tmp_path):
@@ -118,14 +151,32 @@ class ServeProcess:
     """`rocketllm serve MODEL --port 0` (or `serve --model MODEL ...`) as a child process. With --json (`as_json`)
     the JSON document on stdout tells where it listens; without, the `listening on URL` line on stderr does."""
 
-    def __init__(self, model, *args: str, as_json: bool = True, model_as_option: bool = False, env: dict | None = None) -> None:
+    def __init__(
+        self, model, *args: str, as_json: bool = True, model_as_option: bool = False, env: dict | None = None
+    ) -> None:
         model_words = ["--model", str(model)] if model_as_option else [str(model)]
-        command = [sys.executable, "-m", "rocketllm_cli", "serve", *model_words, "--port", "0", *(["--json"] if as_json else []), *args]
+        command = [
+            sys.executable,
+            "-m",
+            "rocketllm_cli",
+            "serve",
+            *model_words,
+            "--port",
+            "0",
+            *(["--json"] if as_json else []),
+            *args,
+        ]
         self.as_json = as_json
-        # Ctrl-C as a terminal sends it: a suite started in the background (SIGINT ignored, inherited) would not deliver it
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        # Ctrl-C as a terminal sends it: a suite started in the background (SIGINT ignored, inherited) would not deliver
+        # it
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         announcing = self.process.stdout if as_json else self.process.stderr
         self.head: list[str] = []  # what was read from `announcing` before the server was known to listen
         # A server that never announces itself is killed at the deadline (readline then returns), never left running.
@@ -136,7 +187,9 @@ class ServeProcess:
                 line = announcing.readline()
                 if not line and watchdog.finished.is_set() and not watchdog.is_alive():
                     raise AssertionError(f"serve did not start within {START_TIMEOUT_S} s")
-                assert line or self.process.poll() is None, ("" if as_json else "".join(self.head)) + self.process.stderr.read()
+                assert line or self.process.poll() is None, (
+                    "" if as_json else "".join(self.head)
+                ) + self.process.stderr.read()
                 self.head.append(line)
                 announced = line.rstrip("\n") == "}" if as_json else line.startswith("listening on ")
                 if announced:
@@ -186,7 +239,9 @@ def test_serve_runs_logs_its_decisions_and_stops_on_ctrl_c(tiny):
     try:
         assert server.info["url"].startswith("http://127.0.0.1:") and server.info["model"] == "tiny-cli"
         assert server.info["tool_parser"] == "hermes" and server.info["prefix_cache"]["enabled"] is True
-        reply = server.openai().chat.completions.create(model="tiny-cli", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        reply = server.openai().chat.completions.create(
+            model="tiny-cli", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
         assert reply.usage.completion_tokens >= 1
     finally:
         code, err = server.stop()
@@ -196,16 +251,32 @@ def test_serve_runs_logs_its_decisions_and_stops_on_ctrl_c(tiny):
         lines = lines[1:]
     assert lines[0].startswith("model: tiny-cli (llama, 4 layers, fp32), context ")
     assert lines[1].startswith("residency: ") and "[DDDD]" in lines[1]
-    assert lines[2] == ("tool parser: hermes (the chat template names no tool-call format; hermes by default); "
-                        "tools described in a system message (the chat template does not render tools)")
-    assert lines[3] == "prefix cache: on: auto, and every weight is resident, so a reused prefix skips its prefill compute"
-    assert lines[4] == "speculative decoding: off: auto, and every unit is in memory, so a pass costs its compute, which grows with its tokens"
-    assert re.fullmatch(r"default max_tokens: \d+ \(= min\(max_context, max\(min_tokens, min\(max_tokens, floor\(reply_budget_s / "
-                        r"seconds_per_token\)\)\)\) with reply_budget_s=60, .*\); a request's max_tokens wins", lines[5]), lines[5]
-    assert re.fullmatch(r"queue: at most \d+ requests waiting \(= min\(256, open-file limit \d+ // 4\)\); more get 429 with retry-after; "
-                        r"request bodies up to 1048576 bytes \(= max\(1 MiB, 64 B x context \d+\)\), larger get 413", lines[6]), lines[6]
+    assert lines[2] == (
+        "tool parser: hermes (the chat template names no tool-call format; hermes by default); "
+        "tools described in a system message (the chat template does not render tools)"
+    )
+    assert lines[3] == (
+        "prefix cache: on: auto, and every weight is resident, so a reused prefix skips its prefill compute"
+    )
+    assert lines[4] == (
+        "speculative decoding: off: auto, and every unit is in memory, so a pass costs its compute, "
+        "which grows with its tokens"
+    )
+    assert re.fullmatch(
+        r"default max_tokens: \d+ \(= min\(max_context, max\(min_tokens, min\(max_tokens, floor\(reply_budget_s / "
+        r"seconds_per_token\)\)\)\) with reply_budget_s=60, .*\); a request's max_tokens wins",
+        lines[5],
+    ), lines[5]
+    assert re.fullmatch(
+        r"queue: at most \d+ requests waiting \(= min\(256, open-file limit \d+ // 4\)\); more get 429 with "
+        r"retry-after; request bodies up to 1048576 bytes \(= max\(1 MiB, 64 B x context \d+\)\), larger get 413",
+        lines[6],
+    ), lines[6]
     assert lines[7] == "api key: none (every client is served)"
-    assert lines[8] == f"listening on {server.info['url']} (OpenAI: {server.info['url']}/v1, Anthropic: {server.info['url']}); Ctrl-C stops"
+    assert lines[8] == (
+        f"listening on {server.info['url']} (OpenAI: {server.info['url']}/v1, Anthropic: "
+        f"{server.info['url']}); Ctrl-C stops"
+    )
     assert lines[-1] == "stopped" and "Traceback" not in err
 
 
@@ -225,12 +296,16 @@ def test_streaming_layers_turn_the_prefix_cache_off_and_say_why(tiny):
 def test_a_model_whose_forward_drops_a_kept_state_says_so_once_at_start(stateful_factory):
     server = ServeProcess(stateful_factory("mamba"), "--device-cache-bytes", "1GB", "--no-access-log")
     try:
-        server.openai().chat.completions.create(model="mamba", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        server.openai().chat.completions.create(
+            model="mamba", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
         health = httpx.get(server.info["url"] + "/health").json()["prefix_cache"]
     finally:
         code, err = server.stop()
     assert code == 0, err
-    assert health["enabled"] is False and health["reason"].startswith("off: the model's cache has LinearAttentionLayer layers")
+    assert health["enabled"] is False and health["reason"].startswith(
+        "off: the model's cache has LinearAttentionLayer layers"
+    )
     said = [line for line in err.splitlines() if "prefix cache" in line]
     assert said == [f"prefix cache: {health['reason']}"]
 
@@ -263,29 +338,43 @@ class SSEReader:
 
 
 # Greedy, the tiny model counts on past 300 tokens without an end-of-sequence: the stream is surely in flight.
-LONG_REPLY = {"model": "tiny", "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 1000,
-              "temperature": 0, "stream": True}
+LONG_REPLY = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "Count to a thousand."}],
+    "max_tokens": 1000,
+    "temperature": 0,
+    "stream": True,
+}
 PATHS = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages"}
-HAS_TEXT = {"openai": lambda line: '"content":"' in line and '"content":""' not in line,
-            "anthropic": lambda line: '"type":"content_block_delta"' in line}
+HAS_TEXT = {
+    "openai": lambda line: '"content":"' in line and '"content":""' not in line,
+    "anthropic": lambda line: '"type":"content_block_delta"' in line,
+}
 
 
-@pytest.mark.parametrize("signum, running, queued", [(signal.SIGINT, "openai", "anthropic"), (signal.SIGTERM, "anthropic", "openai")],
-                         ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "signum, running, queued",
+    [(signal.SIGINT, "openai", "anthropic"), (signal.SIGTERM, "anthropic", "openai")],
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_a_stop_with_streams_in_flight_ends_each_as_its_api_says_and_exits_0_at_once(tiny, signum, running, queued):
     """One stream is generating (every layer streamed from storage), the other waits in the queue behind it, and a
     request that is not streamed waits behind both: it gets a 503 saying why."""
     answers: list = []
-    server = ServeProcess(tiny, "--served-model-name", "tiny", "--device-cache-bytes", "0", "--host-cache-bytes", "0",
-                          "--no-access-log")
+    server = ServeProcess(
+        tiny, "--served-model-name", "tiny", "--device-cache-bytes", "0", "--host-cache-bytes", "0", "--no-access-log"
+    )
     streams: dict[str, SSEReader] = {}
     try:
         streams[running] = SSEReader(server.info["url"], PATHS[running], LONG_REPLY, HAS_TEXT[running])
         assert streams[running].ready.wait(60)
         streams[queued] = SSEReader(server.info["url"], PATHS[queued], LONG_REPLY, lambda line: True)
         assert streams[queued].ready.wait(60)
-        plain = threading.Thread(target=lambda: answers.append(httpx.post(server.info["url"] + PATHS[queued], timeout=60,
-                                                                          json={**LONG_REPLY, "stream": False})))
+        plain = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(server.info["url"] + PATHS[queued], timeout=60, json={**LONG_REPLY, "stream": False})
+            )
+        )
         plain.start()  # a request that is not streamed, queued third
         deadline = time.monotonic() + 60
         while httpx.get(server.info["url"] + "/health").json()["queue_length"] < 2:
@@ -307,7 +396,10 @@ def test_a_stop_with_streams_in_flight_ends_each_as_its_api_says_and_exits_0_at_
     openai_lines, anthropic_lines = streams["openai"].lines, streams["anthropic"].lines
     assert openai_lines[-1] == "data: [DONE]"
     assert json.loads(openai_lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "stop"
-    assert [line for line in anthropic_lines if line.startswith("event: ")][-2:] == ["event: message_delta", "event: message_stop"]
+    assert [line for line in anthropic_lines if line.startswith("event: ")][-2:] == [
+        "event: message_delta",
+        "event: message_stop",
+    ]
     assert json.loads(anthropic_lines[-3].removeprefix("data: "))["delta"]["stop_reason"] == "end_turn"
     assert any(HAS_TEXT[running](line) for line in streams[running].lines)
     assert answers[0].status_code == 503 and answers[0].json()["error"]["message"] == SHUTTING_DOWN
@@ -346,7 +438,9 @@ def test_a_stop_does_not_wait_out_a_step_that_does_not_end(tiny):
 def test_every_log_line_is_on_stderr_and_stdout_carries_only_the_json_document(tiny, as_json):
     server = ServeProcess(tiny, "--served-model-name", "tiny", as_json=as_json)  # the access log is on by default
     try:
-        server.openai().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        server.openai().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
     finally:
         code, err = server.stop()
     assert code == 0, err
@@ -378,12 +472,20 @@ def test_smollm2_answers_paris_through_both_apis(smollm2_gguf):
         question = [{"role": "user", "content": "What is the capital of France?"}]
         reply = client.chat.completions.create(model=name, messages=question, max_tokens=12, temperature=0)
         assert "Paris" in reply.choices[0].message.content
-        streamed = "".join(c.choices[0].delta.content or "" for c in
-                           client.chat.completions.create(model=name, messages=question, max_tokens=12, temperature=0, stream=True))
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=name, messages=question, max_tokens=12, temperature=0, stream=True
+            )
+        )
         assert streamed == reply.choices[0].message.content
-        completion = client.completions.create(model=name, prompt="The capital of France is", max_tokens=3, temperature=0)
+        completion = client.completions.create(
+            model=name, prompt="The capital of France is", max_tokens=3, temperature=0
+        )
         assert completion.choices[0].text.startswith(" Paris")
-        message = server.anthropic().messages.create(model=name, max_tokens=12, messages=question, extra_body={"temperature": 0})
+        message = server.anthropic().messages.create(
+            model=name, max_tokens=12, messages=question, extra_body={"temperature": 0}
+        )
         assert message.content[0].text == reply.choices[0].message.content
     finally:
         code, err = server.stop()
@@ -391,14 +493,22 @@ def test_smollm2_answers_paris_through_both_apis(smollm2_gguf):
 
 
 # -- generate --server -----------------------------------------------------------------------------------
-REMOTE_CLI = ("import sys\nfrom rocketllm_cli.app import main\ntry:\n    main()\nfinally:\n"
-              "    print('imported torch:', 'torch' in sys.modules, file=sys.stderr)\n")
+REMOTE_CLI = (
+    "import sys\nfrom rocketllm_cli.app import main\ntry:\n    main()\nfinally:\n"
+    "    print('imported torch:', 'torch' in sys.modules, file=sys.stderr)\n"
+)
 
 
 def remote_generate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`rocketllm generate ARGS` in a fresh process that says at exit whether it imported torch."""
-    return subprocess.run([sys.executable, "-c", REMOTE_CLI, "generate", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", REMOTE_CLI, "generate", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+        check=False,
+    )
 
 
 def test_generate_through_a_running_server_prints_what_a_local_run_prints(tiny, tmp_path):
@@ -413,9 +523,15 @@ def test_generate_through_a_running_server_prints_what_a_local_run_prints(tiny, 
         assert remote.returncode == 0, remote.stderr
         assert remote.stdout == local.stdout
         assert remote.stderr.strip().splitlines()[-1] == "imported torch: False"
-        by_env = subprocess.run([sys.executable, "-m", "rocketllm_cli", "generate", str(tiny), "--raw", "-n", "8", "--json"],
-                                input="The capital of France is", capture_output=True, text=True, timeout=120,
-                                env={**os.environ, "ROCKETLLM_SERVER": url}, check=False)
+        by_env = subprocess.run(
+            [sys.executable, "-m", "rocketllm_cli", "generate", str(tiny), "--raw", "-n", "8", "--json"],
+            input="The capital of France is",
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "ROCKETLLM_SERVER": url},
+            check=False,
+        )
         assert by_env.returncode == 0, by_env.stderr
         doc = json.loads(by_env.stdout)
         assert doc["text"] + "\n" == local.stdout and doc["new_tokens"] == 8 and doc["stats"]["server"] == url
@@ -425,11 +541,13 @@ def test_generate_through_a_running_server_prints_what_a_local_run_prints(tiny, 
         wrong = remote_generate(str(tmp_path / "other-model"), "hi", "--server", url)
         assert wrong.returncode == 1 and wrong.stderr.splitlines()[0] == (
             f"error: the server at {url} serves '{server.info['model']}', not '{tmp_path / 'other-model'}'; "
-            "start a server for that model, or drop MODEL to use the one it serves")
+            "start a server for that model, or drop MODEL to use the one it serves"
+        )
         knob = remote_generate("--server", url, "hi", "--prefetch-depth", "2")
         assert knob.returncode == 1 and knob.stderr.splitlines()[0] == (
             "error: --prefetch-depth tunes the engine of this process, but --server uses the server's; "
-            "set it on `rocketllm serve`, or drop --server")
+            "set it on `rocketllm serve`, or drop --server"
+        )
     finally:
         code, err = server.stop()
     assert code == 0, err
@@ -437,7 +555,9 @@ def test_generate_through_a_running_server_prints_what_a_local_run_prints(tiny, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     gone = remote_generate("--server", f"http://127.0.0.1:{port}", "hi")
-    assert gone.returncode == 1 and gone.stderr.splitlines()[0].startswith(f"error: no server answers at http://127.0.0.1:{port} (")
+    assert gone.returncode == 1 and gone.stderr.splitlines()[0].startswith(
+        f"error: no server answers at http://127.0.0.1:{port} ("
+    )
     assert "Traceback" not in gone.stderr and gone.stdout == ""
 
 
@@ -449,8 +569,10 @@ PROMPT = "the secret plans of the lighthouse keeper"
 def test_beyond_loopback_without_a_key_it_warns_at_start_and_in_health(tiny):
     server = ServeProcess(tiny, "--host", "0.0.0.0", "--device-cache-bytes", "1GB", "--no-access-log")
     try:
-        warning = ("listening on 0.0.0.0 without an API key: anyone who can reach this machine can use the model; "
-                   "pass --api-key or set ROCKETLLM_API_KEY")
+        warning = (
+            "listening on 0.0.0.0 without an API key: anyone who can reach this machine can use the model; "
+            "pass --api-key or set ROCKETLLM_API_KEY"
+        )
         assert server.info["warnings"] == [warning] and server.info["auth"] == "none"
         assert httpx.get(server.info["url"] + "/health", timeout=30).json()["warnings"] == [warning]
     finally:
@@ -459,7 +581,8 @@ def test_beyond_loopback_without_a_key_it_warns_at_start_and_in_health(tiny):
 
 
 def test_the_key_guards_every_endpoint_and_no_key_or_prompt_reaches_a_log_line_or_metrics(tiny):
-    """ROCKETLLM_API_KEY, the access log on: the right key is served, a wrong one is 401 in each API's shape; neither key
+    """ROCKETLLM_API_KEY, the access log on: the right key is served, a wrong one is 401 in each API's shape; neither
+    key
     nor any prompt appears on stderr (uvicorn's log, the server's own), on stdout or in /metrics."""
     import anthropic
     import openai
@@ -470,29 +593,57 @@ def test_the_key_guards_every_endpoint_and_no_key_or_prompt_reaches_a_log_line_o
     try:
         assert server.info["warnings"] == [] and server.info["auth"] == "api key required"
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-        assert client.chat.completions.create(model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3).choices
-        assert "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3, stream=True) if c.choices) is not None
+        assert client.chat.completions.create(
+            model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3
+        ).choices
+        assert (
+            "".join(
+                c.choices[0].delta.content or ""
+                for c in client.chat.completions.create(
+                    model=server.info["model"],
+                    messages=[{"role": "user", "content": PROMPT}],
+                    max_tokens=3,
+                    stream=True,
+                )
+                if c.choices
+            )
+            is not None
+        )
         keyed = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
-        assert keyed.messages.create(model=server.info["model"], max_tokens=3, messages=[{"role": "user", "content": PROMPT}]).content
+        assert keyed.messages.create(
+            model=server.info["model"], max_tokens=3, messages=[{"role": "user", "content": PROMPT}]
+        ).content
         with pytest.raises(openai.AuthenticationError) as refused:
             openai.OpenAI(base_url=url + "/v1", api_key=wrong, max_retries=0).chat.completions.create(
-                model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3)
+                model=server.info["model"], messages=[{"role": "user", "content": PROMPT}], max_tokens=3
+            )
         assert refused.value.status_code == 401
         with pytest.raises(anthropic.AuthenticationError):
             anthropic.Anthropic(base_url=url, api_key=wrong, max_retries=0).messages.create(
-                model=server.info["model"], max_tokens=3, messages=[{"role": "user", "content": PROMPT}])
-        bad = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=30,
-                         json={"model": server.info["model"], "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 10**6})
+                model=server.info["model"], max_tokens=3, messages=[{"role": "user", "content": PROMPT}]
+            )
+        bad = httpx.post(
+            url + "/v1/chat/completions",
+            headers={"authorization": f"Bearer {KEY}"},
+            timeout=30,
+            json={
+                "model": server.info["model"],
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": 10**6,
+            },
+        )
         assert bad.status_code == 400
         assert httpx.get(url + "/metrics", timeout=30).status_code == 401
         metrics = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=30).text
-        assert 'rocketllm_requests_total{endpoint="/v1/chat/completions",status="401"} 2' not in metrics  # one 401 there
+        # one 401 there
+        assert 'rocketllm_requests_total{endpoint="/v1/chat/completions",status="401"} 2' not in metrics
         assert 'rocketllm_requests_total{endpoint="/v1/chat/completions",status="401"} 1' in metrics
         # generate --server sends the key from ROCKETLLM_API_KEY or --api-key; without one it says how to give it
         keyed_cli = remote_generate("--server", url, PROMPT, "-n", "3", "--raw", env={"ROCKETLLM_API_KEY": KEY})
         assert keyed_cli.returncode == 0, keyed_cli.stderr
-        flagged = remote_generate("--server", url, PROMPT, "-n", "3", "--raw", "--api-key", KEY, env={"ROCKETLLM_API_KEY": ""})
+        flagged = remote_generate(
+            "--server", url, PROMPT, "-n", "3", "--raw", "--api-key", KEY, env={"ROCKETLLM_API_KEY": ""}
+        )
         assert flagged.returncode == 0 and flagged.stdout == keyed_cli.stdout, flagged.stderr
         keyless = remote_generate("--server", url, PROMPT, "-n", "3", env={"ROCKETLLM_API_KEY": ""})
         assert keyless.returncode == 1 and "--api-key or ROCKETLLM_API_KEY" in keyless.stderr.splitlines()[0]

@@ -34,7 +34,11 @@ def invoke(*args, env: dict | None = None):
 
 def files_under(path: Path) -> dict[str, int]:
     """Every file below `path` (hidden ones included) -> its mtime in ns."""
-    return {str(p.relative_to(path)): p.stat().st_mtime_ns for p in sorted(path.rglob("*")) if p.is_file()} if path.exists() else {}
+    return (
+        {str(p.relative_to(path)): p.stat().st_mtime_ns for p in sorted(path.rglob("*")) if p.is_file()}
+        if path.exists()
+        else {}
+    )
 
 
 def source_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -63,6 +67,7 @@ def good_set(tiny_checkpoint, tmp_path_factory) -> Path:
 
 # -- a good source ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("layout", ["single", "sharded", "bin"])
 def test_shard_accounts_for_every_tensor_and_reruns_reuse(layout, tiny_factory, good_set, tmp_path):
     source = tiny_factory("llama", layout)
@@ -73,7 +78,15 @@ def test_shard_accounts_for_every_tensor_and_reruns_reuse(layout, tiny_factory, 
     assert doc["seconds"] > 0 and doc["mb_per_s"] == round(doc["bytes"] / doc["seconds"] / 1e6, 1)
 
     manifest = Manifest.load(out)
-    assert [u.name for u in manifest.units] == ["embed", "layer.000", "layer.001", "layer.002", "layer.003", "norm", "lm_head"]
+    assert [u.name for u in manifest.units] == [
+        "embed",
+        "layer.000",
+        "layer.001",
+        "layer.002",
+        "layer.003",
+        "norm",
+        "lm_head",
+    ]
     assert doc["bytes"] == manifest.total_bytes
     expected = source_tensors(source)
     records = [(u, t) for u in manifest.units for t in u.tensors]
@@ -151,6 +164,7 @@ def test_human_output_names_the_directory_on_stdout_and_logs_on_stderr(tiny_chec
 
 # -- verify -------------------------------------------------------------------------------------------------
 
+
 def test_verify_passes_on_a_good_set(good_set):
     result = invoke("shard", good_set, "--verify")
     assert result.exit_code == 0, result.stderr
@@ -189,7 +203,10 @@ def test_a_truncated_unit_fails_on_load_with_one_line(good_set, tmp_path):
 
 # -- interrupted runs ---------------------------------------------------------------------------------------
 
-def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_bytes(tiny_factory, good_set, tmp_path, monkeypatch):
+
+def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_bytes(
+    tiny_factory, good_set, tmp_path, monkeypatch
+):
     source = tiny_factory("llama")
     out = tmp_path / "out"
     partial = tmp_path / f".{out.name}.partial"
@@ -205,7 +222,9 @@ def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_by
     monkeypatch.setattr(sharder, "_write_unit", interrupted_after_three)
     result = invoke("shard", source, "--out", out)
     assert result.exit_code == 130
-    assert result.stderr.strip().splitlines()[-1] == "error: interrupted: 3 of 7 units are written and kept; run the same command again to resume"
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: interrupted: 3 of 7 units are written and kept; run the same command again to resume"
+    )
     assert not out.exists()  # nothing that loads
     journal = (partial / JOURNAL).read_text().splitlines()
     assert len(journal) == 3 and sorted(p.name for p in partial.glob("*.safetensors")) == sorted(calls)
@@ -231,7 +250,9 @@ def test_an_interrupted_shard_never_completes_and_a_rerun_resumes_to_the_same_by
     assert len(rewritten) == 7 - 3 + 1 and calls[1] in rewritten and calls[0] not in rewritten
     assert not partial.exists() and not (out / JOURNAL).exists()
     resumed, clean = Manifest.load(out), Manifest.load(good_set)
-    assert [(u.name, u.file, u.bytes, u.sha256) for u in resumed.units] == [(u.name, u.file, u.bytes, u.sha256) for u in clean.units]
+    assert [(u.name, u.file, u.bytes, u.sha256) for u in resumed.units] == [
+        (u.name, u.file, u.bytes, u.sha256) for u in clean.units
+    ]
     assert invoke("shard", out, "--verify").exit_code == 0
 
 
@@ -240,18 +261,27 @@ def test_an_interrupt_before_any_unit_says_there_is_nothing_to_resume(where, tin
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    target = {"reading": (sharder, "open_source"), "planning": (sharder, "plan_packing"), "the first unit": (sharder, "_write_unit")}
+    target = {
+        "reading": (sharder, "open_source"),
+        "planning": (sharder, "plan_packing"),
+        "the first unit": (sharder, "_write_unit"),
+    }
     monkeypatch.setattr(*target[where], interrupt)
     out = tmp_path / "out"
     result = invoke("shard", tiny_factory("llama"), "--out", out)
     assert result.exit_code == 130, (result.stdout, result.stderr)
-    assert result.stderr.strip().splitlines()[-1] == "error: interrupted before the first unit was written: nothing to resume"
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: interrupted before the first unit was written: nothing to resume"
+    )
     assert not out.exists()
 
 
 # -- bad inputs ---------------------------------------------------------------------------------------------
 
-def _model_dir(root: Path, template: Path, config: dict | None = None, weights: bool = True, garbage: bool = False) -> Path:
+
+def _model_dir(
+    root: Path, template: Path, config: dict | None = None, weights: bool = True, garbage: bool = False
+) -> Path:
     root.mkdir()
     for f in template.iterdir():
         if f.suffix == ".safetensors" and not weights:
@@ -268,11 +298,27 @@ BAD_INPUTS = {
     # case: (how to build the model argument, extra args, what the message must say)
     "missing path": (lambda tmp, src: tmp / "no-such-model", [], "model path not found"),
     "no config.json": (lambda tmp, src: (tmp / "empty").mkdir() or tmp / "empty", [], "no config.json"),
-    "unknown model_type": (lambda tmp, src: _model_dir(tmp / "m", src, {"model_type": "notamodel"}), [], "unsupported architecture 'notamodel'"),
-    "not a causal LM": (lambda tmp, src: _model_dir(tmp / "m", src, {"model_type": "t5"}), [], "unsupported architecture 't5'"),
+    "unknown model_type": (
+        lambda tmp, src: _model_dir(tmp / "m", src, {"model_type": "notamodel"}),
+        [],
+        "unsupported architecture 'notamodel'",
+    ),
+    "not a causal LM": (
+        lambda tmp, src: _model_dir(tmp / "m", src, {"model_type": "t5"}),
+        [],
+        "unsupported architecture 't5'",
+    ),
     "bad --dtype": (lambda tmp, src: src, ["--dtype", "fp8"], "bad --dtype 'fp8'"),
-    "garbage safetensors header": (lambda tmp, src: _model_dir(tmp / "m", src, garbage=True), [], "model.safetensors: corrupt safetensors header"),
-    "config without weights": (lambda tmp, src: _model_dir(tmp / "m", src, weights=False), [], "no *.safetensors or *.bin weights"),
+    "garbage safetensors header": (
+        lambda tmp, src: _model_dir(tmp / "m", src, garbage=True),
+        [],
+        "model.safetensors: corrupt safetensors header",
+    ),
+    "config without weights": (
+        lambda tmp, src: _model_dir(tmp / "m", src, weights=False),
+        [],
+        "no *.safetensors or *.bin weights",
+    ),
 }
 
 
@@ -306,7 +352,9 @@ def test_errors_cross_the_process_boundary_as_one_line_and_debug_shows_the_trace
     command = [sys.executable, "-m", "rocketllm_cli", "shard", str(model), "--out", str(tmp_path / "out")]
     base = {k: v for k, v in os.environ.items() if k != "ROCKETLLM_DEBUG"}
     plain = subprocess.Popen(command, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    debug = subprocess.Popen(command, env={**base, "ROCKETLLM_DEBUG": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    debug = subprocess.Popen(
+        command, env={**base, "ROCKETLLM_DEBUG": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     out, err = plain.communicate(timeout=120)
     dout, derr = debug.communicate(timeout=120)
 
@@ -325,8 +373,17 @@ def test_a_gguf_tensor_of_a_type_nothing_decodes_is_one_line_naming_it(smollm2_g
 
     from rocketllm_cli.synthetic.gguf import write_llama_gguf
 
-    good = write_llama_gguf(tmp_path / "good.gguf", smollm2_gguf, hidden=256, layers=1, intermediate=256, heads=4,
-                            kv_heads=2, qtype="Q8_0", embed_type="F16")
+    good = write_llama_gguf(
+        tmp_path / "good.gguf",
+        smollm2_gguf,
+        hidden=256,
+        layers=1,
+        intermediate=256,
+        heads=4,
+        kv_heads=2,
+        qtype="Q8_0",
+        embed_type="F16",
+    )
     source = GGUFReader(good)
     bad = tmp_path / "q8k.gguf"
     writer = GGUFWriter(bad, "llama")

@@ -1,8 +1,10 @@
 """The frameworks people point at a local server, against `serve` on the real SmolLM2, each on its default
 structured-output path: instructor (tools and JSON-schema modes, OpenAI and Anthropic), pydantic-ai over the OpenAI API
-(its default tool output and native output), langchain (with_structured_output's default and function calling, forced bind_tools) and
+(its default tool output and native output), langchain (with_structured_output's default and function calling, forced
+bind_tools) and
 openai-agents (output_type, and a required function tool that runs). Each must come back with the parsed object, and the
-model's answer in it. benchmarks/clients.py runs the wider matrix (litellm, llm, prompted modes) and prints its table."""
+model's answer in it. benchmarks/clients.py runs the wider matrix (litellm, llm, prompted modes) and prints its
+table."""
 
 from __future__ import annotations
 
@@ -66,16 +68,27 @@ def test_instructor_with_openai(server, mode):
     import instructor
 
     client = instructor.from_openai(server.openai(), mode=getattr(instructor.Mode, mode))
-    paris(client.chat.completions.create(model=MODEL, response_model=City, max_retries=0, max_tokens=80, temperature=0,
-                                         messages=[{"role": "user", "content": ASK}]))
+    paris(
+        client.chat.completions.create(
+            model=MODEL,
+            response_model=City,
+            max_retries=0,
+            max_tokens=80,
+            temperature=0,
+            messages=[{"role": "user", "content": ASK}],
+        )
+    )
 
 
 def test_instructor_with_anthropic_tools(server):
     import instructor
 
     client = instructor.from_anthropic(server.anthropic(), mode=instructor.Mode.ANTHROPIC_TOOLS)
-    paris(client.messages.create(model=MODEL, response_model=City, max_retries=0, max_tokens=120,
-                                 messages=[{"role": "user", "content": ASK}]))
+    paris(
+        client.messages.create(
+            model=MODEL, response_model=City, max_retries=0, max_tokens=120, messages=[{"role": "user", "content": ASK}]
+        )
+    )
 
 
 @pytest.mark.parametrize("output", ["tool", "native"])
@@ -86,7 +99,9 @@ def test_pydantic_ai_agent_output(server, output):
 
     model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=openai_async(server)))
     output_type = pydantic_ai.NativeOutput(City) if output == "native" else City
-    agent = pydantic_ai.Agent(model, output_type=output_type, retries=0, model_settings={"max_tokens": 80, "temperature": 0})
+    agent = pydantic_ai.Agent(
+        model, output_type=output_type, retries=0, model_settings={"max_tokens": 80, "temperature": 0}
+    )
     paris(asyncio.run(agent.run(ASK)).output)
 
 
@@ -95,7 +110,9 @@ def test_langchain_with_structured_output(server, api, method):
     if api == "openai":
         from langchain_openai import ChatOpenAI
 
-        llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=80, max_retries=0)
+        llm = ChatOpenAI(
+            base_url=f"{server.url}/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=80, max_retries=0
+        )
     else:
         from langchain_anthropic import ChatAnthropic
 
@@ -109,7 +126,9 @@ def test_langchain_bind_tools_forced(server, api):
     if api == "openai":
         from langchain_openai import ChatOpenAI
 
-        llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=60, max_retries=0)
+        llm = ChatOpenAI(
+            base_url=f"{server.url}/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=60, max_retries=0
+        )
     else:
         from langchain_anthropic import ChatAnthropic
 
@@ -127,8 +146,13 @@ def test_openai_agents_output_type_and_a_required_tool(server):
     def model():  # a client per event loop: asyncio.run closes the loop its connections belong to
         return agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=openai_async(server))
 
-    agent = agents.Agent(name="city", instructions="Answer with the requested data.", model=model(), output_type=City,
-                         model_settings=agents.ModelSettings(temperature=0, max_tokens=80))
+    agent = agents.Agent(
+        name="city",
+        instructions="Answer with the requested data.",
+        model=model(),
+        output_type=City,
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=80),
+    )
     paris(asyncio.run(agents.Runner.run(agent, ASK, max_turns=2)).final_output)
 
     ran: list[dict] = []
@@ -144,7 +168,12 @@ def test_openai_agents_output_type_and_a_required_tool(server):
         ran.append({"city": city, "unit": unit})
         return get_weather(city, unit)
 
-    caller = agents.Agent(name="weather", instructions="Use the tool.", model=model(), tools=[weather],
-                          model_settings=agents.ModelSettings(temperature=0, max_tokens=60, tool_choice="required"))
+    caller = agents.Agent(
+        name="weather",
+        instructions="Use the tool.",
+        model=model(),
+        tools=[weather],
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=60, tool_choice="required"),
+    )
     asyncio.run(agents.Runner.run(caller, WEATHER, max_turns=3))
     assert ran and ran[0]["city"] == "Paris"

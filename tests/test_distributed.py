@@ -37,8 +37,17 @@ def _port() -> int:
 
 
 def _env(rank: int, world: int, port: int, extra: dict | None = None) -> dict:
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(extra or {})}
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        **(extra or {}),
+    }
     env.pop("ROCKETLLM_DEBUG", None)
     return env
 
@@ -46,8 +55,17 @@ def _env(rank: int, world: int, port: int, extra: dict | None = None) -> dict:
 def launch(world: int, argv_of, extra: dict | None = None, **popen) -> list[subprocess.Popen]:
     """WORLD processes, rank r running argv_of(r), with torchrun's variables for a rendezvous on loopback."""
     port = _port()
-    return [subprocess.Popen(argv_of(r), env=_env(r, world, port, extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             **popen) for r in range(world)]
+    return [
+        subprocess.Popen(
+            argv_of(r),
+            env=_env(r, world, port, extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **popen,
+        )
+        for r in range(world)
+    ]
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str, str]]:
@@ -64,7 +82,14 @@ def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[in
 
 
 def library(model: Path, world: int, knobs: dict, fault: str = "", new: int = NEW) -> list[tuple[int, str, str]]:
-    script = [sys.executable, str(FIXTURES / "stage_generate.py"), str(model), json.dumps(PROMPT), str(new), json.dumps(knobs)]
+    script = [
+        sys.executable,
+        str(FIXTURES / "stage_generate.py"),
+        str(model),
+        json.dumps(PROMPT),
+        str(new),
+        json.dumps(knobs),
+    ]
     if world == 1:
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
         done = subprocess.run(script, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
@@ -91,9 +116,15 @@ def transformers_ids(model: Path) -> list[int]:
     ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                           pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+        out = ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(PROMPT) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +150,8 @@ def test_two_and_three_ranks_equal_one_process_and_transformers(dense):
 
 
 def test_speculation_crops_every_rank(dense):
-    """Prompt lookup verifies several tokens a pass and rolls the cache back: every rank crops its own to rank 0's length."""
+    """Prompt lookup verifies several tokens a pass and rolls the cache back: every rank crops its own to rank 0's
+    length."""
     knobs = {"compute_dtype": "fp32", "speculate": "prompt-lookup"}
     assert ids_of(library(dense, 2, knobs)[0]) == ids_of(library(dense, 1, {**FP32})[0])
 
@@ -151,14 +183,28 @@ def test_packed_gguf_two_ranks(smollm2_gguf):
 
 
 def torchrun(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(_port()), "-m", "rocketllm_cli", *argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_port()),
+        "-m",
+        "rocketllm_cli",
+        *argv,
+    ]
 
 
 def test_generate_under_torchrun_prints_what_one_process_prints(dense):
     argv = ["generate", str(dense), "hello there", "--raw", "-n", "12", "--dtype", "fp32", "--speculate", "off"]
     env = {**os.environ, "ROCKETLLM_KEEP_ALIVE": "0", "OMP_NUM_THREADS": "1"}
-    alone = subprocess.run([sys.executable, "-m", "rocketllm_cli", *argv], capture_output=True, text=True, env=env, timeout=240)
+    alone = subprocess.run(
+        [sys.executable, "-m", "rocketllm_cli", *argv], capture_output=True, text=True, env=env, timeout=240
+    )
     staged = subprocess.run(torchrun(*argv, "--stats"), capture_output=True, text=True, env=env, timeout=240)
     assert alone.returncode == 0 and staged.returncode == 0, staged.stderr[-2000:]
     assert staged.stdout == alone.stdout
@@ -167,10 +213,18 @@ def test_generate_under_torchrun_prints_what_one_process_prints(dense):
 
 
 def test_bench_and_doctor_under_torchrun(dense):
-    """bench follows rank 0's loads on every rank (one per regime); doctor prints every rank's measurements and the plan."""
+    """bench follows rank 0's loads on every rank (one per regime); doctor prints every rank's measurements and the
+    plan."""
     env = {**os.environ, "ROCKETLLM_KEEP_ALIVE": "0", "OMP_NUM_THREADS": "1"}
-    bench = subprocess.run(torchrun("bench", str(dense), "--regime", "resident", "storage", "--tokens", "4", "--prompt-tokens", "8",
-                                    "--json"), capture_output=True, text=True, env=env, timeout=300)
+    bench = subprocess.run(
+        torchrun(
+            "bench", str(dense), "--regime", "resident", "storage", "--tokens", "4", "--prompt-tokens", "8", "--json"
+        ),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert bench.returncode == 0, bench.stderr[-3000:]
     rows = [r for r in json.loads(bench.stdout)["rows"] if r["name"] == "rocketllm"]
     assert [r["regime"] for r in rows] == ["resident", "storage"] and all(r["status"] == "measured" for r in rows)
@@ -178,7 +232,9 @@ def test_bench_and_doctor_under_torchrun(dense):
         assert row["stages"]["passes"] >= 5 and row["stages"]["ranges"][-1][1] == 6
     # every rank's bytes: the storage regime serves the whole model from storage each decode token
     assert rows[1]["bytes_per_token"]["storage"] > rows[1]["bytes_per_token"]["device"]
-    doctor = subprocess.run(torchrun("doctor", "--model", str(dense)), capture_output=True, text=True, env=env, timeout=300)
+    doctor = subprocess.run(
+        torchrun("doctor", "--model", str(dense)), capture_output=True, text=True, env=env, timeout=300
+    )
     assert doctor.returncode == 0, doctor.stderr[-3000:]
     section = doctor.stdout.split("## Pipeline stages", 1)[1]
     assert "rank 0 (" in section and "rank 1 (" in section and "plan: stages (derived, --stages" in section
@@ -186,8 +242,24 @@ def test_bench_and_doctor_under_torchrun(dense):
 
 
 def _serve(dense, extra_args=(), extra_env=None):
-    procs = launch(2, lambda r: [sys.executable, "-m", "rocketllm_cli", "serve", str(dense), "--port", "0", "--dtype", "fp32",
-                                 "--stage-timeout-s", "3", *extra_args], extra_env)
+    procs = launch(
+        2,
+        lambda r: [
+            sys.executable,
+            "-m",
+            "rocketllm_cli",
+            "serve",
+            str(dense),
+            "--port",
+            "0",
+            "--dtype",
+            "fp32",
+            "--stage-timeout-s",
+            "3",
+            *extra_args,
+        ],
+        extra_env,
+    )
     deadline = time.monotonic() + 180
     url = None
     lines = []
@@ -226,7 +298,8 @@ def test_serve_answers_the_openai_client_then_503_when_a_rank_hangs(dense):
         import anthropic
 
         message = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0).messages.create(
-            model=dense.name, max_tokens=6, messages=[{"role": "user", "content": "hello"}])
+            model=dense.name, max_tokens=6, messages=[{"role": "user", "content": "hello"}]
+        )
         assert message.usage.output_tokens >= 1 and message.stop_reason in ("max_tokens", "end_turn")
         procs[1].send_signal(signal.SIGSTOP)  # a host that hangs: no heartbeat, its socket still open
         started = time.monotonic()
@@ -250,7 +323,9 @@ def test_serve_answers_503_when_a_rank_dies(dense):
     try:
         procs[1].kill()
         procs[1].wait(timeout=30)
-        reply = httpx.post(f"{url}/v1/completions", json={"model": dense.name, "prompt": "hello", "max_tokens": 4}, timeout=60)
+        reply = httpx.post(
+            f"{url}/v1/completions", json={"model": dense.name, "prompt": "hello", "max_tokens": 4}, timeout=60
+        )
         assert reply.status_code == 503 and "rank 1" in reply.text, reply.text
         assert httpx.get(f"{url}/health").status_code == 503
     finally:
@@ -269,12 +344,20 @@ def test_a_rank_that_crashes_or_hangs_is_one_line(dense, fault, says):
 
 def test_sets_that_differ_are_refused_naming_the_rank(tiny_factory, dense):
     other = tiny_factory("llama", num_hidden_layers=6, seed=1)
-    script = lambda model: [sys.executable, str(FIXTURES / "stage_generate.py"), str(model), json.dumps(PROMPT), "4", json.dumps(FP32)]
+    script = lambda model: [
+        sys.executable,
+        str(FIXTURES / "stage_generate.py"),
+        str(model),
+        json.dumps(PROMPT),
+        "4",
+        json.dumps(FP32),
+    ]
     results = finish(launch(2, lambda r: script(dense if r == 0 else other)))
     (code0, _, err0), (code1, _, err1) = results
     assert code0 == 1 and code1 == 1
     assert [line for line in err0.splitlines() if line.startswith("error:")] == [
-        line for line in err0.splitlines() if "has another shard set than rank 0" in line]
+        line for line in err0.splitlines() if "has another shard set than rank 0" in line
+    ]
     assert "rank 1 (" in err0 and "error:" not in err1  # rank 0 says it once for all
 
 
@@ -282,16 +365,26 @@ def test_a_rendezvous_that_cannot_form_is_one_line(dense):
     """Rank 1 never comes: rank 0 waits the stage timeout, then one line."""
     port = _port()
     env = _env(0, 2, port, {"ROCKETLLM_KEEP_ALIVE": "0"})
-    done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "generate", str(dense), "hi", "-n", "2", "--stage-timeout-s", "2"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "rocketllm_cli", "generate", str(dense), "hi", "-n", "2", "--stage-timeout-s", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "could not join the stages at 127.0.0.1" in done.stderr and done.stderr.count("error:") == 1, done.stderr
 
 
 def test_a_wildcard_rendezvous_is_refused(dense):
     env = _env(0, 2, _port(), {"MASTER_ADDR": "0.0.0.0", "ROCKETLLM_KEEP_ALIVE": "0"})
-    done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "generate", str(dense), "hi", "-n", "2"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "rocketllm_cli", "generate", str(dense), "hi", "-n", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "is a wildcard" in done.stderr and "ROCKETLLM_STAGE_ALLOW_ANY" in done.stderr
 
 
@@ -302,11 +395,15 @@ def _rank(r: int, device: int, storage_bps: float = 1e9, compute_bps: float = 10
 
 def test_plan_balances_equal_ranks_and_spares_a_small_one():
     layers = [100] * 8
-    even = plan_stages([_rank(0, 10_000), _rank(1, 10_000)], layers, layers, first_bytes=40, other_bytes=0, hidden_bytes=1000)
+    even = plan_stages(
+        [_rank(0, 10_000), _rank(1, 10_000)], layers, layers, first_bytes=40, other_bytes=0, hidden_bytes=1000
+    )
     assert even.ranges == [(0, 4), (4, 8)]
     assert even.link_seconds == pytest.approx(2 * (1e-4 + 1000 / 1e8))
     # rank 1 holds 200 bytes in memory, the rest streams at 1 GB/s: it gets fewer layers than the one holding everything
-    small = plan_stages([_rank(0, 10_000), _rank(1, 200)], layers, layers, first_bytes=40, other_bytes=0, hidden_bytes=1000)
+    small = plan_stages(
+        [_rank(0, 10_000), _rank(1, 200)], layers, layers, first_bytes=40, other_bytes=0, hidden_bytes=1000
+    )
     assert small.ranges[1][1] - small.ranges[1][0] < 4
     assert small.slowest_seconds <= even.slowest_seconds * 10
     assert small.stream_seconds == pytest.approx(sum(small.stage_seconds) + small.link_seconds)
@@ -326,6 +423,7 @@ def test_plan_override_and_its_refusals():
 def test_stages_that_do_not_fit_are_one_line_from_rank_0(dense):
     results = library(dense, 3, {**FP32, "stages": "1,2"})
     (code0, _, err0), *others = results
-    assert code0 == 1 and "stages '1,2' does not fit: give 3 layer counts" in err0 and "Traceback" not in err0, \
-        f"rank 0 exited {code0}: {err0[-2000:]}"  # rank 0 once ended with SIGABRT in a full suite: say what it printed
+    assert code0 == 1 and "stages '1,2' does not fit: give 3 layer counts" in err0 and "Traceback" not in err0, (
+        f"rank 0 exited {code0}: {err0[-2000:]}"
+    )  # rank 0 once ended with SIGABRT in a full suite: say what it printed
     assert all(code == 1 and "error:" not in err for code, _, err in others)  # every rank stops; rank 0 says why

@@ -26,7 +26,10 @@ def doctor(*args, env=None):
 
 
 def test_text_report_has_every_section_and_json_the_same_fields():
-    text, js = doctor("--model-size", "70B", "--weight-bits", "4"), doctor("--model-size", "70B", "--weight-bits", "4", "--json")
+    text, js = (
+        doctor("--model-size", "70B", "--weight-bits", "4"),
+        doctor("--model-size", "70B", "--weight-bits", "4", "--json"),
+    )
     assert text.exit_code == 0 and js.exit_code == 0, text.output + js.output
     doc = json.loads(js.stdout)
     assert list(doc) == list(SECTIONS)
@@ -93,14 +96,27 @@ def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint
     assert "(an upper bound: per-layer work is left out" in text
 
     resident = before["projection"]["regimes"]["resident"]  # each of bench's regimes, measured or not
-    assert set(before["projection"]["regimes"]) == {"resident", "host", "storage"} and resident["tiers"]["device"]["bytes"] > 0
+    assert (
+        set(before["projection"]["regimes"]) == {"resident", "host", "storage"}
+        and resident["tiers"]["device"]["bytes"] > 0
+    )
     compute_dtype = next(c["value"] for c in before["capabilities"] if c["name"] == "compute_dtype")
-    record(HardwareProfile.load(), shards, Manifest.load(shards), compute_dtype, {"median": 40.0, "p10": 35.0, "n": 8}, "1 of 2",
-           model_facts_from_path(shards))
+    record(
+        HardwareProfile.load(),
+        shards,
+        Manifest.load(shards),
+        compute_dtype,
+        {"median": 40.0, "p10": 35.0, "n": 8},
+        "1 of 2",
+        model_facts_from_path(shards),
+    )
     after = json.loads(doctor("--model", str(shards), "--json").stdout)
     projection = after["projection"]
     assert projection["compute_seconds"] == pytest.approx(0.040)
-    assert "measured by `rocketllm bench`" in projection["compute_bandwidth"] and "1 of 2 compute threads" in projection["compute_bandwidth"]
+    assert (
+        "measured by `rocketllm bench`" in projection["compute_bandwidth"]
+        and "1 of 2 compute threads" in projection["compute_bandwidth"]
+    )
     for regime, r in projection["regimes"].items():  # max(io of every byte from the regime's tier, measured compute)
         assert r["overlapped_seconds"] == pytest.approx(max(r["io_seconds"], 0.040)), regime
     assert projection["regimes"]["resident"]["overlapped_seconds"] == pytest.approx(0.040)
@@ -111,7 +127,8 @@ def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint
     elsewhere = json.loads(doctor("--model", str(other), "--json").stdout)["projection"]
     floor = before["projection"]["compute_seconds"]
     layers = after["model"]["num_layers"]
-    measured = layer_overhead(HardwareProfile.load(), compute_dtype)  # (0.040 - the floor as the engine computes) / layers
+    # (0.040 - the floor as the engine computes) / layers
+    measured = layer_overhead(HardwareProfile.load(), compute_dtype)
     assert 0 < measured["seconds"] * layers < 0.040
     assert elsewhere["compute_seconds"] == pytest.approx(floor + layers * measured["seconds"])
     assert f"plus {layers} layers x" in elsewhere["compute_bandwidth"]
@@ -139,14 +156,17 @@ def test_second_run_uses_the_cache():
     assert {p.name: p.stat().st_mtime_ns for p in where.glob("*.json")} == stamp
 
 
-@pytest.mark.parametrize("args, code, words", [
-    (["--model", "/nonexistent/model"], 1, "model path not found"),
-    (["--model-size", "abc"], 1, "parameter count"),
-    (["--model-size", "70B", "--weight-bits", "0"], 1, "--weight-bits"),
-    (["--model-size", "70B", "--weight-bits", "64"], 1, "--weight-bits"),
-    (["--model", ".", "--model-size", "7B"], 2, "not both"),
-    (["--weight-bits", "4"], 2, "--model-size"),
-])
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (["--model", "/nonexistent/model"], 1, "model path not found"),
+        (["--model-size", "abc"], 1, "parameter count"),
+        (["--model-size", "70B", "--weight-bits", "0"], 1, "--weight-bits"),
+        (["--model-size", "70B", "--weight-bits", "64"], 1, "--weight-bits"),
+        (["--model", ".", "--model-size", "7B"], 2, "not both"),
+        (["--weight-bits", "4"], 2, "--model-size"),
+    ],
+)
 def test_bad_inputs_give_one_line_and_an_exit_code(args, code, words):
     result = doctor(*args)
     assert result.exit_code == code and result.stdout == ""
@@ -173,11 +193,20 @@ def test_no_private_data_in_any_output(tmp_path, tiny_checkpoint):
     for f in tiny_checkpoint.iterdir():
         (model / f.name).write_bytes(f.read_bytes())
     env = {k: v for k, v in os.environ.items() if k not in ("ROCKETLLM_CACHE", "XDG_CACHE_HOME")}
-    env.update(HOME=str(home), USER="zq9user", LOGNAME="zq9user", ROCKETLLM_PROBE_BYTES="32MiB", ROCKETLLM_API_TOKEN="zq9token")
-    runs = [["doctor", "--model", str(model)], ["doctor", "--model", str(model), "--json"], ["profile", "--model", str(model)],
-            ["doctor", "--model", str(home)], ["doctor", "--model", str(home / "missing")]]
+    env.update(
+        HOME=str(home), USER="zq9user", LOGNAME="zq9user", ROCKETLLM_PROBE_BYTES="32MiB", ROCKETLLM_API_TOKEN="zq9token"
+    )
+    runs = [
+        ["doctor", "--model", str(model)],
+        ["doctor", "--model", str(model), "--json"],
+        ["profile", "--model", str(model)],
+        ["doctor", "--model", str(home)],
+        ["doctor", "--model", str(home / "missing")],
+    ]
     for args in runs:
-        done = subprocess.run([sys.executable, "-m", "rocketllm_cli", *args], env=env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "rocketllm_cli", *args], env=env, capture_output=True, text=True, timeout=120
+        )
         seen = done.stdout + done.stderr
         assert "zq9user" not in seen and "zq9token" not in seen, seen
         assert "Traceback" not in seen

@@ -48,19 +48,27 @@ def sets(request, tiny_factory, tmp_path_factory):
     the int4 kernel's 64-row blocks too) sharded with and without fusion, and plain transformers on the dequantized
     weights."""
     mode = request.param
-    checkpoint = tiny_factory("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+    checkpoint = tiny_factory(
+        "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256
+    )
     root = tmp_path_factory.mktemp("fusion")
     manifest, fused, _ = shard(checkpoint, out=root / f"{mode}-fused", packing=mode, log=lambda m: None)
-    plain_manifest, plain, _ = shard(checkpoint, out=root / f"{mode}-plain", packing=mode, fuse=False, log=lambda m: None)
+    plain_manifest, plain, _ = shard(
+        checkpoint, out=root / f"{mode}-plain", packing=mode, fuse=False, log=lambda m: None
+    )
     assert plain_manifest.format_version == 3 and not any(t.fused for u in plain_manifest.units for t in u.tensors)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, **dtype_kwargs(torch.float32))
     params = dict(reference.named_parameters())
     for unit in plain_manifest.units:  # the unfused set's weights: the fused set must hold exactly these rows
         for record in unit.tensors:
             if record.packed is not None:
-                data = torch.from_file(str(plain / unit.file), size=unit.bytes, dtype=torch.uint8)[record.offset : record.offset + record.nbytes]
+                data = torch.from_file(str(plain / unit.file), size=unit.bytes, dtype=torch.uint8)[
+                    record.offset : record.offset + record.nbytes
+                ]
                 with torch.no_grad():
-                    params[record.name].copy_(dequantize(PackedTensor.from_bytes(PackedFormat.from_dict(record.packed), data)))
+                    params[record.name].copy_(
+                        dequantize(PackedTensor.from_bytes(PackedFormat.from_dict(record.packed), data))
+                    )
     return mode, manifest, fused, plain, reference
 
 
@@ -158,11 +166,14 @@ def test_formats_that_disagree_stay_apart():
     assert fuse([quantize_rtn(w, 8, None) for w in weights]) is None  # another K
 
 
-@pytest.mark.parametrize("edit, says", [
-    (lambda t: t["fused"][0].__setitem__(1, t["fused"][0][1] + 1), "fused rows do not add up"),
-    (lambda t: t["fused"].reverse(), "fused members do not match its name"),
-    (lambda t: t.update(fused=[["x", 1]]), "bad fused members"),
-])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda t: t["fused"][0].__setitem__(1, t["fused"][0][1] + 1), "fused rows do not add up"),
+        (lambda t: t["fused"].reverse(), "fused members do not match its name"),
+        (lambda t: t.update(fused=[["x", 1]]), "bad fused members"),
+    ],
+)
 def test_a_fused_record_that_does_not_add_up_is_refused(sets, tmp_path, edit, says):
     _, _, fused, _, _ = sets
     work = shutil.copytree(fused, tmp_path / "set")

@@ -18,13 +18,27 @@ from rocketllm_cli.checkpoint.manifest import MANIFEST, RESHARD, Manifest
 from rocketllm_cli.errors import ShardError
 from rocketllm_cli.shard import sharder
 
-FUZZ = settings(derandomize=True, deadline=None, database=None, max_examples=150,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    derandomize=True,
+    deadline=None,
+    database=None,
+    max_examples=150,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.integers(-3, 5000),
-                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                           max_leaves=8)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.integers(-3, 5000),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +55,23 @@ def what_loads(manifest: Manifest) -> tuple:
     """Everything a load binds by: fields that may differ without changing a single weight are left out
     (sha256 is --verify's business; seconds, source names and labels are informational)."""
     return (
-        manifest.format_version, manifest.dtype, manifest.stack, sorted(manifest.aliases.items()), manifest.source["fingerprint"],
-        [(u.name, u.kind, u.module, u.file, u.bytes, u.index,
-          sorted((t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in u.tensors)) for u in manifest.units],
+        manifest.format_version,
+        manifest.dtype,
+        manifest.stack,
+        sorted(manifest.aliases.items()),
+        manifest.source["fingerprint"],
+        [
+            (
+                u.name,
+                u.kind,
+                u.module,
+                u.file,
+                u.bytes,
+                u.index,
+                sorted((t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in u.tensors),
+            )
+            for u in manifest.units
+        ],
     )
 
 
@@ -123,8 +151,14 @@ def test_manifest_load_refuses_any_edit_in_one_line_or_loads_the_same_units(data
 
 NAMED_EDITS = {
     # name: (edit, what the message says); the first two loaded and generated other text before the header check
-    "offset moved 4 bytes": (lambda d: d["units"][2]["tensors"][0].update(offset=d["units"][2]["tensors"][0]["offset"] + 4), "does not match the manifest"),
-    "offset of another tensor": (lambda d: d["units"][2]["tensors"][1].update(offset=d["units"][2]["tensors"][0]["offset"]), "does not match the manifest"),
+    "offset moved 4 bytes": (
+        lambda d: d["units"][2]["tensors"][0].update(offset=d["units"][2]["tensors"][0]["offset"] + 4),
+        "does not match the manifest",
+    ),
+    "offset of another tensor": (
+        lambda d: d["units"][2]["tensors"][1].update(offset=d["units"][2]["tensors"][0]["offset"]),
+        "does not match the manifest",
+    ),
     "dtype changed": (lambda d: d["units"][3]["tensors"][0].update(dtype="F16"), "bad dtype"),
     "file not a string": (lambda d: d["units"][3].update(file=123), "bad file name"),
     "file with a NUL": (lambda d: d["units"][3].update(file="a\x00b"), "bad file name"),
@@ -134,7 +168,10 @@ NAMED_EDITS = {
     "index true": (lambda d: d["units"][1].update(index=True), "layer index"),
     "format 5": (lambda d: d.update(format_version=5), "manifest format 5"),
     "packing unknown": (lambda d: d.update(packing="q3"), "bad packing"),
-    "packed in a float set": (lambda d: d["units"][1]["tensors"][0].update(packed={"kind": "int4"}), "bad packed format"),
+    "packed in a float set": (
+        lambda d: d["units"][1]["tensors"][0].update(packed={"kind": "int4"}),
+        "bad packed format",
+    ),
     "aliases missing": (lambda d: d.pop("aliases"), "fields missing or unknown"),
 }
 

@@ -77,13 +77,19 @@ def test_a_batch_equals_lone_runs_token_for_token(streamed, prompts):
         config.eos_token_id = original
     for name, got in zip(order, batch):
         want = expected[name]
-        assert (got.token_ids, got.text, got.finish_reason, got.prompt_tokens) == \
-            (want.token_ids, want.text, want.finish_reason, want.prompt_tokens), name
+        assert (got.token_ids, got.text, got.finish_reason, got.prompt_tokens) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.prompt_tokens,
+        ), name
 
 
 def test_cli_batch_of_identical_prompts_equals_single_runs(source):
     def run(*args, input=None):
-        result = CliRunner().invoke(app, ["generate", str(source), *args, "--raw", "-n", str(NEW), "--json"], input=input)
+        result = CliRunner().invoke(
+            app, ["generate", str(source), *args, "--raw", "-n", str(NEW), "--json"], input=input
+        )
         assert result.exit_code == 0, result.stderr
         return json.loads(result.stdout)
 
@@ -120,7 +126,9 @@ def test_generate_and_bench_figures_come_from_one_function_over_one_record(strea
 def test_a_plain_transformers_model_runs_the_same_loop(source, streamed, prompts):
     plain = AutoModelForCausalLM.from_pretrained(source, **dtype_kwargs(torch.float32)).eval()
     ours = lone(streamed, prompts["long"])
-    theirs = Generator(plain, tokenizer=streamed.tokenizer).run(GenerationRequest(prompts["long"], SamplingParams(max_new_tokens=NEW)))
+    theirs = Generator(plain, tokenizer=streamed.tokenizer).run(
+        GenerationRequest(prompts["long"], SamplingParams(max_new_tokens=NEW))
+    )
     assert (theirs.token_ids, theirs.text) == (ours.token_ids, ours.text)
     stats = timed_run(plain, prompts["long"], 3)  # a bench baseline: no ledger, no tokenizer
     assert len(stats.gaps_s) == 3 and stats.ttft_s > 0
@@ -176,8 +184,10 @@ def test_library_errors_name_keywords_and_each_caller_spells_them():
     with pytest.raises(ParameterError) as caught:
         check_context(10, 8, 16)
     assert caught.value.params == ("max_new_tokens",)
-    assert str(caught.value) == ("prompt is 10 tokens and max_new_tokens 8, but the context allows 16; "
-                                 "shorten the prompt or lower max_new_tokens")
+    assert str(caught.value) == (
+        "prompt is 10 tokens and max_new_tokens 8, but the context allows 16; "
+        "shorten the prompt or lower max_new_tokens"
+    )
 
 
 def test_the_cli_default_token_count_is_the_library_default():
@@ -187,13 +197,16 @@ def test_the_cli_default_token_count_is_the_library_default():
     assert SamplingParams().max_new_tokens == DEFAULT_REPLY_TOKENS
 
 
-@pytest.mark.parametrize("config, pad", [
-    (SimpleNamespace(pad_token_id=7, eos_token_id=[5, 2]), 7),
-    (SimpleNamespace(pad_token_id=None, eos_token_id=[5, 2]), 5),
-    (SimpleNamespace(pad_token_id=None, eos_token_id=2), 2),
-    (SimpleNamespace(pad_token_id=None, eos_token_id=None), 0),
-    (None, 0),
-])
+@pytest.mark.parametrize(
+    "config, pad",
+    [
+        (SimpleNamespace(pad_token_id=7, eos_token_id=[5, 2]), 7),
+        (SimpleNamespace(pad_token_id=None, eos_token_id=[5, 2]), 5),
+        (SimpleNamespace(pad_token_id=None, eos_token_id=2), 2),
+        (SimpleNamespace(pad_token_id=None, eos_token_id=None), 0),
+        (None, 0),
+    ],
+)
 def test_one_pad_rule(config, pad):
     assert pad_token_id(SimpleNamespace(generation_config=config)) == pad
 
@@ -203,15 +216,22 @@ def test_min_new_tokens_holds_end_of_sequence_off_as_transformers_own_does(sourc
     greedy run makes third: both hold it off for exactly the count, then stop at it."""
     plain = AutoModelForCausalLM.from_pretrained(source, **dtype_kwargs(torch.float32)).eval()
     ids = torch.tensor([prompts["long"]])
-    free = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    free = plain.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, ids.shape[1] :].tolist()
     eos = free[2]
     original = (plain.generation_config.eos_token_id, streamed.generation_config.eos_token_id)
     plain.generation_config.eos_token_id = streamed.generation_config.eos_token_id = eos
     try:
         for held in (0, 2, 5):
-            theirs = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=held or None,
-                                    do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+            theirs = plain.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW,
+                min_new_tokens=held or None,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, ids.shape[1] :].tolist()
             theirs = theirs[: theirs.index(eos) + 1] if eos in theirs else theirs
             ours = lone(streamed, prompts["long"], SamplingParams(max_new_tokens=NEW, min_new_tokens=held))
             assert ours.token_ids == theirs, held

@@ -34,10 +34,26 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # byte offsets of the fp16 scale fields in one block: filled with modest finite values for the "sensible" blocks
 F16_FIELDS = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
-    "IQ1_S": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+    "IQ2_XXS": (0,),
+    "IQ2_XS": (0,),
+    "IQ2_S": (0,),
+    "IQ3_XXS": (0,),
+    "IQ3_S": (0,),
+    "IQ1_S": (0,),
+    "TQ1_0": (52,),
+    "TQ2_0": (64,),
 }
 
 
@@ -58,7 +74,7 @@ def sensible_blocks(name: str, rows: int, per_row: int, rng) -> np.ndarray:
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # bf16: the top half
     raw = rng.integers(0, 256, size=(rows, per_row, nbytes), dtype=np.uint8)
     for at in F16_FIELDS.get(name, ()):
-        raw[..., at:at + 2] = _scales(rng, (rows, per_row)).view(np.uint8).reshape(rows, per_row, 2)
+        raw[..., at : at + 2] = _scales(rng, (rows, per_row)).view(np.uint8).reshape(rows, per_row, 2)
     if name == "IQ1_M":  # the fp16 d lives in the top nibbles of the four uint16 scale words at bytes 48..56
         d = _scales(rng, (rows, per_row)).view(np.uint16).astype(np.uint16)
         words = np.ascontiguousarray(raw[..., 48:56]).view(np.uint16)  # [rows, per_row, 4]
@@ -172,8 +188,8 @@ def test_tiles_strides_and_offsets(name):
     raw = sensible_blocks(name, rows, per_row, np.random.default_rng(13))
     ref = reference(raw, name)
     wide = torch.zeros(rows, raw.shape[1] + 4, dtype=torch.uint8)
-    wide[:, 1:1 + raw.shape[1]] = torch.from_numpy(raw)
-    blocks = wide[:, 1:1 + raw.shape[1]]  # odd offset, row stride ≠ row length
+    wide[:, 1 : 1 + raw.shape[1]] = torch.from_numpy(raw)
+    blocks = wide[:, 1 : 1 + raw.shape[1]]  # odd offset, row stride ≠ row length
     cols = per_row * elems
     for chunk in (1, elems, 3 * elems + 1, cols - 1, cols, 2 * cols + elems, None):
         assert_same_bits(dequantize_blocks(blocks, name, chunk_elems=chunk), ref, f"{name} chunk {chunk}")

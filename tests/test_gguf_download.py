@@ -51,7 +51,8 @@ def test_an_fp32_set_computes_what_transformers_computes_from_the_file(gemma_ggu
     assert result.exit_code == 0, result.stderr
     ids, expected = reference
     with StreamingModel(out, EngineConfig(compute_dtype="fp32", device_cache_bytes=1 << 40)) as model:
-        assert model.tokenizer(model.tokenizer.decode(ids[0], skip_special_tokens=True)).input_ids[0] == ids[0, 0]  # BOS
+        # BOS
+        assert model.tokenizer(model.tokenizer.decode(ids[0], skip_special_tokens=True)).input_ids[0] == ids[0, 0]
         with torch.inference_mode():
             got = model(ids).logits[0].float().log_softmax(-1)
     kl = (expected.exp() * (expected - got)).sum(-1)
@@ -94,7 +95,11 @@ def test_an_untied_embedding_decoded_into_the_set_makes_it_bf16_where_it_is_most
     from rocketllm_cli.checkpoint.ggufheader import blocks_set_dtype, shard_sizes
 
     q4k, f32 = 12, 0
-    tied = {"token_embd.weight": (q4k, (256, 1000)), "blk.0.attn_q.weight": (q4k, (256, 256)), "output_norm.weight": (f32, (256,))}
+    tied = {
+        "token_embd.weight": (q4k, (256, 1000)),
+        "blk.0.attn_q.weight": (q4k, (256, 256)),
+        "output_norm.weight": (f32, (256,)),
+    }
     assert blocks_set_dtype(tied) == "fp32"
     untied = {**tied, "output.weight": (q4k, (256, 1000))}
     assert blocks_set_dtype(untied) == "bf16"

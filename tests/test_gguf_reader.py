@@ -24,8 +24,9 @@ def _same_reader(path) -> None:
         for x, y in zip(a.parts, b.parts):
             assert x.dtype == y.dtype and np.array_equal(x, y), key
         assert a.contents() == b.contents(), key
-    assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes, t.data.shape, t.data.dtype) for t in slow.tensors] == \
-        [(t.name, t.tensor_type, t.data_offset, t.n_bytes, t.data.shape, t.data.dtype) for t in fast.tensors]
+    assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes, t.data.shape, t.data.dtype) for t in slow.tensors] == [
+        (t.name, t.tensor_type, t.data_offset, t.n_bytes, t.data.shape, t.data.dtype) for t in fast.tensors
+    ]
     for x, y in zip(slow.tensors, fast.tensors):
         assert np.array_equal(x.data, y.data), x.name
 
@@ -38,8 +39,18 @@ def test_fields_and_tensors_are_ggufs_on_the_real_file(smollm2_gguf):
 def test_fields_and_tensors_are_ggufs_on_written_files(qtype, smollm2_gguf, tmp_path):
     from rocketllm_cli.synthetic.gguf import write_llama_gguf
 
-    path = write_llama_gguf(tmp_path / "m.gguf", smollm2_gguf, hidden=256, layers=1, intermediate=256, heads=4,
-                            kv_heads=2, qtype=qtype, embed_type="Q8_0", output_type="Q6_K")
+    path = write_llama_gguf(
+        tmp_path / "m.gguf",
+        smollm2_gguf,
+        hidden=256,
+        layers=1,
+        intermediate=256,
+        heads=4,
+        kv_heads=2,
+        qtype=qtype,
+        embed_type="Q8_0",
+        output_type="Q6_K",
+    )
     _same_reader(path)
 
 
@@ -61,7 +72,9 @@ def test_config_and_tokenizer_are_the_ones_transformers_makes_alone(smollm2_gguf
     assert config == plain_config
     text = "The capital of France is Paris. <|im_start|>user\nÇa va? 12345<|im_end|>"
     # (the sharder then sets BOS/EOS as the file declares them, which transformers 4.x does not: compared apart)
-    assert tokenizer(text, add_special_tokens=False).input_ids == plain_tokenizer(text, add_special_tokens=False).input_ids
+    assert (
+        tokenizer(text, add_special_tokens=False).input_ids == plain_tokenizer(text, add_special_tokens=False).input_ids
+    )
     assert len(tokenizer) == len(plain_tokenizer) and tokenizer.all_special_tokens == plain_tokenizer.all_special_tokens
 
 

@@ -26,9 +26,15 @@ SEED = 61  # this module's own tiny model
 EVERYTHING = 1 << 40
 BUDGET = 800  # tokens: more than any bounded schema below needs, whitespace runs and escapes included
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +77,24 @@ NAMES = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
 LEAVES = st.one_of(
     st.just({"type": "boolean"}),
     st.just({"type": "null"}),
-    st.builds(lambda low, span: {"type": "integer", "minimum": low, "maximum": low + span}, st.integers(-1000, 1000), st.integers(0, 2000)),
+    st.builds(
+        lambda low, span: {"type": "integer", "minimum": low, "maximum": low + span},
+        st.integers(-1000, 1000),
+        st.integers(0, 2000),
+    ),
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 8)),
-    st.builds(lambda values: {"enum": values}, st.lists(st.one_of(st.text(alphabet="xyz é\"", min_size=1, max_size=4),
-                                                                   st.integers(-9, 9), st.booleans()), min_size=1, max_size=4, unique=True)),
-    st.sampled_from([{"type": "string", "pattern": "^[a-z]{1,4}$"}, {"type": "string", "pattern": "^[0-9]{2,3}-[A-Z]$"}]),
+    st.builds(
+        lambda values: {"enum": values},
+        st.lists(
+            st.one_of(st.text(alphabet="xyz é\"", min_size=1, max_size=4), st.integers(-9, 9), st.booleans()),
+            min_size=1,
+            max_size=4,
+            unique=True,
+        ),
+    ),
+    st.sampled_from(
+        [{"type": "string", "pattern": "^[a-z]{1,4}$"}, {"type": "string", "pattern": "^[0-9]{2,3}-[A-Z]$"}]
+    ),
 )
 
 
@@ -84,15 +103,26 @@ def _object(props: dict, required_mask: list[bool]) -> dict:
     return {"type": "object", "properties": props, "required": [n for n, keep in zip(names, required_mask) if keep]}
 
 
-SCHEMAS = st.recursive(LEAVES, lambda children: st.one_of(
-    st.dictionaries(NAMES, children, min_size=1, max_size=3).flatmap(
-        lambda props: st.lists(st.booleans(), min_size=len(props), max_size=len(props)).map(lambda mask: _object(props, mask))),
-    st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, children, st.integers(0, 3)),
-    st.builds(lambda options: {"anyOf": options}, st.lists(children, min_size=2, max_size=3)),
-), max_leaves=5)
+SCHEMAS = st.recursive(
+    LEAVES,
+    lambda children: st.one_of(
+        st.dictionaries(NAMES, children, min_size=1, max_size=3).flatmap(
+            lambda props: st.lists(st.booleans(), min_size=len(props), max_size=len(props)).map(
+                lambda mask: _object(props, mask)
+            )
+        ),
+        st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, children, st.integers(0, 3)),
+        st.builds(lambda options: {"anyOf": options}, st.lists(children, min_size=2, max_size=3)),
+    ),
+    max_leaves=5,
+)
 
-PROPERTY = settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                                              HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @PROPERTY
@@ -101,7 +131,16 @@ def test_greedy_and_sampled_replies_of_generated_schemas_parse_and_validate(stre
     constraint = Constraint.json_schema(schema)
     greedy = run(streamed, prompt, constraint, speculate="off")
     valid(greedy, schema)
-    valid(run(streamed, prompt, constraint, SamplingParams(max_new_tokens=BUDGET, temperature=1.0, seed=3), speculate="off"), schema)
+    valid(
+        run(
+            streamed,
+            prompt,
+            constraint,
+            SamplingParams(max_new_tokens=BUDGET, temperature=1.0, seed=3),
+            speculate="off",
+        ),
+        schema,
+    )
     drafted = run(streamed, prompt, constraint, speculate="prompt-lookup")  # drafted tokens checked by the matcher
     assert drafted.token_ids == greedy.token_ids
 
@@ -112,9 +151,13 @@ def test_a_batch_masks_each_row_by_its_own_schema_and_leaves_a_free_row_as_it_is
     generator = Generator(resident, speculate="off")
     params = SamplingParams(max_new_tokens=BUDGET)
     free_alone = generator.run(GenerationRequest(list(prompt), SamplingParams(max_new_tokens=12)))
-    rows = generator.run_batch([GenerationRequest(list(prompt), params, constraint=Constraint.json_schema(schema)),
-                                GenerationRequest(list(prompt), params, constraint=Constraint.json_schema(PERSON)),
-                                GenerationRequest(list(prompt), params)])
+    rows = generator.run_batch(
+        [
+            GenerationRequest(list(prompt), params, constraint=Constraint.json_schema(schema)),
+            GenerationRequest(list(prompt), params, constraint=Constraint.json_schema(PERSON)),
+            GenerationRequest(list(prompt), params),
+        ]
+    )
     valid(rows[0], schema)
     valid(rows[1], PERSON)
     assert rows[2].token_ids[:12] == free_alone.token_ids  # its scores were never touched
@@ -131,7 +174,8 @@ def test_streamed_and_resident_give_the_same_constrained_tokens(streamed, reside
 
 @pytest.mark.parametrize("mode", ["prompt-lookup", "draft"])
 def test_speculation_under_a_grammar_keeps_greedy_tokens_and_validity(streamed, resident, prompt, mode):
-    """Drafted tokens pass through the mask: the verification rejects any the grammar refuses, and the matcher rolls back."""
+    """Drafted tokens pass through the mask: the verification rejects any the grammar refuses, and the matcher rolls
+    back."""
     constraint = Constraint.json_schema(PERSON)
     plain = run(streamed, prompt, constraint, speculate="off")
     extra = {"draft_model": resident} if mode == "draft" else {}
@@ -139,7 +183,14 @@ def test_speculation_under_a_grammar_keeps_greedy_tokens_and_validity(streamed, 
     assert fast.stats.speculation["mode"] == mode and fast.stats.speculation["proposed"] > 0
     assert fast.token_ids == plain.token_ids
     valid(fast, PERSON)
-    sampled = run(streamed, prompt, constraint, SamplingParams(max_new_tokens=BUDGET, temperature=0.9, seed=11), speculate=mode, **extra)
+    sampled = run(
+        streamed,
+        prompt,
+        constraint,
+        SamplingParams(max_new_tokens=BUDGET, temperature=0.9, seed=11),
+        speculate=mode,
+        **extra,
+    )
     valid(sampled, PERSON)
 
 
@@ -148,20 +199,33 @@ def test_a_constrained_reply_after_a_prefix_from_the_cache(resident, prompt):
     generator = Generator(resident, cache, speculate="off")
     long = list(prompt) * 4  # 16-token blocks are cached; the prompt must span some
     free = generator.run(GenerationRequest(long, SamplingParams(max_new_tokens=8)))
-    again = generator.run(GenerationRequest(long, SamplingParams(max_new_tokens=BUDGET), constraint=Constraint.json_schema(PERSON)))
+    again = generator.run(
+        GenerationRequest(long, SamplingParams(max_new_tokens=BUDGET), constraint=Constraint.json_schema(PERSON))
+    )
     assert free.reused_tokens == 0 and again.reused_tokens > 0
-    assert again.token_ids == Generator(resident, speculate="off").run(
-        GenerationRequest(long, SamplingParams(max_new_tokens=BUDGET), constraint=Constraint.json_schema(PERSON))).token_ids
+    assert (
+        again.token_ids
+        == Generator(resident, speculate="off")
+        .run(GenerationRequest(long, SamplingParams(max_new_tokens=BUDGET), constraint=Constraint.json_schema(PERSON)))
+        .token_ids
+    )
     valid(again, PERSON)
 
 
 def test_json_object_lark_and_regex_constraints(resident, prompt):
     value = json.loads(run(resident, prompt, Constraint.json_object(), speculate="off").text)
     assert isinstance(value, dict)
-    lark = run(resident, prompt, Constraint.lark('start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]{1,3}/'), speculate="off")
+    lark = run(
+        resident, prompt, Constraint.lark('start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]{1,3}/'), speculate="off"
+    )
     assert lark.text in ("yes", "no") or (lark.text.startswith("maybe ") and lark.text[6:].isdigit())
     regex = run(resident, prompt, Constraint.regex(r"[A-Z][a-z]{2,5}-[0-9]{2}"), speculate="off")
-    assert regex.finish_reason == "stop" and len(regex.text) in range(6, 10) and regex.text[0].isupper() and regex.text[-2:].isdigit()
+    assert (
+        regex.finish_reason == "stop"
+        and len(regex.text) in range(6, 10)
+        and regex.text[0].isupper()
+        and regex.text[-2:].isdigit()
+    )
 
 
 def test_the_engine_compiles_a_schema_once_and_each_row_gets_a_matcher_of_its_own(resident, prompt):
@@ -170,20 +234,31 @@ def test_the_engine_compiles_a_schema_once_and_each_row_gets_a_matcher_of_its_ow
     one = Constraint.json_schema(PERSON)
     generator.run_batch([GenerationRequest(list(prompt), SamplingParams(max_new_tokens=BUDGET), constraint=one)] * 3)
     assert grammars.compiles == 1 and grammars.hits >= 2
-    generator.run(GenerationRequest(list(prompt), SamplingParams(max_new_tokens=BUDGET), constraint=Constraint.json_schema(dict(PERSON))))
+    generator.run(
+        GenerationRequest(
+            list(prompt), SamplingParams(max_new_tokens=BUDGET), constraint=Constraint.json_schema(dict(PERSON))
+        )
+    )
     assert grammars.compiles == 1  # the same schema again: the cached grammar
 
 
 def test_the_next_mask_is_computed_from_the_token_the_streamer_saw(resident, prompt, monkeypatch):
-    """A plain step's token goes to the mask before the next forward pass, so the call during that pass finds it consumed."""
+    """A plain step's token goes to the mask before the next forward pass, so the call during that pass finds it
+    consumed."""
     seen = {"advanced": 0, "followed_in_call": 0}
     advance, follow_calls = GrammarMask.advance, []  # follow_calls: whether each call found a row behind the ids
-    monkeypatch.setattr(GrammarMask, "advance", lambda self, tokens: (seen.__setitem__("advanced", seen["advanced"] + 1), advance(self, tokens))[1])
+    monkeypatch.setattr(
+        GrammarMask,
+        "advance",
+        lambda self, tokens: (seen.__setitem__("advanced", seen["advanced"] + 1), advance(self, tokens))[1],
+    )
     original_call = GrammarMask.__call__
 
     def call(self, input_ids, scores):
         self._wait()  # the grammar thread's work for the last step
-        behind = [row is not None and input_ids[b, self.width:].tolist() != row.consumed for b, row in enumerate(self.rows)]
+        behind = [
+            row is not None and input_ids[b, self.width :].tolist() != row.consumed for b, row in enumerate(self.rows)
+        ]
         follow_calls.append(any(behind))
         return original_call(self, input_ids, scores)
 
@@ -205,16 +280,25 @@ def test_a_schema_the_engine_cannot_use_is_one_line_naming_the_problem(resident)
 
 
 def test_generation_refuses_unnamed_properties_and_bounds_numbers_but_leaves_all_of_branches_open():
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": ["integer", "null"], "minimum": 0}}}},
-              "$defs": {"D": {"properties": {"x": {}}}}, "allOf": [{"properties": {"y": {}}}],
-              "anyOf": [{"properties": {"z": {"type": "number", "exclusiveMaximum": 1}}, "additionalProperties": True}]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {"type": ["integer", "null"], "minimum": 0}}}},
+        "$defs": {"D": {"properties": {"x": {}}}},
+        "allOf": [{"properties": {"y": {}}}],
+        "anyOf": [{"properties": {"z": {"type": "number", "exclusiveMaximum": 1}}, "additionalProperties": True}],
+    }
     out = for_generation(schema)
     assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
     assert out["$defs"]["D"]["additionalProperties"] is False
     assert "additionalProperties" not in out["allOf"][0] and out["anyOf"][0]["additionalProperties"] is True
-    assert out["properties"]["a"]["properties"]["b"] == {"type": ["integer", "null"], "minimum": 0, "maximum": SAFE_INTEGER}
+    assert out["properties"]["a"]["properties"]["b"] == {
+        "type": ["integer", "null"],
+        "minimum": 0,
+        "maximum": SAFE_INTEGER,
+    }
     assert out["anyOf"][0]["properties"]["z"] == {"type": "number", "exclusiveMaximum": 1, "minimum": -SAFE_INTEGER}
-    assert "additionalProperties" not in schema and "maximum" not in schema["properties"]["a"]["properties"]["b"]  # as it came
+    # as it came
+    assert "additionalProperties" not in schema and "maximum" not in schema["properties"]["a"]["properties"]["b"]
 
 
 def test_a_repeated_digit_ends_within_the_safe_integers(resident):
@@ -243,32 +327,41 @@ def test_generate_json_schema_and_grammar_flags(source, tmp_path):
     schema_file = tmp_path / "person.json"
     schema_file.write_text(json.dumps(PERSON))
     for schema_arg in (schema_file, json.dumps(PERSON)):
-        result = cli("generate", source, "A person:", "--raw", "-n", BUDGET, "--json-schema", schema_arg, "--speculate", "off")
+        result = cli(
+            "generate", source, "A person:", "--raw", "-n", BUDGET, "--json-schema", schema_arg, "--speculate", "off"
+        )
         assert result.exit_code == 0, result.stderr
         jsonschema.validate(json.loads(result.stdout), PERSON)
     lark = tmp_path / "answer.lark"
     lark.write_text('start: "yes" | "no"\n')
     result = cli("generate", source, "Yes or no?", "--raw", "-n", 8, "--grammar", lark, "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["text"] in ("yes", "no"), result.output
-    batch = cli("generate", source, "--raw", "-n", BUDGET, "--batch", "--json", "--json-schema", schema_file, input="one\ntwo\n")
+    batch = cli(
+        "generate", source, "--raw", "-n", BUDGET, "--batch", "--json", "--json-schema", schema_file, input="one\ntwo\n"
+    )
     assert batch.exit_code == 0, batch.stderr
     for row in json.loads(batch.stdout)["results"]:
         jsonschema.validate(json.loads(row["text"]), PERSON)
 
 
-@pytest.mark.parametrize("args, words", [
-    (("--json-schema", "{not json"), "the JSON Schema is not valid JSON"),
-    (("--json-schema", "missing-file.json"), "neither inline JSON nor a file"),
-    (("--json-schema", '{"$ref": "#/nowhere"}'), "JSON Schema the engine cannot use"),
-    (("--grammar", "missing.lark"), "--grammar missing.lark: no such file"),
-    (("--json-schema", "{}", "--grammar", "x.lark"), "give --json-schema or --grammar, not both"),
-    (("--grammar", "x.lark", "--server", "http://127.0.0.1:9"), "--grammar goes with a model loaded here"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("--json-schema", "{not json"), "the JSON Schema is not valid JSON"),
+        (("--json-schema", "missing-file.json"), "neither inline JSON nor a file"),
+        (("--json-schema", '{"$ref": "#/nowhere"}'), "JSON Schema the engine cannot use"),
+        (("--grammar", "missing.lark"), "--grammar missing.lark: no such file"),
+        (("--json-schema", "{}", "--grammar", "x.lark"), "give --json-schema or --grammar, not both"),
+        (("--grammar", "x.lark", "--server", "http://127.0.0.1:9"), "--grammar goes with a model loaded here"),
+    ],
+)
 def test_bad_constraint_flags_are_one_line_errors(source, tmp_path, monkeypatch, args, words):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.lark").write_text('start: "x"\n')
     result = cli("generate", source, "hi", *args)
-    assert result.exit_code == 1 and words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.exit_code == 1 and words in result.stderr and len(result.stderr.strip().splitlines()) == 1, (
+        result.stderr
+    )
 
 
 def test_the_python_api_takes_json_schema_and_grammar(resident, prompt):
@@ -276,10 +369,10 @@ def test_the_python_api_takes_json_schema_and_grammar(resident, prompt):
 
     ids = torch.tensor([prompt, prompt])
     out = resident.generate(ids, max_new_tokens=BUDGET, do_sample=False, json_schema=PERSON)
-    for row in out[:, ids.shape[1]:]:
+    for row in out[:, ids.shape[1] :]:
         jsonschema.validate(json.loads(resident.tokenizer.decode(row, skip_special_tokens=True)), PERSON)
     yes_no = resident.generate(ids[:1], max_new_tokens=8, do_sample=False, grammar='start: "yes" | "no"')
-    assert resident.tokenizer.decode(yes_no[0, ids.shape[1]:], skip_special_tokens=True) in ("yes", "no")
+    assert resident.tokenizer.decode(yes_no[0, ids.shape[1] :], skip_special_tokens=True) in ("yes", "no")
     with pytest.raises(ParameterError, match="not both"):
         resident.generate(ids, max_new_tokens=2, json_schema=PERSON, grammar="start: x")
 
@@ -290,8 +383,13 @@ def test_bench_json_schema_times_constrained_and_free_replies_of_the_same_length
     result = cli("bench", source, "--json-schema", schema, "--regime", "resident", "--tokens", 8, "--json")
     assert result.exit_code == 0, result.stderr
     run = json.loads(result.stdout)["runs"][0]
-    assert run["status"] == "measured" and len(run["tokens"]) == 3 and all(t == 10 for t in run["tokens"])  # 1 + warm-up + 8: cut
-    assert run["constrained_ms"] > 0 and run["free_ms"] > 0 and run["overhead"] == round(run["constrained_ms"] / run["free_ms"] - 1, 4)
+    # 1 + warm-up + 8: cut
+    assert run["status"] == "measured" and len(run["tokens"]) == 3 and all(t == 10 for t in run["tokens"])
+    assert (
+        run["constrained_ms"] > 0
+        and run["free_ms"] > 0
+        and run["overhead"] == round(run["constrained_ms"] / run["free_ms"] - 1, 4)
+    )
     assert run["blocking_ms_per_mask"] >= 0
     text = cli("bench", source, "--json-schema", schema, "--regime", "resident", "--tokens", 8)
     assert "| resident | 10, 10, 10 |" in text.stdout and "ms/token with the schema" in text.stdout

@@ -1,4 +1,5 @@
-"""The graphed resident decode (stream/graphs.py): where it applies, that the static cache it gives transformers keeps the
+"""The graphed resident decode (stream/graphs.py): where it applies, that the static cache it gives transformers keeps
+the
 tokens equal to plain transformers', that the ledger still counts one pass per forward with the pass hooks set aside,
 and that a compile failure falls back to the eager step for good. CUDA graphs themselves run on a GPU only
 (scripts/gpu_check.py); here the same plumbing runs eagerly on the CPU."""
@@ -29,9 +30,15 @@ def tiny_set(tiny_factory, tmp_path_factory):
 
 def greedy(model) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False, pad_token_id=3)
-    return out[0, PROMPT.shape[1]:].tolist()
+        out = model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=3,
+        )
+    return out[0, PROMPT.shape[1] :].tolist()
 
 
 def test_the_decode_graphs_apply_only_to_a_resident_model_on_a_cuda_gpu(tiny_set):
@@ -56,7 +63,7 @@ def test_a_static_cache_decode_equals_transformers_and_the_ledger_counts_every_p
     with StreamingModel(directory, EngineConfig(device_cache_bytes=HUGE, decode_graphs="on")) as model:
         hooks = len(model.model._forward_pre_hooks)
         first = greedy(model)
-        (key, cache), = model.static_caches.items()
+        ((key, cache),) = model.static_caches.items()
         assert key == (1, graphs.BUCKET)
         model.ledger.reset()  # the loop resets it per request; here the second call's passes alone are counted
         again = greedy(model)  # the same cache object, reset: a recorded graph reads the same addresses
@@ -73,6 +80,7 @@ def test_a_failed_compile_falls_back_to_the_eager_step_for_good(tiny_set, monkey
     def broken(*args, **kwargs):
         def call(*a, **k):
             raise RuntimeError("no compiler here")
+
         return call
 
     monkeypatch.setattr(torch, "compile", broken)

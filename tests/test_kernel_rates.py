@@ -18,21 +18,40 @@ MiB = 1024**2
 
 
 def cpu_profile(fingerprint: str = "synthetic-kernels") -> HardwareProfile:
-    found = {name: Measurement(name, bps, "synthetic", int(bps), 1.0)
-             for name, bps in {"device_memory": 20e9, "page_cache_read": 10e9, "storage_read": 2e9, "matvec_fp32": 10e9,
-                               "matvec_bf16": 20e9}.items()}
-    return HardwareProfile(fingerprint, "cpu", 2, 16 << 30, 12 << 30, measurements=found,
-                           capabilities={"compute_dtype": Capability("compute_dtype", "fp32", None, "synthetic")})
+    found = {
+        name: Measurement(name, bps, "synthetic", int(bps), 1.0)
+        for name, bps in {
+            "device_memory": 20e9,
+            "page_cache_read": 10e9,
+            "storage_read": 2e9,
+            "matvec_fp32": 10e9,
+            "matvec_bf16": 20e9,
+        }.items()
+    }
+    return HardwareProfile(
+        fingerprint,
+        "cpu",
+        2,
+        16 << 30,
+        12 << 30,
+        measurements=found,
+        capabilities={"compute_dtype": Capability("compute_dtype", "fp32", None, "synthetic")},
+    )
 
 
 def gguf_facts() -> ModelFacts:
     blocks = {"Q4_K": {"4096x4096": 90 * MiB}, "Q6_K": {"4096x14336": 10 * MiB}}  # 100 MiB of blocks
-    return ModelFacts("synthetic", 101 * MiB, 4, 25 * MiB, 25 * MiB, 1 * MiB, 1024, 4096, "fp32", gguf_blocks=True,
-                      block_bytes=blocks)
+    return ModelFacts(
+        "synthetic", 101 * MiB, 4, 25 * MiB, 25 * MiB, 1 * MiB, 1024, 4096, "fp32", gguf_blocks=True, block_bytes=blocks
+    )
 
 
-KERNELS = {"mode": "exact", "isa": "avx2", "threads": 2,
-           "rates": {"Q4_K": {"4096x4096": 9e9}, "Q6_K": {"4096x14336": 5e9}}}
+KERNELS = {
+    "mode": "exact",
+    "isa": "avx2",
+    "threads": 2,
+    "rates": {"Q4_K": {"4096x4096": 9e9}, "Q6_K": {"4096x14336": 5e9}},
+}
 
 
 def test_each_block_product_at_its_own_measured_speed_and_the_rest_at_the_matvec():
@@ -41,7 +60,8 @@ def test_each_block_product_at_its_own_measured_speed_and_the_rest_at_the_matvec
     want = 90 * MiB / 9e9 + 10 * MiB / 5e9 + 1 * MiB / 10e9  # the 1 MiB of floats at the fp32 matvec
     assert p.compute_seconds == pytest.approx(want)
     assert "Q4_K 9.00 GB/s over 90.0 MiB" in p.compute_bandwidth and "the other 1.0 MiB" in p.compute_bandwidth
-    floor = project(profile, gguf_facts(), {"device": facts.total_bytes}).compute_seconds  # not measured: the matvec floor
+    # not measured: the matvec floor
+    floor = project(profile, gguf_facts(), {"device": facts.total_bytes}).compute_seconds
     assert floor == pytest.approx(101 * MiB / 10e9)
 
 
@@ -68,8 +88,15 @@ def test_the_overhead_per_layer_is_the_median_of_what_bench_measured_beyond_the_
         # (ms - 10) / layers: 0.5, 0.5, 1.0 ms
         manifest = type("M", (), {"units": [], "total_bytes": layers, "source": {"name": name}})()
         monkeypatch.setattr(decodecompute, "_key", lambda d, m, dtype, n=name: f"{n}-{dtype}")
-        decodecompute.record(profile, tmp_path / name, manifest, "fp32", {"median": ms, "p10": ms}, 2,
-                             replace(gguf_facts(), name=name, num_layers=layers, architecture=arch))
+        decodecompute.record(
+            profile,
+            tmp_path / name,
+            manifest,
+            "fp32",
+            {"median": ms, "p10": ms},
+            2,
+            replace(gguf_facts(), name=name, num_layers=layers, architecture=arch),
+        )
     found = decodecompute.layer_overhead(profile, "fp32")
     assert found["seconds"] == pytest.approx(0.0005) and sorted(found["sets"]) == ["a", "b", "c"]
     assert found["architecture"] == "any"

@@ -1,4 +1,5 @@
-"""Every knob formula over the edges of its inputs: a measurement of zero, one that is tiny or huge, a machine or a model
+"""Every knob formula over the edges of its inputs: a measurement of zero, one that is tiny or huge, a machine or a
+model
 at either end of the scale. No formula divides by a measurement that can be zero, and each value still recomputes from
 what it prints (a small model on a fast GPU once projected 0.0 s/token and default_max_tokens divided by it)."""
 
@@ -13,22 +14,47 @@ from rocketllm_cli.profiles import Capability, HardwareProfile, Measurement, Mod
 
 GiB = 1024**3
 NAMESPACE = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil}
-MEASURED = ("host_memory", "device_memory", "page_cache_read", "storage_read", "storage_read_direct", "h2d_pinned",
-            "h2d_pageable", "matvec_bf16", "matvec_fp16", "matvec_fp32", "matmul_fp16")
+MEASURED = (
+    "host_memory",
+    "device_memory",
+    "page_cache_read",
+    "storage_read",
+    "storage_read_direct",
+    "h2d_pinned",
+    "h2d_pageable",
+    "matvec_bf16",
+    "matvec_fp16",
+    "matvec_fp32",
+    "matmul_fp16",
+)
 BANDWIDTHS = {"zero": 0.0, "tiny": 0.4, "slow": 1e6, "huge": 1e16}  # B/s; "tiny" rounds to 0 when printed whole
-MACHINES = {"tiny": (256 * 1024**2, 1), "small": (2 * GiB, 1 * GiB), "huge": (1 << 50, (1 << 50) - 1)}  # RAM total, free
-MODELS = {"none": None, "one-layer": ModelFacts.from_size(1e3, 4), "135M": ModelFacts.from_size(135e6, 16),
-          "405B": ModelFacts.from_size(405e9, 4)}
+# RAM total, free
+MACHINES = {"tiny": (256 * 1024**2, 1), "small": (2 * GiB, 1 * GiB), "huge": (1 << 50, (1 << 50) - 1)}
+MODELS = {
+    "none": None,
+    "one-layer": ModelFacts.from_size(1e3, 4),
+    "135M": ModelFacts.from_size(135e6, 16),
+    "405B": ModelFacts.from_size(405e9, 4),
+}
 
 
 def profile(device: str, bandwidth: float, ram: tuple[int, int], vram_free: int | None = None) -> HardwareProfile:
     gpu = device != "cpu"
     measurements = {name: Measurement(name, bandwidth, "synthetic edge", int(bandwidth), 1.0) for name in MEASURED}
     return HardwareProfile(
-        "edges", device, 1, ram[0], ram[1], (vram_free or 0) + GiB if gpu else None, vram_free if gpu else None,
+        "edges",
+        device,
+        1,
+        ram[0],
+        ram[1],
+        (vram_free or 0) + GiB if gpu else None,
+        vram_free if gpu else None,
         measurements=measurements,
-        capabilities={"compute_dtype": Capability("compute_dtype", "bf16" if gpu else "fp32", None, "synthetic"),
-                      "direct_io": Capability("direct_io", bandwidth > 1), "storage_kind": Capability("storage_kind", "nvme")},
+        capabilities={
+            "compute_dtype": Capability("compute_dtype", "bf16" if gpu else "fp32", None, "synthetic"),
+            "direct_io": Capability("direct_io", bandwidth > 1),
+            "storage_kind": Capability("storage_kind", "nvme"),
+        },
     )
 
 
@@ -48,8 +74,10 @@ def test_every_formula_survives_the_edges_of_its_inputs(device, bandwidth):
             try:
                 knobs = resolve_knobs(p, model, env={}, run_tokens=run_tokens)
             except Exception as error:  # noqa: BLE001 - the test names the case that broke
-                pytest.fail(f"{device}, {bandwidth} bandwidth, {machine} machine, model {name}, run_tokens {run_tokens}: "
-                            f"{type(error).__name__}: {error}")
+                pytest.fail(
+                    f"{device}, {bandwidth} bandwidth, {machine} machine, model {name}, run_tokens {run_tokens}: "
+                    f"{type(error).__name__}: {error}"
+                )
             recomputes(knobs)
             v = knobs.values_dict()
             assert isinstance(v["default_max_tokens"], int) and v["default_max_tokens"] >= 0

@@ -1,4 +1,5 @@
-"""Knobs: each derived value recomputes from its printed formula and inputs; overrides win flag/kwarg > env > derived."""
+"""Knobs: each derived value recomputes from its printed formula and inputs; overrides win flag/kwarg > env >
+derived."""
 
 from __future__ import annotations
 
@@ -43,19 +44,44 @@ def recompute(formula: str, inputs: dict) -> object:
     return eval(formula, dict(NAMESPACE), dict(inputs))  # noqa: S307 - test of our own formulas
 
 
-def synthetic(device: str = "cpu", ram_total: int = 64 * GiB, ram_available: int = 60 * GiB, vram_free: int | None = None,
-              storage_bps: float | None = 2e9, memory_bps: float = 20e9, kind: str = "nvme") -> HardwareProfile:
+def synthetic(
+    device: str = "cpu",
+    ram_total: int = 64 * GiB,
+    ram_available: int = 60 * GiB,
+    vram_free: int | None = None,
+    storage_bps: float | None = 2e9,
+    memory_bps: float = 20e9,
+    kind: str = "nvme",
+) -> HardwareProfile:
     def m(name, value):
-        return Measurement(name, value, "synthetic", 1, 1.0) if value else Measurement.unavailable(name, "synthetic", "not measured")
+        return (
+            Measurement(name, value, "synthetic", 1, 1.0)
+            if value
+            else Measurement.unavailable(name, "synthetic", "not measured")
+        )
 
     gpu = device != "cpu"
     return HardwareProfile(
-        "synthetic", device, 8, ram_total, ram_available, 80 * GiB if gpu else None, (vram_free or 70 * GiB) if gpu else None,
-        measurements={"host_memory": m("host_memory", memory_bps), "device_memory": m("device_memory", memory_bps),
-                      "storage_read": m("storage_read", storage_bps), "storage_read_direct": m("storage_read_direct", storage_bps and storage_bps * 0.8),
-                      "h2d_pinned": m("h2d_pinned", 25e9 if gpu else None), "matvec_bf16": m("matvec_bf16", memory_bps * 0.7)},
-        capabilities={"compute_dtype": Capability("compute_dtype", "bf16", None, "synthetic"),
-                      "direct_io": Capability("direct_io", False), "storage_kind": Capability("storage_kind", kind)},
+        "synthetic",
+        device,
+        8,
+        ram_total,
+        ram_available,
+        80 * GiB if gpu else None,
+        (vram_free or 70 * GiB) if gpu else None,
+        measurements={
+            "host_memory": m("host_memory", memory_bps),
+            "device_memory": m("device_memory", memory_bps),
+            "storage_read": m("storage_read", storage_bps),
+            "storage_read_direct": m("storage_read_direct", storage_bps and storage_bps * 0.8),
+            "h2d_pinned": m("h2d_pinned", 25e9 if gpu else None),
+            "matvec_bf16": m("matvec_bf16", memory_bps * 0.7),
+        },
+        capabilities={
+            "compute_dtype": Capability("compute_dtype", "bf16", None, "synthetic"),
+            "direct_io": Capability("direct_io", False),
+            "storage_kind": Capability("storage_kind", kind),
+        },
     )
 
 
@@ -70,6 +96,7 @@ def invoke(*args, env=None):
 
 
 # -- formulas ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("with_model", [False, True])
 def test_printed_json_inputs_recompute_every_derived_value(tiny_checkpoint, with_model):
@@ -105,8 +132,12 @@ def test_printed_text_inputs_recompute_every_displayed_value(tiny_checkpoint):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    ram=st.integers(2 * GiB, 2048 * GiB), free=st.floats(0.05, 1.0), params=st.sampled_from([135e6, 1e9, 8e9, 70e9, 405e9]),
-    bits=st.sampled_from([4, 8, 16]), storage=st.one_of(st.none(), st.floats(1e8, 2e10)), gpu=st.booleans(),
+    ram=st.integers(2 * GiB, 2048 * GiB),
+    free=st.floats(0.05, 1.0),
+    params=st.sampled_from([135e6, 1e9, 8e9, 70e9, 405e9]),
+    bits=st.sampled_from([4, 8, 16]),
+    storage=st.one_of(st.none(), st.floats(1e8, 2e10)),
+    gpu=st.booleans(),
     kind=st.sampled_from(["nvme", "ssd", "rotational", "network", "tmpfs", "overlay", "unknown"]),
 )
 def test_derivations_recompute_and_respect_memory(ram, free, params, bits, storage, gpu, kind):
@@ -115,21 +146,33 @@ def test_derivations_recompute_and_respect_memory(ram, free, params, bits, stora
     knobs = resolve_knobs(profile, model, env={})
     assert_recomputes(knobs)
     v = knobs.values_dict()
-    assert 0 <= v["device_cache_bytes"] <= model.total_bytes and 0 <= v["host_cache_bytes"] <= model.total_bytes - v["device_cache_bytes"]
+    assert (
+        0 <= v["device_cache_bytes"] <= model.total_bytes
+        and 0 <= v["host_cache_bytes"] <= model.total_bytes - v["device_cache_bytes"]
+    )
     assert 1 <= v["prefetch_depth"] <= 4 and v["io_workers"] >= 1 and 0 <= v["max_context"] <= model.max_positions
     # the context admitted fits what the weights and buffers leave (0 when nothing is left: every prompt refused);
     # the buffers hold a layer where the device cache holds the largest unit (as device_cache_bytes sized them), and
     # one more the largest unit where it does not
     if 0 < model.layer_bytes < model.largest_unit_bytes:
         resident_rest = min(v["device_cache_bytes"], model.total_bytes) >= model.largest_unit_bytes
-        buffers = (v["prefetch_depth"] + 2) * model.layer_bytes + (0 if resident_rest else model.largest_unit_bytes - model.layer_bytes)
+        buffers = (v["prefetch_depth"] + 2) * model.layer_bytes + (
+            0 if resident_rest else model.largest_unit_bytes - model.layer_bytes
+        )
     else:
         buffers = (v["prefetch_depth"] + 2) * model.largest_unit_bytes
-    left = (profile.ram_available if not gpu else profile.vram_free) - v["reserve_bytes"] - v["device_cache_bytes"] \
-        - buffers - (0 if gpu else v["host_cache_bytes"] + v["runtime_bytes"])
+    left = (
+        (profile.ram_available if not gpu else profile.vram_free)
+        - v["reserve_bytes"]
+        - v["device_cache_bytes"]
+        - buffers
+        - (0 if gpu else v["host_cache_bytes"] + v["runtime_bytes"])
+    )
     assert v["max_context"] * model.kv_bytes_per_token <= max(0, left)
     if not gpu:  # device and host tiers share the same RAM
-        assert v["device_cache_bytes"] + v["host_cache_bytes"] <= max(0, profile.ram_available - v["reserve_bytes"] - v["kv_cache_bytes"])
+        assert v["device_cache_bytes"] + v["host_cache_bytes"] <= max(
+            0, profile.ram_available - v["reserve_bytes"] - v["kv_cache_bytes"]
+        )
     assert v["pin_memory"] is gpu
     assert_recomputes(resolve_knobs(profile, None, env={}))
 
@@ -164,15 +207,22 @@ def test_a_one_shot_run_sizes_the_kv_cache_for_its_tokens_and_the_weights_get_th
     for tokens in (1, 42, 1000):
         run = resolve_knobs(group, model, env={}, kwargs=chosen, run_tokens=tokens)
         assert_recomputes(run)
-        assert "this run's tokens" in run["kv_cache_bytes"].note and run["kv_cache_bytes"].inputs["run_tokens"] == tokens
+        assert (
+            "this run's tokens" in run["kv_cache_bytes"].note and run["kv_cache_bytes"].inputs["run_tokens"] == tokens
+        )
         assert tokens <= run.value("max_context") < anyone.value("max_context")
         saved = anyone.value("kv_cache_bytes") - run.value("kv_cache_bytes")
         assert saved > 0 and run.value("device_cache_bytes") - anyone.value("device_cache_bytes") >= saved // 2
-        assert run.value("device_cache_bytes") + run.value("kv_cache_bytes") + run.value("reserve_bytes") <= group.ram_available
+        assert (
+            run.value("device_cache_bytes") + run.value("kv_cache_bytes") + run.value("reserve_bytes")
+            <= group.ram_available
+        )
     for past in (model.max_positions + 1, 10**9):  # longer than the model's context, or than the memory holds
         assert resolve_knobs(group, model, env={}, kwargs=chosen, run_tokens=past).to_dict() == anyone.to_dict()
     given = resolve_knobs(group, model, env={}, kwargs={**chosen, "max_context": 500}, run_tokens=42)
-    assert given.value("kv_cache_bytes") == resolve_knobs(group, model, env={}, kwargs={**chosen, "max_context": 500}).value("kv_cache_bytes")
+    assert given.value("kv_cache_bytes") == resolve_knobs(
+        group, model, env={}, kwargs={**chosen, "max_context": 500}
+    ).value("kv_cache_bytes")
 
 
 def test_gpu_derivations_use_vram_and_pinned_staging():
@@ -181,8 +231,12 @@ def test_gpu_derivations_use_vram_and_pinned_staging():
     knobs = resolve_knobs(profile, model, env={})
     assert knobs["device_cache_bytes"].inputs["vram_free"] == 40 * GiB
     assert knobs.value("device_cache_bytes") < 40 * GiB
-    assert knobs.value("host_cache_bytes") == min(model.total_bytes - knobs.value("device_cache_bytes"),
-                                                  profile.ram_available - knobs.value("reserve_bytes") - (knobs.value("prefetch_depth") + 2) * model.largest_unit_bytes)
+    assert knobs.value("host_cache_bytes") == min(
+        model.total_bytes - knobs.value("device_cache_bytes"),
+        profile.ram_available
+        - knobs.value("reserve_bytes")
+        - (knobs.value("prefetch_depth") + 2) * model.largest_unit_bytes,
+    )
 
 
 def test_without_a_model_the_forms_are_model_free_and_say_what_is_missing():
@@ -199,6 +253,7 @@ def test_unmeasured_storage_falls_back_to_a_stated_default():
 
 
 # -- precedence ------------------------------------------------------------------------------------
+
 
 def test_flag_beats_env_beats_derived():
     profile, model = synthetic(), ModelFacts.from_size(8e9, 16)
@@ -245,11 +300,23 @@ def test_profile_marks_overrides_in_text_and_json(monkeypatch):
 
 # -- bad values ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, raw", [("reserve_bytes", "lots"), ("io_workers", "0"), ("compute_dtype", "fp8"),
-                                       ("direct_io", "maybe"), ("prefix_cache", "sometimes"), ("max_context", "-1")])
+
+@pytest.mark.parametrize(
+    "name, raw",
+    [
+        ("reserve_bytes", "lots"),
+        ("io_workers", "0"),
+        ("compute_dtype", "fp8"),
+        ("direct_io", "maybe"),
+        ("prefix_cache", "sometimes"),
+        ("max_context", "-1"),
+    ],
+)
 def test_bad_values_raise_one_line_naming_the_knob(name, raw):
-    for call in (lambda: resolve_knobs(synthetic(), None, flags={name: raw}, env={}),
-                 lambda: resolve_knobs(synthetic(), None, env={f"ROCKETLLM_{name.upper()}": raw})):
+    for call in (
+        lambda: resolve_knobs(synthetic(), None, flags={name: raw}, env={}),
+        lambda: resolve_knobs(synthetic(), None, env={f"ROCKETLLM_{name.upper()}": raw}),
+    ):
         with pytest.raises(KnobError) as err:
             call()
         message = str(err.value)
@@ -261,8 +328,15 @@ def test_unknown_keyword_is_refused():
         resolve_knobs(synthetic(), None, kwargs={"prefetch": 2}, env={})
 
 
-@pytest.mark.parametrize("args, env", [(["--reserve-bytes", "2XB"], {}), (["--prefetch-depth", "-1"], {}),
-                                       ([], {"ROCKETLLM_DIRECT_IO": "perhaps"}), ([], {"ROCKETLLM_HOST_CACHE_BYTES": "lots"})])
+@pytest.mark.parametrize(
+    "args, env",
+    [
+        (["--reserve-bytes", "2XB"], {}),
+        (["--prefetch-depth", "-1"], {}),
+        ([], {"ROCKETLLM_DIRECT_IO": "perhaps"}),
+        ([], {"ROCKETLLM_HOST_CACHE_BYTES": "lots"}),
+    ],
+)
 def test_bad_override_on_the_cli_exits_1_with_one_line(args, env):
     result = invoke("profile", *args, env=env)
     assert result.exit_code == 1

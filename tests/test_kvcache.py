@@ -29,7 +29,9 @@ R, G = 16, 64  # residual window and quantization group of these tests
 
 def _kv(tokens: int, heads: int = 2, dim: int = 16, seed: int = 0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, heads, tokens, dim, generator=g, dtype=dtype), torch.randn(1, heads, tokens, dim, generator=g, dtype=dtype)
+    return torch.randn(1, heads, tokens, dim, generator=g, dtype=dtype), torch.randn(
+        1, heads, tokens, dim, generator=g, dtype=dtype
+    )
 
 
 def _fed(k, v, chunks: list[int], recording: bool = False) -> Int4Layer:
@@ -43,7 +45,16 @@ def _fed(k, v, chunks: list[int], recording: bool = False) -> Int4Layer:
 
 
 def _state(layer: Int4Layer) -> list[torch.Tensor]:
-    return [layer.keys, layer.values, layer.k_codes, layer.k_scale, layer.k_min, layer.v_codes, layer.v_scale, layer.v_min]
+    return [
+        layer.keys,
+        layer.values,
+        layer.k_codes,
+        layer.k_scale,
+        layer.k_min,
+        layer.v_codes,
+        layer.v_scale,
+        layer.v_min,
+    ]
 
 
 def _same(a: Int4Layer, b: Int4Layer) -> bool:
@@ -59,7 +70,9 @@ def test_which_tokens_are_int4_depends_on_the_length_alone():
         step = _fed(k, v, [7] + [1] * (length - 7))  # a prefill then decode steps reach the same state
         assert _same(whole, step), length
         keys, _ = whole._dequantized()
-        assert keys.shape[-2] == length and torch.equal(keys[..., whole.quantized :, :], k[..., whole.quantized : length, :])
+        assert keys.shape[-2] == length and torch.equal(
+            keys[..., whole.quantized :, :], k[..., whole.quantized : length, :]
+        )
         assert (keys - k[..., :length, :]).abs().max() < 0.25 * k.abs().max()  # int4 of unit normals: within a step
 
 
@@ -87,7 +100,9 @@ def test_int4_stores_under_three_tenths_of_bf16_at_4096_tokens():
     assert int4 <= 0.3 * bf16, int4 / bf16
     layer = cache.layers[0]
     window = layer.keys.shape[-2]  # no full-precision block kept: nothing asked for past recording
-    assert int4 == pytest.approx(layer.quantized * 3 * 64 * 2 * int4_kv_value_bytes(64) + window * 3 * 64 * 2 * 2, rel=1e-6)
+    assert int4 == pytest.approx(
+        layer.quantized * 3 * 64 * 2 * int4_kv_value_bytes(64) + window * 3 * 64 * 2 * 2, rel=1e-6
+    )
 
 
 def _config():
@@ -103,16 +118,23 @@ def tiny(tiny_factory):
 
 def test_streamed_int4_generates_what_transformers_generates_with_the_same_cache(tiny):
     ids = torch.arange(5, 120).remainder(250).unsqueeze(0)
-    model = AutoModel.from_pretrained(tiny, device_cache_bytes=0, compute_dtype="fp32", kv_cache_dtype="int4", kv_residual_tokens=8)
+    model = AutoModel.from_pretrained(
+        tiny, device_cache_bytes=0, compute_dtype="fp32", kv_cache_dtype="int4", kv_residual_tokens=8
+    )
     try:
         streamed = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
         assert isinstance(model.new_kv_cache().layers[0], Int4Layer)
     finally:
         model.close()
-    plain = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32) if _has_dtype_kwarg() else \
-        AutoModelForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32)
+    plain = (
+        AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+        if _has_dtype_kwarg()
+        else AutoModelForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32)
+    )
     cache = make_cache(plain.config, "int4", torch.float32, 8)
-    reference = plain.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, **{generate_cache_kwarg(): cache})
+    reference = plain.generate(
+        ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, **{generate_cache_kwarg(): cache}
+    )
     assert torch.equal(streamed, reference)
     assert cache.layers[0].quantized == 64 * ((ids.shape[1] + 39 - 8) // 64)  # the last token's KV is never computed
 
@@ -141,7 +163,9 @@ def test_a_blocks_prefix_cache_declines_an_int4_cache_and_says_why():
 
 @pytest.fixture(scope="module")
 def resident_int4(tiny):
-    model = AutoModel.from_pretrained(tiny, device_cache_bytes="1GB", compute_dtype="fp32", kv_cache_dtype="int4", kv_residual_tokens=8)
+    model = AutoModel.from_pretrained(
+        tiny, device_cache_bytes="1GB", compute_dtype="fp32", kv_cache_dtype="int4", kv_residual_tokens=8
+    )
     yield model
     model.close()
 
@@ -150,7 +174,9 @@ def _run(model, ids, prefix=None, n=6, speculate="off"):
     from rocketllm_cli.text.loop import GenerationRequest, Generator
     from rocketllm_cli.text.sampling import SamplingParams
 
-    return Generator(model, prefix, speculate=speculate).run(GenerationRequest(list(ids), SamplingParams(max_new_tokens=n)))
+    return Generator(model, prefix, speculate=speculate).run(
+        GenerationRequest(list(ids), SamplingParams(max_new_tokens=n))
+    )
 
 
 def _held_bytes(length: int, layers: int = 4, heads: int = 2, dim: int = 16, residual: int = 8) -> int:
@@ -173,7 +199,9 @@ def test_the_prefix_cache_keeps_an_int4_cache_at_exactly_its_length_and_gives_th
     assert sorted(len(e.ids) for e in prefix._entries.values()) == [80, 85]
     for entry in prefix._entries.values():
         assert entry.nbytes == cache_bytes(entry.cache) == _held_bytes(len(entry.ids))
-        assert entry.cache.get_seq_length() == len(entry.ids) and all(layer.quantized == G for layer in entry.cache.layers)
+        assert entry.cache.get_seq_length() == len(entry.ids) and all(
+            layer.quantized == G for layer in entry.cache.layers
+        )
     assert prefix.bytes == _held_bytes(80) + _held_bytes(85) < 0.45 * (80 + 85) * 4 * 2 * 16 * 2 * 4  # fp32 KV would be
 
     second = first + list(range(100, 120))  # extends the kept prompt
@@ -221,7 +249,8 @@ def test_speculation_beside_an_int4_prefix_cache_keeps_only_exact_caches(residen
     assert fast.token_ids == _run(resident_int4, ids, n=12).token_ids and fast.stats.speculation["proposed"] > 0
     for entry in prefix._entries.values():
         assert entry.cache.exact and entry.cache.get_seq_length() == len(entry.ids)
-        assert all(layer.shadow is None for layer in entry.cache.layers)  # the rollback's full-precision block is dropped
+        # the rollback's full-precision block is dropped
+        assert all(layer.shadow is None for layer in entry.cache.layers)
     longer = ids + fast.token_ids + [3, 4]
     on = _run(resident_int4, longer, prefix)
     assert on.reused_tokens > 0 and on.token_ids == _run(resident_int4, longer).token_ids
@@ -229,8 +258,23 @@ def test_speculation_beside_an_int4_prefix_cache_keeps_only_exact_caches(residen
 
 def test_the_flags_reach_generate_and_a_bad_value_is_one_line(tiny):
     runner = CliRunner()
-    ok = runner.invoke(app, ["generate", str(tiny), "hello there", "--raw", "-n", "4", "--dtype", "fp32",
-                             "--kv-cache-dtype", "int4", "--kv-residual-tokens", "2"])
+    ok = runner.invoke(
+        app,
+        [
+            "generate",
+            str(tiny),
+            "hello there",
+            "--raw",
+            "-n",
+            "4",
+            "--dtype",
+            "fp32",
+            "--kv-cache-dtype",
+            "int4",
+            "--kv-residual-tokens",
+            "2",
+        ],
+    )
     assert ok.exit_code == 0, ok.stderr
     line = one_error_line(runner.invoke(app, ["generate", str(tiny), "hi", "--kv-cache-dtype", "int3"]))
     assert "kv_cache_dtype" in line and "int4" in line
@@ -247,7 +291,9 @@ def test_speculation_over_an_int4_cache_gives_the_plain_int4_tokens(tiny):
     from rocketllm_cli.text.sampling import SamplingParams
 
     ids = (list(range(5, 45)) * 4)[:140]  # repeats: prompt lookup finds its n-grams; 140 + 40 tokens < 200
-    model = AutoModel.from_pretrained(tiny, device_cache_bytes=0, compute_dtype="fp32", kv_cache_dtype="int4", kv_residual_tokens=8)
+    model = AutoModel.from_pretrained(
+        tiny, device_cache_bytes=0, compute_dtype="fp32", kv_cache_dtype="int4", kv_residual_tokens=8
+    )
     try:
         params = SamplingParams(max_new_tokens=40)
         plain = Generator(model, speculate="off").run(GenerationRequest(ids, params))
@@ -282,7 +328,7 @@ def test_serve_with_int4_keeps_exact_prefixes_and_a_chat_replies_as_without_them
         digits = DigitsOnly(resident_int4)
         try:
             reused = chat(server)
-            history = server.history[-len(turns):]
+            history = server.history[-len(turns) :]
             server.state.generator.prefix_cache = None
             fresh = chat(server)
         finally:

@@ -70,3 +70,17 @@ def _strongly_connected(graph) -> list[set[str]]:
                         break
                 found.append(component)
     return found
+
+
+def test_no_line_is_longer_than_the_limit():
+    """pyproject.toml's [tool.ruff] line length, over the package, the tests, benchmarks and scripts."""
+    ruff = Path(sys.executable).with_name("ruff")
+    if not ruff.exists():
+        pytest.skip("ruff is not installed (pip install -e '.[dev]')")
+    trees = [
+        name for name in ("rocketllm_cli", "rocketllm", "tests", "benchmarks", "scripts") if (ROOT / name).is_dir()
+    ]
+    done = subprocess.run(
+        [str(ruff), "check", "--no-cache", *trees], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

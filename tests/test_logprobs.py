@@ -33,7 +33,11 @@ def reference(source):
 
 @pytest.fixture(scope="module", params=["streamed", "resident"])
 def model(request, source):
-    budget = {"device_cache_bytes": 0, "host_cache_bytes": 0} if request.param == "streamed" else {"device_cache_bytes": EVERYTHING}
+    budget = (
+        {"device_cache_bytes": 0, "host_cache_bytes": 0}
+        if request.param == "streamed"
+        else {"device_cache_bytes": EVERYTHING}
+    )
     streamed = AutoModel.from_pretrained(source, **budget)
     yield streamed
     streamed.close()
@@ -45,18 +49,28 @@ def prompt(model):
 
 
 def test_generated_logprobs_equal_transformers_log_softmax(model, reference, prompt):
-    out = Generator(model, speculate="off").run(GenerationRequest(list(prompt), SamplingParams(max_new_tokens=NEW), logprobs=5))
+    out = Generator(model, speculate="off").run(
+        GenerationRequest(list(prompt), SamplingParams(max_new_tokens=NEW), logprobs=5)
+    )
     with torch.inference_mode():
-        ref = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-    assert ref.sequences[0, len(prompt):].tolist() == out.token_ids
+        ref = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    assert ref.sequences[0, len(prompt) :].tolist() == out.token_ids
     assert len(out.logprobs) == out.new_tokens
     for step, (entry, logits) in enumerate(zip(out.logprobs, ref.logits)):
         expected = torch.log_softmax(logits[0].float(), -1)
         assert entry.token == out.token_ids[step]
         assert abs(entry.logprob - expected[entry.token].item()) < 1e-4
         values, ids = expected.topk(5)
-        assert [t for t, _ in entry.top] == ids.tolist() and max(abs(a - b) for (_, a), b in zip(entry.top, values.tolist())) < 1e-4
+        assert [t for t, _ in entry.top] == ids.tolist() and max(
+            abs(a - b) for (_, a), b in zip(entry.top, values.tolist())
+        ) < 1e-4
         assert entry.top[0][0] == entry.token  # greedy: the chosen token is the most likely one
 
 
@@ -67,18 +81,31 @@ def test_prompt_logprobs_equal_a_plain_forward_pass(model, reference, prompt):
         expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].float(), -1)
     assert scored[0] is None and len(scored) == len(prompt)
     for position, entry in enumerate(scored[1:], start=1):
-        assert entry.token == prompt[position] and abs(entry.logprob - expected[position - 1, prompt[position]].item()) < 1e-4
+        assert (
+            entry.token == prompt[position]
+            and abs(entry.logprob - expected[position - 1, prompt[position]].item()) < 1e-4
+        )
         assert len(entry.top) == 2 and entry.top[0][1] >= entry.top[1][1]
-    both = generator.run(GenerationRequest(list(prompt), SamplingParams(max_new_tokens=2), logprobs=0, prompt_logprobs=2))
-    assert [e and e.logprob for e in both.prompt_logprobs] == [e and e.logprob for e in scored] and both.logprobs[0].top == []
+    both = generator.run(
+        GenerationRequest(list(prompt), SamplingParams(max_new_tokens=2), logprobs=0, prompt_logprobs=2)
+    )
+    assert [e and e.logprob for e in both.prompt_logprobs] == [e and e.logprob for e in scored] and both.logprobs[
+        0
+    ].top == []
 
 
 def test_a_batch_records_each_rows_own_and_logprobs_turn_speculation_off(model, prompt):
     short = model.tokenizer("hello").input_ids
     generator = Generator(model, speculate="prompt-lookup")
-    rows = generator.run_batch([GenerationRequest(list(prompt), SamplingParams(max_new_tokens=NEW), logprobs=1),
-                                GenerationRequest(list(short), SamplingParams(max_new_tokens=NEW), logprobs=3)])
-    alone = Generator(model, speculate="off").run(GenerationRequest(list(short), SamplingParams(max_new_tokens=NEW), logprobs=3))
+    rows = generator.run_batch(
+        [
+            GenerationRequest(list(prompt), SamplingParams(max_new_tokens=NEW), logprobs=1),
+            GenerationRequest(list(short), SamplingParams(max_new_tokens=NEW), logprobs=3),
+        ]
+    )
+    alone = Generator(model, speculate="off").run(
+        GenerationRequest(list(short), SamplingParams(max_new_tokens=NEW), logprobs=3)
+    )
     assert [len(e.top) for e in rows[0].logprobs] == [1] * NEW and [len(e.top) for e in rows[1].logprobs] == [3] * NEW
     assert rows[1].token_ids == alone.token_ids
     assert max(abs(a.logprob - b.logprob) for a, b in zip(rows[1].logprobs, alone.logprobs)) < 1e-4
@@ -88,9 +115,13 @@ def test_a_batch_records_each_rows_own_and_logprobs_turn_speculation_off(model, 
 
 def test_streamed_logprobs_come_before_their_text(model, prompt):
     events = []
-    request = GenerationRequest(list(prompt), SamplingParams(max_new_tokens=NEW), logprobs=0,
-                                on_text=lambda piece: events.append(("text", piece)),
-                                on_logprobs=lambda entries: events.append(("logprobs", entries)))
+    request = GenerationRequest(
+        list(prompt),
+        SamplingParams(max_new_tokens=NEW),
+        logprobs=0,
+        on_text=lambda piece: events.append(("text", piece)),
+        on_logprobs=lambda entries: events.append(("logprobs", entries)),
+    )
     out = Generator(model, speculate="off").run(request)
     sent = [e for kind, entries in events if kind == "logprobs" for e in entries]
     assert [e.token for e in sent][: out.new_tokens] == out.token_ids
@@ -103,14 +134,32 @@ def test_generate_logprobs_in_its_json(source, model, prompt):
 
     from rocketllm_cli.app import app
 
-    result = CliRunner().invoke(app, ["generate", str(source), "the cat sat on the mat and", "--raw", "-n", "4", "--json", "--logprobs", "2",
-                                      "--speculate", "off"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            str(source),
+            "the cat sat on the mat and",
+            "--raw",
+            "-n",
+            "4",
+            "--json",
+            "--logprobs",
+            "2",
+            "--speculate",
+            "off",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     import json
 
     doc = json.loads(result.stdout)
-    expected = Generator(model, speculate="off").run(GenerationRequest(list(prompt), SamplingParams(max_new_tokens=4), logprobs=2))
-    assert [e["token"] for e in doc["logprobs"]] == expected.token_ids and all(len(e["top"]) == 2 for e in doc["logprobs"])
+    expected = Generator(model, speculate="off").run(
+        GenerationRequest(list(prompt), SamplingParams(max_new_tokens=4), logprobs=2)
+    )
+    assert [e["token"] for e in doc["logprobs"]] == expected.token_ids and all(
+        len(e["top"]) == 2 for e in doc["logprobs"]
+    )
     assert max(abs(e["logprob"] - x.logprob) for e, x in zip(doc["logprobs"], expected.logprobs)) < 1e-4
     refused = CliRunner().invoke(app, ["generate", str(source), "hi", "--logprobs", "2"])
     assert refused.exit_code == 1 and "add --json" in refused.stderr

@@ -46,7 +46,10 @@ def test_shard_then_stream_peak_memory(big):
     assert largest < weights / 8, "the fixture must be much larger than any one unit"
     # The sharder holds one unit (plus one tensor in flight), never the checkpoint.
     added = sharding["peak"] - sharding["baseline"]
-    assert added < 2 * largest + 64 * MB, f"sharding added {added / MB:.0f} MB; largest unit {largest / MB:.0f} MB, checkpoint {weights / MB:.0f} MB; {sharding}"
+    assert added < 2 * largest + 64 * MB, (
+        f"sharding added {added / MB:.0f} MB; largest unit {largest / MB:.0f} MB, "
+        f"checkpoint {weights / MB:.0f} MB; {sharding}"
+    )
 
     depth = 2
     streaming = _probe("generate", str(source), str(shards), str(depth))
@@ -59,5 +62,7 @@ def test_shard_then_stream_peak_memory(big):
     # Every unit came from storage each token, except the untied embedding table, whose lookup reads one row.
     embed = next(u for u in manifest.units if u.kind == "embed")
     assert not manifest.aliases
-    assert served["storage"] == manifest.total_bytes - embed.tensor_bytes + embed.tensor_bytes // embed.tensors[0].shape[0]
+    assert (
+        served["storage"] == manifest.total_bytes - embed.tensor_bytes + embed.tensor_bytes // embed.tensors[0].shape[0]
+    )
     assert streaming["peak"] - streaming["baseline"] < manifest.total_bytes / 2, (layer, largest)

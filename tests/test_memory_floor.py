@@ -1,4 +1,5 @@
-"""What the process holds beside the weights is counted, and a memory below what the settings need is refused in one line.
+"""What the process holds beside the weights is counted, and a memory below what the settings need is refused in one
+line.
 
 The runtime (measured once per machine, less what this process holds already), the activations of a pass per token
 of context, the streaming buffers and the KV cache all come out of the budgets the weights get; the floor is their
@@ -31,8 +32,20 @@ RUNTIME = 300 * MiB
 # 240 MiB looked up by rows, a Q4_0 head of 67.5 MiB; fp32 K and V of 8 heads of 80 per layer; hidden 2560, FFN 6912.
 LAYER, EMBED, HEAD = 39_086_080, 251_658_240, 70_778_880
 SHAPE = PassShape(hidden=2560, intermediate=6912)
-FACTS = ModelFacts("rand2.5b", 32 * LAYER + EMBED + HEAD + 10_240, 32, LAYER, EMBED, EMBED + HEAD + 10_240, 163_840, 2048,
-                   "bf16", kv_values_per_token=40_960, kv_growing_layers=32, kv_head_dim=80)
+FACTS = ModelFacts(
+    "rand2.5b",
+    32 * LAYER + EMBED + HEAD + 10_240,
+    32,
+    LAYER,
+    EMBED,
+    EMBED + HEAD + 10_240,
+    163_840,
+    2048,
+    "bf16",
+    kv_values_per_token=40_960,
+    kv_growing_layers=32,
+    kv_head_dim=80,
+)
 
 
 def capped(limit: int = int(1.2 * GiB), held: int = 200 * MiB, runtime: int | None = RUNTIME):
@@ -51,11 +64,13 @@ def knobs_of(profile, facts=FACTS, shape=SHAPE, run_tokens=None, **kwargs):
 
 # -- the runtime --------------------------------------------------------------------------------------------------
 
+
 def test_runtime_is_what_the_measured_runtime_adds_to_this_process():
     knob = knobs_of(capped(held=200 * MiB))["runtime_bytes"]
     assert knob.value == RUNTIME - 200 * MiB and knob.source == "measured"
     assert evaluate(knob.formula, knob.inputs) == knob.value
-    assert knobs_of(capped(held=400 * MiB)).value("runtime_bytes") == 0  # imported already: memory_available excludes it
+    # imported already: memory_available excludes it
+    assert knobs_of(capped(held=400 * MiB)).value("runtime_bytes") == 0
     unmeasured = knobs_of(capped(runtime=None))["runtime_bytes"]
     assert unmeasured.value == 0 and unmeasured.source == "default" and "profile --refresh" in unmeasured.note
 
@@ -74,13 +89,17 @@ def test_a_gpus_budgets_leave_the_runtime_to_host_ram():
     profile = synthetic("cuda:0")
     profile.measurements["runtime_rss"] = Measurement("runtime_rss", float(RUNTIME), "synthetic", unit="B")
     knobs = knobs_of(profile)
-    assert "runtime_bytes" not in knobs["device_cache_bytes"].inputs and "runtime_bytes" not in knobs["max_context"].inputs
+    assert (
+        "runtime_bytes" not in knobs["device_cache_bytes"].inputs and "runtime_bytes" not in knobs["max_context"].inputs
+    )
     assert knobs["host_cache_bytes"].inputs["runtime_bytes"] == knobs.value("runtime_bytes") > 0
 
 
 def test_process_memory_reads_what_the_process_holds_and_maps(tmp_path):
     status = tmp_path / "status"
-    status.write_text("Name:\tpython\nVmRSS:\t 900 kB\nRssAnon:\t 600 kB\nRssFile:\t 200 kB\nRssShmem:\t 100 kB\nVmSwap:\t 50 kB\n")
+    status.write_text(
+        "Name:\tpython\nVmRSS:\t 900 kB\nRssAnon:\t 600 kB\nRssFile:\t 200 kB\nRssShmem:\t 100 kB\nVmSwap:\t 50 kB\n"
+    )
     assert process_memory(str(status)) == 900 * 1024  # its libraries' pages too: evicted, they are read back
     assert process_memory(str(tmp_path / "missing")) == 0
     if os.path.exists("/proc/self/status"):
@@ -89,10 +108,13 @@ def test_process_memory_reads_what_the_process_holds_and_maps(tmp_path):
 
 # -- activations and the context ------------------------------------------------------------------------------------
 
+
 def test_pass_shape_from_a_config_counts_a_mixture_of_experts_routed_width():
     assert pass_shape({"hidden_size": 2560, "intermediate_size": 6912}) == SHAPE
     assert SHAPE.activation_bytes_per_token == (4 * 6912 + 6 * 2560) * 4
-    moe = pass_shape({"hidden_size": 1024, "intermediate_size": 512, "moe_intermediate_size": 768, "num_experts_per_tok": 8})
+    moe = pass_shape(
+        {"hidden_size": 1024, "intermediate_size": 512, "moe_intermediate_size": 768, "num_experts_per_tok": 8}
+    )
     assert moe.intermediate == 8 * 768
     assert pass_shape({"num_attention_heads": 4}) is None
 
@@ -101,7 +123,9 @@ def test_a_one_shot_runs_context_holds_its_tokens_kv_and_activations():
     knobs = knobs_of(capped(), run_tokens=55)
     per_token = 40_960 * (4 + 4 / 32) + SHAPE.activation_bytes_per_token
     assert knobs.value("kv_cache_bytes") == int(-(-(56 * per_token) // 1))
-    assert 55 <= knobs.value("max_context") and evaluate(knobs["max_context"].formula, knobs["max_context"].inputs) == knobs.value("max_context")
+    assert 55 <= knobs.value("max_context") and evaluate(
+        knobs["max_context"].formula, knobs["max_context"].inputs
+    ) == knobs.value("max_context")
 
 
 def test_a_servers_context_shrinks_under_a_small_limit_and_keeps_2048_tokens_where_memory_allows():
@@ -130,6 +154,7 @@ def test_the_budgets_and_the_context_never_add_up_to_more_than_the_memory():
 
 # -- the floor and its refusal --------------------------------------------------------------------------------------
 
+
 def test_the_floor_is_the_runtime_reserve_least_buffers_and_least_context():
     profile = capped()
     floor = memory_floor(profile, FACTS, knobs_of(profile), shape=SHAPE)
@@ -151,10 +176,14 @@ def test_a_limit_below_the_floor_is_refused_in_one_line_naming_the_floor_the_lim
     with pytest.raises(ParameterError) as caught:
         check_floor(profile, floor)
     message = str(caught.value)
-    assert "\n" not in message and message.startswith("not enough memory to run this model: it needs a memory limit of at least ")
+    assert "\n" not in message and message.startswith(
+        "not enough memory to run this model: it needs a memory limit of at least "
+    )
     assert ", this one is 600.00 MiB: the process would need at least " in message
     assert "runtime 300.00 MiB" in message and "streaming buffers" in message and "a context of 256 tokens" in message
-    assert ") and 600.00 MiB is free to it; raise the limit to " in message and message.endswith(" or more, or lower reserve_bytes")
+    assert ") and 600.00 MiB is free to it; raise the limit to " in message and message.endswith(
+        " or more, or lower reserve_bytes"
+    )
     # the limit it names holds the floor, with the reserve that grows with it
     named = message.split("raise the limit to ")[1].split(" or more")[0]
     from rocketllm_cli.sizes import parse_bytes
@@ -174,22 +203,38 @@ def test_a_machine_without_a_cgroup_is_told_to_free_memory():
 
 # -- the plan: held bytes, tables looked up by rows -----------------------------------------------------------------
 
+
 def _unit(name: str, kind: str, nbytes: int, dtype: str = "U8", index: int = -1) -> UnitRecord:
     tensor = TensorRecord(f"{name}.weight", f"{name}.weight", dtype, [nbytes], 4096, nbytes)
     return UnitRecord(name, kind, name, f"{name}.safetensors", nbytes + 4096, "0" * 64, [tensor], index)
 
 
 def _manifest(tied: bool = False) -> Manifest:
-    units = [_unit("embed", "embed", 240 * MiB, "BF16"), *(_unit(f"layer.{i:03d}", "layer", 37 * MiB, index=i) for i in range(8)),
-             _unit("norm", "norm", 10_240, "F32"), _unit("lm_head", "lm_head", 68 * MiB)]
+    units = [
+        _unit("embed", "embed", 240 * MiB, "BF16"),
+        *(_unit(f"layer.{i:03d}", "layer", 37 * MiB, index=i) for i in range(8)),
+        _unit("norm", "norm", 10_240, "F32"),
+        _unit("lm_head", "lm_head", 68 * MiB),
+    ]
     aliases = {"lm_head.weight": "embed.weight"} if tied else {}
-    return Manifest(source={"name": "t"}, model_type="llama", architecture="LlamaForCausalLM", dtype="bf16", stack="model.layers",
-                    units=units, aliases=aliases)
+    return Manifest(
+        source={"name": "t"},
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        dtype="bf16",
+        stack="model.layers",
+        units=units,
+        aliases=aliases,
+    )
 
 
 def test_a_unit_is_placed_by_what_it_holds_resident_in_the_compute_dtype():
     embed = _manifest().units[0]
-    assert resident_bytes(embed, None) == 240 * MiB and resident_bytes(embed, 4) == 480 * MiB and resident_bytes(embed, 2) == 240 * MiB
+    assert (
+        resident_bytes(embed, None) == 240 * MiB
+        and resident_bytes(embed, 4) == 480 * MiB
+        and resident_bytes(embed, 2) == 240 * MiB
+    )
     layer = _manifest().units[1]
     assert resident_bytes(layer, 4) == layer.tensor_bytes  # packed bytes are not converted
 
@@ -211,7 +256,8 @@ def test_an_embedding_looked_up_by_rows_goes_after_the_layers_on_a_cpu():
 
 
 def test_a_table_looked_up_by_rows_is_never_read_ahead_nor_given_a_buffer(tiny_factory):
-    """The tiny Llama with its own head: its embedding streams by rows, so the store's schedule and buffers leave it out."""
+    """The tiny Llama with its own head: its embedding streams by rows, so the store's schedule and buffers leave it
+    out."""
     import torch
 
     from rocketllm_cli.stream.model import EngineConfig, StreamingModel
@@ -239,7 +285,6 @@ def test_the_heap_gives_large_blocks_back_once_and_leaves_a_users_setting(monkey
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     said = heap.return_large_blocks()
     assert said == heap.return_large_blocks() and said  # decided once per process
-
 
 
 def test_the_runtime_measured_beside_a_first_run_is_collected_once():

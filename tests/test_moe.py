@@ -33,8 +33,14 @@ LAYOUTS = ["per-expert", "fused"]
 
 def _greedy(model) -> torch.Tensor:
     with torch.inference_mode():
-        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=3)
+        return model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=3,
+        )
 
 
 def _fused_copy(src, dst):
@@ -143,7 +149,11 @@ def test_bytes_per_token_are_the_dense_part_plus_exactly_the_routed_experts(arch
     for i, (step, choice) in enumerate(zip(steps, routed)):
         tokens = PROMPT.shape[1] if i == 0 else 1
         rows = len(set(PROMPT[0].tolist())) if i == 0 else 1
-        want = dense_without_embed + rows * row + sum(expert_bytes[layer, e] for layer, chosen in choice.items() for e in chosen)
+        want = (
+            dense_without_embed
+            + rows * row
+            + sum(expert_bytes[layer, e] for layer, chosen in choice.items() for e in chosen)
+        )
         assert step.tokens == tokens
         assert step.served["storage"] == want, f"pass {i}"
         assert step.served["device"] == 0 and step.served["host"] == 0
@@ -153,7 +163,8 @@ def test_bytes_per_token_are_the_dense_part_plus_exactly_the_routed_experts(arch
 
 
 def test_expert_cache_policies_on_a_layer_cycle():
-    """Decode walks the layers in order; with room for fewer experts than a pass routes, LRU never hits, LFU keeps a set."""
+    """Decode walks the layers in order; with room for fewer experts than a pass routes, LRU never hits, LFU keeps a
+    set."""
     pattern = [f"layer.{layer:03d}.expert.{e:03d}" for layer in range(4) for e in (0, 1)] * 20
     rates = {}
     for policy in ("lru", "lfu"):
@@ -203,7 +214,10 @@ def test_fused_source_is_split_per_expert(moe):
         pytest.skip("fused checkpoints need transformers 5.x")
     manifest, _, _, _ = moe("mixtral", "fused")
     first = manifest.experts[0]
-    assert {t.source for t in first.tensors} == {"model.layers.0.mlp.experts.gate_up_proj[0]", "model.layers.0.mlp.experts.down_proj[0]"}
+    assert {t.source for t in first.tensors} == {
+        "model.layers.0.mlp.experts.gate_up_proj[0]",
+        "model.layers.0.mlp.experts.down_proj[0]",
+    }
 
 
 def test_a_dense_format_1_manifest_still_loads(tiny_checkpoint, tmp_path):
@@ -220,8 +234,22 @@ def test_generate_stats_report_experts_and_cache(moe, tiny_factory):
     from rocketllm_cli.app import app
 
     src = tiny_factory("mixtral")
-    result = CliRunner().invoke(app, ["generate", str(src), "hello there", "--raw", "-n", "6", "--stats",
-                                      "--device-cache-bytes", "0", "--host-cache-bytes", "0"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            str(src),
+            "hello there",
+            "--raw",
+            "-n",
+            "6",
+            "--stats",
+            "--device-cache-bytes",
+            "0",
+            "--host-cache-bytes",
+            "0",
+        ],
+    )
     assert result.exit_code == 0, result.output
     line = next(l for l in result.output.splitlines() if l.startswith("experts:"))
     assert "routed expert uses per token" in line and "hit rate" in line

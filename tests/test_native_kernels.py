@@ -33,8 +33,20 @@ from rocketllm_cli.native.kernels import GGML_IDS, NativeKernels
 
 TYPES = list(GGML_IDS)  # Q4_0 ... IQ4_XS
 GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # the rest: random codes, modest scales
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+F16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "IQ4_NL": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_XS": (0,),
+}
 VARIANTS = ("avx512", "avx2", "scalar")  # each runs where the CPU can, the scalar one everywhere
 # types with a min (w = a·code + b, b = m or −dmin·mn): where their code bytes are, to find b by zeroing them
 MIN_CODE_BYTES = {"Q4_1": (4, 20), "Q5_1": (4, 24), "Q2_K": (16, 80), "Q4_K": (16, 144), "Q5_K": (16, 176)}
@@ -74,7 +86,7 @@ def make_blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
     raw = rng.integers(0, 256, size=(n, k // qk, nbytes), dtype=np.uint8)
     for at in F16_FIELDS[name]:
         scale = (rng.uniform(1e-3, 1.0, (n, k // qk)) * rng.choice([-1.0, 1.0], (n, k // qk))).astype(np.float16)
-        raw[..., at:at + 2] = scale.view(np.uint8).reshape(n, k // qk, 2)
+        raw[..., at : at + 2] = scale.view(np.uint8).reshape(n, k // qk, 2)
     return torch.from_numpy(raw.reshape(n, -1))
 
 
@@ -184,7 +196,7 @@ def test_threads_and_tiles_agree(nk):
         one = nk.matmul(blocks, "Q4_K", x, mode=mode, threads=1)
         for threads in (2, 3, 8):
             assert torch.equal(nk.matmul(blocks, "Q4_K", x, mode=mode, threads=threads), one)
-        alone = torch.cat([nk.matmul(blocks, "Q4_K", x[i:i + 1], mode=mode) for i in range(6)])
+        alone = torch.cat([nk.matmul(blocks, "Q4_K", x[i : i + 1], mode=mode) for i in range(6)])
         assert relative(alone, one.double(), magnitude) < 1e-6
 
 
@@ -221,25 +233,30 @@ def test_supported_and_layouts(nk):
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     for name, type_id in GGML_IDS.items():
-        assert GGMLQuantizationType[name].value == type_id and GGML_QUANT_SIZES[GGMLQuantizationType[name]] == \
-            SUPPORTED[name]
+        assert (
+            GGMLQuantizationType[name].value == type_id
+            and GGML_QUANT_SIZES[GGMLQuantizationType[name]] == SUPPORTED[name]
+        )
         assert nk.supported(name) and nk.supported(GGMLQuantizationType[name])
     assert not nk.supported("IQ2_XXS") and not nk.supported("F16") and not nk.supported("nonsense")
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda nk, b, x: nk.matmul(b.view(torch.int8), "Q4_0", x), "uint8"),
-    (lambda nk, b, x: nk.matmul(b, "Q4_0", x.double()), "float32"),
-    (lambda nk, b, x: nk.matmul(b, "Q4_0", x[0]), "2-D"),
-    (lambda nk, b, x: nk.matmul(b, "Q4_0", x[:, :48]), "multiple of 32"),
-    (lambda nk, b, x: nk.matmul(b, "Q4_0", x[:, :32]), "do not hold K = 32"),
-    (lambda nk, b, x: nk.matmul(b, "Q8_0", x), "do not hold"),
-    (lambda nk, b, x: nk.matmul(b, "IQ2_XXS", x), "no native kernel"),
-    (lambda nk, b, x: nk.matmul(b, "Q4_0", x, mode="fp8"), "mode"),
-    (lambda nk, b, x: nk.matmul(b, "Q4_0", x, out=torch.empty(2, 3)), "out must be"),
-    (lambda nk, b, x: nk.matmul(b, "Q4_0", x, out=torch.empty(16, 2).T), "out must be"),
-    (lambda nk, b, x: nk.matmul(b.T.contiguous().T, "Q4_0", x), "contiguous"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda nk, b, x: nk.matmul(b.view(torch.int8), "Q4_0", x), "uint8"),
+        (lambda nk, b, x: nk.matmul(b, "Q4_0", x.double()), "float32"),
+        (lambda nk, b, x: nk.matmul(b, "Q4_0", x[0]), "2-D"),
+        (lambda nk, b, x: nk.matmul(b, "Q4_0", x[:, :48]), "multiple of 32"),
+        (lambda nk, b, x: nk.matmul(b, "Q4_0", x[:, :32]), "do not hold K = 32"),
+        (lambda nk, b, x: nk.matmul(b, "Q8_0", x), "do not hold"),
+        (lambda nk, b, x: nk.matmul(b, "IQ2_XXS", x), "no native kernel"),
+        (lambda nk, b, x: nk.matmul(b, "Q4_0", x, mode="fp8"), "mode"),
+        (lambda nk, b, x: nk.matmul(b, "Q4_0", x, out=torch.empty(2, 3)), "out must be"),
+        (lambda nk, b, x: nk.matmul(b, "Q4_0", x, out=torch.empty(16, 2).T), "out must be"),
+        (lambda nk, b, x: nk.matmul(b.T.contiguous().T, "Q4_0", x), "contiguous"),
+    ],
+)
 def test_bad_inputs_raise_one_line(nk, call, message):
     blocks, x = make_blocks("Q4_0", 16, 64, 0), activations(2, 64, 0)
     with pytest.raises(ValueError, match=message) as err:
@@ -270,8 +287,14 @@ def test_no_compiler_in_a_fresh_process(tmp_path):
     """PATH without g++ and an empty cache: kernels() is None, why_not() names the compiler, nothing raises."""
     env = {**os.environ, "PATH": str(tmp_path), "ROCKETLLM_CACHE": str(tmp_path / "cache")}
     code = "from rocketllm_cli.native import kernels, why_not; print(kernels() is None); print(why_not())"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parent.parent)
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert run.returncode == 0, run.stderr
     is_none, reason = run.stdout.splitlines()
     assert is_none == "True" and "g++ is not on PATH" in reason
@@ -295,8 +318,9 @@ def test_scalar_only_build(tmp_path):
         pytest.skip("no g++")
     sources = [str(p) for p in sorted(build.SOURCE_DIR.glob("*.cpp"))]
     lib = tmp_path / "scalar_only.so"
-    subprocess.run([cxx, *build.FLAGS, "-O1", "-DRL_SCALAR_ONLY", "-shared", *sources, "-o", str(lib)], check=True,
-                   timeout=300)
+    subprocess.run(
+        [cxx, *build.FLAGS, "-O1", "-DRL_SCALAR_ONLY", "-shared", *sources, "-o", str(lib)], check=True, timeout=300
+    )
     kernels, reason = NativeKernels.load(lib)
     assert reason == "" and kernels.isas == ("scalar",) and kernels.isa == "scalar"
     blocks, x = make_blocks("Q5_K", 3, 256, 0), activations(2, 256, 0)
@@ -312,10 +336,29 @@ def test_a_machine_without_a_compiler_runs_gguf_blocks_and_says_why_it_is_slow(s
     import subprocess
     import sys
 
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable), "ROCKETLLM_CACHE": str(tmp_path / "cache"),
-           "ROCKETLLM_KEEP_ALIVE": "0"}
-    done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "generate", str(smollm2_gguf), "The capital of France is",
-                           "--raw", "-n", "3"], capture_output=True, text=True, env=env, timeout=600)
+    env = {
+        **os.environ,
+        "PATH": os.path.dirname(sys.executable),
+        "ROCKETLLM_CACHE": str(tmp_path / "cache"),
+        "ROCKETLLM_KEEP_ALIVE": "0",
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rocketllm_cli",
+            "generate",
+            str(smollm2_gguf),
+            "The capital of France is",
+            "--raw",
+            "-n",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert " Paris" in done.stdout
     notes = [line for line in done.stderr.splitlines() if "native kernels" in line]

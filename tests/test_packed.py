@@ -91,7 +91,9 @@ def test_real_q8_0_embedding_converts_exactly(smol_tensors):
     assert torch.equal(dequantize(packed), reference(blocks, tensor.tensor_type))
     # RTN int8 with Q8_0's group gives back the file's own codes and scales
     again = quantize_rtn(dequantize(packed), bits=8, group=32)
-    assert torch.equal(again.parts["codes"], packed.parts["codes"]) and torch.equal(again.parts["scale"], packed.parts["scale"])
+    assert torch.equal(again.parts["codes"], packed.parts["codes"]) and torch.equal(
+        again.parts["scale"], packed.parts["scale"]
+    )
 
 
 @pytest.mark.parametrize("magnitude, scale_dtype", [(1.0, "fp16"), (1e5, "fp32")])  # −8·d overflows fp16 at 1e5
@@ -257,7 +259,10 @@ def test_scratch_buffer_is_one_buffer_grown_only_when_needed():
     x_small, x_large = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(2, 128, dtype=torch.bfloat16)
     first = linear(x_small, small, scratch=scratch)
     held = scratch.nbytes("cpu")
-    assert torch.equal(linear(x_small, small, scratch=scratch), first) and (scratch.grown, scratch.nbytes("cpu")) == (1, held)
+    assert torch.equal(linear(x_small, small, scratch=scratch), first) and (scratch.grown, scratch.nbytes("cpu")) == (
+        1,
+        held,
+    )
     linear(x_large, large, scratch=scratch)
     assert scratch.grown == 2 and scratch.nbytes("cpu") > held
     assert torch.equal(linear(x_small, small, scratch=scratch), first) and scratch.grown == 2  # the larger one serves
@@ -278,7 +283,9 @@ def test_probe_runs_once_per_device_and_its_answer_is_stored(monkeypatch, tmp_pa
     answer = answers.pop()
     assert capabilities("cpu") == answer and calls == ["cpu"]
     assert {kind for kind, _, _ in answer.dense} <= {"int4", "int8"}
-    assert all(rows in (0, *probe_module.DENSE_ROWS) and dtype in ("bf16", "fp16", "fp32") for _, rows, dtype in answer.dense)
+    assert all(
+        rows in (0, *probe_module.DENSE_ROWS) and dtype in ("bf16", "fp16", "fp32") for _, rows, dtype in answer.dense
+    )
     (tmp_path / "kernels.json").write_text("{not json")  # unreadable: probed again, never misread
     monkeypatch.setattr(probe_module, "_CACHE", {})
     capabilities("cpu")
@@ -321,7 +328,9 @@ def test_linear_multiplies_densely_from_the_probes_row_count(monkeypatch):
 
     calls = []
     real = dense.dense_linear
-    monkeypatch.setattr(dense, "dense_linear", lambda x, w, scratch=None: calls.append(x.shape[0]) or real(x, w, Scratch()))
+    monkeypatch.setattr(
+        dense, "dense_linear", lambda x, w, scratch=None: calls.append(x.shape[0]) or real(x, w, Scratch())
+    )
     packed = quantize_rtn(torch.randn(64, 64, generator=torch.Generator().manual_seed(7)), bits=4, group=32)
     bound = bind(packed, "cpu", torch.bfloat16)
     if bound.path != "int4" or not dense.supported("int4", bound.device):
@@ -335,7 +344,9 @@ def test_linear_multiplies_densely_from_the_probes_row_count(monkeypatch):
     module.packed_weight = bound
     small, large = torch.randn(1, 3, 64).bfloat16(), torch.randn(1, 4, 64).bfloat16()
     assert torch.equal(module(small), bound.fast(small)) and calls == []  # under 4 rows: the kernel
-    assert torch.allclose(module(large).float(), bound.fast(large).float(), rtol=0, atol=2e-2 * float(bound.fast(large).abs().max()))
+    assert torch.allclose(
+        module(large).float(), bound.fast(large).float(), rtol=0, atol=2e-2 * float(bound.fast(large).abs().max())
+    )
     assert calls == [4]
     compute.linear(large[0], bound, torch.zeros(64, dtype=torch.bfloat16))  # with a bias, through linear(): dense too
     assert calls == [4, 4]
@@ -370,8 +381,11 @@ def test_an_answer_timed_by_the_earlier_method_is_probed_again(monkeypatch, tmp_
     stored = tmp_path / "kernels.json"
     monkeypatch.setattr(probe_module, "_CACHE", {})
     monkeypatch.setattr(probe_module, "stored_path", lambda: stored)
-    stored.write_text(json.dumps({"cpu": {"int4": ["fp16"], "int8": ["fp32"], "seconds": [["int4", "fp16", 1e-3]]},
-                                  "cache_format": 1}))
+    stored.write_text(
+        json.dumps(
+            {"cpu": {"int4": ["fp16"], "int8": ["fp32"], "seconds": [["int4", "fp16", 1e-3]]}, "cache_format": 1}
+        )
+    )
     caps = capabilities("cpu")
     assert caps.int4 != ("fp16",) and json.loads(stored.read_text())["cpu"]["probe_format"] == probe_module.PROBE_FORMAT
 
@@ -404,7 +418,9 @@ def test_rtn_error_stays_within_half_a_step(smol_tensors, source, bits, group):
     if source == "random":
         weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)) * 0.02
     else:  # real weights: the embedding's first rows and 512 of its 576 columns, so groups of 128 fit
-        weight = dequantize(from_gguf(np.asarray(smol_tensors["token_embd.weight"].data[:256]), "Q8_0"))[:, :512].contiguous()
+        weight = dequantize(from_gguf(np.asarray(smol_tensors["token_embd.weight"].data[:256]), "Q8_0"))[
+            :, :512
+        ].contiguous()
     packed = quantize_rtn(weight, bits=bits, group=group)
     n, k = weight.shape
     g = packed.format.group

@@ -31,8 +31,14 @@ HUGE = 1 << 40
 
 def _greedy(model) -> torch.Tensor:
     with torch.inference_mode():
-        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=3)
+        return model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=3,
+        )
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
@@ -41,7 +47,9 @@ def quantized(request, tiny_factory, tmp_path_factory):
     transformers on the same checkpoint with every packed weight replaced by its dequantized value."""
     mode = request.param
     checkpoint = tiny_factory("llama", intermediate_size=128)
-    manifest, directory, summary = shard(checkpoint, out=tmp_path_factory.mktemp("q") / mode, packing=mode, log=lambda m: None)
+    manifest, directory, summary = shard(
+        checkpoint, out=tmp_path_factory.mktemp("q") / mode, packing=mode, log=lambda m: None
+    )
     assert summary["packing"] == mode and summary["packed_tensors"] > 0
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, **dtype_kwargs(torch.float32))
     params = dict(reference.named_parameters())
@@ -49,9 +57,12 @@ def quantized(request, tiny_factory, tmp_path_factory):
         for record in unit.tensors:
             if record.packed is not None:
                 fmt = PackedFormat.from_dict(record.packed)
-                data = torch.from_file(str(directory / unit.file), size=unit.bytes, dtype=torch.uint8)[record.offset : record.offset + record.nbytes]
+                data = torch.from_file(str(directory / unit.file), size=unit.bytes, dtype=torch.uint8)[
+                    record.offset : record.offset + record.nbytes
+                ]
                 weight = dequantize(PackedTensor.from_bytes(fmt, data))
-                members = record.fused or [[record.name, fmt.shape[0]]]  # a fused weight holds its members' rows in turn
+                # a fused weight holds its members' rows in turn
+                members = record.fused or [[record.name, fmt.shape[0]]]
                 with torch.no_grad():
                     for (member, rows), part in zip(members, weight.split([n for _, n in members])):
                         params[member].copy_(part)
@@ -61,9 +72,12 @@ def quantized(request, tiny_factory, tmp_path_factory):
 def test_quantized_shards_hold_packed_linear_weights_only(quantized):
     mode, manifest, directory, _ = quantized
     packed = {t.name: t for u in manifest.units for t in u.tensors if t.packed is not None}
-    assert manifest.packing == mode and manifest.format_version == 4  # 4: gate/up (and, where whole blocks, q/k/v) fused
+    # 4: gate/up (and, where whole blocks, q/k/v) fused
+    assert manifest.packing == mode and manifest.format_version == 4
     order = (cpu_layout() or "rows") if mode == "int4" else ""  # an int8 set writes no int4, so names no order
-    assert manifest.int4_layout == order and manifest.key == f"{manifest.dtype}-{mode}" + (f"-{order}" if order not in ("", "rows") else "")
+    assert manifest.int4_layout == order and manifest.key == f"{manifest.dtype}-{mode}" + (
+        f"-{order}" if order not in ("", "rows") else ""
+    )
     assert all(n.endswith(("_proj.weight", "lm_head.weight")) for n in packed), sorted(packed)
     assert not any("embed_tokens" in n or "norm" in n for n in packed)
     for record in packed.values():
@@ -76,8 +90,16 @@ def test_quantized_shards_hold_packed_linear_weights_only(quantized):
 def test_packed_stream_equals_transformers_on_the_dequantized_weights(quantized, residency):
     mode, manifest, directory, reference = quantized
     device, host = {"none": (0, 0), "host": (0, HUGE), "all": (HUGE, 0)}[residency]
-    with StreamingModel(directory, EngineConfig(compute_dtype="fp32", device_cache_bytes=device, host_cache_bytes=host)) as model:
-        paths = {b.path for by in model.bindings.values() for group in by.values() for b in group if isinstance(b, PackedBinding)}
+    with StreamingModel(
+        directory, EngineConfig(compute_dtype="fp32", device_cache_bytes=device, host_cache_bytes=host)
+    ) as model:
+        paths = {
+            b.path
+            for by in model.bindings.values()
+            for group in by.values()
+            for b in group
+            if isinstance(b, PackedBinding)
+        }
         assert paths == {mode}, f"every packed weight computes in the {mode} kernel, got {paths}"
         got = _greedy(model)
         with torch.inference_mode():
@@ -101,9 +123,13 @@ def test_a_pass_of_many_rows_multiplied_densely_equals_transformers(quantized, r
     rows = []
     real = dense.dense_linear
     monkeypatch.setattr(compute, "dense_plan", lambda path, dtype, device: (2, None))
-    monkeypatch.setattr(dense, "dense_linear", lambda x, weight, scratch=None: rows.append(x.shape[0]) or real(x, weight))
+    monkeypatch.setattr(
+        dense, "dense_linear", lambda x, weight, scratch=None: rows.append(x.shape[0]) or real(x, weight)
+    )
     device = {"none": 0, "all": HUGE}[residency]
-    with StreamingModel(directory, EngineConfig(compute_dtype="fp32", device_cache_bytes=device, host_cache_bytes=0)) as model:
+    with StreamingModel(
+        directory, EngineConfig(compute_dtype="fp32", device_cache_bytes=device, host_cache_bytes=0)
+    ) as model:
         got = _greedy(model)
         with torch.inference_mode():
             logits = model(PROMPT).logits
@@ -120,7 +146,9 @@ def test_storage_regime_moves_the_packed_bytes(quantized):
         with torch.inference_mode():
             model(PROMPT[:, :1])
         moved = model.ledger.steps[-1].served["storage"]
-    float_bytes = sum(u.tensor_bytes for u in manifest.units) - sum(t.nbytes for u in manifest.units for t in u.tensors if t.packed is not None)
+    float_bytes = sum(u.tensor_bytes for u in manifest.units) - sum(
+        t.nbytes for u in manifest.units for t in u.tensors if t.packed is not None
+    )
     packed_bytes = manifest.total_bytes - float_bytes
     assert packed_bytes <= moved <= manifest.total_bytes * 1.05, (moved, packed_bytes, manifest.total_bytes)
 
@@ -186,8 +214,16 @@ def test_kernel_form_round_trips_and_dequantizes_the_same():
 
 # Q4_1: the real model. Every kept type stays as its own blocks (kind gguf).
 # The grid types (IQ2_XXS, TQ2_0, MXFP4 here) have no native kernel: their blocks are decoded by the torch decoder.
-GGUF_EXACT = {"Q4_0": "gguf", "Q4_K": "gguf", "Q6_K": "gguf", "Q8_0": "gguf", "Q5_0": "gguf", "IQ2_XXS": "gguf",
-              "TQ2_0": "gguf", "MXFP4": "gguf"}
+GGUF_EXACT = {
+    "Q4_0": "gguf",
+    "Q4_K": "gguf",
+    "Q6_K": "gguf",
+    "Q8_0": "gguf",
+    "Q5_0": "gguf",
+    "IQ2_XXS": "gguf",
+    "TQ2_0": "gguf",
+    "MXFP4": "gguf",
+}
 
 
 @pytest.mark.parametrize("qtype", list(GGUF_EXACT))
@@ -197,8 +233,17 @@ def test_gguf_types_stream_like_transformers_loads_them(qtype, smollm2_gguf, tmp
     dequantization gives, to fp32 rounding, with the same greedy tokens."""
     from rocketllm_cli.synthetic.gguf import write_llama_gguf
 
-    path = write_llama_gguf(tmp_path / "m.gguf", smollm2_gguf, hidden=256, layers=2, intermediate=512, heads=4, kv_heads=2,
-                            qtype=qtype, embed_type="F16")
+    path = write_llama_gguf(
+        tmp_path / "m.gguf",
+        smollm2_gguf,
+        hidden=256,
+        layers=2,
+        intermediate=512,
+        heads=4,
+        kv_heads=2,
+        qtype=qtype,
+        embed_type="F16",
+    )
     manifest, directory, summary = shard(path, out=tmp_path / "s", dtype="fp32", log=lambda m: None)
     kinds = {t.packed["kind"] for u in manifest.units for t in u.tensors if t.packed is not None}
     assert kinds == {GGUF_EXACT[qtype]}
@@ -206,8 +251,12 @@ def test_gguf_types_stream_like_transformers_loads_them(qtype, smollm2_gguf, tmp
     ids = torch.tensor([[1, 400, 5000, 77, 9000, 12]])
     with StreamingModel(directory, EngineConfig(compute_dtype="fp32")) as model, torch.inference_mode():
         got, want = model(ids).logits, reference(ids).logits
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
-        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        tokens = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+        expected = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
     assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
     assert torch.equal(tokens, expected)
 
@@ -238,8 +287,12 @@ def test_int4_shards_in_another_cpus_order_say_so_when_they_stream(quantized):
             if record.packed is not None and record.packed.get("kind") == "int4":
                 record.packed["layout"] = other
     notes = [n for n in engine_config(profile, knobs, foreign)[1] if "int4 shards" in n]
-    assert notes == [f"int4 shards are in the {other} order another CPU's kernel reads, this one reads {here}: each streamed use "
-                     "reorders them (to avoid it, run the source itself, or `rocketllm shard` it: a set's name carries its "
-                     "int4 order, so this machine writes its own set beside this one)"]
+    assert notes == [
+        f"int4 shards are in the {other} order another CPU's kernel reads, this one reads {here}: each "
+        f"streamed use "
+        "reorders them (to avoid it, run the source itself, or `rocketllm shard` it: a set's name carries "
+        "its "
+        "int4 order, so this machine writes its own set beside this one)"
+    ]
     assert manifest.int4_layout == here and manifest.key.endswith(f"-int4-{here}")  # the set's name carries its order
     assert INT4_LAYOUTS == LAYOUTS  # the manifest's torch-free list of orders is the kernel's

@@ -1,5 +1,7 @@
-"""`rocketllm plan`: configurations enumerated from headers alone, ranked by the cost model's projection, each fitting its
-memory; what-if hardware, constraints, the defaults' own row, --json, --verify, and a 70B GGUF header planned in seconds.
+"""`rocketllm plan`: configurations enumerated from headers alone, ranked by the cost model's projection, each fitting
+its
+memory; what-if hardware, constraints, the defaults' own row, --json, --verify, and a 70B GGUF header planned in
+seconds.
 
 Profiles here are synthetic (nothing is measured); the 70B file is a GGUF header with its data left sparse."""
 
@@ -41,23 +43,56 @@ from rocketllm_cli.profiles.knobs.expression import evaluate
 pytestmark = pytest.mark.compat
 
 GiB = 1024**3
-BANDWIDTHS = {"host_memory": 20e9, "device_memory": 20e9, "page_cache_read": 10e9, "storage_read": 2e9,
-              "storage_read_direct": 2.5e9, "matvec_bf16": 20e9, "matvec_fp32": 12e9}
+BANDWIDTHS = {
+    "host_memory": 20e9,
+    "device_memory": 20e9,
+    "page_cache_read": 10e9,
+    "storage_read": 2e9,
+    "storage_read_direct": 2.5e9,
+    "matvec_bf16": 20e9,
+    "matvec_fp32": 12e9,
+}
 
 
 def cpu_profile(ram: int = 16 * GiB, free: float = 0.9, **bandwidths) -> HardwareProfile:
-    found = {name: Measurement(name, bps, "synthetic", int(bps), 1.0) for name, bps in {**BANDWIDTHS, **bandwidths}.items()}
-    return HardwareProfile("plan-test", "cpu", 8, ram, int(ram * free), measurements=found,
-                           capabilities={"compute_dtype": Capability("compute_dtype", "bf16", None, "synthetic"),
-                                         "direct_io": Capability("direct_io", True), "storage_kind": Capability("storage_kind", "nvme")})
+    found = {
+        name: Measurement(name, bps, "synthetic", int(bps), 1.0) for name, bps in {**BANDWIDTHS, **bandwidths}.items()
+    }
+    return HardwareProfile(
+        "plan-test",
+        "cpu",
+        8,
+        ram,
+        int(ram * free),
+        measurements=found,
+        capabilities={
+            "compute_dtype": Capability("compute_dtype", "bf16", None, "synthetic"),
+            "direct_io": Capability("direct_io", True),
+            "storage_kind": Capability("storage_kind", "nvme"),
+        },
+    )
 
 
-def llama_config(path: Path, hidden=4096, layers=32, inter=14336, heads=32, kv_heads=8, vocab=128256, positions=131072) -> Path:
+def llama_config(
+    path: Path, hidden=4096, layers=32, inter=14336, heads=32, kv_heads=8, vocab=128256, positions=131072
+) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab, "max_position_embeddings": positions,
-        "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": hidden,
+                "intermediate_size": inter,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv_heads,
+                "vocab_size": vocab,
+                "max_position_embeddings": positions,
+                "torch_dtype": "bfloat16",
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     return path / "config.json"
 
 
@@ -70,9 +105,15 @@ def gguf_70b(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("plan70b") / "llama-70b.Q4_0.gguf"
     writer = GGUFWriter(path, "llama")
     hidden, layers, inter, heads, kv_heads, vocab = 8192, 80, 28672, 64, 8, 128256
-    for add, value in ((writer.add_context_length, 8192), (writer.add_embedding_length, hidden), (writer.add_block_count, layers),
-                       (writer.add_feed_forward_length, inter), (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
-                       (writer.add_file_type, 2)):
+    for add, value in (
+        (writer.add_context_length, 8192),
+        (writer.add_embedding_length, hidden),
+        (writer.add_block_count, layers),
+        (writer.add_feed_forward_length, inter),
+        (writer.add_head_count, heads),
+        (writer.add_head_count_kv, kv_heads),
+        (writer.add_file_type, 2),
+    ):
         add(value)
     sizes = []
 
@@ -90,9 +131,15 @@ def gguf_70b(tmp_path_factory) -> Path:
     for i in range(layers):
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")
-        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv_heads * 128, hidden), ("attn_v", kv_heads * 128, hidden),
-                                 ("attn_output", hidden, hidden), ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden),
-                                 ("ffn_down", hidden, inter)):
+        for name, rows, cols in (
+            ("attn_q", hidden, hidden),
+            ("attn_k", kv_heads * 128, hidden),
+            ("attn_v", kv_heads * 128, hidden),
+            ("attn_output", hidden, hidden),
+            ("ffn_gate", inter, hidden),
+            ("ffn_up", inter, hidden),
+            ("ffn_down", hidden, inter),
+        ):
             matrix(f"blk.{i}.{name}.weight", rows, cols)
     norm("output_norm.weight")
     matrix("output.weight", vocab, hidden, "Q6_K")
@@ -102,7 +149,8 @@ def gguf_70b(tmp_path_factory) -> Path:
     out = writer.fout[0]
     out.flush()
     start = -(-out.tell() // writer.data_alignment) * writer.data_alignment
-    out.truncate(start + sum(-(-n // writer.data_alignment) * writer.data_alignment for n in sizes))  # sparse: no data written
+    # sparse: no data written
+    out.truncate(start + sum(-(-n // writer.data_alignment) * writer.data_alignment for n in sizes))
     out.close()
     return path
 
@@ -117,12 +165,18 @@ def test_rows_are_ranked_fit_their_budget_and_recompute_from_what_they_print(tmp
     for row in plan.rows:
         m = row.memory
         assert m["used"] <= m["budget"]["memory"], row.short()  # every printed row fits
-        assert m["device"]["total"] == m["device"]["weights"] + m["device"]["kv"] + m["device"]["buffers"] + m["device"]["runtime"]
+        assert (
+            m["device"]["total"]
+            == m["device"]["weights"] + m["device"]["kv"] + m["device"]["buffers"] + m["device"]["runtime"]
+        )
         assert math.isclose(evaluate(row.formula, row.inputs), row.tokens_per_s)
         # the projection is the cost model's, on the bytes per tier doctor projects from
         flags = {k: v for k, v in row.flags.items() if k != "speculate"}
         knobs = resolve_knobs(profile, row.format.facts, flags=flags, env={})
-        computed = replace(profile, capabilities={**profile.capabilities, "compute_dtype": Capability("compute_dtype", row.compute_dtype)})
+        computed = replace(
+            profile,
+            capabilities={**profile.capabilities, "compute_dtype": Capability("compute_dtype", row.compute_dtype)},
+        )
         seconds = project(computed, row.format.facts, plan_tier_bytes(row.format.facts, knobs)).overlapped_seconds
         assert math.isclose(row.tokens_per_s, 1 / seconds, rel_tol=1e-9), row.short()
     print(f"{len(plan.rows)} rows in {plan.seconds:.3f} s; left out {plan.left_out}")
@@ -144,7 +198,9 @@ def test_a_speculating_row_projects_at_the_tokens_per_pass_bench_measured(tmp_pa
 
     manifest = SimpleNamespace(key="fp32-blocks")
     acceptance.record(tmp_path, manifest, {"mode": "off"})  # nothing to keep
-    acceptance.record(tmp_path, manifest, {"mode": "prompt-lookup", "proposed": 90, "accepted": 38, "passes": 26, "tokens": 64})
+    acceptance.record(
+        tmp_path, manifest, {"mode": "prompt-lookup", "proposed": 90, "accepted": 38, "passes": 26, "tokens": 64}
+    )
     found = acceptance.lookup(tmp_path, manifest, ("off", "prompt-lookup", "draft"))
     assert list(found) == ["prompt-lookup"] and found["prompt-lookup"]["tokens_per_pass"] == pytest.approx(64 / 26)
 
@@ -153,10 +209,16 @@ def test_a_speculating_row_projects_at_the_tokens_per_pass_bench_measured(tmp_pa
     for row in plan.rows:
         assert math.isclose(evaluate(row.formula, row.inputs), row.tokens_per_s)
         by_key[(row.format.name, row.compute_dtype, row.kv_dtype, row.residency, row.context, row.speculate)] = row
-    pairs = [(row, by_key[(*key[:-1], "off")]) for key, row in by_key.items() if key[-1] == "prompt-lookup" and row.format.stored]
+    pairs = [
+        (row, by_key[(*key[:-1], "off")])
+        for key, row in by_key.items()
+        if key[-1] == "prompt-lookup" and row.format.stored
+    ]
     assert pairs
     for spec, off in pairs:
-        assert spec.inputs["tokens_per_pass"] == pytest.approx(64 / 26, abs=1e-3) and "tokens_per_pass" not in off.inputs
+        assert (
+            spec.inputs["tokens_per_pass"] == pytest.approx(64 / 26, abs=1e-3) and "tokens_per_pass" not in off.inputs
+        )
         assert spec.tokens_per_s == pytest.approx(off.tokens_per_s * 64 / 26, rel=1e-3)
         assert any("as bench measured this set" in n for n in spec.notes)
     assert plan.rows[0].speculate == "prompt-lookup"  # measured gain: the speculating rows rank first
@@ -173,7 +235,9 @@ def test_the_first_row_is_the_defaults_or_says_why_they_differ(tmp_path):
         assert default.context == knobs.value("max_context")
         assert default.compute_dtype == context_of(profile, source.facts, knobs).compute_dtype()
         assert plan.rows[0].default or plan.rows[0].why, plan.rows[0].short()
-    small = read_source(llama_config(tmp_path / "small", hidden=512, layers=4, inter=1024, heads=8, kv_heads=8, vocab=32000))
+    small = read_source(
+        llama_config(tmp_path / "small", hidden=512, layers=4, inter=1024, heads=8, kv_heads=8, vocab=32000)
+    )
     plan = make_plan(small, cpu_profile(ram=64 * GiB), PlanRequest())
     assert plan.rows[0].format.quantize == "int4" and "never requantise" in plan.rows[0].why  # fewer bytes a token
     plan = make_plan(small, cpu_profile(ram=64 * GiB), PlanRequest(quality=0.0))  # the weights as they are
@@ -186,9 +250,14 @@ def test_what_if_hardware_changes_the_plan(gguf_70b):
     source = read_source(gguf_70b)
     here = cpu_profile(ram=16 * GiB)
     small, notes = what_if(here, ram=24 * GiB)
-    assert small.ram_total == 24 * GiB and abs(small.ram_available / small.ram_total - 0.9) < 1e-6 and "--ram" in notes[0]
+    assert (
+        small.ram_total == 24 * GiB and abs(small.ram_available / small.ram_total - 0.9) < 1e-6 and "--ram" in notes[0]
+    )
     tight = make_plan(source, small, PlanRequest())
-    assert tight.rows[0].residency_text() != "all resident" and tight.rows[0].memory["device"]["weights"] < source.facts.total_bytes
+    assert (
+        tight.rows[0].residency_text() != "all resident"
+        and tight.rows[0].memory["device"]["weights"] < source.facts.total_bytes
+    )
     roomy = make_plan(source, what_if(here, ram=128 * GiB)[0], PlanRequest())
     assert roomy.rows[0].residency_text() == "all resident" and roomy.default.residency_text() == "all resident"
     faster = make_plan(source, what_if(small, disk_bps=14e9)[0], PlanRequest())
@@ -228,14 +297,18 @@ def test_a_request_beyond_every_row_is_one_line_naming_the_nearest(tmp_path, ggu
     line = one_error_line(result)
     assert "--min-context 1000000" in line and "at most 8192 tokens of context, the model's own limit" in line
     assert "nearest: #" in line and "tokens/s" in line
-    line = one_error_line(CliRunner().invoke(app, ["plan", str(gguf_70b), "--profile", str(profile), "--max-memory", "100MiB"]))
+    line = one_error_line(
+        CliRunner().invoke(app, ["plan", str(gguf_70b), "--profile", str(profile), "--max-memory", "100MiB"])
+    )
     assert "--max-memory 100.00 MiB" in line and "nearest: #" in line
 
 
 def test_json_is_one_document_with_commands(tmp_path, gguf_70b):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(cpu_profile(ram=24 * GiB).to_dict()))
-    result = CliRunner().invoke(app, ["plan", str(gguf_70b), "--profile", str(profile), "--hosts", "2", "--link-bw", "1.25GB/s", "--json"])
+    result = CliRunner().invoke(
+        app, ["plan", str(gguf_70b), "--profile", str(profile), "--hosts", "2", "--link-bw", "1.25GB/s", "--json"]
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["rows"] and doc["defaults_rank"] >= 1 and doc["summary"].startswith("rocketllm plan llama-70b.Q4_0")
@@ -243,7 +316,11 @@ def test_json_is_one_document_with_commands(tmp_path, gguf_70b):
     assert {"tokens_per_s", "formula", "inputs", "memory", "commands", "flags"} <= set(first)
     assert first["commands"]["generate"] and "bench" in first["commands"]["bench"]
     people = CliRunner().invoke(app, ["plan", str(gguf_70b), "--profile", str(profile), "--top", "3"])
-    assert people.exit_code == 0 and "why the defaults differ:" in people.stdout and "\nsummary: rocketllm plan" in people.stdout
+    assert (
+        people.exit_code == 0
+        and "why the defaults differ:" in people.stdout
+        and "\nsummary: rocketllm plan" in people.stdout
+    )
     one = CliRunner().invoke(app, ["plan", str(gguf_70b), "--profile", str(profile), "--summary"])
     assert one.exit_code == 0 and len(one.stdout.strip().splitlines()) == 1
 
@@ -253,10 +330,15 @@ def test_a_70b_header_plans_in_seconds(tmp_path, gguf_70b):
     profile.write_text(json.dumps(cpu_profile(ram=64 * GiB).to_dict()))
     for args in ([], ["--hosts", "2", "--link-bw", "1.25GB/s"], ["--hosts", "4", "--link-bw", "1.25GB/s"]):
         started = time.perf_counter()
-        result = CliRunner().invoke(app, ["plan", str(gguf_70b), "--profile", str(profile), "--ram", "24GiB", *args, "--json"])
+        result = CliRunner().invoke(
+            app, ["plan", str(gguf_70b), "--profile", str(profile), "--ram", "24GiB", *args, "--json"]
+        )
         seconds = time.perf_counter() - started
         assert result.exit_code == 0, result.output
-        print(f"plan 70B GGUF header, 24 GiB, {args or 'one host'}: {len(json.loads(result.stdout)['rows'])} rows in {seconds:.2f} s")
+        print(
+            f"plan 70B GGUF header, 24 GiB, {args or 'one host'}: {len(json.loads(result.stdout)['rows'])} rows in "
+            f"{seconds:.2f} s"
+        )
         assert seconds < 10  # about 0.1-0.5 s here; the budget is 2 s
 
 
@@ -268,7 +350,10 @@ def test_a_doctor_document_is_a_profile(tmp_path, gguf_70b):
     path.write_text(json.dumps(document.build(original, None, None)))
     loaded = profile_from_file(path)
     source = read_source(gguf_70b)
-    assert make_plan(source, loaded, PlanRequest()).rows[0].tokens_per_s == make_plan(source, original, PlanRequest()).rows[0].tokens_per_s
+    assert (
+        make_plan(source, loaded, PlanRequest()).rows[0].tokens_per_s
+        == make_plan(source, original, PlanRequest()).rows[0].tokens_per_s
+    )
 
 
 def test_formats_of_a_checkpoint_and_a_shard_set_from_their_headers(tiny_checkpoint):
@@ -280,19 +365,25 @@ def test_formats_of_a_checkpoint_and_a_shard_set_from_their_headers(tiny_checkpo
     plan = make_plan(source, cpu_profile(), PlanRequest())
     requantised = next(r for r in plan.rows if not r.format.stored)
     lines = commands(requantised, source, "tiny")
-    assert lines["shard"] == f"rocketllm shard tiny --quantize {requantised.format.quantize} --out {source.name}-{requantised.format.quantize}"
+    assert lines["shard"] == (
+        f"rocketllm shard tiny --quantize {requantised.format.quantize} --out "
+        f"{source.name}-{requantised.format.quantize}"
+    )
 
 
-@pytest.mark.parametrize("args, code, says", [
-    (["/no/such/model.gguf"], 1, "model path not found"),
-    (["M", "--hosts", "2"], 2, "--hosts needs --link-bw"),
-    (["M", "--link-bw", "1GB/s"], 2, "--link-bw and --link-latency go with --hosts"),
-    (["M", "--ram", "lots"], 2, "--ram: cannot read 'lots' as a size"),
-    (["M", "--disk-bw", "0"], 2, "--disk-bw must be more than 0"),
-    (["M", "--vram", "80GiB"], 2, "--vram: this profile computes on cpu"),
-    (["M", "--profile", "BAD"], 2, "--profile bad.json: not JSON"),
-    (["M", "--batch", "0"], 2, "--batch"),
-])
+@pytest.mark.parametrize(
+    "args, code, says",
+    [
+        (["/no/such/model.gguf"], 1, "model path not found"),
+        (["M", "--hosts", "2"], 2, "--hosts needs --link-bw"),
+        (["M", "--link-bw", "1GB/s"], 2, "--link-bw and --link-latency go with --hosts"),
+        (["M", "--ram", "lots"], 2, "--ram: cannot read 'lots' as a size"),
+        (["M", "--disk-bw", "0"], 2, "--disk-bw must be more than 0"),
+        (["M", "--vram", "80GiB"], 2, "--vram: this profile computes on cpu"),
+        (["M", "--profile", "BAD"], 2, "--profile bad.json: not JSON"),
+        (["M", "--batch", "0"], 2, "--batch"),
+    ],
+)
 def test_bad_inputs_are_one_error_line(args, code, says, tmp_path, gguf_70b):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(cpu_profile().to_dict()))
@@ -300,26 +391,41 @@ def test_bad_inputs_are_one_error_line(args, code, says, tmp_path, gguf_70b):
     args = [str(gguf_70b) if a == "M" else str(tmp_path / "bad.json") if a == "BAD" else a for a in args]
     if "--profile" not in args:
         args += ["--profile", str(profile)]
-    done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "plan", *args], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "rocketllm_cli", "plan", *args], capture_output=True, text=True, timeout=120
+    )
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == code and len(lines) == 1 and lines[0].startswith("error: ") and done.stdout == "", done.stderr
+    assert done.returncode == code and len(lines) == 1 and lines[0].startswith("error: ") and done.stdout == "", (
+        done.stderr
+    )
     assert says in lines[0] and "Traceback" not in done.stderr and "internal error" not in lines[0], lines[0]
 
 
 def test_verify_benches_the_top_rows_that_run_here(monkeypatch, tmp_path):
-    """--verify runs `rocketllm bench` per row (faked here): a row needing other hosts is skipped, a row assuming less RAM
+    """--verify runs `rocketllm bench` per row (faked here): a row needing other hosts is skipped, a row assuming less
+    RAM
     runs under ROCKETLLM_WITH_RAM's wrapper, or says it was measured without the cap."""
     from rocketllm_cli.bench import planverify
 
-    source = read_source(llama_config(tmp_path / "small", hidden=512, layers=4, inter=1024, heads=8, kv_heads=8, vocab=32000))
+    source = read_source(
+        llama_config(tmp_path / "small", hidden=512, layers=4, inter=1024, heads=8, kv_heads=8, vocab=32000)
+    )
     profile, _ = what_if(cpu_profile(ram=64 * GiB), ram=GiB)
     plan = make_plan(source, profile, PlanRequest(quality=0.0))  # the weights as stored: no shard step
     calls = []
 
     def fake_run(command, **kwargs):
         calls.append((command, kwargs.get("env", {})))
-        doc = {"rows": [{"name": "rocketllm", "status": "measured", "ms_per_token": {"median": 20.0, "p10": 19.0, "p90": 22.0},
-                         "tokens_per_s": 49.0}]}
+        doc = {
+            "rows": [
+                {
+                    "name": "rocketllm",
+                    "status": "measured",
+                    "ms_per_token": {"median": 20.0, "p10": 19.0, "p90": 22.0},
+                    "tokens_per_s": 49.0,
+                }
+            ]
+        }
         return subprocess.CompletedProcess(command, 0, json.dumps(doc), "")
 
     monkeypatch.setattr(planverify.subprocess, "run", fake_run)
@@ -330,7 +436,9 @@ def test_verify_benches_the_top_rows_that_run_here(monkeypatch, tmp_path):
     assert calls[0][0][3:5] == ["bench", str(source.run_path)] and "--json" in calls[0][0]
     assert any("without the" in note for note in measured[0]["notes"])
     # a capped row starts cold: what this machine caches of the model would serve it from outside its cap
-    assert any(note.startswith("started cold: ") and "evicted from the page cache" in note for note in measured[0]["notes"])
+    assert any(
+        note.startswith("started cold: ") and "evicted from the page cache" in note for note in measured[0]["notes"]
+    )
     monkeypatch.setenv(planverify.WITH_RAM, "/opt/with-ram")
     calls.clear()
     planverify.verify_rows(plan, str(source.run_path), 1, lambda m: None)
@@ -353,9 +461,18 @@ def test_verify_of_a_streaming_speculating_row(monkeypatch, tmp_path):
     assert row.speculate == "prompt-lookup" and "storage_bps" in row.inputs
 
     def fake_run(command, **kwargs):
-        doc = {"rows": [{"name": "rocketllm", "status": "measured", "ms_per_token": {"median": 100.0, "p10": 90.0, "p90": 300.0},
-                         "tokens_per_s": 5.0, "speculation": {"mode": "prompt-lookup", "passes": 5, "tokens": 10, "tokens_per_pass": 2.0},
-                         "disk_now": {"bps": 1e8, "how": "O_DIRECT x2"}}]}
+        doc = {
+            "rows": [
+                {
+                    "name": "rocketllm",
+                    "status": "measured",
+                    "ms_per_token": {"median": 100.0, "p10": 90.0, "p90": 300.0},
+                    "tokens_per_s": 5.0,
+                    "speculation": {"mode": "prompt-lookup", "passes": 5, "tokens": 10, "tokens_per_pass": 2.0},
+                    "disk_now": {"bps": 1e8, "how": "O_DIRECT x2"},
+                }
+            ]
+        }
         return subprocess.CompletedProcess(command, 0, json.dumps(doc), "")
 
     monkeypatch.setattr(planverify.subprocess, "run", fake_run)
@@ -403,8 +520,17 @@ def test_plan_of_a_gguf_projects_from_the_decode_bench_measured_on_its_set(smoll
     from rocketllm_cli.synthetic.gguf import write_llama_gguf
 
     monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
-    model = write_llama_gguf(tmp_path / "tiny.gguf", smollm2_gguf, hidden=256, layers=2, intermediate=512, heads=4,
-                             kv_heads=2, qtype="Q4_K", embed_type="Q8_0")
+    model = write_llama_gguf(
+        tmp_path / "tiny.gguf",
+        smollm2_gguf,
+        hidden=256,
+        layers=2,
+        intermediate=512,
+        heads=4,
+        kv_heads=2,
+        qtype="Q4_K",
+        embed_type="Q8_0",
+    )
     assert sets_of_gguf(model) == []  # never sharded: nothing known, nothing hashed
     done = CliRunner().invoke(app, ["shard", str(model), "--json"])
     assert done.exit_code == 0, done.stderr

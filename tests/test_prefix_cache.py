@@ -80,8 +80,14 @@ def test_a_restored_checkpoint_holds_exactly_the_kv_of_its_tokens(llama):
 
     def kv(ids):
         with torch.inference_mode():
-            out = llama.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=1,
-                                 do_sample=False, pad_token_id=3, return_dict_in_generate=True)
+            out = llama.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=1,
+                do_sample=False,
+                pad_token_id=3,
+                return_dict_in_generate=True,
+            )
         return output_cache(out)
 
     cache = PrefixCache(1 << 30)
@@ -147,17 +153,19 @@ def plan(tiers: dict) -> tuple:
     return SimpleNamespace(tier=tiers), manifest
 
 
-@pytest.mark.parametrize("setting, tiers, on", [
-    ("auto", {"embed": "device", "layer.000": "device", "layer.001": "device"}, True),
-    ("auto", {"embed": "device", "layer.000": "device", "layer.001": "storage"}, False),
-    ("auto", {"embed": "device", "layer.000": "host", "layer.001": "host"}, False),
-    ("on", {"embed": "device", "layer.000": "storage"}, True),
-    ("off", {"embed": "device", "layer.000": "device"}, False),
-])
+@pytest.mark.parametrize(
+    "setting, tiers, on",
+    [
+        ("auto", {"embed": "device", "layer.000": "device", "layer.001": "device"}, True),
+        ("auto", {"embed": "device", "layer.000": "device", "layer.001": "storage"}, False),
+        ("auto", {"embed": "device", "layer.000": "host", "layer.001": "host"}, False),
+        ("on", {"embed": "device", "layer.000": "storage"}, True),
+        ("off", {"embed": "device", "layer.000": "device"}, False),
+    ],
+)
 def test_auto_is_on_only_when_every_weight_is_resident(setting, tiers, on):
     enabled, reason = decide(setting, *plan(tiers))
     assert enabled is on
     assert reason.startswith("on" if on else "off")
     if setting == "auto" and not on:
         assert "one streaming pass whatever its length" in reason
-

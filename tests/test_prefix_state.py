@@ -34,8 +34,10 @@ def lfm2(stateful_factory):
     model.close()
 
 
-@pytest.mark.parametrize("model_type, kind", [("qwen3_next", "LinearAttentionLayer"), ("lfm2", "LinearAttentionLayer"),
-                                              ("mamba2", "LinearAttentionLayer")])
+@pytest.mark.parametrize(
+    "model_type, kind",
+    [("qwen3_next", "LinearAttentionLayer"), ("lfm2", "LinearAttentionLayer"), ("mamba2", "LinearAttentionLayer")],
+)
 def test_a_conversation_through_the_prefix_cache_gives_the_tokens_of_fresh_runs(model_type, kind, stateful_factory):
     model = load(stateful_factory(model_type))
     try:
@@ -51,7 +53,8 @@ def test_a_conversation_through_the_prefix_cache_gives_the_tokens_of_fresh_runs(
             assert reused.reused_tokens == kept  # the whole previous turn: its prompt and its reply but the last token
             assert reused.ledger["prefill"]["tokens"] == len(history) - kept  # only the rest was computed
             kept = len(history) + len(fresh.token_ids) - 1
-            history += fresh.token_ids + list(range(100 + turn * 20, 110 + turn * 20))  # the reply, then the next user turn
+            # the reply, then the next user turn
+            history += fresh.token_ids + list(range(100 + turn * 20, 110 + turn * 20))
     finally:
         model.close()
 
@@ -65,7 +68,8 @@ def test_a_kept_state_serves_only_a_prompt_that_extends_it(lfm2):
     assert cache.lookup(kept) is None  # nothing would be left to compute
     assert cache.lookup(kept[:-1] + [7, 8]) is None  # diverges inside the kept tokens
     hit = cache.lookup(kept + [7])
-    assert hit is not None and hit.tokens == len(kept) and hit.feed_from == 0  # attention layers: generate slices itself
+    # attention layers: generate slices itself
+    assert hit is not None and hit.tokens == len(kept) and hit.feed_from == 0
     assert run(lfm2, PROMPT, cache).token_ids == first.token_ids  # a repeat is computed afresh, and kept once
     assert len(cache) == 1
 
@@ -86,7 +90,9 @@ def test_a_model_whose_forward_drops_a_kept_state_has_reuse_off_with_the_reason(
     try:
         found = reuse_for(model)
         assert found.mode is None
-        assert found.reason.startswith("the model's cache has LinearAttentionLayer layers, whose state cannot be cropped")
+        assert found.reason.startswith(
+            "the model's cache has LinearAttentionLayer layers, whose state cannot be cropped"
+        )
         assert "gives other logits than a fresh prefill" in found.reason and "\n" not in found.reason
         cache = prefix_cache_for(model, 1 << 30)
         assert cache.disabled_reason == found.reason
@@ -123,5 +129,6 @@ def test_a_model_that_keeps_its_state_outside_a_cache_object_has_reuse_off(monke
     monkeypatch.setattr(reuse, "declared_kinds", lambda model: None)
     monkeypatch.setattr(reuse, "_output", lambda model, ids, cache=None: Output())
     found = reuse_for(lfm2)
-    assert found.mode is None and found.reason == ("the model keeps its cache in a list, not a transformers cache of layers, "
-                                                   "so it cannot be kept and restored")
+    assert found.mode is None and found.reason == (
+        "the model keeps its cache in a list, not a transformers cache of layers, so it cannot be kept and restored"
+    )

@@ -36,7 +36,14 @@ def _profile_files(fingerprint: str) -> dict[str, int]:
 def test_measured_profile_has_every_figure_with_its_method(profile):
     assert profile.compute_device == "cpu" or profile.compute_device.startswith(("cuda", "xpu", "mps"))
     assert profile.ram_total >= profile.ram_available > 0 and profile.cpu_cores >= 1
-    for name in ("host_memory", "device_memory", "page_cache_read", "storage_read", "storage_read_direct", "h2d_pinned"):
+    for name in (
+        "host_memory",
+        "device_memory",
+        "page_cache_read",
+        "storage_read",
+        "storage_read_direct",
+        "h2d_pinned",
+    ):
         m = profile.measurements[name]
         assert m.method, name
         if m.available:
@@ -44,7 +51,15 @@ def test_measured_profile_has_every_figure_with_its_method(profile):
         else:
             assert m.value is None and m.reason, name
     assert profile.host_memory_bps and profile.page_cache_read_bps
-    for name in ("compute_dtype", "pin_memory", "non_blocking", "sdpa", "direct_io", "fadvise_dontneed", "storage_kind"):
+    for name in (
+        "compute_dtype",
+        "pin_memory",
+        "non_blocking",
+        "sdpa",
+        "direct_io",
+        "fadvise_dontneed",
+        "storage_kind",
+    ):
         assert profile.capabilities[name].reason, name
     assert profile.compute_dtype in ("bf16", "fp16", "fp32")
     assert profile.capability("storage_kind") in ("nvme", "ssd", "rotational", "network", "tmpfs", "overlay", "unknown")
@@ -149,7 +164,15 @@ def test_fingerprint_is_stable_and_holds_no_private_facts():
 
     assert socket.gethostname() not in text or len(socket.gethostname()) < 3
     # isa_ceiling only where torch or oneDNN is capped (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA): another machine to us
-    assert set(first) - {"isa_ceiling"} == {"cpu_model", "cpu_cores", "ram_total_gib", "gpus", "pci_accelerators", "os", "torch"}
+    assert set(first) - {"isa_ceiling"} == {
+        "cpu_model",
+        "cpu_cores",
+        "ram_total_gib",
+        "gpus",
+        "pci_accelerators",
+        "os",
+        "torch",
+    }
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
@@ -209,9 +232,13 @@ def test_a_device_that_claims_cuda_but_fails_degrades_instead_of_crashing(monkey
 
 
 def test_contention_while_measuring_is_recorded_and_reported(profile):
-    assert facts.others_cpu_share((10.0, 1.0, 100.0), (12.0, 2.0, 101.0)) == pytest.approx(min(1.0, 1.0 / (os.cpu_count() or 1)))
+    assert facts.others_cpu_share((10.0, 1.0, 100.0), (12.0, 2.0, 101.0)) == pytest.approx(
+        min(1.0, 1.0 / (os.cpu_count() or 1))
+    )
     assert facts.others_cpu_share(None, (1.0, 1.0, 1.0)) is None
-    busy = HardwareProfile.from_dict({**profile.to_dict(), "measured_at": {**profile.measured_at, "host_others_cpu_share": 0.6}})
+    busy = HardwareProfile.from_dict(
+        {**profile.to_dict(), "measured_at": {**profile.measured_at, "host_others_cpu_share": 0.6}}
+    )
     doc = report.build(busy, None, None)
     assert any("60%" in w and "--refresh" in w for w in doc["profile"]["warnings"])
     assert "- warning: other processes used 60%" in markdown.render(doc)
@@ -239,4 +266,6 @@ def test_an_isa_ceiling_hides_the_flags_kernels_are_told_not_to_use(monkeypatch)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
     flags, _ = facts.cpu_flags()
     assert "avx512_bf16" not in flags and not [f for f in flags if f.startswith("amx")]
-    assert [f for f in flags if f not in ("avx512_bf16", "avx512_fp16")] == [f for f in full_flags if f not in ("avx512_bf16", "avx512_fp16") and not f.startswith("amx")]
+    assert [f for f in flags if f not in ("avx512_bf16", "avx512_fp16")] == [
+        f for f in full_flags if f not in ("avx512_bf16", "avx512_fp16") and not f.startswith("amx")
+    ]

@@ -78,8 +78,17 @@ def test_shard_directory_and_its_source_give_the_same_facts(tiny_checkpoint, tmp
 
 
 # every field a checkpoint and its shard set must agree on (the name may differ: a directory's or the manifest's)
-AGREEING = ("total_bytes", "num_layers", "layer_bytes", "largest_unit_bytes", "non_layer_bytes", "kv_bytes_per_token",
-            "max_positions", "dtype", "active_bytes")
+AGREEING = (
+    "total_bytes",
+    "num_layers",
+    "layer_bytes",
+    "largest_unit_bytes",
+    "non_layer_bytes",
+    "kv_bytes_per_token",
+    "max_positions",
+    "dtype",
+    "active_bytes",
+)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
@@ -115,10 +124,13 @@ def test_facts_from_a_path_import_neither_torch_nor_transformers(tiny_checkpoint
     from rocketllm_cli.shard.sharder import shard
 
     _, directory, _ = shard(tiny_checkpoint, out=tmp_path / "shards", progress=None, log=lambda m: None)
-    code = ("import sys; from rocketllm_cli.profiles import model_facts_from_path; "
-            "[model_facts_from_path(p) for p in sys.argv[1:]]; "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    run = subprocess.run([sys.executable, "-c", code, str(tiny_checkpoint), str(directory)], capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; from rocketllm_cli.profiles import model_facts_from_path; [model_facts_from_path(p) for p in "
+        "sys.argv[1:]]; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_checkpoint), str(directory)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
 
@@ -130,8 +142,16 @@ def test_the_decoder_is_the_largest_stack_not_the_vision_tower(tmp_path):
     for i in range(5):
         tensors[f"vision_tower.encoder.layers.{i}.mlp.weight"] = ("BF16", [16, 16])
     sizes = _write_safetensors(tmp_path / "model.safetensors", tensors)
-    config = {"text_config": {"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
-                              "max_position_embeddings": 512, "torch_dtype": "bfloat16"}}
+    config = {
+        "text_config": {
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "hidden_size": 64,
+            "max_position_embeddings": 512,
+            "torch_dtype": "bfloat16",
+        }
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     facts = model_facts_from_path(tmp_path)
     assert facts.num_layers == 3 and facts.layer_bytes == 256 * 64 * 2
@@ -143,11 +163,24 @@ def test_shard_manifest_facts(tmp_path):
     def unit(name, kind, nbytes):
         return {"name": name, "kind": kind, "tensors": [{"name": f"{name}.w", "nbytes": nbytes}]}
 
-    units = [unit("embed", "embed", 5000), unit("layer.000", "layer", 3000), unit("layer.001", "layer", 3100), unit("lm_head", "lm_head", 5000)]
+    units = [
+        unit("embed", "embed", 5000),
+        unit("layer.000", "layer", 3000),
+        unit("layer.001", "layer", 3100),
+        unit("lm_head", "lm_head", 5000),
+    ]
     (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1, "dtype": "bf16", "units": units}))
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8, "max_position_embeddings": 64}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8, "max_position_embeddings": 64})
+    )
     facts = model_facts_from_path(tmp_path)
-    assert (facts.total_bytes, facts.num_layers, facts.layer_bytes, facts.largest_unit_bytes, facts.non_layer_bytes) == (16100, 2, 3100, 5000, 10000)
+    assert (
+        facts.total_bytes,
+        facts.num_layers,
+        facts.layer_bytes,
+        facts.largest_unit_bytes,
+        facts.non_layer_bytes,
+    ) == (16100, 2, 3100, 5000, 10000)
     assert facts.kv_bytes_per_token == 2 * 2 * 2 * 4 * 2 and facts.dtype == "bf16"
 
 
@@ -157,16 +190,28 @@ def _gguf_string(text: str) -> bytes:
 
 
 def test_handmade_gguf_header(tmp_path):
-    kv = [("general.architecture", 8, _gguf_string("llama")), ("llama.block_count", 4, struct.pack("<I", 2)),
-          ("llama.context_length", 4, struct.pack("<I", 128)), ("llama.embedding_length", 4, struct.pack("<I", 32)),
-          ("llama.attention.head_count", 4, struct.pack("<I", 4)), ("llama.attention.head_count_kv", 4, struct.pack("<I", 2)),
-          ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 3) + b"".join(_gguf_string(t) for t in ("a", "bb", "ccc")))]
-    tensors = [("token_embd.weight", 4096), ("blk.0.attn_q.weight", 1024), ("blk.1.attn_q.weight", 1024)]  # ggml I8: a byte each
+    kv = [
+        ("general.architecture", 8, _gguf_string("llama")),
+        ("llama.block_count", 4, struct.pack("<I", 2)),
+        ("llama.context_length", 4, struct.pack("<I", 128)),
+        ("llama.embedding_length", 4, struct.pack("<I", 32)),
+        ("llama.attention.head_count", 4, struct.pack("<I", 4)),
+        ("llama.attention.head_count_kv", 4, struct.pack("<I", 2)),
+        ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 3) + b"".join(_gguf_string(t) for t in ("a", "bb", "ccc"))),
+    ]
+    # ggml I8: a byte each
+    tensors = [("token_embd.weight", 4096), ("blk.0.attn_q.weight", 1024), ("blk.1.attn_q.weight", 1024)]
     body = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv))
     body += b"".join(_gguf_string(k) + struct.pack("<I", t) + v for k, t, v in kv)
     offset = 0
     for name, nbytes in tensors:
-        body += _gguf_string(name) + struct.pack("<I", 1) + struct.pack("<Q", nbytes) + struct.pack("<I", 24) + struct.pack("<Q", offset)
+        body += (
+            _gguf_string(name)
+            + struct.pack("<I", 1)
+            + struct.pack("<Q", nbytes)
+            + struct.pack("<I", 24)
+            + struct.pack("<Q", offset)
+        )
         offset += nbytes
     body += bytes(-len(body) % 32) + bytes(offset)
     (tmp_path / "tiny.gguf").write_bytes(body)
@@ -213,14 +258,37 @@ def test_parameter_counts_and_sized_facts():
 
 def _synthetic(device: str = "cpu", **bps) -> HardwareProfile:
     def m(name, value):
-        return Measurement(name, value, "synthetic", 1, 1.0) if value else Measurement.unavailable(name, "synthetic", "not measured here")
+        return (
+            Measurement(name, value, "synthetic", 1, 1.0)
+            if value
+            else Measurement.unavailable(name, "synthetic", "not measured here")
+        )
 
-    names = ("host_memory", "device_memory", "page_cache_read", "storage_read", "storage_read_direct", "h2d_pinned", "h2d_pageable", "matvec_bf16")
+    names = (
+        "host_memory",
+        "device_memory",
+        "page_cache_read",
+        "storage_read",
+        "storage_read_direct",
+        "h2d_pinned",
+        "h2d_pageable",
+        "matvec_bf16",
+    )
     return HardwareProfile(
-        "synthetic", device, 8, 64 * GiB, 60 * GiB, 80 * GiB if device != "cpu" else None, 78 * GiB if device != "cpu" else None,
+        "synthetic",
+        device,
+        8,
+        64 * GiB,
+        60 * GiB,
+        80 * GiB if device != "cpu" else None,
+        78 * GiB if device != "cpu" else None,
         measurements={n: m(n, bps.get(n)) for n in names},
-        capabilities={"compute_dtype": Capability("compute_dtype", "bf16"), "direct_io": Capability("direct_io", False),
-                      "storage_kind": Capability("storage_kind", "nvme"), "pin_memory": Capability("pin_memory", device != "cpu")},
+        capabilities={
+            "compute_dtype": Capability("compute_dtype", "bf16"),
+            "direct_io": Capability("direct_io", False),
+            "storage_kind": Capability("storage_kind", "nvme"),
+            "pin_memory": Capability("pin_memory", device != "cpu"),
+        },
         storage={"mount_point": "/", "kind": "nvme"},
     )
 
@@ -247,7 +315,9 @@ def test_an_unmeasured_tier_is_unavailable_not_guessed():
     profile = _synthetic(device_memory=20e9, page_cache_read=10e9)  # no storage measurement
     p = project(profile, ModelFacts.from_size(8e9, 16), {"device": 1000, "host": 0, "storage": 1000})
     assert not p.available and p.serial_seconds is None and p.overlapped_seconds is None
-    assert not p.tiers["storage"].available and p.tiers["storage"].reason == "not measured here" and "storage" in p.reason
+    assert (
+        not p.tiers["storage"].available and p.tiers["storage"].reason == "not measured here" and "storage" in p.reason
+    )
     fine = project(profile, ModelFacts.from_size(8e9, 16), {"device": 1000, "host": 0, "storage": 0})
     assert fine.available  # an unmeasured tier that serves nothing costs nothing
 

@@ -34,7 +34,8 @@ from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 PROMPT = torch.tensor([[1, 40, 57, 60, 71, 85, 90]])
 NEW_TOKENS = 8
 SHAPE = {"hidden_size": 128, "intermediate_size": 256}  # K of 128 and 256: GPTQ's usual group of 128 fits
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: field i of a word holds column AWQ_PACK_ORDER[i] of its 8
+# AutoAWQ's GEMM packing: field i of a word holds column AWQ_PACK_ORDER[i] of its 8
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -45,8 +46,14 @@ def float_checkpoint(tiny_factory) -> Path:
 
 def _greedy(model) -> torch.Tensor:
     with torch.inference_mode():
-        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=3)
+        return model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=3,
+        )
 
 
 def _stored_weights(manifest, directory: Path) -> dict[str, torch.Tensor]:
@@ -56,7 +63,11 @@ def _stored_weights(manifest, directory: Path) -> dict[str, torch.Tensor]:
         for record in unit.tensors:
             if record.packed is not None:
                 data = torch.from_file(str(directory / unit.file), size=unit.bytes, dtype=torch.uint8)
-                weight = dequantize(PackedTensor.from_bytes(PackedFormat.from_dict(record.packed), data[record.offset : record.offset + record.nbytes]))
+                weight = dequantize(
+                    PackedTensor.from_bytes(
+                        PackedFormat.from_dict(record.packed), data[record.offset : record.offset + record.nbytes]
+                    )
+                )
                 members = record.fused or [[record.name, weight.shape[0]]]  # a fused weight: its members' rows in turn
                 out.update(zip([m for m, _ in members], weight.split([n for _, n in members])))
     return out
@@ -64,7 +75,13 @@ def _stored_weights(manifest, directory: Path) -> dict[str, torch.Tensor]:
 
 def _packed_formats(manifest) -> dict[str, dict]:
     """{parameter: the packed format it is stored in} (a fused weight's members share its format)."""
-    return {m: t.packed for u in manifest.units for t in u.tensors if t.packed is not None for m, _ in (t.fused or [[t.name, 0]])}
+    return {
+        m: t.packed
+        for u in manifest.units
+        for t in u.tensors
+        if t.packed is not None
+        for m, _ in (t.fused or [[t.name, 0]])
+    }
 
 
 def _assert_streams_like(directory: Path, reference) -> None:
@@ -94,7 +111,9 @@ CT_CASES = {  # name: (bits, strategy, group, symmetric, scale dtype)
 
 def _ct_checkpoint(float_checkpoint: Path, dest: Path, bits: int, strategy: str, group, symmetric: bool, dtype) -> Path:
     """The float checkpoint quantized and saved by compressed-tensors (its own qparams, quantize and pack-quantized)."""
-    ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install compressed-tensors)")
+    ct = pytest.importorskip(
+        "compressed_tensors", reason="compressed-tensors is not installed (pip install compressed-tensors)"
+    )
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -108,8 +127,11 @@ def _ct_checkpoint(float_checkpoint: Path, dest: Path, bits: int, strategy: str,
     del ct
     model = AutoModelForCausalLM.from_pretrained(float_checkpoint, **dtype_kwargs(dtype))
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
-    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"],
-                                quantization_status=QuantizationStatus.INITIALIZED)
+    config = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        ignore=["lm_head"],
+        quantization_status=QuantizationStatus.INITIALIZED,
+    )
     apply_quantization_config(model, config, show_progress=False)
     for module in model.modules():
         if hasattr(module, "quantization_scheme"):
@@ -129,12 +151,15 @@ def _ct_checkpoint(float_checkpoint: Path, dest: Path, bits: int, strategy: str,
 
 @pytest.fixture(scope="session", params=list(CT_CASES))
 def ct_checkpoint(request, float_checkpoint, tmp_path_factory) -> tuple[str, Path]:
-    return request.param, _ct_checkpoint(float_checkpoint, tmp_path_factory.mktemp("ct") / request.param, *CT_CASES[request.param])
+    return request.param, _ct_checkpoint(
+        float_checkpoint, tmp_path_factory.mktemp("ct") / request.param, *CT_CASES[request.param]
+    )
 
 
 def _ct_reference(path: Path, symmetric: bool):
     """transformers' own loading of the checkpoint (it decompresses); for asymmetric int4, transformers 5 with
-    compressed-tensors 0.20 refuses the packed zero points' shape, so the library's own decompress fills a plain model."""
+    compressed-tensors 0.20 refuses the packed zero points' shape, so the library's own decompress fills a plain
+    model."""
     if symmetric:
         return AutoModelForCausalLM.from_pretrained(path, **dtype_kwargs(torch.float32))
     from compressed_tensors.compressors.pack_quantized import (
@@ -176,7 +201,9 @@ def test_compressed_tensors_keep_their_packing_and_stream_like_transformers(ct_c
 def test_compressed_tensors_with_16_bit_scales_dequantize_bit_for_bit(float_checkpoint, tmp_path):
     """bf16 scales with zero points: the packed set (fp32) holds exactly (q − z)·s computed in fp32 from the library's
     own unpacking, for every weight."""
-    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install compressed-tensors)")
+    pytest.importorskip(
+        "compressed_tensors", reason="compressed-tensors is not installed (pip install compressed-tensors)"
+    )
     from compressed_tensors.compressors.pack_quantized import unpack_from_int32
 
     path = _ct_checkpoint(float_checkpoint, tmp_path / "ct", 4, "group", 32, False, torch.bfloat16)
@@ -232,11 +259,57 @@ def _words(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
 
 
 GPTQ_CASES = {  # name: (quantization_config, bits, group, symmetric)
-    "gptq-v1-sym-g128": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}, 4, 128, True),
-    "gptq-v2-asym-g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": False, "checkpoint_format": "gptq_v2"}, 4, 64, False),
-    "gptq-int8-channel": ({"quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": False, "sym": True}, 8, None, True),
-    "gptq-act-order": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True, "sym": True, "checkpoint_format": "gptq"}, 4, 64, True),
-    "awq-gemm-g64": ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}, 4, 64, False),
+    "gptq-v1-sym-g128": (
+        {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": 128,
+            "desc_act": False,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        },
+        4,
+        128,
+        True,
+    ),
+    "gptq-v2-asym-g64": (
+        {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": 64,
+            "desc_act": False,
+            "sym": False,
+            "checkpoint_format": "gptq_v2",
+        },
+        4,
+        64,
+        False,
+    ),
+    "gptq-int8-channel": (
+        {"quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": False, "sym": True},
+        8,
+        None,
+        True,
+    ),
+    "gptq-act-order": (
+        {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": 64,
+            "desc_act": True,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        },
+        4,
+        64,
+        True,
+    ),
+    "awq-gemm-g64": (
+        {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+        4,
+        64,
+        False,
+    ),
 }
 
 
@@ -305,7 +378,9 @@ def test_gptq_and_awq_pack_exactly_and_stream_like_transformers(packed_checkpoin
         for name, got in stored.items():
             assert torch.equal(got, references[name]), name  # bit for bit, in fp32
         kinds = {(f["kind"], f["group"]) for f in _packed_formats(manifest).values()}
-        assert {kind for kind, _ in kinds} == {"int4" if bits == 4 else "int8"} and (group is None or kinds == {("int4", group)})
+        assert {kind for kind, _ in kinds} == {"int4" if bits == 4 else "int8"} and (
+            group is None or kinds == {("int4", group)}
+        )
         assert not [n for n in notes if "quantized weight" in n], notes
     _assert_streams_like(directory, _reference_model(float_checkpoint, references))
 
@@ -349,14 +424,18 @@ def _bnb_checkpoint(float_checkpoint: Path, dest: Path, **arguments) -> Path:
     from transformers import BitsAndBytesConfig
 
     config = BitsAndBytesConfig(**arguments, bnb_4bit_compute_dtype=torch.float32)
-    AutoModelForCausalLM.from_pretrained(float_checkpoint, quantization_config=config, device_map="cpu").save_pretrained(dest)
+    AutoModelForCausalLM.from_pretrained(
+        float_checkpoint, quantization_config=config, device_map="cpu"
+    ).save_pretrained(dest)
     _copy_tokenizer(float_checkpoint, dest)
     return dest
 
 
 @pytest.fixture(scope="session", params=list(BNB_4BIT))
 def bnb_4bit(request, float_checkpoint, tmp_path_factory) -> tuple[str, Path]:
-    return request.param.split("-")[0], _bnb_checkpoint(float_checkpoint, tmp_path_factory.mktemp("bnb") / request.param, **BNB_4BIT[request.param])
+    return request.param.split("-")[0], _bnb_checkpoint(
+        float_checkpoint, tmp_path_factory.mktemp("bnb") / request.param, **BNB_4BIT[request.param]
+    )
 
 
 def _bnb_dequantized(path: Path) -> dict[str, torch.Tensor]:
@@ -385,7 +464,10 @@ def test_bnb_int8_is_int8_per_row_and_streams_like_transformers_dequantized(floa
     manifest, directory, summary = shard(path, out=tmp_path / "s", dtype="fp32", log=notes.append)
     stored, want = _stored_weights(manifest, directory), _bnb_dequantized(path)
     assert summary["packing"] == "packed" and set(stored) == set(want) and len(stored) == 4 * len(LINEARS)
-    assert {(f["kind"], f["group"]) for f in _packed_formats(manifest).values()} == {("int8", SHAPE["hidden_size"]), ("int8", SHAPE["intermediate_size"])}
+    assert {(f["kind"], f["group"]) for f in _packed_formats(manifest).values()} == {
+        ("int8", SHAPE["hidden_size"]),
+        ("int8", SHAPE["intermediate_size"]),
+    }
     for name, got in stored.items():  # q·(SCB/127) vs bitsandbytes' (q·SCB)/127: one fp32 rounding apart at most
         assert torch.allclose(got, want[name], rtol=2**-23, atol=0), name
     assert any("outlier threshold" in n for n in notes), notes
@@ -396,10 +478,13 @@ def test_bnb_int8_is_int8_per_row_and_streams_like_transformers_dequantized(floa
     floats = {}
     for f in none.glob("*.safetensors"):
         floats.update(load_file(f))
-    assert all(torch.equal(floats[name], w) for name, w in want.items())  # bitsandbytes' own dequantization, bit for bit
+    # bitsandbytes' own dequantization, bit for bit
+    assert all(torch.equal(floats[name], w) for name, w in want.items())
 
 
-def test_bnb_4bit_is_requantized_to_int4_within_its_bound_and_streams_like_its_weights(bnb_4bit, float_checkpoint, tmp_path):
+def test_bnb_4bit_is_requantized_to_int4_within_its_bound_and_streams_like_its_weights(
+    bnb_4bit, float_checkpoint, tmp_path
+):
     """nf4/fp4 codebooks are not affine grids: the packed set holds an int4 g32 re-quantization of bitsandbytes' exact
     dequantization (error bounded and said), and streams exactly like transformers on that int4's dequantization;
     --quantize none holds bitsandbytes' dequantize_4bit bit for bit and streams like transformers on it."""
@@ -434,21 +519,39 @@ def _with_config(float_checkpoint: Path, dest: Path, config: dict) -> Path:
 
 
 def test_an_unsupported_bit_width_is_refused_by_the_cli_in_one_line(float_checkpoint, tmp_path):
-    path = _with_config(float_checkpoint, tmp_path / "m", {"quant_method": "gptq", "bits": 3, "group_size": 128, "sym": True})
+    path = _with_config(
+        float_checkpoint, tmp_path / "m", {"quant_method": "gptq", "bits": 3, "group_size": 128, "sym": True}
+    )
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "shard", str(path), "--out", str(out)], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "rocketllm_cli", "shard", str(path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode != 0 and "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "3-bit GPTQ is not supported" in lines[0] and "unquantized checkpoint" in lines[0], done.stderr
+    assert len(lines) == 1 and "3-bit GPTQ is not supported" in lines[0] and "unquantized checkpoint" in lines[0], (
+        done.stderr
+    )
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
-@pytest.mark.parametrize("config, says", [
-    ({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemv"}, "AWQ version 'gemv'"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 64, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, "bitsandbytes 4-bit quant_type 'int4'"),
-    ({"quant_method": "hqq", "nbits": 4}, "quantization method 'hqq'"),
-])
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemv"}, "AWQ version 'gemv'"),
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 64, "checkpoint_format": "marlin"},
+            "checkpoint_format 'marlin'",
+        ),
+        (
+            {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"},
+            "bitsandbytes 4-bit quant_type 'int4'",
+        ),
+        ({"quant_method": "hqq", "nbits": 4}, "quantization method 'hqq'"),
+    ],
+)
 def test_other_unsupported_quantizations_are_refused_before_writing(config, says, float_checkpoint, tmp_path):
     path = _with_config(float_checkpoint, tmp_path / "m", config)
     with pytest.raises(ModelError) as caught:

@@ -52,8 +52,11 @@ def stored_profile() -> tuple[dict, dict]:
     profile = HardwareProfile.load()
     where = cache_dir() / "profiles" / profile.fingerprint
     host = json.loads((where / "host.json").read_text())
-    disk = next(json.loads(p.read_text()) for p in where.glob("*.json")
-                if p.name not in ("host.json", "kernels.json", "unit-reads.json"))
+    disk = next(
+        json.loads(p.read_text())
+        for p in where.glob("*.json")
+        if p.name not in ("host.json", "kernels.json", "unit-reads.json")
+    )
     return host, disk
 
 
@@ -120,7 +123,9 @@ def test_generate_asked_to_keep_warm_loads_here_and_says_why(readonly_cache):
     assert result.exit_code == 0, result.stderr
     note = next(line for line in result.stderr.splitlines() if "cannot hold warm models" in line)
     assert note.startswith(f"note: {readonly_cache / 'run'} cannot hold warm models (") and "ROCKETLLM_CACHE" in note
-    assert note.endswith("so the model loads in this process (no warm server)") and not (readonly_cache / "run").exists()
+    assert (
+        note.endswith("so the model loads in this process (no warm server)") and not (readonly_cache / "run").exists()
+    )
 
 
 def test_a_failed_write_in_the_cache_names_it_and_the_variable(tmp_path, monkeypatch):

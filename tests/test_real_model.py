@@ -62,7 +62,9 @@ def test_the_same_text_at_other_residencies(budget, smol, manifest, greedy):
     # Speculation pinned off: its default follows residency (prompt lookup where layers stream), and in bf16 a pass
     # of several positions may round a near tie the other way (docs/ARCHITECTURE.md, speculative decoding).
     device = 0 if budget == "nothing resident" else manifest.total_bytes // 2
-    out = generate(smol, PROMPT, "--raw", "-n", 8, "--device-cache-bytes", device, "--host-cache-bytes", 0, "--speculate", "off")
+    out = generate(
+        smol, PROMPT, "--raw", "-n", 8, "--device-cache-bytes", device, "--host-cache-bytes", 0, "--speculate", "off"
+    )
     assert out == greedy
 
 
@@ -87,6 +89,7 @@ def test_chat_form_says_paris(smol):
 
 # -- the byte ledger ----------------------------------------------------------------------------------------
 
+
 def uses_per_pass(manifest: Manifest) -> Counter:
     """How many times each unit is acquired per forward pass: once at its own module, plus once for each
     other module that holds a tied alias of one of its tensors (the alias binds where it is used)."""
@@ -101,8 +104,14 @@ def decode_summary(directory: Path, manifest: Manifest, config: EngineConfig, ne
     with StreamingModel(directory, config, manifest) as model:
         ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, pad_token_id=model.generation_config.eos_token_id)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=model.generation_config.eos_token_id,
+            )
         summary = model.ledger.summary()
     assert summary["decode_passes"] == new_tokens - 1
     return summary
@@ -120,7 +129,8 @@ def on_memory_filesystem(path: Path) -> bool:
     return fstype in ("tmpfs", "ramfs")
 
 
-@pytest.mark.parametrize("compute", ["bf16", "fp32"])  # fp32: what a CPU without native bf16 computes in, converting each use
+# fp32: what a CPU without native bf16 computes in, converting each use
+@pytest.mark.parametrize("compute", ["bf16", "fp32"])
 def test_nothing_resident_streams_every_unit_each_time_it_is_used_and_one_embedding_row(smol, manifest, compute):
     uses = uses_per_pass(manifest)
     assert manifest.aliases and max(uses.values()) == 2  # SmolLM2 ties lm_head to the embedding: that unit serves twice
@@ -131,7 +141,9 @@ def test_nothing_resident_streams_every_unit_each_time_it_is_used_and_one_embedd
     if embed.tensors[0].packed is not None:  # int8 codes and one fp32 scale per row
         row_bytes = embed.tensors[0].packed["shape"][1] + 4
     expected = sum(u.tensor_bytes * uses[u.name] for u in manifest.units) - embed.tensor_bytes + row_bytes
-    summary = decode_summary(smol, manifest, EngineConfig(compute_dtype=compute, device_cache_bytes=0, host_cache_bytes=0, prefetch_depth=0))
+    summary = decode_summary(
+        smol, manifest, EngineConfig(compute_dtype=compute, device_cache_bytes=0, host_cache_bytes=0, prefetch_depth=0)
+    )
     served = summary["per_token_served"]
     assert served["device"] == 0
     assert served["storage"] + served["host"] == pytest.approx(expected, rel=0.01)
@@ -147,8 +159,12 @@ def test_the_gguf_keeps_its_packed_blocks_and_the_set_is_about_its_size(smol, ma
     packed = [t for u in manifest.units for t in u.tensors if t.packed is not None]
     kinds = {t.packed["kind"] for t in packed}
     assert manifest.packing == "blocks" and kinds == {"gguf"}  # Q4_1 and the Q8_0 table, each as its own blocks
-    assert sum(len(t.fused or [t]) for t in packed) == 30 * 7 + 1  # every Q4_1 projection, and the Q8_0 embedding the head is tied to
-    assert manifest.fusion == "q_proj+k_proj+v_proj in 30 layers, gate_proj+up_proj in 30 layers" and len(packed) == 30 * 4 + 1
+    # every Q4_1 projection, and the Q8_0 embedding the head is tied to
+    assert sum(len(t.fused or [t]) for t in packed) == 30 * 7 + 1
+    assert (
+        manifest.fusion == "q_proj+k_proj+v_proj in 30 layers, gate_proj+up_proj in 30 layers"
+        and len(packed) == 30 * 4 + 1
+    )
     assert manifest.total_bytes <= 1.2 * smollm2_gguf.stat().st_size
 
 
@@ -169,9 +185,13 @@ def test_packed_logits_agree_with_transformers_dequantized_gguf(smol, manifest, 
 
     from rocketllm_cli.compat import dtype_kwargs
 
-    reference = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name, **dtype_kwargs(torch.float32))
+    reference = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, **dtype_kwargs(torch.float32)
+    )
     with StreamingModel(smol, EngineConfig(compute_dtype="fp32"), manifest) as model:
-        ids = model.tokenizer("The capital of France is Paris, and the capital of Italy is Rome.", return_tensors="pt").input_ids
+        ids = model.tokenizer(
+            "The capital of France is Paris, and the capital of Italy is Rome.", return_tensors="pt"
+        ).input_ids
         with torch.inference_mode():
             got = model(ids).logits.float()
     with torch.inference_mode():
@@ -184,7 +204,9 @@ def test_packed_logits_agree_with_transformers_dequantized_gguf(smol, manifest, 
 
 
 def test_everything_resident_serves_the_model_from_the_device_only(smol, manifest):
-    summary = decode_summary(smol, manifest, EngineConfig(compute_dtype="bf16", device_cache_bytes=HUGE, host_cache_bytes=0), new_tokens=3)
+    summary = decode_summary(
+        smol, manifest, EngineConfig(compute_dtype="bf16", device_cache_bytes=HUGE, host_cache_bytes=0), new_tokens=3
+    )
     served = summary["per_token_served"]
     assert served["host"] == served["storage"] == 0
     assert served["device"] == manifest.total_bytes
@@ -203,8 +225,14 @@ def test_gguf_is_read_one_tensor_at_a_time_and_matches_transformers_whole_file_l
     meta = build_meta_model(config)
     lazy = open_lazy(smollm2_gguf, config, meta)
     assert lazy is not None, "a Llama GGUF must not need the whole-file path"
-    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
-             "model.layers.0.input_layernorm.weight", "model.layers.29.mlp.down_proj.weight", "model.norm.weight"]
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.3.self_attn.k_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.norm.weight",
+    ]
     whole = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=meta)["tensors"]
     for name in names:
         got = lazy.read(name)  # a large tensor comes in its stored dtype (bf16 for quantized), the rest in fp32
@@ -220,7 +248,22 @@ def test_an_fp32_cpu_answers_paris_with_the_defaults(smol):
     import sys
 
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "avx2"}
-    done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "generate", str(smol), "What is the capital of France?",
-                           "-n", "12", "--stats"], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rocketllm_cli",
+            "generate",
+            str(smol),
+            "What is the capital of France?",
+            "-n",
+            "12",
+            "--stats",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout and "in float32" in done.stderr, (done.stdout, done.stderr[-2000:])

@@ -17,8 +17,18 @@ import pytest
 HOST = "zq9hostname"
 USER = "zq9user"
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.IGNORECASE)
-NETWORK_EVENTS = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.gethostbyname",
-                  "socket.gethostbyaddr", "socket.getnameinfo", "socket.sendto", "socket.sendmsg", "urllib.Request")
+NETWORK_EVENTS = (
+    "socket.__new__",
+    "socket.connect",
+    "socket.bind",
+    "socket.getaddrinfo",
+    "socket.gethostbyname",
+    "socket.gethostbyaddr",
+    "socket.getnameinfo",
+    "socket.sendto",
+    "socket.sendmsg",
+    "urllib.Request",
+)
 
 # Installed in every Python process of the run (the doctor and the cpuinfo child it starts) through PYTHONPATH.
 SITECUSTOMIZE = '''
@@ -83,11 +93,22 @@ def runs(tiny_checkpoint, tmp_path_factory):
     (hook_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
     log = root / "audit.log"
     env = {k: v for k, v in os.environ.items() if k not in ("ROCKETLLM_CACHE", "XDG_CACHE_HOME", "PYTHONPATH")}
-    env.update(HOME=str(home), USER=USER, LOGNAME=USER, ROCKETLLM_PROBE_BYTES="32MiB", PYTHONPATH=str(hook_dir),
-               AUDIT_LOG=str(log), AUDIT_EVENTS=",".join(NETWORK_EVENTS))
+    env.update(
+        HOME=str(home),
+        USER=USER,
+        LOGNAME=USER,
+        ROCKETLLM_PROBE_BYTES="32MiB",
+        PYTHONPATH=str(hook_dir),
+        AUDIT_LOG=str(log),
+        AUDIT_EVENTS=",".join(NETWORK_EVENTS),
+    )
     own_host = _unshare_works()
     outputs = []
-    for args in (["doctor", "--refresh", "--model", str(model)], ["doctor", "--model", str(model), "--json"], ["profile", "--model", str(model)]):
+    for args in (
+        ["doctor", "--refresh", "--model", str(model)],
+        ["doctor", "--model", str(model), "--json"],
+        ["profile", "--model", str(model)],
+    ):
         command = [sys.executable, "-m", "rocketllm_cli", *args]
         if own_host:
             command = ["unshare", "-ru", "sh", "-c", f'hostname {HOST} && exec "$@"', "sh", *command]

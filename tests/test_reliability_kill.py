@@ -36,7 +36,9 @@ def check_after_kill(kill: dict, start: str, reference: dict) -> None:
     elif after["load"] == "absent":
         assert "model path not found" in one_line(after["generate"])
     else:
-        assert start == "damaged" and after["load"].startswith("refused: ") and after["load"].endswith(RESHARD), after["load"]
+        assert start == "damaged" and after["load"].startswith("refused: ") and after["load"].endswith(RESHARD), after[
+            "load"
+        ]
         assert one_line(after["generate"]).endswith(RESHARD)
     if "generate_partial" in after:  # the hidden partial directory is never taken for a model either
         partial = after["generate_partial"]
@@ -51,7 +53,9 @@ def check_resume(trial: dict, reference: dict) -> None:
     resume = trial["resume"]
     assert "child_error" not in resume, resume
     assert resume["code"] == 0, resume
-    assert resume["verify"]["code"] == 0 and json.loads(resume["verify"]["stdout"])["verified"] is True, resume["verify"]
+    assert resume["verify"]["code"] == 0 and json.loads(resume["verify"]["stdout"])["verified"] is True, resume[
+        "verify"
+    ]
     assert resume["units"] == reference["units"] and resume["files"] == reference["files"]
     assert resume["tokens"] == reference["tokens"]
     assert set(resume["leftovers"]) <= {".out.lock"}, resume["leftovers"]  # no partial or replaced set left behind
@@ -66,14 +70,30 @@ def test_shard_survives_sigkill_at_random_points(tiny_factory, tmp_path, monkeyp
     seed = int(os.environ.get("ROCKETLLM_KILL_SEED", "20240607"))
     source = tiny_factory("llama", "sharded", num_hidden_layers=12)
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"source": str(source), "work": str(tmp_path), "seed": seed, "random_events": 8, "bytes_kills": 10, "timer_kills": 5,
-                                "prompt_ids": [1, 5, 9, 42, 7], "new_tokens": 6}))
+    plan.write_text(
+        json.dumps(
+            {
+                "source": str(source),
+                "work": str(tmp_path),
+                "seed": seed,
+                "random_events": 8,
+                "bytes_kills": 10,
+                "timer_kills": 5,
+                "prompt_ids": [1, 5, 9, 42, 7],
+                "new_tokens": 6,
+            }
+        )
+    )
     env = {**os.environ, "ROCKETLLM_PROBE_BYTES": "32MiB", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(HELPER), str(plan)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(HELPER), str(plan)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, f"seed {seed}: {done.stderr[-3000:]}"
     report = json.loads(done.stdout)
     reference = report["reference"]
-    assert reference.get("code") == 0 and len(reference["units"]) == 15 and reference["tokens"], f"seed {seed}: {reference}"
+    assert reference.get("code") == 0 and len(reference["units"]) == 15 and reference["tokens"], (
+        f"seed {seed}: {reference}"
+    )
 
     kills = [k for t in report["trials"] for k in t["kills"] if k["killed"]]
     for trial in report["trials"]:
@@ -81,21 +101,34 @@ def test_shard_survives_sigkill_at_random_points(tiny_factory, tmp_path, monkeyp
             try:
                 check_after_kill(kill, trial["start"], reference)
             except AssertionError as exc:
-                raise AssertionError(f"seed {seed} (ROCKETLLM_KILL_SEED={seed} replays it), trial {trial['trial']}, "
-                                     f"{kill['kind']} kill at {kill['at']} ({kill['where']}): {exc}") from None
+                raise AssertionError(
+                    f"seed {seed} (ROCKETLLM_KILL_SEED={seed} replays it), trial {trial['trial']}, "
+                    f"{kill['kind']} kill at {kill['at']} ({kill['where']}): {exc}"
+                ) from None
         try:
             check_resume(trial, reference)
         except AssertionError as exc:
-            raise AssertionError(f"seed {seed} (ROCKETLLM_KILL_SEED={seed} replays it), trial {trial['trial']} after kills at "
-                                 f"{[(k['kind'], k['at'], k['where']) for k in trial['kills']]}: {exc}") from None
+            raise AssertionError(
+                f"seed {seed} (ROCKETLLM_KILL_SEED={seed} replays it), trial {trial['trial']} after kills at "
+                f"{[(k['kind'], k['at'], k['where']) for k in trial['kills']]}: {exc}"
+            ) from None
 
-    print(f"seed {seed}: {len(kills)} kills survived ({sum(k['kind'] == 'event' for k in kills)} at write-side calls, "
-          f"{sum(k['kind'] == 'bytes' for k in kills)} inside file data, {sum(k['kind'] == 'timer' for k in kills)} on a timer), "
-          f"{sum(t['start'] == 'damaged' for t in report['trials'])} of {len(report['trials'])} trials repairing a damaged set; "
-          f"{reference['events']} write-side calls and {reference['bytes']} bytes in an uninterrupted run")
+    print(
+        f"seed {seed}: {len(kills)} kills survived ({sum(k['kind'] == 'event' for k in kills)} at write-side calls, "
+        f"{sum(k['kind'] == 'bytes' for k in kills)} inside file data, {sum(k['kind'] == 'timer' for k in kills)} on a "
+        f"timer), {sum(t['start'] == 'damaged' for t in report['trials'])} of {len(report['trials'])} trials repairing "
+        f"a damaged set; {reference['events']} write-side calls and {reference['bytes']} bytes in an uninterrupted run"
+    )
     assert len(kills) >= MIN_KILLS, f"seed {seed}: only {len(kills)} of the kill points landed inside a run"
     # The kills spread over the run: into unit data, and into the final manifest / journal / rename steps.
     wheres = [k["where"] or "" for k in kills]
-    assert any(".safetensors.tmp" in w and "bytes written" in w for w in wheres), f"seed {seed}: no kill inside unit data"
-    for step in ("open manifest.json.tmp", "os.replace(manifest.json.tmp", "os.unlink(journal.jsonl)", "os.rename(.out.partial, out)"):
+    assert any(".safetensors.tmp" in w and "bytes written" in w for w in wheres), (
+        f"seed {seed}: no kill inside unit data"
+    )
+    for step in (
+        "open manifest.json.tmp",
+        "os.replace(manifest.json.tmp",
+        "os.unlink(journal.jsonl)",
+        "os.rename(.out.partial, out)",
+    ):
         assert any(step in w for w in wheres), f"seed {seed}: no kill just before {step}"

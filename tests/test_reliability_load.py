@@ -39,7 +39,9 @@ def invoke(*args, env=None):
 
 def tokens(directory: Path) -> list[int]:
     with StreamingModel(directory, EngineConfig(device_cache_bytes=0, prefetch_depth=0)) as model:
-        return model.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False)[0, len(PROMPT):].tolist()
+        return model.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False)[
+            0, len(PROMPT) :
+        ].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,7 @@ def model_and_set(tiny_checkpoint, tmp_path_factory):
 
 
 # -- every damage is refused on load ------------------------------------------------------------------------------
+
 
 def test_any_truncation_of_any_unit_is_refused_on_load(model_and_set, tmp_path):
     _, good, _ = model_and_set
@@ -138,7 +141,10 @@ def damage_set(work: Path, damage: str) -> None:
 
 # -- following the advice repairs it --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("damage", ["truncated unit", "bad JSON", "offset moved", "unit removed", "manifest missing", "flipped byte"])
+
+@pytest.mark.parametrize(
+    "damage", ["truncated unit", "bad JSON", "offset moved", "unit removed", "manifest missing", "flipped byte"]
+)
 def test_rerunning_shard_on_the_source_repairs_a_damaged_set(damage, model_and_set, tmp_path):
     """The advice in every message works: `rocketllm shard SOURCE --out DIR` (with --verify for changed bytes,
     which no size or header check can see) writes the set again, which verifies and generates the same tokens."""
@@ -186,11 +192,16 @@ def test_verify_on_a_shard_directory_names_the_file_and_how_to_repair(model_and_
     result = invoke("shard", work, "--verify")
     assert result.exit_code == 1 and "verify: FAILED" in result.stdout
     line = result.stderr.strip()
-    assert line == (f"error: 1 shard file does not match the manifest ({Manifest.load(work).units[3].file}: checksum mismatch "
-                    "(contents changed)); re-run `rocketllm shard` on the source model with --verify to write them again"), line
+    assert line == (
+        f"error: 1 shard file does not match the manifest ({Manifest.load(work).units[3].file}: checksum "
+        f"mismatch "
+        "(contents changed)); re-run `rocketllm shard` on the source model with --verify to write them "
+        "again"
+    ), line
 
 
 # -- the source changes after sharding -----------------------------------------------------------------------------
+
 
 def test_a_changed_source_never_uses_stale_shards(tmp_path):
     """The default location is keyed by the source's fingerprint (file names, sizes, mtimes, config), so changed
@@ -211,7 +222,8 @@ def test_a_changed_source_never_uses_stale_shards(tmp_path):
     fresh = write_checkpoint(config_for("llama"), tmp_path / "fresh", seed=1)
     result = invoke("generate", fresh, "Hello", "--raw", "-n", "6", env=env)
     assert result.stdout == new  # what the new weights generate, not the stale shards
-    assert len(list((tmp_path / "cache" / "shards").iterdir())) == 3  # old, new (and the fresh copy): never overwritten in place
+    # old, new (and the fresh copy): never overwritten in place
+    assert len(list((tmp_path / "cache" / "shards").iterdir())) == 3
 
     os.utime(model / "model.safetensors")  # touched, not changed: a new fingerprint, so sharded again, same text
     assert generated() == new and len(list((tmp_path / "cache" / "shards").iterdir())) == 4

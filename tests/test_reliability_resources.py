@@ -1,7 +1,8 @@
 """Resource exhaustion: a disk too small up front, a disk that fills during `shard` (a real per-file size limit,
 and, where a private tmpfs can be mounted, a real ENOSPC), and a memory budget smaller than one layer.
 
-A prompt longer than the context is refused in tests/test_cli_generate.py (test_prompt_longer_than_the_context_is_refused).
+A prompt longer than the context is refused in tests/test_cli_generate.py
+(test_prompt_longer_than_the_context_is_refused).
 """
 
 from __future__ import annotations
@@ -65,10 +66,14 @@ def test_too_little_space_is_refused_up_front_with_nothing_written(twelve, need,
         result = invoke("shard", twelve, *out_args, env={"ROCKETLLM_CACHE": str(tmp_path / "cache")})
         assert result.exit_code == 1
         line = one_line(result.stderr, result.stdout)
-        assert line.startswith(f"error: not enough disk space for shards: need {format_bytes(need)} plus 64.00 MiB headroom, "
-                               f"{format_bytes(need)} free at "), line
-        assert line.endswith("; free space, or put the shards on another disk (`rocketllm shard --out DIR`, or ROCKETLLM_CACHE=DIR "
-                             "for every command)")
+        assert line.startswith(
+            f"error: not enough disk space for shards: need {format_bytes(need)} plus 64.00 MiB headroom, "
+            f"{format_bytes(need)} free at "
+        ), line
+        assert line.endswith(
+            "; free space, or put the shards on another disk (`rocketllm shard --out DIR`, or ROCKETLLM_CACHE=DIR for "
+            "every command)"
+        )
         assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()] == []  # no partial, no lock
 
 
@@ -112,11 +117,16 @@ def test_a_write_that_fails_mid_shard_is_one_line_and_resumes(twelve, need, tmp_
     done = subprocess.run(command, preexec_fn=_limit_file_size(100_000), capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr
     line = one_line(done.stderr, done.stdout)
-    assert line.startswith("error: cannot write shards (File too large): need ") and " free at " in line and line.endswith(RESUME), line
+    assert (
+        line.startswith("error: cannot write shards (File too large): need ")
+        and " free at " in line
+        and line.endswith(RESUME)
+    ), line
     assert f"need {format_bytes(need - 320 * 64 * 4)} more" in line  # all but the embedding, which was written
     assert not out.exists()
     partial = tmp_path / ".out.partial"
-    assert sorted(p.name for p in partial.iterdir()) == ["0000-embed.safetensors", "journal.jsonl"]  # the failed .tmp is gone
+    # the failed .tmp is gone
+    assert sorted(p.name for p in partial.iterdir()) == ["0000-embed.safetensors", "journal.jsonl"]
 
     line = one_line(invoke("generate", out, "Hello", "--raw", "-n", "2").stderr)
     assert "model path not found" in line
@@ -131,7 +141,9 @@ def test_a_write_that_fails_mid_shard_is_one_line_and_resumes(twelve, need, tmp_
 def _can_mount_tmpfs(where: Path) -> bool:
     if not shutil.which("unshare"):
         return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {where}"], capture_output=True)
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {where}"], capture_output=True
+    )
     return probe.returncode == 0
 
 
@@ -142,15 +154,19 @@ def test_a_disk_that_fills_during_shard(twelve, need, tmp_path):
     disk.mkdir()
     if not _can_mount_tmpfs(disk):
         pytest.skip("cannot mount a private tmpfs here (unshare -rm not permitted)")
-    script = (f"mount -t tmpfs -o size=80m tmpfs {disk} && exec {sys.executable} {FIXTURES / 'kill_fill_disk.py'} "
-              f"{twelve} {disk / 'out'} {disk / 'ballast'} 4")
+    script = (
+        f"mount -t tmpfs -o size=80m tmpfs {disk} && exec {sys.executable} {FIXTURES / 'kill_fill_disk.py'} "
+        f"{twelve} {disk / 'out'} {disk / 'ballast'} 4"
+    )
     done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(done.stdout)
     full = doc["full"]
     assert full["code"] == 1 and not full["out_exists"], full
     line = one_line(full["stderr"], full["stdout"])
-    assert line.startswith("error: cannot write shards (No space left on device): need ") and line.endswith(RESUME), line
+    assert line.startswith("error: cannot write shards (No space left on device): need ") and line.endswith(RESUME), (
+        line
+    )
     assert f"free at {disk}" in line
     assert full["partial"] is not None and not any(name.endswith(".tmp") for name in full["partial"])
     assert doc["generate"]["code"] == 1 and "model path not found" in one_line(doc["generate"]["stderr"])
@@ -161,6 +177,7 @@ def test_a_disk_that_fills_during_shard(twelve, need, tmp_path):
 
 
 # -- memory --------------------------------------------------------------------------------------------------------
+
 
 def test_a_budget_smaller_than_one_layer_is_refused_naming_the_minimum(twelve, monkeypatch):
     from rocketllm_cli.profiles import HardwareProfile, cache_dir

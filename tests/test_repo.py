@@ -32,7 +32,7 @@ def test_ci_runs_exactly_the_readme_test_command():
     command = _readme_test_command()
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     # Every line of the README's block, in order and nothing between them.
-    assert any(ci[i:i + len(command)] == command for i in range(len(ci))), (command, ci)
+    assert any(ci[i : i + len(command)] == command for i in range(len(ci))), (command, ci)
 
 
 def test_the_test_command_runs_the_compat_tests_on_the_older_transformers_the_readme_names():
@@ -62,7 +62,19 @@ def test_the_code_runs_on_the_oldest_python_the_package_claims():
 
     claimed = re.search(r'requires-python = ">=(3\.\d+)"', (ROOT / "pyproject.toml").read_text()).group(1)
     vermin = Path(sys.executable).with_name("vermin")  # the console script the dev extra installs beside python
-    done = subprocess.run([str(vermin), "--no-tips", "--eval-annotations", "--violations", f"--target={claimed}-",
-                           str(ROOT / "rocketllm_cli"), str(ROOT / "rocketllm"), str(ROOT / "tests")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            str(vermin),
+            "--no-tips",
+            "--eval-annotations",
+            "--violations",
+            f"--target={claimed}-",
+            str(ROOT / "rocketllm_cli"),
+            str(ROOT / "rocketllm"),
+            str(ROOT / "tests"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -56,7 +56,9 @@ def script(model):
 
 def chat(server, content=QUESTION, **kwargs):
     kwargs = {"max_tokens": N, **GREEDY, **kwargs}
-    return server.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
+    return server.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], **kwargs
+    )
 
 
 def sse_lines(server, path: str, body: dict) -> list[str]:
@@ -93,8 +95,17 @@ def test_chat_streams_the_same_text_and_ends_with_done(server, reference):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length" if reference["chat"].new_tokens == N else "stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == reference["chat"].new_tokens
-    lines = sse_lines(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}],
-                                                       "max_tokens": 3, "stream": True, **GREEDY})
+    lines = sse_lines(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 3,
+            "stream": True,
+            **GREEDY,
+        },
+    )
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
     last = json.loads(lines[-2][6:])  # without include_usage the finishing chunk carries the usage
     assert last["choices"][0]["finish_reason"] and last["usage"]["completion_tokens"] >= 1
@@ -104,7 +115,10 @@ def test_completions_equal_generate_streamed_or_not(server, reference):
     client = server.openai()
     whole = client.completions.create(model=MODEL, prompt=QUESTION, max_tokens=N, **GREEDY)
     assert whole.choices[0].text == reference["raw"].text
-    assert whole.usage.prompt_tokens == len(reference["raw_ids"]) and whole.usage.completion_tokens == reference["raw"].new_tokens
+    assert (
+        whole.usage.prompt_tokens == len(reference["raw_ids"])
+        and whole.usage.completion_tokens == reference["raw"].new_tokens
+    )
     pieces = list(client.completions.create(model=MODEL, prompt=QUESTION, max_tokens=N, stream=True, **GREEDY))
     assert "".join(p.choices[0].text for p in pieces) == reference["raw"].text
     assert pieces[-1].choices[0].finish_reason in ("stop", "length")
@@ -114,12 +128,16 @@ def test_completions_equal_generate_streamed_or_not(server, reference):
 
 def test_messages_equal_generate_streamed_or_not(server, reference):
     client = server.anthropic()
-    message = client.messages.create(model=MODEL, max_tokens=N, messages=[{"role": "user", "content": QUESTION}], extra_body=GREEDY)
+    message = client.messages.create(
+        model=MODEL, max_tokens=N, messages=[{"role": "user", "content": QUESTION}], extra_body=GREEDY
+    )
     assert message.content[0].type == "text" and message.content[0].text == reference["chat"].text
     assert message.stop_reason == ("max_tokens" if reference["chat"].new_tokens == N else "end_turn")
     assert message.usage.output_tokens == reference["chat"].new_tokens
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(reference["chat_ids"])
-    with client.messages.stream(model=MODEL, max_tokens=N, messages=[{"role": "user", "content": QUESTION}], extra_body=GREEDY) as stream:
+    with client.messages.stream(
+        model=MODEL, max_tokens=N, messages=[{"role": "user", "content": QUESTION}], extra_body=GREEDY
+    ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == reference["chat"].text == final.content[0].text
@@ -127,8 +145,17 @@ def test_messages_equal_generate_streamed_or_not(server, reference):
 
 
 def test_messages_stream_follows_anthropics_event_sequence(server):
-    lines = sse_lines(server, "/v1/messages", {"model": MODEL, "max_tokens": 4, "stream": True, **GREEDY,
-                                               "messages": [{"role": "user", "content": QUESTION}]})
+    lines = sse_lines(
+        server,
+        "/v1/messages",
+        {
+            "model": MODEL,
+            "max_tokens": 4,
+            "stream": True,
+            **GREEDY,
+            "messages": [{"role": "user", "content": QUESTION}],
+        },
+    )
     events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
     assert [d["type"] for d in data] == events  # every event names its own type
@@ -142,8 +169,13 @@ def test_messages_stream_follows_anthropics_event_sequence(server):
 
 def test_a_system_prompt_and_an_assistant_prefill_reach_the_template(server, script):
     script.say("ok")
-    server.anthropic().messages.create(model=MODEL, max_tokens=4, system="Be brief.", extra_body=GREEDY,
-                                       messages=[{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The answer:"}])
+    server.anthropic().messages.create(
+        model=MODEL,
+        max_tokens=4,
+        system="Be brief.",
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The answer:"}],
+    )
     prompt = script.prompt_text()
     assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert prompt.endswith("<|im_start|>assistant\nThe answer:")  # continued, not a new turn
@@ -155,26 +187,43 @@ def test_stop_strings_end_the_reply_and_are_trimmed(server, script):
     reply = chat(server, stop=[" It is"], max_tokens=40)
     assert reply.choices[0].message.content == "Paris is the capital." and reply.choices[0].finish_reason == "stop"
     script.say("Paris is the capital. It is large.")
-    streamed = "".join(c.choices[0].delta.content or "" for c in chat(server, stop=" It is", max_tokens=40, stream=True))
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in chat(server, stop=" It is", max_tokens=40, stream=True)
+    )
     assert streamed == "Paris is the capital."
     script.say("Paris is the capital. It is large.")
-    message = server.anthropic().messages.create(model=MODEL, max_tokens=40, stop_sequences=["large", "capital"], extra_body=GREEDY,
-                                                 messages=[{"role": "user", "content": QUESTION}])
-    assert message.content[0].text == "Paris is the " and message.stop_reason == "stop_sequence" and message.stop_sequence == "capital"
+    message = server.anthropic().messages.create(
+        model=MODEL,
+        max_tokens=40,
+        stop_sequences=["large", "capital"],
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": QUESTION}],
+    )
+    assert (
+        message.content[0].text == "Paris is the "
+        and message.stop_reason == "stop_sequence"
+        and message.stop_sequence == "capital"
+    )
 
 
 def test_max_tokens_ends_with_length(server, script):
     script.delay = 0.001  # also keeps the model from ending on its own
     reply = chat(server, max_tokens=3)
     assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
-    message = server.anthropic().messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    message = server.anthropic().messages.create(
+        model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}]
+    )
     assert message.usage.output_tokens == 3 and message.stop_reason == "max_tokens"
 
 
 def test_a_seed_makes_sampling_repeatable(server):
     a = chat(server, temperature=1.0, top_p=0.9, seed=5, max_tokens=N).choices[0].message.content
     b = chat(server, temperature=1.0, top_p=0.9, seed=5, max_tokens=N).choices[0].message.content
-    c = chat(server, temperature=1.0, seed=6, max_tokens=N, extra_body={"top_k": 5, "repetition_penalty": 1.2}).choices[0].message.content
+    c = (
+        chat(server, temperature=1.0, seed=6, max_tokens=N, extra_body={"top_k": 5, "repetition_penalty": 1.2})
+        .choices[0]
+        .message.content
+    )
     assert a == b and isinstance(c, str)
 
 
@@ -186,7 +235,10 @@ def test_presence_and_frequency_penalties_take_effect(server):
     assert "x-rocketllm-ignored" not in plain.headers
     text = plain.parse().choices[0].message.content
     assert client.chat.completions.create(**ask, frequency_penalty=0.0).choices[0].message.content == text
-    assert client.chat.completions.create(**ask, frequency_penalty=2.0, presence_penalty=2.0).choices[0].message.content != text
+    assert (
+        client.chat.completions.create(**ask, frequency_penalty=2.0, presence_penalty=2.0).choices[0].message.content
+        != text
+    )
 
 
 def test_penalties_match_their_definition():
@@ -220,8 +272,9 @@ def test_two_concurrent_requests_queue_with_positions_0_and_1(server, script):
     answers: dict[str, tuple] = {}
 
     def ask(name: str) -> None:
-        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": name}],
-                                                               max_tokens=4, **GREEDY)
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": name}], max_tokens=4, **GREEDY
+        )
         answers[name] = (raw.headers[QUEUE], raw.parse())
 
     first = threading.Thread(target=ask, args=("first",))
@@ -287,9 +340,13 @@ def test_metrics_are_prometheus_text(server):
     response = server.http().get("/metrics")
     assert response.headers["content-type"].startswith("text/plain")
     text = response.text
-    for name, kind in [("rocketllm_requests_total", "counter"), ("rocketllm_tokens_total", "counter"),
-                       ("rocketllm_token_latency_seconds", "summary"), ("rocketllm_bytes_per_token", "gauge"),
-                       ("rocketllm_queue_length", "gauge")]:
+    for name, kind in [
+        ("rocketllm_requests_total", "counter"),
+        ("rocketllm_tokens_total", "counter"),
+        ("rocketllm_token_latency_seconds", "summary"),
+        ("rocketllm_bytes_per_token", "gauge"),
+        ("rocketllm_queue_length", "gauge"),
+    ]:
         assert f"# TYPE {name} {kind}" in text and f"# HELP {name} " in text
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert float(samples['rocketllm_requests_total{endpoint="/v1/chat/completions",status="200"}']) >= 1
@@ -318,37 +375,87 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 MESSAGES = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-@pytest.mark.parametrize("path, body, param, words", [
-    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "non-empty list"),
-    ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "messages"}, "messages", "missing required field 'messages'"),
-    ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "model"}, "model", "missing required field 'model'"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"content": "hi"}]}, "messages[0].role", "missing required field 'messages[0].role'"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 100000}, "max_tokens", "but the context allows 2048"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens", "'max_tokens' must be >= 1"),
-    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature", "must be a number"),
-    ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p", "'top_p' must be > 0"),
-    ("/v1/chat/completions", {**CHAT, "n": 65}, "n", "'n' must be <= 64"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content", "takes text only"),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format", "must be text, json_object or json_schema"),
-    ("/v1/completions", {"model": MODEL, "max_tokens": 2}, "prompt", "missing required field 'prompt'"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}, "max_tokens", "but the context allows 2048"),
-])
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "non-empty list"),
+        (
+            "/v1/chat/completions",
+            {k: v for k, v in CHAT.items() if k != "messages"},
+            "messages",
+            "missing required field 'messages'",
+        ),
+        (
+            "/v1/chat/completions",
+            {k: v for k, v in CHAT.items() if k != "model"},
+            "model",
+            "missing required field 'model'",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"content": "hi"}]},
+            "messages[0].role",
+            "missing required field 'messages[0].role'",
+        ),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 100000}, "max_tokens", "but the context allows 2048"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens", "'max_tokens' must be >= 1"),
+        ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature", "must be a number"),
+        ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p", "'top_p' must be > 0"),
+        ("/v1/chat/completions", {**CHAT, "n": 65}, "n", "'n' must be <= 64"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content",
+            "takes text only",
+        ),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "xml"}},
+            "response_format",
+            "must be text, json_object or json_schema",
+        ),
+        ("/v1/completions", {"model": MODEL, "max_tokens": 2}, "prompt", "missing required field 'prompt'"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "max_tokens": 5000},
+            "max_tokens",
+            "but the context allows 2048",
+        ),
+    ],
+)
 def test_bad_openai_requests_are_400_in_openais_shape(server, path, body, param, words):
     error = openai_error(server.http().post(path, json=body), 400)
     assert error["param"] == param and words in error["message"], error
 
 
-@pytest.mark.parametrize("body, words", [
-    ({k: v for k, v in MESSAGES.items() if k != "max_tokens"}, "missing required field 'max_tokens'"),
-    ({k: v for k, v in MESSAGES.items() if k != "messages"}, "missing required field 'messages'"),
-    ({**MESSAGES, "max_tokens": 100000}, "but the context allows 2048"),
-    ({**MESSAGES, "temperature": 1.5}, "'temperature' must be <= 1"),
-    ({**MESSAGES, "messages": [{"role": "system", "content": "x"}]}, "put a system prompt in 'system'"),
-    ({**MESSAGES, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                                                        "data": "iVBORw0KGgo="}}]}]}, "takes text only"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({k: v for k, v in MESSAGES.items() if k != "max_tokens"}, "missing required field 'max_tokens'"),
+        ({k: v for k, v in MESSAGES.items() if k != "messages"}, "missing required field 'messages'"),
+        ({**MESSAGES, "max_tokens": 100000}, "but the context allows 2048"),
+        ({**MESSAGES, "temperature": 1.5}, "'temperature' must be <= 1"),
+        ({**MESSAGES, "messages": [{"role": "system", "content": "x"}]}, "put a system prompt in 'system'"),
+        (
+            {
+                **MESSAGES,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                            }
+                        ],
+                    }
+                ],
+            },
+            "takes text only",
+        ),
+    ],
+)
 def test_bad_anthropic_requests_are_400_in_anthropics_shape(server, body, words):
     error = anthropic_error(server.http().post("/v1/messages", json=body), 400)
     assert words in error["message"], error
@@ -364,12 +471,17 @@ def test_malformed_json_is_400_in_each_shape(server):
 
 def test_an_unknown_model_is_404_in_each_shape(server):
     with pytest.raises(openai.NotFoundError) as caught:
-        server.openai().chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        server.openai().chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
     assert caught.value.body["code"] == "model_not_found" and "'gpt-4o' does not exist" in caught.value.body["message"]
     with pytest.raises(anthropic.NotFoundError) as caught:
         server.anthropic().messages.create(model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     assert caught.value.body["error"]["type"] == "not_found_error"
-    assert openai_error(server.http().post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404)["param"] == "model"
+    assert (
+        openai_error(server.http().post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404)["param"]
+        == "model"
+    )
     assert server.http().get("/v1/models/nope").status_code == 404
 
 
@@ -396,7 +508,10 @@ def test_a_generation_that_fails_is_a_500_and_the_server_keeps_serving(server, m
     try:
         response = server.http().post("/v1/chat/completions", json=CHAT)
         assert response.status_code == 500 and response.headers[QUEUE] == "0"
-        assert response.json()["error"]["type"] == "server_error" and "the device went away" in response.json()["error"]["message"]
+        assert (
+            response.json()["error"]["type"] == "server_error"
+            and "the device went away" in response.json()["error"]["message"]
+        )
         response = server.http().post("/v1/messages", json=MESSAGES)
         assert response.status_code == 500 and response.json()["error"]["type"] == "api_error"
         lines = sse_lines(server, "/v1/messages", {**MESSAGES, "stream": True})
@@ -415,26 +530,56 @@ def test_a_completion_prompt_may_be_token_ids(server, reference):
     assert "outside the vocabulary" in error["message"]
 
 
-@pytest.mark.parametrize("path, body, param, words", [
-    ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "object"}}, "guided_json", "unknown field 'guided_json'"),
-    ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "text only"),
-    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", "legacy functions API"),
-    ("/v1/chat/completions", {**CHAT, "store": True}, "store", "keeps no completions"),
-    ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True, "x": 1}}, "stream_options", "include_usage"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "messages": []}, "messages", "unknown field 'messages'"),
-])
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        (
+            "/v1/chat/completions",
+            {**CHAT, "guided_json": {"type": "object"}},
+            "guided_json",
+            "unknown field 'guided_json'",
+        ),
+        ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "text only"),
+        ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", "legacy functions API"),
+        ("/v1/chat/completions", {**CHAT, "store": True}, "store", "keeps no completions"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "stream_options": {"include_usage": True, "x": 1}},
+            "stream_options",
+            "include_usage",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "max_tokens": 2, "messages": []},
+            "messages",
+            "unknown field 'messages'",
+        ),
+    ],
+)
 def test_a_field_that_would_be_dropped_is_a_400_naming_it(server, path, body, param, words):
     error = openai_error(server.http().post(path, json=body), 400)
     assert error["param"] == param and words in error["message"], error
 
 
 def test_informational_fields_are_accepted_as_they_do_not_change_the_reply(server):
-    body = {**CHAT, "user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "store": False, "modalities": ["text"],
-            "safety_identifier": "s", "prompt_cache_key": "p", "stream_options": None}
+    body = {
+        **CHAT,
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+        "store": False,
+        "modalities": ["text"],
+        "safety_identifier": "s",
+        "prompt_cache_key": "p",
+        "stream_options": None,
+    }
     assert server.http().post("/v1/chat/completions", json=body).status_code == 200
     anthropic = {**MESSAGES, "metadata": {"user_id": "u"}, "thinking": {"type": "disabled"}}
     assert server.http().post("/v1/messages", json=anthropic).status_code == 200
-    for extra, words in (({"mcp_servers": [{}]}, "MCP"), ({"top_n": 3}, "unknown field 'top_n'"),
-                         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking is not supported")):
+    for extra, words in (
+        ({"mcp_servers": [{}]}, "MCP"),
+        ({"top_n": 3}, "unknown field 'top_n'"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking is not supported"),
+    ):
         error = anthropic_error(server.http().post("/v1/messages", json={**MESSAGES, **extra}), 400)
         assert words in error["message"], error

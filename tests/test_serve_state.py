@@ -33,7 +33,9 @@ class DigitsOnly:
         return scores + allowed
 
     def _generate(self, ids, **kwargs):
-        return self.original(ids, logits_processor=self.list([*(kwargs.pop("logits_processor", None) or []), self]), **kwargs)
+        return self.original(
+            ids, logits_processor=self.list([*(kwargs.pop("logits_processor", None) or []), self]), **kwargs
+        )
 
     def remove(self) -> None:
         self.model.__dict__.pop("generate", None)
@@ -67,7 +69,7 @@ def test_health_says_reuse_extends_kept_states_and_a_chat_replies_as_without_it(
         digits = DigitsOnly(lfm2)
         try:
             reused = conversation(server)
-            turns = server.history[-len(TURNS):]
+            turns = server.history[-len(TURNS) :]
             server.state.generator.prefix_cache = None  # the same chat again, every prompt computed afresh
             fresh = conversation(server)
         finally:
@@ -86,10 +88,14 @@ def test_a_model_whose_forward_drops_a_kept_state_serves_with_reuse_off_and_says
         with LiveServer(model) as server:
             health = server.http().get("/health").json()["prefix_cache"]
             assert health["enabled"] is False and health["mode"] is None
-            assert health["reason"].startswith("off: the model's cache has LinearAttentionLayer layers, whose state cannot")
+            assert health["reason"].startswith(
+                "off: the model's cache has LinearAttentionLayer layers, whose state cannot"
+            )
             assert "gives other logits than a fresh prefill" in health["reason"]
             assert server.state.startup_lines()[3] == f"prefix cache: {health['reason']}"
-            reply = server.openai().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            reply = server.openai().chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
             assert reply.usage.completion_tokens >= 1 and server.history[-1]["reused_tokens"] == 0
             assert not any("prefix" in line for line in server.logs)  # said once, at start, not again per request
     finally:

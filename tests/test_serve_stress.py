@@ -40,7 +40,8 @@ MODEL = "tiny"
 N = 6  # tokens per reply
 QUESTIONS = ["What is the capital of France?", "Name a prime number.", "Say hello.", "Count to three."]
 HEALTH_BUDGET_S = 0.1  # /health and /metrics answer within this (median), whatever the worker does
-TAIL_BUDGET_S = 0.25  # their 99th percentile: on a shared 2-core machine a probe's process can wait that long for a core
+# their 99th percentile: on a shared 2-core machine a probe's process can wait that long for a core
+TAIL_BUDGET_S = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def model(resident_tiny_llama):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    """What generate gives for each question, through the chat template (both APIs render one user turn the same way)."""
+    """What generate gives for each question, through the chat template (both APIs render one user turn the same
+    way)."""
     out = {}
     for q in QUESTIONS:
         ids = encode_prompt(model.tokenizer, q, chat=True)[0].tolist()
@@ -76,8 +78,11 @@ class Poller:
 
     def __init__(self, url: str, path: str, every: float, tmp_path: Path) -> None:
         self.stop_file = tmp_path / f"stop-{path.strip('/')}"
-        self.process = subprocess.Popen([sys.executable, str(CLIENTS), "poll", url, path, str(every), str(self.stop_file)],
-                                        stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, str(CLIENTS), "poll", url, path, str(every), str(self.stop_file)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.latencies: list[float] = []
         self.failures = 0
 
@@ -114,11 +119,16 @@ class LoopLag:
 
 
 # -- load -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("clients, per_client, max_queue", [
-    (8, 2, 4),
-    pytest.param(32, 4, 8, marks=pytest.mark.stress),
-])
-def test_load_is_served_right_in_arrival_order_and_health_stays_fast(model, reference, clients, per_client, max_queue, tmp_path):
+@pytest.mark.parametrize(
+    "clients, per_client, max_queue",
+    [
+        (8, 2, 4),
+        pytest.param(32, 4, 8, marks=pytest.mark.stress),
+    ],
+)
+def test_load_is_served_right_in_arrival_order_and_health_stays_fast(
+    model, reference, clients, per_client, max_queue, tmp_path
+):
     with LiveServer(model, MODEL, max_queue=max_queue) as server:
         health, metrics = Poller(server.url, "/health", 0.01, tmp_path), Poller(server.url, "/metrics", 0.05, tmp_path)
         assert gc.get_freeze_count() > 0  # as `serve` does: what was loaded is out of the collector's way
@@ -126,8 +136,12 @@ def test_load_is_served_right_in_arrival_order_and_health_stays_fast(model, refe
         lag = LoopLag(server)
         spec = {"clients": clients, "per_client": per_client, "tokens": N, "questions": QUESTIONS, "model": MODEL}
         began = time.monotonic()
-        run = subprocess.run([sys.executable, str(CLIENTS), "load", server.url, json.dumps(spec)],  # noqa: PLW1510 - its code is asserted below
-                             capture_output=True, text=True, timeout=900)
+        run = subprocess.run(
+            [sys.executable, str(CLIENTS), "load", server.url, json.dumps(spec)],  # noqa: PLW1510 - its code is asserted below
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         took = time.monotonic() - began
         lag.stop()
         health.stop()
@@ -145,7 +159,9 @@ def test_load_is_served_right_in_arrival_order_and_health_stays_fast(model, refe
     assert [j["started_at"] for j in jobs] == sorted(j["started_at"] for j in jobs)  # first in, first out
     for s in served:  # the position header: jobs still queued or running when this one arrived
         job = history[s["job"]]
-        ahead = sum(1 for other in history.values() if other["id"] < job["id"] and other["finished_at"] > job["enqueued_at"])
+        ahead = sum(
+            1 for other in history.values() if other["id"] < job["id"] and other["finished_at"] > job["enqueued_at"]
+        )
         assert s["position"] == job["position"] == ahead, (s, job)
     assert all(r["type"] == "rate_limit_error" and r["retry_after"] >= 1 for r in refused)
     assert f"rocketllm_queue_full_total {len(refused)}" in metrics_text
@@ -154,21 +170,31 @@ def test_load_is_served_right_in_arrival_order_and_health_stays_fast(model, refe
     l50, l99 = quantile(lag.lags, 0.5), quantile(lag.lags, 0.99)
     m50, m99 = quantile(metrics.latencies, 0.5), quantile(metrics.latencies, 0.99)
     by_api = {api: sum(1 for r in refused if r["api"] == api) for api in ("openai", "anthropic")}
-    print(f"\nload: {clients} clients x {per_client} requests (OpenAI and Anthropic, streamed and not), queue limit {max_queue}: "
-          f"{len(served)} served right in {took:.1f} s, 429s {len(refused)} ({by_api}), max position {max(s['position'] for s in served)}; "
-          f"/health p50 {p50 * 1000:.1f} ms p99 {p99 * 1000:.1f} ms max {max(health.latencies) * 1000:.1f} ms over "
-          f"{len(health.latencies)} probes (idle before the load: p50 {quantile(idle, 0.5) * 1000:.1f} ms, max {max(idle) * 1000:.1f} ms); "
-          f"/metrics p50 {m50 * 1000:.1f} ms p99 {m99 * 1000:.1f} ms over {len(metrics.latencies)}; event loop lag p50 "
-          f"{l50 * 1000:.1f} ms p99 {l99 * 1000:.1f} ms over {len(lag.lags)}; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"\nload: {clients} clients x {per_client} requests (OpenAI and Anthropic, streamed and not), queue limit "
+        f"{max_queue}: {len(served)} served right in {took:.1f} s, 429s {len(refused)} ({by_api}), max position "
+        f"{max(s['position'] for s in served)}; /health p50 {p50 * 1000:.1f} ms p99 {p99 * 1000:.1f} ms max "
+        f"{max(health.latencies) * 1000:.1f} ms over {len(health.latencies)} probes (idle before the load: p50 "
+        f"{quantile(idle, 0.5) * 1000:.1f} ms, max {max(idle) * 1000:.1f} ms); /metrics p50 {m50 * 1000:.1f} ms p99 "
+        f"{m99 * 1000:.1f} ms over {len(metrics.latencies)}; event loop lag p50 {l50 * 1000:.1f} ms p99 "
+        f"{l99 * 1000:.1f} ms over {len(lag.lags)}; load average {os.getloadavg()[0]:.1f}"
+    )
     assert health.failures == metrics.failures == 0
-    assert p50 < HEALTH_BUDGET_S and m50 < HEALTH_BUDGET_S and p99 < TAIL_BUDGET_S and m99 < TAIL_BUDGET_S, (p50, p99, m50, m99)
+    assert p50 < HEALTH_BUDGET_S and m50 < HEALTH_BUDGET_S and p99 < TAIL_BUDGET_S and m99 < TAIL_BUDGET_S, (
+        p50,
+        p99,
+        m50,
+        m99,
+    )
     if clients > max_queue + 1:
         assert refused  # the limit was reached
 
 
 # -- soak -------------------------------------------------------------------------------------------------
-SYSTEM = ("You are a careful assistant who answers questions about geography, arithmetic and the weather in one short "
-          "sentence, never more, and who says so when a question has no answer.")
+SYSTEM = (
+    "You are a careful assistant who answers questions about geography, arithmetic and the weather in one short "
+    "sentence, never more, and who says so when a question has no answer."
+)
 
 
 @pytest.mark.parametrize("requests", [40, pytest.param(500, marks=pytest.mark.stress)])
@@ -184,19 +210,26 @@ def test_a_long_run_keeps_memory_descriptors_and_the_prefix_cache_flat(model, re
             if rng.random() < 0.5:  # a hit: the shared system prompt's blocks are cached
                 messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": rng.choice(QUESTIONS)}]
             else:  # a miss: words never seen before
-                messages = [{"role": "user", "content": " ".join(f"w{rng.randrange(10**6)}" for _ in range(rng.randint(5, 40)))}]
+                messages = [
+                    {"role": "user", "content": " ".join(f"w{rng.randrange(10**6)}" for _ in range(rng.randint(5, 40)))}
+                ]
             stream = i % 3 == 0
-            response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4,
-                                                               "temperature": 0, "stream": stream})
+            response = http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0, "stream": stream},
+            )
             assert response.status_code == 200, response.text
             assert cache.bytes <= cache.max_bytes
             if i + 1 == warm or i + 1 == requests:
                 samples.append((process.memory_info().rss, open_fds()))
         stats = cache.to_dict()
     (rss0, fds0), (rss1, fds1) = samples
-    print(f"\nsoak: {requests} requests, prefix cache {stats['hits']} hits / {stats['lookups']} lookups, {stats['entries']} entries, "
-          f"{stats['bytes']} of {stats['max_bytes']} bytes, {stats['evicted']} evicted; after the first {warm}: RSS "
-          f"{(rss1 - rss0) / 2**20:+.1f} MiB ({rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB), open files {fds1 - fds0:+d} ({fds0} -> {fds1})")
+    print(
+        f"\nsoak: {requests} requests, prefix cache {stats['hits']} hits / {stats['lookups']} lookups, "
+        f"{stats['entries']} entries, {stats['bytes']} of {stats['max_bytes']} bytes, {stats['evicted']} evicted; "
+        f"after the first {warm}: RSS {(rss1 - rss0) / 2**20:+.1f} MiB ({rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB), "
+        f"open files {fds1 - fds0:+d} ({fds0} -> {fds1})"
+    )
     assert 0 < stats["hits"] < stats["lookups"]
     assert fds1 - fds0 <= 2
     assert rss1 - rss0 < 64 * 2**20
@@ -207,8 +240,11 @@ def _raw_stream_request(port: int, body: dict) -> socket.socket:
     """A client that sends a streaming request and never reads the reply."""
     payload = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 + f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     return sock
 
 
@@ -226,7 +262,10 @@ def test_cancelled_streams_free_the_worker_within_a_token_and_nothing_leaks(mode
             freed: list[float] = []
             for i in range(streams):
                 read = rng.randint(0, 12)  # events to read before walking away (0: right after the headers)
-                with httpx.Client(base_url=server.url, timeout=60) as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+                with (
+                    httpx.Client(base_url=server.url, timeout=60) as http,
+                    http.stream("POST", "/v1/chat/completions", json=body) as response,
+                ):
                     assert response.status_code == 200
                     job = int(response.headers["x-rocketllm-job"])
                     for n, _line in enumerate(response.iter_lines()):
@@ -263,9 +302,12 @@ def test_cancelled_streams_free_the_worker_within_a_token_and_nothing_leaks(mode
     finally:
         script.remove()
     p99 = quantile(health.latencies, 0.99)
-    print(f"\nstorm: {streams} streams cancelled at random, {silent} never read, {silent} never sent: worker free after "
-          f"median {statistics.median(freed) * 1000:.0f} ms, max {max(freed) * 1000:.0f} ms (a token takes {step_s * 1000:.0f} ms); "
-          f"open files {fds1 - fds0:+d}; /health p99 {p99 * 1000:.1f} ms; jobs { {s: states.count(s) for s in set(states)} }")
+    print(
+        f"\nstorm: {streams} streams cancelled at random, {silent} never read, {silent} never sent: worker free after "
+        f"median {statistics.median(freed) * 1000:.0f} ms, max {max(freed) * 1000:.0f} ms (a token takes "
+        f"{step_s * 1000:.0f} ms); open files {fds1 - fds0:+d}; /health p99 {p99 * 1000:.1f} ms; jobs "
+        f"{ {s: states.count(s) for s in set(states)} }"
+    )
     assert statistics.median(freed) < step_s + 0.25 and max(freed) < 2.0
     assert fds1 - fds0 <= 2
     assert quantile(health.latencies, 0.5) < HEALTH_BUDGET_S and p99 < TAIL_BUDGET_S

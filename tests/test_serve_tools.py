@@ -1,7 +1,8 @@
 """Tool calling: every sample of the corpus (tests/fixtures/tool_calls/<family>/) parses to what it should, whole
 or streamed in pieces; each family is detected from its chat template; and a call makes the round trip through
 a live server with each family's template (OpenAI and Anthropic clients, streamed and not). Only requests that
-offered tools are parsed; tool_choice none withholds them, required and named ones instruct the model and open the call."""
+offered tools are parsed; tool_choice none withholds them, required and named ones instruct the model and open the
+call."""
 
 from __future__ import annotations
 
@@ -27,11 +28,26 @@ FAMILY_DIRS = sorted(p.name for p in CORPUS.iterdir() if p.is_dir())
 SAMPLES = sorted((p.parent.name, p.stem) for p in CORPUS.glob("*/*.txt"))
 MODEL = "tiny"
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
-                                                     "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
-                                      "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current time in a timezone",
+            "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}},
+        },
+    },
 ]
 ANSWER = "It is 18 degrees and sunny in Paris."
 RESULT = '{"temperature": 18, "sky": "sunny"}'
@@ -119,13 +135,17 @@ def test_a_tool_call_makes_the_round_trip_with_the_openai_client(family_server):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     script.say(text, ANSWER)
     first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, temperature=0)
-    assert "get_weather" in script.prompt_text() and "Current time in a timezone" in script.prompt_text()  # rendered by the template
+    # rendered by the template
+    assert "get_weather" in script.prompt_text() and "Current time in a timezone" in script.prompt_text()
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     call = choice.message.tool_calls[0]
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     assert json.loads(call.function.arguments) == expected["tool_calls"][0]["arguments"]
-    messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": RESULT},
+    ]
     second = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, temperature=0)
     assert second.choices[0].message.content == ANSWER and second.choices[0].finish_reason == "stop"
     prompt = script.prompt_text()
@@ -137,8 +157,16 @@ def test_a_streamed_tool_call_arrives_whole_with_finish_reason_tool_calls(family
     family, server, script = family_server
     text, expected = sample(family, "single")
     script.say(text)
-    chunks = list(server.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                                          tools=TOOLS, max_tokens=300, temperature=0, stream=True))
+    chunks = list(
+        server.openai().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=TOOLS,
+            max_tokens=300,
+            temperature=0,
+            stream=True,
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == ""
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
@@ -151,8 +179,14 @@ def test_a_tool_call_makes_the_round_trip_with_the_anthropic_client(family_serve
     family, server, script = family_server
     text, expected = sample(family, "single")
     client = server.anthropic()
-    tools = [{"name": t["function"]["name"], "description": t["function"]["description"], "input_schema": t["function"]["parameters"]}
-             for t in TOOLS]
+    tools = [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     script.say(text, ANSWER)
     first = client.messages.create(model=MODEL, max_tokens=300, messages=messages, tools=tools)
@@ -160,8 +194,10 @@ def test_a_tool_call_makes_the_round_trip_with_the_anthropic_client(family_serve
     use = [b for b in first.content if b.type == "tool_use"]
     assert len(use) == 1 and use[0].name == "get_weather" and use[0].id.startswith("toolu_")
     assert use[0].input == expected["tool_calls"][0]["arguments"]
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id, "content": RESULT}]}]
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id, "content": RESULT}]},
+    ]
     with client.messages.stream(model=MODEL, max_tokens=300, messages=messages, tools=tools) as stream:
         final = stream.get_final_message()
     assert final.content[0].text == ANSWER and final.stop_reason == "end_turn"
@@ -173,13 +209,18 @@ def test_a_streamed_anthropic_tool_use_sends_input_json_delta(family_server):
     text, expected = sample(family, "single")
     script.say(text)
     tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
-    with server.anthropic().messages.stream(model=MODEL, max_tokens=300, tools=tools,
-                                            messages=[{"role": "user", "content": "Weather in Paris?"}]) as stream:
+    with server.anthropic().messages.stream(
+        model=MODEL, max_tokens=300, tools=tools, messages=[{"role": "user", "content": "Weather in Paris?"}]
+    ) as stream:
         events = list(stream)
         final = stream.get_final_message()
     kinds = [e.type for e in events]
-    assert "input_json" in kinds or any(getattr(getattr(e, "delta", None), "type", "") == "input_json_delta" for e in events)
-    assert [b.type for b in final.content] == ["tool_use"] and final.content[0].input == expected["tool_calls"][0]["arguments"]
+    assert "input_json" in kinds or any(
+        getattr(getattr(e, "delta", None), "type", "") == "input_json_delta" for e in events
+    )
+    assert [b.type for b in final.content] == ["tool_use"] and final.content[0].input == expected["tool_calls"][0][
+        "arguments"
+    ]
     assert final.stop_reason == "tool_use"
 
 
@@ -201,9 +242,16 @@ def test_a_template_without_tools_gets_them_in_a_system_message(plain_server):
     script.say(text, ANSWER)
     first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, temperature=0)
     prompt = script.prompt_text()
-    assert prompt.startswith("<|im_start|>system\nBe brief.\n\nYou can call functions") and "<tools>" in prompt and "get_time" in prompt
+    assert (
+        prompt.startswith("<|im_start|>system\nBe brief.\n\nYou can call functions")
+        and "<tools>" in prompt
+        and "get_time" in prompt
+    )
     call = first.choices[0].message.tool_calls[0]
-    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": RESULT},
+    ]
     second = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, temperature=0)
     assert second.choices[0].message.content == ANSWER
     prompt = script.prompt_text()
@@ -216,10 +264,18 @@ def test_only_requests_that_offered_tools_are_parsed(plain_server):
     text, _ = sample("hermes", "single")
     script.say(text, text)
     client = server.openai()
-    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=300, temperature=0)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=300, temperature=0
+    )
     assert plain.choices[0].message.content == text and plain.choices[0].finish_reason == "stop"
-    withheld = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=300, temperature=0,
-                                              tools=TOOLS, tool_choice="none")
+    withheld = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=300,
+        temperature=0,
+        tools=TOOLS,
+        tool_choice="none",
+    )
     assert withheld.choices[0].message.content == text and not withheld.choices[0].message.tool_calls
     assert "<tools>" not in script.prompt_text()  # tool_choice none: the tools are not shown either
 
@@ -229,16 +285,28 @@ def test_required_and_named_tool_choice_instruct_the_model_and_open_the_call(pla
     call's opening that the server wrote itself."""
     server, script = plain_server
     client = server.openai()
-    ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "tools": TOOLS}
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "tools": TOOLS,
+    }
     required = client.chat.completions.with_raw_response.create(**ask, tool_choice="required")
     assert "x-rocketllm-tool-choice" not in required.headers
     prompt = script.prompt_text()
-    assert "Answer by calling one or more of the functions offered." in prompt and prompt.endswith("<|im_start|>assistant\n<tool_call>\n")
-    client.chat.completions.with_raw_response.create(**ask, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert "Answer by calling one or more of the functions offered." in prompt and prompt.endswith(
+        "<|im_start|>assistant\n<tool_call>\n"
+    )
+    client.chat.completions.with_raw_response.create(
+        **ask, tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
     prompt = script.prompt_text()
     assert "Answer by calling the function get_time." in prompt and "get_weather" not in prompt
     assert prompt.endswith('<tool_call>\n{"name": "get_time", "arguments": ')
     client.chat.completions.with_raw_response.create(**ask)
     assert script.prompt_text().endswith("<|im_start|>assistant\n")
-    response = server.http().post("/v1/chat/completions", json={**ask, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    response = server.http().post(
+        "/v1/chat/completions", json={**ask, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    )
     assert response.status_code == 400 and "not among the tools" in response.json()["error"]["message"]

@@ -1,4 +1,5 @@
-"""Speculative decoding in the one generation loop: greedy tokens equal plain greedy's token for token (fp32, every layer
+"""Speculative decoding in the one generation loop: greedy tokens equal plain greedy's token for token (fp32, every
+layer
 streamed from storage) with prompt lookup and with a draft model; sampling with a seed keeps its finish reasons; stop
 strings and end-of-sequence ids inside a pass of several tokens end the reply where plain decoding would; the figures
 count what was proposed, accepted and made per pass; the knob's auto turns it on where layers stream and off where
@@ -38,7 +39,8 @@ def streamed(source):
 
 @pytest.fixture(scope="module")
 def twin(source):
-    """The target's own weights, every unit resident: a draft whose tokens are nearly all accepted (passes of several tokens)."""
+    """The target's own weights, every unit resident: a draft whose tokens are nearly all accepted (passes of several
+    tokens)."""
     model = AutoModel.from_pretrained(source, device_cache_bytes=EVERYTHING)
     yield model
     model.close()
@@ -47,7 +49,9 @@ def twin(source):
 @pytest.fixture(scope="module")
 def other_draft(tiny_factory):
     """A second random Llama with the same tokenizer: its drafts are mostly rejected."""
-    model = AutoModel.from_pretrained(tiny_factory("llama", seed=SEED + 1, num_hidden_layers=1), device_cache_bytes=EVERYTHING)
+    model = AutoModel.from_pretrained(
+        tiny_factory("llama", seed=SEED + 1, num_hidden_layers=1), device_cache_bytes=EVERYTHING
+    )
     yield model
     model.close()
 
@@ -70,8 +74,11 @@ def plain(streamed, prompt):
 
 @pytest.mark.parametrize("mode", ["prompt-lookup", "draft", "twin"])
 def test_greedy_tokens_equal_plain_greedy(mode, streamed, twin, other_draft, prompt, plain):
-    kwargs = {"speculate": "prompt-lookup"} if mode == "prompt-lookup" else \
-        {"speculate": "draft", "draft_model": twin if mode == "twin" else other_draft}
+    kwargs = (
+        {"speculate": "prompt-lookup"}
+        if mode == "prompt-lookup"
+        else {"speculate": "draft", "draft_model": twin if mode == "twin" else other_draft}
+    )
     got = run(streamed, prompt, **kwargs)
     assert (got.token_ids, got.text, got.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
     spec = got.stats.speculation
@@ -83,7 +90,8 @@ def test_greedy_tokens_equal_plain_greedy(mode, streamed, twin, other_draft, pro
     assert spec["decode_passes"] == spec["passes"] - 1 == len(got.stats.gaps_s)
     assert spec["decode_tokens"] == NEW - got.record.counts[0] == got.stats.decode_tokens
     if mode == "twin":
-        assert spec["tokens_per_pass"] > 1.5  # several tokens per put: the streamer and the per-token figures divide passes
+        # several tokens per put: the streamer and the per-token figures divide passes
+        assert spec["tokens_per_pass"] > 1.5
         assert got.stats.decode_tokens == sum(got.stats.step_tokens) > len(got.stats.gaps_s)
         per_pass = got.stats.ledger["per_pass_served"]["storage"]
         assert got.stats.bytes_per_token["storage"] < per_pass
@@ -125,7 +133,9 @@ def test_a_speculative_run_beside_a_prefix_cache_computes_its_prompt_and_keeps_i
     again = generator.run(GenerationRequest(list(prompt), SamplingParams(max_new_tokens=NEW)))
     assert first.token_ids == again.token_ids == plain.token_ids and again.reused_tokens == 0
     assert "not looked up" in again.stats.speculation["prefix_cache"] and cache.to_dict()["stored"] >= 1
-    reused = Generator(streamed, cache, speculate="off").run(GenerationRequest(list(prompt), SamplingParams(max_new_tokens=NEW)))
+    reused = Generator(streamed, cache, speculate="off").run(
+        GenerationRequest(list(prompt), SamplingParams(max_new_tokens=NEW))
+    )
     assert reused.reused_tokens > 0 and reused.token_ids == plain.token_ids  # what the speculative runs kept is sound
 
 
@@ -137,9 +147,12 @@ def test_auto_is_on_where_layers_stream_and_off_where_every_unit_is_resident(str
     off = Generator(twin).speculation
     assert off.mode == "off" and "every unit is in memory" in off.reason
     knob = streamed.knobs["speculate"]
-    assert "device_cache_bytes" in knob.formula and knob.inputs["total_bytes"] > 0  # printed with its inputs in `profile`
+    # printed with its inputs in `profile`
+    assert "device_cache_bytes" in knob.formula and knob.inputs["total_bytes"] > 0
     # A batch is never speculative, whatever the knob says.
-    rows = Generator(streamed, speculate="prompt-lookup").run_batch([GenerationRequest(list(prompt), SamplingParams(max_new_tokens=4))] * 2)
+    rows = Generator(streamed, speculate="prompt-lookup").run_batch(
+        [GenerationRequest(list(prompt), SamplingParams(max_new_tokens=4))] * 2
+    )
     assert rows[0].stats.speculation["mode"] == "off" and "batch" in rows[0].stats.speculation["reason"]
 
 
@@ -177,16 +190,47 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_the_parameter(source,
     wider = tiny_factory("llama", seed=SEED, vocab_size=384)
     with pytest.raises(ParameterError) as caught:
         AutoModel.from_pretrained(source, device_cache_bytes=0, host_cache_bytes=0, draft_model=str(wider))
-    assert str(caught.value).startswith("draft_model ") and "vocabulary has 384 entries against 320" in str(caught.value)
+    assert str(caught.value).startswith("draft_model ") and "vocabulary has 384 entries against 320" in str(
+        caught.value
+    )
     with pytest.raises(ParameterError, match="give draft_model"):
         Generator(object(), speculate="draft")  # no draft at all
-    result = CliRunner().invoke(app, ["generate", str(source), "hi", "-n", "2", "--device-cache-bytes", "0", "--host-cache-bytes", "0", "--draft-model", str(wider)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            str(source),
+            "hi",
+            "-n",
+            "2",
+            "--device-cache-bytes",
+            "0",
+            "--host-cache-bytes",
+            "0",
+            "--draft-model",
+            str(wider),
+        ],
+    )
     assert result.exit_code != 0 and result.stderr.count("\n") == 1 and "--draft-model" in result.stderr
 
 
 def test_generate_reports_proposed_accepted_and_tokens_per_pass(source):
-    args = ["generate", str(source), "the cat sat on the mat and the cat sat on the", "--raw", "-n", "12", "--device-cache-bytes", "0",
-            "--host-cache-bytes", "0", "--speculate", "prompt-lookup", "--draft-tokens", "4"]
+    args = [
+        "generate",
+        str(source),
+        "the cat sat on the mat and the cat sat on the",
+        "--raw",
+        "-n",
+        "12",
+        "--device-cache-bytes",
+        "0",
+        "--host-cache-bytes",
+        "0",
+        "--speculate",
+        "prompt-lookup",
+        "--draft-tokens",
+        "4",
+    ]
     doc = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
     spec = doc["stats"]["speculation"]
     assert spec["mode"] == "prompt-lookup" and spec["draft_tokens"] == 4 and spec["tokens"] == doc["new_tokens"] == 12

@@ -24,8 +24,14 @@ HUGE = 1 << 40
 
 def _greedy(model) -> torch.Tensor:
     with torch.inference_mode():
-        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=3)
+        return model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=3,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +54,9 @@ def shards(tiny_factory, tmp_path_factory):
 
     def get(arch: str, layout: str = "single"):
         if (arch, layout) not in cache:
-            manifest, directory, _ = shard(tiny_factory(arch, layout), out=root / f"{arch}-{layout}", log=lambda m: None)
+            manifest, directory, _ = shard(
+                tiny_factory(arch, layout), out=root / f"{arch}-{layout}", log=lambda m: None
+            )
             cache[arch, layout] = (manifest, directory)
         return cache[arch, layout]
 
@@ -66,7 +74,7 @@ RESIDENCIES = {
 @pytest.mark.parametrize("arch", DENSE)
 def test_streamed_equals_transformers(arch, reference, shards):
     expected = reference(arch)
-    new = expected[0, PROMPT.shape[1]:].tolist()
+    new = expected[0, PROMPT.shape[1] :].tolist()
     # A reference that repeats one token could be matched by a stream that got the weights wrong.
     assert len(new) == NEW_TOKENS and len(set(new)) > 1, f"{arch}: degenerate reference {new}"
     for layout in ("single", "sharded"):
@@ -79,7 +87,9 @@ def test_streamed_equals_transformers(arch, reference, shards):
                 config = EngineConfig(device_cache_bytes=device, host_cache_bytes=host, prefetch_depth=depth)
                 with StreamingModel(directory, config) as model:
                     got = _greedy(model)
-                assert torch.equal(got, expected), f"{arch} {layout} {residency} prefetch={depth}: {got.tolist()} != {expected.tolist()}"
+                assert torch.equal(got, expected), (
+                    f"{arch} {layout} {residency} prefetch={depth}: {got.tolist()} != {expected.tolist()}"
+                )
 
 
 def test_partial_plan_spaces_streamed_layers(shards):
@@ -97,7 +107,9 @@ def test_bf16_shards_match_transformers_in_bf16(tiny_factory, tmp_path):
     source = tiny_factory("qwen3")
     _, directory, _ = shard(source, out=tmp_path / "bf16", dtype="bf16", log=lambda m: None)
     plain = AutoModelForCausalLM.from_pretrained(source, **dtype_kwargs(torch.bfloat16))
-    with StreamingModel(directory, EngineConfig(compute_dtype="bf16", device_cache_bytes=0, host_cache_bytes=0, prefetch_depth=1)) as model:
+    with StreamingModel(
+        directory, EngineConfig(compute_dtype="bf16", device_cache_bytes=0, host_cache_bytes=0, prefetch_depth=1)
+    ) as model:
         assert torch.equal(_greedy(model), _greedy(plain))
 
 
@@ -105,7 +117,9 @@ def test_model_device_and_generate_surface(shards):
     _, directory = shards("llama")
     with StreamingModel(directory, EngineConfig()) as model:
         assert model.device == torch.device("cpu")
-        out = model.generate(PROMPT, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True, pad_token_id=3)
+        out = model.generate(
+            PROMPT, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True, pad_token_id=3
+        )
         assert out.sequences.shape == (1, PROMPT.shape[1] + 3) and len(out.scores) == 3
 
 
@@ -123,7 +137,10 @@ def test_streaming_buffers_fit_the_layers_and_one_larger_unit(tiny_factory, tmp_
         got = _greedy(model)
         sizes = [s.host.numel() for s in model.store._slots]
         assert sizes.count(largest) == 1 and sizes.count(layer) == len(sizes) - 1 <= 3
-        assert "streaming buffers: 3 x" in model.residency_text() and "(larger units); read-ahead 2 units" in model.residency_text()
+        assert (
+            "streaming buffers: 3 x" in model.residency_text()
+            and "(larger units); read-ahead 2 units" in model.residency_text()
+        )
     plain = AutoModelForCausalLM.from_pretrained(checkpoint, **dtype_kwargs(torch.float32))
     assert torch.equal(got, _greedy(plain))
 

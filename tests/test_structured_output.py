@@ -29,18 +29,45 @@ MODEL = "tiny"
 BUDGET = 1000  # tokens: a noise model needs room to close what it opens (prompts here are under 1,048)
 CITY = {"type": "string", "maxLength": 8}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": {"type": "object", "properties": {"city": CITY, "unit": {"enum": ["celsius", "fahrenheit"]}},
-                                                     "required": ["city", "unit"]}}},
-    {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
-                                      "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 6}},
-                                                     "required": ["timezone"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": CITY, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current time in a timezone",
+            "parameters": {
+                "type": "object",
+                "properties": {"timezone": {"type": "string", "maxLength": 6}},
+                "required": ["timezone"],
+            },
+        },
+    },
 ]
-ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"], "input_schema": t["function"]["parameters"]}
-                   for t in TOOLS]
+ANTHROPIC_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"],
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -75,8 +102,15 @@ def test_a_forced_openai_tool_choice_is_a_valid_call_in_the_familys_format(famil
     client = server.openai()
     tool_choice = {"type": "function", "function": {"name": "get_time"}} if choice == "named" else "required"
     for stream in (False, True):
-        ask = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=BUDGET, temperature=0,
-                   parallel_tool_calls=False)
+        ask = dict(
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            max_tokens=BUDGET,
+            temperature=0,
+            parallel_tool_calls=False,
+        )
         if stream:
             calls, finish = {}, None
             for chunk in client.chat.completions.create(**ask, stream=True):
@@ -96,16 +130,22 @@ def test_a_forced_openai_tool_choice_is_a_valid_call_in_the_familys_format(famil
         valid_call(name, arguments)
 
 
-@pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any", "disable_parallel_tool_use": True}])
+@pytest.mark.parametrize(
+    "choice", [{"type": "tool", "name": "get_weather"}, {"type": "any", "disable_parallel_tool_use": True}]
+)
 def test_a_forced_anthropic_tool_choice_is_one_tool_use_block(family_server, choice):
     family, server = family_server
     client = server.anthropic()
-    reply = client.messages.create(model=MODEL, max_tokens=BUDGET, messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice=choice)
+    reply = client.messages.create(
+        model=MODEL, max_tokens=BUDGET, messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice=choice
+    )
     uses = [b for b in reply.content if b.type == "tool_use"]
     assert reply.stop_reason == "tool_use" and len(uses) == 1, reply.content
     assert choice["type"] == "any" or uses[0].name == "get_weather"
     valid_call(uses[0].name, uses[0].input)
-    with client.messages.stream(model=MODEL, max_tokens=BUDGET, messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice=choice) as stream:
+    with client.messages.stream(
+        model=MODEL, max_tokens=BUDGET, messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice=choice
+    ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
     valid_call(final.content[0].name, final.content[0].input)
@@ -114,15 +154,26 @@ def test_a_forced_anthropic_tool_choice_is_one_tool_use_block(family_server, cho
 def test_a_named_call_generates_only_its_arguments(server):
     """The server writes the call's opening into the prompt itself: the model's tokens are the arguments alone, and the
     server closes the call."""
-    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": BUDGET, "temperature": 0,
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    body = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": BUDGET,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
     prepared = prepare_chat(body, server.state)
     prefill = server.state.builder.prefill_ids(prepared.structure.prefill)
-    assert prepared.structure.prefill == '<tool_call>\n{"name": "get_weather", "arguments": ' and prepared.request.prompt_ids[-len(prefill):] == prefill
+    assert (
+        prepared.structure.prefill == '<tool_call>\n{"name": "get_weather", "arguments": '
+        and prepared.request.prompt_ids[-len(prefill) :] == prefill
+    )
     outcome = server.state.generator.run(prepared.request)
     valid_call("get_weather", outcome.text)  # what the model generated is the arguments object and nothing else
     content, calls = server.state.builder.parser.parse(prepared.reply_text(outcome))
-    assert content == "" and [c.name for c in calls] == ["get_weather"] and calls[0].arguments == json.loads(outcome.text)
+    assert (
+        content == "" and [c.name for c in calls] == ["get_weather"] and calls[0].arguments == json.loads(outcome.text)
+    )
 
 
 def test_parallel_calls_only_when_allowed(server):
@@ -133,10 +184,15 @@ def test_parallel_calls_only_when_allowed(server):
     grammar = server.state.generator.grammars
     structure = for_tools(server.state.builder.parser, TOOLS, "required", True, server.state.lark_literal)
     matcher = grammar.matcher(structure.constraint)
-    two = '{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    two = (
+        '{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Oslo", "unit": "celsius"}}'
+    )
     ids = server.state.builder.tokenizer(two, add_special_tokens=False).input_ids
     assert matcher.validate_tokens(ids) == len(ids)  # with parallel calls allowed, the grammar takes a second call
-    single = grammar.matcher(for_tools(server.state.builder.parser, TOOLS, "required", False, server.state.lark_literal).constraint)
+    single = grammar.matcher(
+        for_tools(server.state.builder.parser, TOOLS, "required", False, server.state.lark_literal).constraint
+    )
     assert single.validate_tokens(ids) < len(ids)
 
 
@@ -144,13 +200,21 @@ def test_parallel_calls_only_when_allowed(server):
 def test_response_format_json_schema_and_json_object(server):
     client = server.openai()
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    reply = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, max_tokens=BUDGET, temperature=0)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, response_format=fmt, max_tokens=BUDGET, temperature=0
+    )
     jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=ASK, response_format=fmt, max_tokens=BUDGET, temperature=0.9, seed=4, stream=True) if c.choices]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=MODEL, messages=ASK, response_format=fmt, max_tokens=BUDGET, temperature=0.9, seed=4, stream=True
+        )
+        if c.choices
+    ]
     jsonschema.validate(json.loads("".join(pieces)), PERSON)
-    obj = client.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_object"}, max_tokens=BUDGET,
-                                         temperature=0, seed=1)
+    obj = client.chat.completions.create(
+        model=MODEL, messages=ASK, response_format={"type": "json_object"}, max_tokens=BUDGET, temperature=0, seed=1
+    )
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
     else:  # a noise model may not close a free-form object in the budget: what it wrote is still an object's beginning
@@ -158,11 +222,25 @@ def test_response_format_json_schema_and_json_object(server):
 
 
 def test_anthropic_output_config_format(server):
-    body = {"model": MODEL, "max_tokens": BUDGET, "messages": ASK, "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}
+    body = {
+        "model": MODEL,
+        "max_tokens": BUDGET,
+        "messages": ASK,
+        "output_config": {"format": {"type": "json_schema", "schema": PERSON}},
+    }
     reply = server.http().post("/v1/messages", json=body).json()
     jsonschema.validate(json.loads(reply["content"][0]["text"]), PERSON)
-    legacy = server.http().post("/v1/messages", json={**{k: v for k, v in body.items() if k != "output_config"},
-                                                     "output_format": {"type": "json_schema", "schema": PERSON}}).json()
+    legacy = (
+        server.http()
+        .post(
+            "/v1/messages",
+            json={
+                **{k: v for k, v in body.items() if k != "output_config"},
+                "output_format": {"type": "json_schema", "schema": PERSON},
+            },
+        )
+        .json()
+    )
     jsonschema.validate(json.loads(legacy["content"][0]["text"]), PERSON)
 
 
@@ -171,27 +249,65 @@ def test_a_schema_is_compiled_once_across_requests(server):
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {**PERSON, "title": "once"}}}
     before = grammars.compiles
     for _ in range(3):
-        server.openai().chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, max_tokens=BUDGET, temperature=0)
+        server.openai().chat.completions.create(
+            model=MODEL, messages=ASK, response_format=fmt, max_tokens=BUDGET, temperature=0
+        )
     assert grammars.compiles == before + 1
 
 
-@pytest.mark.parametrize("path, body, param, words", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
-     "response_format", "JSON Schema"),
-    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format", "must be text, json_object or json_schema"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, "response_format",
-     "must be a JSON Schema object"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"}, "response_format",
-     "forces a tool call"),
-    ("/v1/chat/completions", {"parallel_tool_calls": "no"}, "parallel_tool_calls", "must be true or false"),
-    ("/v1/messages", {"output_config": {"format": {"type": "json_schema", "schema": PERSON}, "effort": "high"}}, "output_config",
-     "'output_config.effort' is not supported"),
-    ("/v1/messages", {"output_config": {"format": {"type": "text"}}}, "output_config.format", "json_schema"),
-    ("/v1/messages", {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"},
-                      "messages": ASK + [{"role": "assistant", "content": "Let me"}]}, "messages", "assistant prefill"),
-    ("/v1/messages", {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any", "disable_parallel_tool_use": 1}}, "tool_choice",
-     "must be true or false"),
-])
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
+            "response_format",
+            "JSON Schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "xml"}},
+            "response_format",
+            "must be text, json_object or json_schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+            "response_format",
+            "must be a JSON Schema object",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"},
+            "response_format",
+            "forces a tool call",
+        ),
+        ("/v1/chat/completions", {"parallel_tool_calls": "no"}, "parallel_tool_calls", "must be true or false"),
+        (
+            "/v1/messages",
+            {"output_config": {"format": {"type": "json_schema", "schema": PERSON}, "effort": "high"}},
+            "output_config",
+            "'output_config.effort' is not supported",
+        ),
+        ("/v1/messages", {"output_config": {"format": {"type": "text"}}}, "output_config.format", "json_schema"),
+        (
+            "/v1/messages",
+            {
+                "tools": ANTHROPIC_TOOLS,
+                "tool_choice": {"type": "any"},
+                "messages": ASK + [{"role": "assistant", "content": "Let me"}],
+            },
+            "messages",
+            "assistant prefill",
+        ),
+        (
+            "/v1/messages",
+            {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any", "disable_parallel_tool_use": 1}},
+            "tool_choice",
+            "must be true or false",
+        ),
+    ],
+)
 def test_what_cannot_take_effect_is_a_400_naming_the_field(server, path, body, param, words):
     base = {"model": MODEL, "messages": ASK, "max_tokens": 4}
     response = server.http().post(path, json={**base, **body})
@@ -204,18 +320,39 @@ def test_what_cannot_take_effect_is_a_400_naming_the_field(server, path, body, p
 
 # -- each family's auto grammar -------------------------------------------------------------------------
 CORPUS_TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}},
+        },
+    },
 ]
 
 
 # The corpus's replies a constrained reply may be, and those it may not: malformed or cut-off calls, and the variants
 # the parsers salvage (arguments as a JSON string, the other family's argument key, text after a bare JSON call).
-WRITTEN = {"hermes": {"no_call", "single", "parallel", "text_then_call"}, "llama3_json": {"no_call", "single", "two_calls", "python_tag"},
-           "mistral": {"no_call", "single", "two_calls"}}
-REFUSED = {"hermes": {"malformed", "unclosed", "arguments_as_text", "list_in_block"},
-           "llama3_json": {"arguments_key", "call_then_text", "json_that_is_not_a_call"}, "mistral": set()}
+WRITTEN = {
+    "hermes": {"no_call", "single", "parallel", "text_then_call"},
+    "llama3_json": {"no_call", "single", "two_calls", "python_tag"},
+    "mistral": {"no_call", "single", "two_calls"},
+}
+REFUSED = {
+    "hermes": {"malformed", "unclosed", "arguments_as_text", "list_in_block"},
+    "llama3_json": {"arguments_key", "call_then_text", "json_that_is_not_a_call"},
+    "mistral": set(),
+}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -230,7 +367,9 @@ def test_each_familys_auto_grammar_takes_its_calls_and_text_and_refuses_malforme
     assert ("<[" in structure.constraint.source) == special_marker
 
     def accepted(name: str) -> bool:
-        ids = tokenizer((CORPUS / family / f"{name}.txt").read_text(), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        ids = tokenizer((CORPUS / family / f"{name}.txt").read_text(), add_special_tokens=False).input_ids + [
+            tokenizer.eos_token_id
+        ]
         return grammars.matcher(structure.constraint).validate_tokens(ids) == len(ids)
 
     assert all(accepted(name) for name in WRITTEN[family]), {name: accepted(name) for name in WRITTEN[family]}
@@ -256,43 +395,90 @@ def test_the_openai_sdk_parse_returns_a_parsed_object(smol_server):
         population: int
 
     reply = smol_server.openai().chat.completions.parse(
-        model="smol", response_format=City, temperature=0, max_tokens=80,
-        messages=[{"role": "user", "content": "What is the capital of France? Answer with its name, country and population."}])
+        model="smol",
+        response_format=City,
+        temperature=0,
+        max_tokens=80,
+        messages=[
+            {"role": "user", "content": "What is the capital of France? Answer with its name, country and population."}
+        ],
+    )
     parsed = reply.choices[0].message.parsed
     assert isinstance(parsed, City) and parsed.name == "Paris" and parsed.country.lower() == "france"
 
 
 @pytest.mark.realmodel
 def test_the_real_model_makes_forced_calls_through_both_sdks(smol_server):
-    weather = [{"type": "function", "function": {"name": "get_weather", "description": "Get the weather in a city",
-                                                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                                 "required": ["city"]}}}]
+    weather = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Get the weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
     ask = [{"role": "user", "content": "What's the weather in Paris?"}]
-    reply = smol_server.openai().chat.completions.create(model="smol", messages=ask, tools=weather, tool_choice="required",
-                                                         temperature=0, max_tokens=60).choices[0]
+    reply = (
+        smol_server.openai()
+        .chat.completions.create(
+            model="smol", messages=ask, tools=weather, tool_choice="required", temperature=0, max_tokens=60
+        )
+        .choices[0]
+    )
     assert reply.finish_reason == "tool_calls" and reply.message.tool_calls[0].function.name == "get_weather"
     assert json.loads(reply.message.tool_calls[0].function.arguments) == {"city": "Paris"}
-    anthropic_tools = [{"name": "get_weather", "description": "Get the weather in a city", "input_schema": weather[0]["function"]["parameters"]}]
-    message = smol_server.anthropic().messages.create(model="smol", max_tokens=60, messages=ask, tools=anthropic_tools,
-                                                      tool_choice={"type": "tool", "name": "get_weather"},
-                                                      extra_body={"temperature": 0})  # greedy (this SDK has no temperature argument)
+    anthropic_tools = [
+        {
+            "name": "get_weather",
+            "description": "Get the weather in a city",
+            "input_schema": weather[0]["function"]["parameters"],
+        }
+    ]
+    message = smol_server.anthropic().messages.create(
+        model="smol",
+        max_tokens=60,
+        messages=ask,
+        tools=anthropic_tools,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        # greedy (this SDK has no temperature argument)
+        extra_body={"temperature": 0},
+    )
     assert message.stop_reason == "tool_use" and message.content[-1].input == {"city": "Paris"}
 
 
 def test_a_keyword_the_engine_lacks_is_a_400_when_strict_and_named_in_a_header_when_not(server):
-    """uniqueItems (like not, dependencies, an unknown format) is not implemented by the engine: a strict request is refused
-    naming it; a request that did not ask for strictness gets the rest of the schema enforced and is told what was not."""
-    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2, "uniqueItems": True}},
-              "required": ["tags"]}
+    """uniqueItems (like not, dependencies, an unknown format) is not implemented by the engine: a strict request is
+    refused
+    naming it; a request that did not ask for strictness gets the rest of the schema enforced and is told what was
+    not."""
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2, "uniqueItems": True}},
+        "required": ["tags"],
+    }
     body = {"model": MODEL, "messages": ASK, "max_tokens": BUDGET, "temperature": 0}
-    strict = server.http().post("/v1/chat/completions", json={**body, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}})
+    strict = server.http().post(
+        "/v1/chat/completions",
+        json={
+            **body,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}},
+        },
+    )
     assert strict.status_code == 400 and "uniqueItems" in strict.json()["error"]["message"]
-    loose = server.http().post("/v1/chat/completions", json={**body, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}})
+    loose = server.http().post(
+        "/v1/chat/completions",
+        json={**body, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}},
+    )
     assert loose.status_code == 200 and "uniqueItems" in loose.headers["x-rocketllm-schema-relaxed"]
     value = json.loads(loose.json()["choices"][0]["message"]["content"])
-    jsonschema.validate(value, {**schema, "properties": {"tags": {**schema["properties"]["tags"], "uniqueItems": False}}})  # the rest held
-    anthropic = server.http().post("/v1/messages", json={**body, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    jsonschema.validate(
+        value, {**schema, "properties": {"tags": {**schema["properties"]["tags"], "uniqueItems": False}}}
+    )  # the rest held
+    anthropic = server.http().post(
+        "/v1/messages", json={**body, "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    )
     assert anthropic.status_code == 400 and "uniqueItems" in anthropic.json()["error"]["message"]
     tool = {"type": "function", "function": {"name": "tag", "parameters": schema}}
     forced = {**body, "tools": [tool], "tool_choice": "required"}

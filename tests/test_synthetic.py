@@ -46,8 +46,10 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 def _greedy(model, tokenizer, prompt: str = PROMPT, tokens: int = 8) -> list[int]:
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("layout", ["single", "sharded", "bin"])
@@ -94,7 +96,9 @@ def test_greedy_output_is_deterministic_and_the_same_for_every_layout(tiny_arch,
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_factory(tiny_arch))
-    runs = {layout: _greedy(_load(tiny_factory(tiny_arch, layout))[0], tokenizer) for layout in ("single", "sharded", "bin")}
+    runs = {
+        layout: _greedy(_load(tiny_factory(tiny_arch, layout))[0], tokenizer) for layout in ("single", "sharded", "bin")
+    }
     runs["again"] = _greedy(_load(tiny_factory(tiny_arch))[0], tokenizer)
     assert len({tuple(tokens) for tokens in runs.values()}) == 1, runs
     assert len(runs["single"]) == 8 and max(runs["single"]) < VOCAB_SIZE
@@ -170,7 +174,9 @@ def test_tokenizer_round_trips_and_has_a_chat_template(tiny_factory):
         ids = tokenizer.encode(text)
         assert tokenizer.decode(ids) == text
         assert max(ids) < json.loads((path / "config.json").read_text())["vocab_size"]
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+        )
         assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         config = json.loads((path / "config.json").read_text())
         assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
@@ -205,7 +211,11 @@ def test_writing_a_large_model_streams_in_little_memory(tmp_path):
     script = REPO_ROOT / "tests" / "fixtures" / "peak_rss_write.py"
     result = subprocess.run(
         [sys.executable, str(script), "llama", "400M", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        check=True,
     )
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["file_bytes"] > 700_000_000

@@ -54,7 +54,9 @@ def machine(tmp_path, monkeypatch):
         state["threads"] = n
         state["sets"].append(n)
 
-    ct = ComputeThreads(proc=str(proc.root), set_threads=set_threads, get_threads=lambda: state["threads"], clock=lambda: proc.now)
+    ct = ComputeThreads(
+        proc=str(proc.root), set_threads=set_threads, get_threads=lambda: state["threads"], clock=lambda: proc.now
+    )
     return proc, ct, state
 
 

@@ -23,7 +23,9 @@ NOTHING_RESIDENT = {"device_cache_bytes": 0, "host_cache_bytes": 0}
 
 @pytest.fixture(scope="module")
 def streamed(tiny_factory, tmp_path_factory):
-    manifest, directory, _ = shard(tiny_factory("llama"), out=tmp_path_factory.mktemp("unbound") / "llama", log=lambda m: None)
+    manifest, directory, _ = shard(
+        tiny_factory("llama"), out=tmp_path_factory.mktemp("unbound") / "llama", log=lambda m: None
+    )
     with StreamingModel(directory, EngineConfig(**NOTHING_RESIDENT), manifest) as model:
         yield model, manifest
 
@@ -74,10 +76,19 @@ def test_streamed_table_answers_lookups_with_its_rows_and_nothing_else(streamed,
     # Lookups read just their rows, from the model's own forward or from outside it (a pad row, a position table).
     assert torch.equal(embed.forward(PROMPT), stored[PROMPT])
     assert torch.equal(F.embedding(PROMPT, weight), stored[PROMPT])
-    assert torch.equal(weight[7], stored[7]) and torch.equal(weight[7, :], stored[7]) and torch.equal(weight[2:5], stored[2:5])
+    assert (
+        torch.equal(weight[7], stored[7])
+        and torch.equal(weight[7, :], stored[7])
+        and torch.equal(weight[2:5], stored[2:5])
+    )
     assert torch.equal(weight[PROMPT[0]], stored[PROMPT[0]])
-    for use in (lambda: torch.randn(2, weight.shape[0]) @ weight, lambda: weight.to("cpu"), lambda: weight.sum(),
-                lambda: weight[None, :, :], lambda: weight[:, 3]):
+    for use in (
+        lambda: torch.randn(2, weight.shape[0]) @ weight,
+        lambda: weight.to("cpu"),
+        lambda: weight.sum(),
+        lambda: weight[None, :, :],
+        lambda: weight[:, 3],
+    ):
         with pytest.raises(UnboundWeightError, match=r"embed_tokens\.weight"):
             use()
 
@@ -105,7 +116,9 @@ def test_bound_weights_are_ordinary_parameters_and_placeholders_come_back(stream
     handle = down.register_forward_pre_hook(lambda module, args: seen.append(type(module.weight)))
     try:
         with torch.inference_mode():
-            model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=2, do_sample=False, pad_token_id=3)
+            model.generate(
+                PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=2, do_sample=False, pad_token_id=3
+            )
     finally:
         handle.remove()
     assert seen and all(t is nn.Parameter for t in seen)  # nothing on the hot path sees the placeholder
@@ -115,16 +128,25 @@ def test_bound_weights_are_ordinary_parameters_and_placeholders_come_back(stream
 def test_unbound_experts_raise(tiny_factory, tmp_path):
     manifest, directory, _ = shard(tiny_factory("qwen3_moe"), out=tmp_path / "moe", log=lambda m: None)
     with StreamingModel(directory, EngineConfig(**NOTHING_RESIDENT), manifest) as model:
-        expert = next(model.model.model.layers[0].mlp.experts.parameters())  # fused [E, ...] on 5.x, one expert's on 4.x
+        # fused [E, ...] on 5.x, one expert's on 4.x
+        expert = next(model.model.model.layers[0].mlp.experts.parameters())
         assert isinstance(expert, Unbound) and expert.shape == expert.size() and expert.dim() >= 2
         with pytest.raises(UnboundWeightError, match=r"model\.layers\.0\.mlp\.experts\."):
             torch.matmul(torch.randn(2, expert.shape[-2]), expert)
 
 
 def test_placeholder_alone():
-    weight = Unbound("block.proj.weight", torch.empty(3, 4, device="meta"), torch.device("cpu"), "block (unit layer.000)")
+    weight = Unbound(
+        "block.proj.weight", torch.empty(3, 4, device="meta"), torch.device("cpu"), "block (unit layer.000)"
+    )
     assert (weight.shape, weight.dtype, weight.device) == (torch.Size([3, 4]), torch.float32, torch.device("cpu"))
-    for use in (lambda: F.linear(torch.randn(1, 4), weight), lambda: weight.cpu(), lambda: weight.detach(), lambda: weight[0],
-                lambda: weight.data, lambda: torch.unique(weight)):
+    for use in (
+        lambda: F.linear(torch.randn(1, 4), weight),
+        lambda: weight.cpu(),
+        lambda: weight.detach(),
+        lambda: weight[0],
+        lambda: weight.data,
+        lambda: torch.unique(weight),
+    ):
         with pytest.raises(UnboundWeightError, match=r"block\.proj\.weight .*forward of block \(unit layer\.000\)"):
             use()

@@ -20,7 +20,9 @@ from rocketllm_cli.shard.sharder import shard
 
 @pytest.fixture(scope="module")
 def tiny_set(tiny_factory, tmp_path_factory):
-    manifest, directory, _ = shard(tiny_factory("llama"), out=tmp_path_factory.mktemp("unit-reads") / "set", log=lambda m: None)
+    manifest, directory, _ = shard(
+        tiny_factory("llama"), out=tmp_path_factory.mktemp("unit-reads") / "set", log=lambda m: None
+    )
     return manifest, directory
 
 
@@ -46,8 +48,15 @@ def test_every_method_and_count_in_flight_reads_every_sampled_byte(tiny_set):
 
 
 def test_the_cheapest_wins_counting_cpu_where_reads_share_it_and_fewer_in_flight_break_near_ties():
-    reads = _reads([(True, 1, 1.00, 0.01), (True, 2, 0.80, 0.01), (True, 4, 0.78, 0.01),  # x4 within 5% of x2
-                    (False, 1, 0.70, 0.50), (False, 2, 0.60, 0.40)])
+    reads = _reads(
+        [
+            (True, 1, 1.00, 0.01),
+            (True, 2, 0.80, 0.01),
+            (True, 4, 0.78, 0.01),  # x4 within 5% of x2
+            (False, 1, 0.70, 0.50),
+            (False, 2, 0.60, 0.40),
+        ]
+    )
     assert reads.best(True).in_flight == 2  # 0.79 is within 5% of 0.81: the fewer reads in flight
     assert reads.best(False).in_flight == 2
     assert reads.best().direct  # buffered is faster by the clock but costs 0.4 s of the cores compute needs
@@ -60,12 +69,23 @@ def test_the_read_knobs_follow_the_sets_own_reads(tiny_set, profile):
     from transformers import AutoConfig
 
     facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))
-    reads = _reads([(True, 1, 1.0, 0.0), (True, 2, 0.5, 0.0), (True, 4, 0.49, 0.0), (True, 8, 0.3, 0.0),
-                    (False, 1, 2.0, 0.5), (False, 2, 1.9, 0.5), (False, 4, 0.9, 0.5), (False, 8, 1.2, 0.5)])
+    reads = _reads(
+        [
+            (True, 1, 1.0, 0.0),
+            (True, 2, 0.5, 0.0),
+            (True, 4, 0.49, 0.0),
+            (True, 8, 0.3, 0.0),
+            (False, 1, 2.0, 0.5),
+            (False, 2, 1.9, 0.5),
+            (False, 4, 0.9, 0.5),
+            (False, 8, 1.2, 0.5),
+        ]
+    )
     knobs = resolve_knobs(profile, replace(facts, unit_reads=reads.to_dict()), env={})
     assert knobs["direct_io"].value is True and knobs["direct_io"].source == "measured"
     assert knobs["io_workers"].value == 8 and knobs["io_workers"].source == "measured"
-    assert knobs["prefetch_depth"].value >= 8 or "buffer" in knobs["prefetch_depth"].note  # reads ahead as many as in flight
+    # reads ahead as many as in flight
+    assert knobs["prefetch_depth"].value >= 8 or "buffer" in knobs["prefetch_depth"].note
     by_hand = resolve_knobs(profile, replace(facts, unit_reads=reads.to_dict()), kwargs={"direct_io": False}, env={})
     assert by_hand["io_workers"].value == 4  # buffered's own cheapest count
     plain = resolve_knobs(profile, facts, env={})
@@ -89,7 +109,8 @@ def test_a_set_streamed_from_storage_is_measured_once_and_kept_per_set(tiny_set,
         assert resident.facts.unit_reads is None
     assert calls == [1]
     stored = profile_dir(HardwareProfile.load().fingerprint) / unitreads.FILE
-    assert unitreads.set_key(directory, Manifest.load(directory)) in json.loads(stored.read_text())  # refresh: test_profile
+    # refresh: test_profile
+    assert unitreads.set_key(directory, Manifest.load(directory)) in json.loads(stored.read_text())
 
 
 def test_a_cache_that_cannot_be_written_still_gets_this_process_its_answer(tiny_set, profile, monkeypatch, tmp_path):

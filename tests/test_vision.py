@@ -29,7 +29,10 @@ Image = pytest.importorskip("PIL.Image", reason="the vision tests need Pillow (p
 
 N = 6
 QUESTION = "What is in the picture?"
-BUDGETS = {"nothing resident": {"device_cache_bytes": 0, "host_cache_bytes": 0}, "resident": {"device_cache_bytes": 1 << 40}}
+BUDGETS = {
+    "nothing resident": {"device_cache_bytes": 0, "host_cache_bytes": 0},
+    "resident": {"device_cache_bytes": 1 << 40},
+}
 
 
 def picture(seed: int = 0, size: tuple[int, int] = (40, 36)):
@@ -78,7 +81,8 @@ def pictures(tmp_path_factory):
 def processor_inputs(kind: str, source, images: list, text: str = QUESTION) -> dict:
     """The inputs transformers' own processor makes of one user message with IMAGES, for plain and streamed alike.
 
-    Qwen2.5-VL's processor needs torchvision in transformers 5; without it its image processor and tokenizer make the same
+    Qwen2.5-VL's processor needs torchvision in transformers 5; without it its image processor and tokenizer make the
+    same
     tensors (the placeholder repeated once per merged patch, as the processor writes it)."""
     content = [*({"type": "image", "image": i} for i in images), {"type": "text", "text": text}]
     messages = [{"role": "user", "content": content}]
@@ -86,7 +90,11 @@ def processor_inputs(kind: str, source, images: list, text: str = QUESTION) -> d
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(source)
-        return dict(processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"))
+        return dict(
+            processor.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+            )
+        )
     from transformers import AutoImageProcessor, AutoTokenizer
 
     pixels = AutoImageProcessor.from_pretrained(source)(images=images, return_tensors="pt")
@@ -104,32 +112,38 @@ def plain_greedy(source, inputs: dict) -> list[int]:
     model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32).eval()
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=N, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 # -- streamed equals transformers -----------------------------------------------------------------------
 @pytest.mark.parametrize("kind", VLM_KINDS)
 def test_streamed_with_a_picture_equals_transformers(vlm, kind):
     source, manifest, directory = vlm(kind)
-    assert manifest.vision and all(u.module.split(".")[-1] in ("vision_tower", "multi_modal_projector", "visual") for u in manifest.vision)
+    assert manifest.vision and all(
+        u.module.split(".")[-1] in ("vision_tower", "multi_modal_projector", "visual") for u in manifest.vision
+    )
     inputs = processor_inputs(kind, source, [picture(0), picture(1, (30, 44))] if kind != "gemma3" else [picture(0)])
     expected = plain_greedy(source, inputs)
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     ids = inputs["input_ids"][0].tolist()
     for name, budgets in BUDGETS.items():
         with StreamingModel(directory, EngineConfig(**budgets), manifest) as model:
-            assert all(model.plan.tier[u.name] == "device" for u in manifest.vision), name  # resident whatever the budget
+            # resident whatever the budget
+            assert all(model.plan.tier[u.name] == "device" for u in manifest.vision), name
             # the ledger's per-pass device bytes leave the tower out: it runs once per request, not per token
-            assert model.ledger.resident_bytes == sum(u.tensor_bytes for u in manifest.units
-                                                      if model.plan.tier[u.name] == "device" and u.kind != "vision")
+            assert model.ledger.resident_bytes == sum(
+                u.tensor_bytes for u in manifest.units if model.plan.tier[u.name] == "device" and u.kind != "vision"
+            )
             generator = Generator(model)
             for _ in range(2):
                 outcome = generator.run(GenerationRequest(ids, SamplingParams(max_new_tokens=N), model_inputs=extra))
                 assert outcome.token_ids == expected, name
             # the Python API takes the processor's inputs as transformers does
             out = model.generate(**inputs, max_new_tokens=N, do_sample=False)
-            assert out[0, len(ids):].tolist() == expected, name
-            assert {u.name: model.ledger.reads[u.name] for u in manifest.vision} == {u.name: 1 for u in manifest.vision}, name
+            assert out[0, len(ids) :].tolist() == expected, name
+            assert {u.name: model.ledger.reads[u.name] for u in manifest.vision} == {
+                u.name: 1 for u in manifest.vision
+            }, name
 
 
 def test_speculation_is_off_for_a_prompt_with_pictures_and_on_for_text(vlm):
@@ -145,8 +159,13 @@ def test_speculation_is_off_for_a_prompt_with_pictures_and_on_for_text(vlm):
         assert generator.speculation.on
         with_picture = generator.run(GenerationRequest(ids, SamplingParams(max_new_tokens=N), model_inputs=extra))
         assert with_picture.token_ids == expected
-        assert with_picture.stats.speculation["mode"] == "off" and "carries images" in with_picture.stats.speculation["reason"]
-        text_only = generator.run(GenerationRequest(model.tokenizer("hello hello hello")["input_ids"], SamplingParams(max_new_tokens=N)))
+        assert (
+            with_picture.stats.speculation["mode"] == "off"
+            and "carries images" in with_picture.stats.speculation["reason"]
+        )
+        text_only = generator.run(
+            GenerationRequest(model.tokenizer("hello hello hello")["input_ids"], SamplingParams(max_new_tokens=N))
+        )
         assert text_only.stats.speculation["mode"] == "prompt-lookup"
 
 
@@ -196,7 +215,9 @@ def test_generate_refuses_bad_pictures_in_one_line(vlm, pictures, tiny_checkpoin
         assert words in line, line
 
 
-@pytest.mark.skipif(not processor_needs_torchvision("qwen2_5_vl"), reason="torchvision is installed: Qwen2.5-VL's processor loads")
+@pytest.mark.skipif(
+    not processor_needs_torchvision("qwen2_5_vl"), reason="torchvision is installed: Qwen2.5-VL's processor loads"
+)
 def test_a_processor_that_needs_torchvision_is_named_in_the_refusal(vlm, pictures):
     _, _, directory = vlm("qwen2_5_vl")
     result = invoke(directory, "hi", "--image", pictures / "a.png", "-n", 2)
@@ -228,13 +249,26 @@ def test_serve_takes_pictures_through_both_clients(vlm, served):
     url = data_url(png_bytes(image))
     for stream in (False, True):
         content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
-        reply = live.openai().chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": content}],
-                                                      max_tokens=N, temperature=0, stream=stream)
-        got = "".join(c.choices[0].delta.content or "" for c in reply if c.choices) if stream else reply.choices[0].message.content
+        reply = live.openai().chat.completions.create(
+            model="tiny-vlm",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=N,
+            temperature=0,
+            stream=stream,
+        )
+        got = (
+            "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+            if stream
+            else reply.choices[0].message.content
+        )
         assert got == text
-    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}},
-              {"type": "text", "text": QUESTION}]
-    message = live.anthropic().messages.create(model="tiny-vlm", max_tokens=N, extra_body={"temperature": 0}, messages=[{"role": "user", "content": blocks}])
+    blocks = [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}},
+        {"type": "text", "text": QUESTION},
+    ]
+    message = live.anthropic().messages.create(
+        model="tiny-vlm", max_tokens=N, extra_body={"temperature": 0}, messages=[{"role": "user", "content": blocks}]
+    )
     assert message.content[0].text == text
     assert live.history[-1]["prompt_tokens"] == message.usage.input_tokens
 
@@ -246,10 +280,16 @@ def test_prefix_cache_is_off_for_pictures_and_on_for_text(served):
     url = data_url(png_bytes(picture(4)))
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
     for _ in range(2):
-        reply = live.openai().chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": content}], max_tokens=2)
+        reply = live.openai().chat.completions.create(
+            model="tiny-vlm", messages=[{"role": "user", "content": content}], max_tokens=2
+        )
         assert reply.usage.prompt_tokens_details.cached_tokens == 0
-    cached = [live.openai().chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": QUESTION}], max_tokens=2)
-              .usage.prompt_tokens_details.cached_tokens for _ in range(2)]
+    cached = [
+        live.openai()
+        .chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": QUESTION}], max_tokens=2)
+        .usage.prompt_tokens_details.cached_tokens
+        for _ in range(2)
+    ]
     assert cached[0] == 0 and cached[1] > 0
 
 
@@ -266,20 +306,41 @@ def test_bad_pictures_are_400_in_each_apis_shape(served, pictures):
         ("/nonexistent/cat.png", "cannot read image file"),
     ]
     for url, words in cases:
-        body = {"model": "tiny-vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        body = {
+            "model": "tiny-vlm",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+        }
         response = http.post("/v1/chat/completions", json=body)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
-        assert error["type"] == "invalid_request_error" and error["param"] == "messages[0].content" and words in error["message"], error
+        assert (
+            error["type"] == "invalid_request_error"
+            and error["param"] == "messages[0].content"
+            and words in error["message"]
+        ), error
     many = [{"type": "image_url", "image_url": {"url": png}}] * (MAX_IMAGES + 1)
-    response = http.post("/v1/chat/completions", json={"model": "tiny-vlm", "max_tokens": 2, "messages": [{"role": "user", "content": many}]})
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": "tiny-vlm", "max_tokens": 2, "messages": [{"role": "user", "content": many}]},
+    )
     assert response.status_code == 400 and f"at most {MAX_IMAGES}" in response.json()["error"]["message"], response.text
-    for source, words in [({"type": "url", "url": "http://10.0.0.1/x.png"}, "does not fetch"),
-                          ({"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}, "does not decode"),
-                          ({"type": "file", "file_id": "f"}, "must be base64 or url")]:
-        body = {"model": "tiny-vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image", "source": source}]}]}
+    for source, words in [
+        ({"type": "url", "url": "http://10.0.0.1/x.png"}, "does not fetch"),
+        ({"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}, "does not decode"),
+        ({"type": "file", "file_id": "f"}, "must be base64 or url"),
+    ]:
+        body = {
+            "model": "tiny-vlm",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "image", "source": source}]}],
+        }
         response = http.post("/v1/messages", json=body)
         assert response.status_code == 400 and response.json()["type"] == "error", response.text
         assert words in response.json()["error"]["message"], response.text
     # the server still serves
-    assert live.openai().chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": "hi"}], max_tokens=1).choices
+    assert (
+        live.openai()
+        .chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        .choices
+    )

@@ -17,15 +17,23 @@ from pathlib import Path
 
 import pytest
 
-CLIENT = ("import sys\nfrom rocketllm_cli.app import main\ntry:\n    main()\nfinally:\n"
-          "    print('imported torch:', 'torch' in sys.modules, file=sys.stderr)\n")
+CLIENT = (
+    "import sys\nfrom rocketllm_cli.app import main\ntry:\n    main()\nfinally:\n"
+    "    print('imported torch:', 'torch' in sys.modules, file=sys.stderr)\n"
+)
 PROMPT = "The capital of France is"
 
 
 def cli(*args: str, keep: str = "60s", timeout: float = 180) -> subprocess.CompletedProcess:
     """`rocketllm ARGS` in a fresh process (the way a shell loop runs it), saying at exit whether it imported torch."""
-    return subprocess.run([sys.executable, "-c", CLIENT, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "ROCKETLLM_KEEP_ALIVE": keep}, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", CLIENT, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "ROCKETLLM_KEEP_ALIVE": keep},
+        check=False,
+    )
 
 
 def warm_models() -> list[dict]:
@@ -66,10 +74,20 @@ def test_the_second_generate_attaches_and_prints_what_a_cold_run_prints(tiny, co
     cold_doc = json.loads(cli("generate", tiny, PROMPT, "--raw", "-n", "6", "--json", keep="0").stdout)
     assert doc["stats"]["bytes_per_token"] == cold_doc["stats"]["bytes_per_token"]
     assert doc["stats"]["residency"] == cold_doc["stats"]["residency"] and doc["stats"]["peak_rss_bytes"] > 0
-    assert {"speculation", "compute_dtype", "device", "per_token_ms"} <= set(doc["stats"]) and "load_s" not in doc["stats"]
+    assert {"speculation", "compute_dtype", "device", "per_token_ms"} <= set(doc["stats"]) and "load_s" not in doc[
+        "stats"
+    ]
     with_stats = cli("generate", tiny, PROMPT, "--raw", "-n", "6", "--stats")
     lines = with_stats.stderr.splitlines()
-    for start in ("tokens: ", "time: ", "decode: ", "bytes per token: device ", "speculative decoding", "peak RSS: ", "residency: "):
+    for start in (
+        "tokens: ",
+        "time: ",
+        "decode: ",
+        "bytes per token: device ",
+        "speculative decoding",
+        "peak RSS: ",
+        "residency: ",
+    ):
         assert any(line.startswith(start) for line in lines), (start, with_stats.stderr)
     assert "the model already loaded" in with_stats.stderr and "from the server's prefix cache" in with_stats.stderr
     assert [m["pid"] for m in warm_models()] == [model["pid"]]
@@ -112,7 +130,9 @@ def test_each_request_sets_the_keep_alive_from_then_on(tiny, cold):
 def test_two_first_calls_start_one_server_and_other_knobs_replace_it(tiny, cold):
     args = [sys.executable, "-c", CLIENT, "generate", str(tiny), PROMPT, "--raw", "-n", "6"]
     env = {**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"}
-    both = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    both = [
+        subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)
+    ]
     outs = [p.communicate(timeout=180) for p in both]
     assert [p.returncode for p in both] == [0, 0] and [o for o, _ in outs] == [cold, cold], outs
     assert sum("stays loaded" in err for _, err in outs) == 1 and len(warm_models()) == 1
@@ -129,7 +149,11 @@ def test_another_model_loads_beside_when_memory_holds_it(tiny, tiny_factory, col
     beside = cli("generate", other, PROMPT, "--raw", "-n", "6")
     assert beside.returncode == 0, beside.stderr
     note = next(line for line in beside.stderr.splitlines() if "loads beside" in line)
-    assert note.startswith(f"note: {other.name} loads beside 1 warm model ({tiny.name}): ") and " free, " in note and "needed" in note
+    assert (
+        note.startswith(f"note: {other.name} loads beside 1 warm model ({tiny.name}): ")
+        and " free, " in note
+        and "needed" in note
+    )
     pids = [m["pid"] for m in warm_models()]
     assert len(pids) == 2 and first["pid"] in pids
     assert cli("generate", tiny, PROMPT, "--raw", "-n", "6").stdout == cold  # the first is still warm, and answers
@@ -148,7 +172,9 @@ def test_what_does_not_fit_stops_the_oldest_first(tmp_path, monkeypatch):
     free = lambda available: type("Memory", (), {"total": total, "available": available})()  # noqa: E731
     monkeypatch.setattr(psutil, "virtual_memory", lambda: free(2 << 30))
     fits, words = launch.room_for(str(weights))
-    assert fits and words.startswith("2.00 GiB free, ") and "1.00 MiB of weights" in words and "1.60 GiB reserve" in words
+    assert (
+        fits and words.startswith("2.00 GiB free, ") and "1.00 MiB of weights" in words and "1.60 GiB reserve" in words
+    )
     monkeypatch.setattr(psutil, "virtual_memory", lambda: free(1 << 30))
     assert launch.room_for(str(weights))[0] is False  # 1 GiB free < 1.25 MiB + 1.6 GiB reserve
     assert launch.room_for("org/some-model") == (False, "its size is not known before it loads")
@@ -160,9 +186,15 @@ def test_ctrl_c_of_a_client_leaves_the_server(tiny, cold):
     # The tiny random model samples its end of sequence at any step (12 to 379 tokens in six runs here): a reply that
     # ends before the signal lands exits 0, and is tried again; the Ctrl-C that lands must exit 130, cleanly.
     for _ in range(4):
-        client = subprocess.Popen([sys.executable, "-c", CLIENT, "generate", str(tiny), PROMPT, "--raw", "-n", "2000", "--temperature", "1"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"},
-                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal, even in a background suite
+        client = subprocess.Popen(
+            [sys.executable, "-c", CLIENT, "generate", str(tiny), PROMPT, "--raw", "-n", "2000", "--temperature", "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"},
+            # as from a terminal, even in a background suite
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         client.stdout.read(1)  # generating
         client.send_signal(signal.SIGINT)
         _, err = client.communicate(timeout=60)
@@ -176,14 +208,26 @@ def test_ctrl_c_of_a_client_leaves_the_server(tiny, cold):
 
 
 def test_what_cannot_go_warm_runs_here_and_what_cannot_load_is_one_line(tiny, tmp_path):
-    batch = subprocess.run([sys.executable, "-c", CLIENT, "generate", str(tiny), "--raw", "-n", "3", "--batch"], input="a\nb\n",
-                           capture_output=True, text=True, env={**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"}, timeout=180, check=False)
-    assert batch.returncode == 0 and "--batch runs its prompts as one batch, so the model loads in this process" in batch.stderr
+    batch = subprocess.run(
+        [sys.executable, "-c", CLIENT, "generate", str(tiny), "--raw", "-n", "3", "--batch"],
+        input="a\nb\n",
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"},
+        timeout=180,
+        check=False,
+    )
+    assert (
+        batch.returncode == 0
+        and "--batch runs its prompts as one batch, so the model loads in this process" in batch.stderr
+    )
     assert warm_models() == []
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     failed = cli("generate", empty, PROMPT)
-    assert failed.returncode == 1 and failed.stderr.startswith("error: ") and "Traceback" not in failed.stderr, failed.stderr
+    assert failed.returncode == 1 and failed.stderr.startswith("error: ") and "Traceback" not in failed.stderr, (
+        failed.stderr
+    )
     assert warm_models() == []
     missing = cli("generate", tmp_path / "nowhere", PROMPT)
     assert missing.returncode == 1 and "model path not found" in missing.stderr and warm_models() == []

@@ -13,7 +13,13 @@ Importing the package is cheap, so the CLI reads `defaults` at start: each name 
 
 from importlib import import_module
 
-_HOME = {"BASELINES": "baselines", "REGIMES": "regimes", "render": "report", "BenchRequest": "suite", "run_bench": "suite"}
+_HOME = {
+    "BASELINES": "baselines",
+    "REGIMES": "regimes",
+    "render": "report",
+    "BenchRequest": "suite",
+    "run_bench": "suite",
+}
 
 __all__ = ["BASELINES", "REGIMES", "BenchRequest", "render", "run_bench"]
 

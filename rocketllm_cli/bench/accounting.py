@@ -23,11 +23,17 @@ def projection(profile, facts, tier_bytes: dict[str, int], kernel: str = "exact"
 
     p = project(profile, with_kernel_rates(profile, facts, kernel), tier_bytes)
     return {
-        "tiers": {t: {"bytes": c.bytes, "bandwidth_bps": c.bandwidth_bps, "bandwidth": c.bandwidth, "seconds": c.seconds}
-                  for t, c in p.tiers.items()},
-        "io_seconds": p.io_seconds, "compute_seconds": p.compute_seconds, "compute_bandwidth": p.compute_bandwidth,
+        "tiers": {
+            t: {"bytes": c.bytes, "bandwidth_bps": c.bandwidth_bps, "bandwidth": c.bandwidth, "seconds": c.seconds}
+            for t, c in p.tiers.items()
+        },
+        "io_seconds": p.io_seconds,
+        "compute_seconds": p.compute_seconds,
+        "compute_bandwidth": p.compute_bandwidth,
         "compute_bandwidth_bps": profile.matvec_bps() or profile.device_memory_bps,
-        "serial_seconds": p.serial_seconds, "overlapped_seconds": p.overlapped_seconds, "reason": p.reason,
+        "serial_seconds": p.serial_seconds,
+        "overlapped_seconds": p.overlapped_seconds,
+        "reason": p.reason,
     }
 
 
@@ -36,7 +42,9 @@ def projected_ms(proj: dict) -> float | None:
     return None if best is None else 1000 * best
 
 
-def compute_floor(regime: str, fastest: dict[tuple[str, str], float], proj: dict, own: float | None = None) -> tuple[float | None, str]:
+def compute_floor(
+    regime: str, fastest: dict[tuple[str, str], float], proj: dict, own: float | None = None
+) -> tuple[float | None, str]:
     """(seconds, basis in words): the time a token needs with no bytes to wait for. `fastest`: each measured
     run's p10 seconds per token; `own`: the row's own p10.
 
@@ -44,15 +52,22 @@ def compute_floor(regime: str, fastest: dict[tuple[str, str], float], proj: dict
     can, whatever our resident row does (the cost model's bf16 matvec figure put llama.cpp at efficiency 2.21 on a
     4-bit set, whose kernels it does not describe)."""
     engines = {name: s for (name, r), s in fastest.items() if r == "resident" and s is not None}
-    others = [(s, f"compute = {_engine(name)} resident, p10 measured") for name, s in engines.items() if name != "rocketllm"]
+    others = [
+        (s, f"compute = {_engine(name)} resident, p10 measured") for name, s in engines.items() if name != "rocketllm"
+    ]
     if regime == "resident":
         if others:
             mine = [(own, "compute = this row's own p10, faster than the other engines'")] if own is not None else []
             return min(others + mine, key=lambda c: c[0])
         return proj["compute_seconds"], "compute = the weights' products at measured speeds (no baseline ran)"
-    candidates = others + [(s, basis) for s, basis in ((engines.get("rocketllm"), "compute = our resident regime, p10 measured"),
-                                                       (own, "compute = this row's own p10, faster than the resident runs'"))
-                           if s is not None]
+    candidates = others + [
+        (s, basis)
+        for s, basis in (
+            (engines.get("rocketllm"), "compute = our resident regime, p10 measured"),
+            (own, "compute = this row's own p10, faster than the resident runs'"),
+        )
+        if s is not None
+    ]
     if engines:
         return min(candidates, key=lambda c: c[0])
     return proj["compute_seconds"], "compute = the weights' products at measured speeds (resident regime did not run)"
@@ -62,8 +77,14 @@ def _engine(name: str) -> str:
     return {"transformers": "plain transformers"}.get(name, name)
 
 
-def limit(regime: str, fastest: dict, proj: dict, unique: dict | None, own: float | None = None,
-          storage_bps: float | None = None) -> tuple[float | None, str]:
+def limit(
+    regime: str,
+    fastest: dict,
+    proj: dict,
+    unique: dict | None,
+    own: float | None = None,
+    storage_bps: float | None = None,
+) -> tuple[float | None, str]:
     """Overlap-aware physical limit in seconds per token, and how it was formed. `storage_bps`: storage bytes at this
     bandwidth instead of the profile's (disk_now's figure)."""
     floor, basis = compute_floor(regime, fastest, proj, own)
@@ -89,11 +110,19 @@ def finish_rows(rows: list[dict], profile, facts) -> None:
             continue
         same = ours.get(row["regime"]) or row  # baselines are judged on the bytes our plan for the same budget serves
         tier_bytes = same.get("bytes_per_token") or {}
-        proj = projection(profile, facts, tier_bytes, str((same.get("knobs") or {}).get("kernel") or "exact")) if tier_bytes else None
+        proj = (
+            projection(profile, facts, tier_bytes, str((same.get("knobs") or {}).get("kernel") or "exact"))
+            if tier_bytes
+            else None
+        )
         row["projection"] = proj
         row["projected_ms"] = round(projected_ms(proj), 2) if proj and projected_ms(proj) is not None else None
         own = fastest[(row["name"], row["regime"])]
-        bound, how = limit(row["regime"], fastest, proj, same.get("unique_bytes_per_tier"), own) if proj else (None, "no bytes per tier")
+        bound, how = (
+            limit(row["regime"], fastest, proj, same.get("unique_bytes_per_tier"), own)
+            if proj
+            else (None, "no bytes per tier")
+        )
         row["limit_ms"] = round(1000 * bound, 2) if bound is not None else None
         row["limit_basis"] = how
         row["efficiency"] = round(bound / measured[(row["name"], row["regime"])], 3) if bound else None
@@ -108,5 +137,6 @@ def finish_rows(rows: list[dict], profile, facts) -> None:
     for regime, row in ours.items():
         row["speedup"] = {
             r["name"]: round(r["ms_per_token"]["median"] / row["ms_per_token"]["median"], 2)
-            for r in rows if r["regime"] == regime and r["name"] != "rocketllm" and r["status"] == "measured"
+            for r in rows
+            if r["regime"] == regime and r["name"] != "rocketllm" and r["status"] == "measured"
         }

@@ -24,8 +24,13 @@ import torch
 from .naive import pin_cpu
 from .timing import fixed_prompt, ms_summary, timed_run
 
-REGIMES_OF = {"transformers": ("resident",), "accelerate": ("host", "storage"), "naive": ("storage",), "airllm": ("storage",),
-              "llamacpp": ("resident", "auto")}
+REGIMES_OF = {
+    "transformers": ("resident",),
+    "accelerate": ("host", "storage"),
+    "naive": ("storage",),
+    "airllm": ("storage",),
+    "llamacpp": ("resident", "auto"),
+}
 ON_GGUF = ("llamacpp",)  # baselines that run the GGUF file, not the Hugging Face copy
 BASELINES = tuple(REGIMES_OF)
 
@@ -34,7 +39,9 @@ class Skip(Exception):
     """A baseline that cannot run here; the message is the reason printed in its row."""
 
 
-def run_baseline(name: str, regime: str, hf_dir: Path | None, dtype: torch.dtype, tokens: int, prompt_tokens: int, work: Path, log) -> dict:
+def run_baseline(
+    name: str, regime: str, hf_dir: Path | None, dtype: torch.dtype, tokens: int, prompt_tokens: int, work: Path, log
+) -> dict:
     """One baseline row: measured, or skipped with the reason (never an exception)."""
     row = {"name": name, "regime": regime, "status": "skipped", "reason": ""}
     try:
@@ -50,8 +57,13 @@ def run_baseline(name: str, regime: str, hf_dir: Path | None, dtype: torch.dtype
         return row
     finally:
         gc.collect()
-    row.update(status="measured", ttft_ms=round(1000 * stats.ttft_s, 1), ms_per_token=ms_summary(stats.token_gaps_s),
-               storage_witnessed_per_token=stats.storage_witnessed_per_token, bytes_per_token=None)
+    row.update(
+        status="measured",
+        ttft_ms=round(1000 * stats.ttft_s, 1),
+        ms_per_token=ms_summary(stats.token_gaps_s),
+        storage_witnessed_per_token=stats.storage_witnessed_per_token,
+        bytes_per_token=None,
+    )
     return row
 
 
@@ -101,7 +113,9 @@ def _run_accelerate(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
     offload.mkdir(parents=True)
     try:
         # Budget 0 on the compute device: everything offloaded to disk, as in our host and storage regimes.
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, **dtype_kwargs(dtype), device_map={"": "disk"}, offload_folder=str(offload)).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            hf_dir, **dtype_kwargs(dtype), device_map={"": "disk"}, offload_folder=str(offload)
+        ).eval()
         pin_cpu(model)
         if regime == "storage":
             model.register_forward_pre_hook(ColdFiles(_weight_files(hf_dir) + sorted(offload.rglob("*.dat"))))
@@ -125,11 +139,21 @@ def _run_airllm(hf_dir, regime, dtype, tokens, prompt_tokens, work, log):
     try:
         import airllm
     except Exception as exc:  # noqa: BLE001 - ImportError, or a dependency failing at import
-        raise Skip(f"airllm not importable ({type(exc).__name__}: {exc}); pip install -e '.[bench]' in the rocketllm source directory") from None
+        raise Skip(
+            f"airllm not importable ({type(exc).__name__}: {exc}); pip install -e '.[bench]' in the rocketllm "
+            f"source directory"
+        ) from None
     split = work / "airllm" / hf_dir.name
-    model = airllm.AutoModel.from_pretrained(str(hf_dir), device="cpu", dtype=dtype, layer_shards_saving_path=str(split))
+    model = airllm.AutoModel.from_pretrained(
+        str(hf_dir), device="cpu", dtype=dtype, layer_shards_saving_path=str(split)
+    )
     model.model.register_forward_pre_hook(ColdFiles(sorted(split.rglob("*.safetensors"))))
     return timed_run(model, fixed_prompt(model.tokenizer, prompt_tokens), tokens)
 
 
-_RUNNERS = {"transformers": _run_transformers, "accelerate": _run_accelerate, "naive": _run_naive, "airllm": _run_airllm}
+_RUNNERS = {
+    "transformers": _run_transformers,
+    "accelerate": _run_accelerate,
+    "naive": _run_naive,
+    "airllm": _run_airllm,
+}

@@ -52,7 +52,9 @@ def run_conversation(req: ConversationRequest, log) -> dict:
         log(f"{regime}: replaying a {req.turns}-turn conversation with prefix reuse off and on")
         return _replay(shards, regime, req, flags, log)
 
-    doc = over_regimes(req.model, req.synthetic, req.regimes, req.knob_flags, ("prefix_cache",), "conversation", measure, log)
+    doc = over_regimes(
+        req.model, req.synthetic, req.regimes, req.knob_flags, ("prefix_cache",), "conversation", measure, log
+    )
     return {**doc, "turns": req.turns, "reply_tokens": req.reply_tokens, "repeats": REPEATS}
 
 
@@ -71,7 +73,8 @@ def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> 
         cache = prefix_cache_for(model, int(model.knobs.value("kv_cache_bytes")))
         if cache.disabled_reason:
             log(f"{regime}: prefix reuse stays off: {cache.disabled_reason}")
-        # Speculation off: a speculative run does not look its prompt up in the prefix cache, and reuse is what this times.
+        # Speculation off: a speculative run does not look its prompt up in the prefix cache, and reuse is what this
+        # times.
         fresh, reusing = Generator(model, speculate="off"), Generator(model, cache, speculate="off")
         params, one = SamplingParams(max_new_tokens=req.reply_tokens), SamplingParams(max_new_tokens=1)
         messages: list[dict] = []
@@ -90,16 +93,33 @@ def _replay(shards, regime: str, req: ConversationRequest, flags: dict, log) -> 
             off = fresh.run(GenerationRequest(ids, params))
             on = reusing.run(GenerationRequest(ids, params))
             ms = {k: round(1000 * sorted(v)[len(v) // 2], 2) for k, v in times.items()}
-            turns.append({"turn": turn + 1, "prompt_tokens": len(ids), "reused_tokens": on.reused_tokens,
-                          "prefill_ms_off": ms["off"], "prefill_ms_on": ms["on"], "prefill_ms_samples": times,
-                          "computed_tokens_on": len(ids) - on.reused_tokens, "reply_tokens": off.new_tokens,
-                          "same_reply": on.token_ids == off.token_ids, "first_difference": _first_difference(on.token_ids, off.token_ids)})
-            log(f"turn {turn + 1}: {len(ids)} prompt tokens, {on.reused_tokens} reused; prefill median {ms['off']} ms off, "
-                f"{ms['on']} ms on")
+            turns.append(
+                {
+                    "turn": turn + 1,
+                    "prompt_tokens": len(ids),
+                    "reused_tokens": on.reused_tokens,
+                    "prefill_ms_off": ms["off"],
+                    "prefill_ms_on": ms["on"],
+                    "prefill_ms_samples": times,
+                    "computed_tokens_on": len(ids) - on.reused_tokens,
+                    "reply_tokens": off.new_tokens,
+                    "same_reply": on.token_ids == off.token_ids,
+                    "first_difference": _first_difference(on.token_ids, off.token_ids),
+                }
+            )
+            log(
+                f"turn {turn + 1}: {len(ids)} prompt tokens, {on.reused_tokens} reused; prefill median {ms['off']} ms "
+                f"off, {ms['on']} ms on"
+            )
             messages.append({"role": "assistant", "content": off.text})
-        run = {"regime": regime, "status": "measured", "residency": model.plan.describe(model.manifest), "turns": turns,
-               "compute_dtype": str(model.dtype).removeprefix("torch."),
-               "prefix_cache": cache.to_dict()}
+        run = {
+            "regime": regime,
+            "status": "measured",
+            "residency": model.plan.describe(model.manifest),
+            "turns": turns,
+            "compute_dtype": str(model.dtype).removeprefix("torch."),
+            "prefix_cache": cache.to_dict(),
+        }
         return run, model.profile
     finally:
         model.close()
@@ -115,33 +135,58 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     return [int(t) for t in (ids[0] if ids and isinstance(ids[0], list) else ids)]
 
 
-COLUMNS = ("regime", "turn", "prompt tokens", "reused tokens (on)", "prefill ms, reuse off", "prefill ms, reuse on", "speed-up", "same reply")
+COLUMNS = (
+    "regime",
+    "turn",
+    "prompt tokens",
+    "reused tokens (on)",
+    "prefill ms, reuse off",
+    "prefill ms, reuse on",
+    "speed-up",
+    "same reply",
+)
 
 
 def render_conversation(doc: dict) -> str:
     from .report import load_note
 
     model = doc["model"]
-    lines = [f"**Hardware:** {doc['hardware']}", "",
-             f"**Model:** {model['name']} ({model['dtype']}, {model['num_layers']} layers); a {doc['turns']}-turn conversation, "
-             f"greedy replies of up to {doc['reply_tokens']} tokens; prefill is the median of {doc['repeats']} runs each way; {load_note(doc['load'])}", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = [
+        f"**Hardware:** {doc['hardware']}",
+        "",
+        f"**Model:** {model['name']} ({model['dtype']}, {model['num_layers']} layers); a {doc['turns']}-turn "
+        f"conversation, greedy replies of up to {doc['reply_tokens']} tokens; prefill is the median of "
+        f"{doc['repeats']} runs each way; {load_note(doc['load'])}",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     for run in doc["runs"]:
         if run["status"] != "measured":
             lines.append(f"| {run['regime']} | skipped: {run['reason']} |" + " - |" * (len(COLUMNS) - 2))
             continue
         for t in run["turns"]:
             speed = t["prefill_ms_off"] / t["prefill_ms_on"] if t["prefill_ms_on"] else float("nan")
-            lines.append(f"| {run['regime']} | {t['turn']} | {t['prompt_tokens']} | {t['reused_tokens']} | {t['prefill_ms_off']:.1f} | "
-                         f"{t['prefill_ms_on']:.1f} | {speed:.2f}× | {_same(t)} |")
-    notes = [f"- {run['regime']}: computing in {run['compute_dtype']}; {run['residency']}" for run in doc["runs"] if run["status"] == "measured"]
+            lines.append(
+                f"| {run['regime']} | {t['turn']} | {t['prompt_tokens']} | {t['reused_tokens']} | "
+                f"{t['prefill_ms_off']:.1f} | {t['prefill_ms_on']:.1f} | {speed:.2f}× | {_same(t)} |"
+            )
+    notes = [
+        f"- {run['regime']}: computing in {run['compute_dtype']}; {run['residency']}"
+        for run in doc["runs"]
+        if run["status"] == "measured"
+    ]
     if any(not t["same_reply"] for run in doc["runs"] for t in run.get("turns", ())):
-        notes.append("- a reply that differs with reuse on: a prefill computed in pieces rounds differently from a whole one; "
-                     "in bf16 that can change a greedy choice after some tokens (--dtype fp32 rounds far less)")
+        notes.append(
+            "- a reply that differs with reuse on: a prefill computed in pieces rounds differently from a whole one; "
+            "in bf16 that can change a greedy choice after some tokens (--dtype fp32 rounds far less)"
+        )
     return "\n".join(lines + ([""] + notes if notes else []))
 
 

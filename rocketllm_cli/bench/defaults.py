@@ -1,4 +1,5 @@
-"""What a bench run measures unless told otherwise: read by the request dataclasses and by the CLI's options and help."""
+"""What a bench run measures unless told otherwise: read by the request dataclasses and by the CLI's options and
+help."""
 
 DECODE_TOKENS = 8  # decode tokens timed per regime (after the warm-up)
 PROMPT_TOKENS = 16  # length of the fixed prompt

@@ -7,8 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def over_regimes(model: str | None, synthetic: str | None, regimes: tuple[str, ...], knob_flags: dict, owned: tuple[str, ...],
-                 what: str, measure, log) -> dict:
+def over_regimes(
+    model: str | None,
+    synthetic: str | None,
+    regimes: tuple[str, ...],
+    knob_flags: dict,
+    owned: tuple[str, ...],
+    what: str,
+    measure,
+    log,
+) -> dict:
     """measure(shards, regime, flags) -> (run, profile) for each regime that can run here; owned: knobs the mode sets
     itself (a flag for one of them is ignored, with a warning); what: the mode's name in that warning."""
     from ..auto import ensure_shards
@@ -35,6 +43,14 @@ def over_regimes(model: str | None, synthetic: str | None, regimes: tuple[str, .
     if profile is None:
         profile, _ = _profile_and_facts(shards, manifest)
     load["after"], load["cores"] = load_average(), profile.cpu_cores
-    return {"hardware": hardware_line(profile), "model": {"name": synthetic or Path(model).name, "dtype": manifest.dtype,
-                                                         "total_bytes": manifest.total_bytes, "num_layers": len(manifest.layers)},
-            "load": load, "runs": runs}
+    return {
+        "hardware": hardware_line(profile),
+        "model": {
+            "name": synthetic or Path(model).name,
+            "dtype": manifest.dtype,
+            "total_bytes": manifest.total_bytes,
+            "num_layers": len(manifest.layers),
+        },
+        "load": load,
+        "runs": runs,
+    }

@@ -17,8 +17,9 @@ from ..errors import UsageError
 from .defaults import GRAMMAR_TOKENS
 from .timing import WARMUP
 
-GRAMMAR_PROMPT = ("List the largest cities of Europe with their country, population and a one-line note on each, "
-                  "as JSON.")
+GRAMMAR_PROMPT = (
+    "List the largest cities of Europe with their country, population and a one-line note on each, as JSON."
+)
 REPEATS = 3  # constrained and free runs per regime, interleaved; medians are reported
 
 
@@ -46,7 +47,9 @@ def run_grammar(req: GrammarRequest, log) -> dict:
         log(f"{regime}: {REPEATS} constrained and {REPEATS} free replies, interleaved")
         return _measure(shards, regime, req, flags, log)
 
-    doc = over_regimes(req.model, req.synthetic, req.regimes, req.knob_flags, ("speculate",), "--json-schema", measure, log)
+    doc = over_regimes(
+        req.model, req.synthetic, req.regimes, req.knob_flags, ("speculate",), "--json-schema", measure, log
+    )
     return {**doc, "tokens": req.tokens, "repeats": REPEATS}
 
 
@@ -73,18 +76,30 @@ def _measure(shards, regime: str, req: GrammarRequest, flags: dict, log) -> tupl
             bound = generator.run(GenerationRequest(ids, SamplingParams(max_new_tokens=budget), constraint=constraint))
             count = bound.new_tokens
             if count < 2 + WARMUP:
-                raise UsageError(f"the constrained reply ended after {count} tokens: give a schema whose replies run longer")
+                raise UsageError(
+                    f"the constrained reply ended after {count} tokens: give a schema whose replies run longer"
+                )
             free = generator.run(GenerationRequest(ids, SamplingParams(max_new_tokens=count, min_new_tokens=count)))
             constrained_ms.append(measure(bound.record, WARMUP).per_token_ms)
             free_ms.append(measure(free.record, WARMUP).per_token_ms)
             blocking.append(bound.stats.grammar["blocking_ms_per_mask"])
             made.append(count)
-        run = {"regime": regime, "status": "measured", "residency": model.plan.describe(model.manifest),
-               "compute_dtype": str(model.dtype).removeprefix("torch."), "tokens": made,
-               "constrained_ms": _median(constrained_ms), "free_ms": _median(free_ms), "blocking_ms_per_mask": _median(blocking),
-               "samples": {"constrained_ms": constrained_ms, "free_ms": free_ms}}
+        run = {
+            "regime": regime,
+            "status": "measured",
+            "residency": model.plan.describe(model.manifest),
+            "compute_dtype": str(model.dtype).removeprefix("torch."),
+            "tokens": made,
+            "constrained_ms": _median(constrained_ms),
+            "free_ms": _median(free_ms),
+            "blocking_ms_per_mask": _median(blocking),
+            "samples": {"constrained_ms": constrained_ms, "free_ms": free_ms},
+        }
         run["overhead"] = round(run["constrained_ms"] / run["free_ms"] - 1, 4) if run["free_ms"] else None
-        log(f"{regime}: {run['constrained_ms']} ms/token constrained, {run['free_ms']} free ({100 * run['overhead']:+.1f}%)")
+        log(
+            f"{regime}: {run['constrained_ms']} ms/token constrained, {run['free_ms']} free "
+            f"({100 * run['overhead']:+.1f}%)"
+        )
         return run, model.profile
     finally:
         model.close()
@@ -103,16 +118,26 @@ def render_grammar(doc: dict) -> str:
     from .report import load_note
 
     model = doc["model"]
-    lines = [f"**Hardware:** {doc['hardware']}", "",
-             f"**Model:** {model['name']} ({model['dtype']}, {model['num_layers']} layers); greedy, speculation off; median of "
-             f"{doc['repeats']} interleaved runs each way, {WARMUP} warm-up token left out; {load_note(doc['load'])}", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = [
+        f"**Hardware:** {doc['hardware']}",
+        "",
+        f"**Model:** {model['name']} ({model['dtype']}, {model['num_layers']} layers); greedy, speculation off; median "
+        f"of {doc['repeats']} interleaved runs each way, {WARMUP} warm-up token left out; {load_note(doc['load'])}",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     for run in doc["runs"]:
         if run["status"] != "measured":
             lines.append(f"| {run['regime']} | skipped: {run['reason']} | | | | |")
             continue
-        lines.append(f"| {run['regime']} | {', '.join(map(str, run['tokens']))} | {run['free_ms']:.2f} | {run['constrained_ms']:.2f} | "
-                     f"{100 * run['overhead']:+.1f}% | {run['blocking_ms_per_mask']:.3f} |")
-    lines += [""] + [f"- {run['regime']}: computing in {run['compute_dtype']}; {run['residency']}" for run in doc["runs"]
-                     if run["status"] == "measured"]
+        lines.append(
+            f"| {run['regime']} | {', '.join(map(str, run['tokens']))} | {run['free_ms']:.2f} | "
+            f"{run['constrained_ms']:.2f} | {100 * run['overhead']:+.1f}% | {run['blocking_ms_per_mask']:.3f} |"
+        )
+    lines += [""] + [
+        f"- {run['regime']}: computing in {run['compute_dtype']}; {run['residency']}"
+        for run in doc["runs"]
+        if run["status"] == "measured"
+    ]
     return "\n".join(lines)

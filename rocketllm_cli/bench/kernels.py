@@ -37,35 +37,60 @@ def run_kernels(log=lambda m: None, types: tuple[str, ...] | None = None) -> dic
     for name in types or tuple(GGML_IDS):
         log(f"kernels: {name}")
         qk, block_bytes = SUPPORTED[name]
-        speed = {mode: measure_native(nk, [(name, f"{N}x{K}")], mode, threads, 64 << 20)[(name, f"{N}x{K}")]
-                 for mode in ("exact", "int8")}
+        speed = {
+            mode: measure_native(nk, [(name, f"{N}x{K}")], mode, threads, 64 << 20)[(name, f"{N}x{K}")]
+            for mode in ("exact", "int8")
+        }
         w = sample_blocks(name, ERROR_ROWS, K, seed=1)
         x = torch.randn(1, K, generator=torch.Generator().manual_seed(2))
         ref = (x.double() @ dequantize_blocks(w, name).double().T)[0]
-        error = {mode: float((nk.matmul(w, name, x, mode=mode)[0].double() - ref).norm() / ref.norm()) for mode in ("exact", "int8")}
+        error = {
+            mode: float((nk.matmul(w, name, x, mode=mode)[0].double() - ref).norm() / ref.norm())
+            for mode in ("exact", "int8")
+        }
         blocks = sample_blocks(name, N, K, seed=3)
         dequantize_blocks(blocks[:64], name)  # warm
         start = time.perf_counter()
         F.linear(x, dequantize_blocks(blocks, name))
         torch_bps = blocks.numel() / (time.perf_counter() - start)
-        rows.append({"type": name, "bits_per_weight": round(8 * block_bytes / qk, 2),
-                     "exact_gb_per_s": round(speed["exact"] / 1e9, 2), "int8_gb_per_s": round(speed["int8"] / 1e9, 2),
-                     "exact_rel_error": error["exact"], "int8_rel_error": error["int8"],
-                     "torch_decoder_gb_per_s": round(torch_bps / 1e9, 2)})
-    return {"cpu": _cpu_name(), "isa": nk.isa, "isas": list(nk.isas), "threads": threads, "shape": f"[1,{K}] x [{K},{N}]",
-            "rows": rows}
+        rows.append(
+            {
+                "type": name,
+                "bits_per_weight": round(8 * block_bytes / qk, 2),
+                "exact_gb_per_s": round(speed["exact"] / 1e9, 2),
+                "int8_gb_per_s": round(speed["int8"] / 1e9, 2),
+                "exact_rel_error": error["exact"],
+                "int8_rel_error": error["int8"],
+                "torch_decoder_gb_per_s": round(torch_bps / 1e9, 2),
+            }
+        )
+    return {
+        "cpu": _cpu_name(),
+        "isa": nk.isa,
+        "isas": list(nk.isas),
+        "threads": threads,
+        "shape": f"[1,{K}] x [{K},{N}]",
+        "rows": rows,
+    }
 
 
 def render_kernels(doc: dict) -> str:
-    lines = [f"**Native kernels:** {doc['cpu']}, variant {doc['isa']} (runs: {', '.join(doc['isas'])}), {doc['threads']} "
-             f"thread{'s' if doc['threads'] != 1 else ''}; one decode product {doc['shape']}, GB/s of blocks read; "
-             "errors are ||y - y_ref|| / ||y_ref|| against the fp64 product of gguf's dequantized weights", "",
-             "| type | bits/weight | exact GB/s | int8 GB/s | int8 speed-up | exact error | int8 error | torch decoder GB/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**Native kernels:** {doc['cpu']}, variant {doc['isa']} (runs: {', '.join(doc['isas'])}), "
+        f"{doc['threads']} "
+        f"thread{'s' if doc['threads'] != 1 else ''}; one decode product {doc['shape']}, GB/s of blocks read; "
+        "errors are ||y - y_ref|| / ||y_ref|| against the fp64 product of gguf's dequantized weights",
+        "",
+        "| type | bits/weight | exact GB/s | int8 GB/s | int8 speed-up | exact error | int8 error | torch decoder "
+        "GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["rows"]:
-        lines.append(f"| {r['type']} | {r['bits_per_weight']} | {r['exact_gb_per_s']} | {r['int8_gb_per_s']} | "
-                     f"{r['int8_gb_per_s'] / r['exact_gb_per_s']:.2f}x | {r['exact_rel_error']:.1e} | {r['int8_rel_error']:.1e} | "
-                     f"{r['torch_decoder_gb_per_s']} |")
+        lines.append(
+            f"| {r['type']} | {r['bits_per_weight']} | {r['exact_gb_per_s']} | {r['int8_gb_per_s']} | "
+            f"{r['int8_gb_per_s'] / r['exact_gb_per_s']:.2f}x | {r['exact_rel_error']:.1e} | {r['int8_rel_error']:.1e} "
+            f"| {r['torch_decoder_gb_per_s']} |"
+        )
     lines += ["", "exact is the default (`--kernel exact`); int8 trades its error for speed (`--kernel int8`)."]
     return "\n".join(lines)
 

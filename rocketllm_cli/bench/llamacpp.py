@@ -38,7 +38,9 @@ def gguf_file(model: str | None, manifest) -> tuple[Path | None, str]:
         if len(ggufs) == 1:  # a directory holding one GGUF is that GGUF (shard/source.py reads it so too)
             return ggufs[0], ""
     if manifest.source.get("kind") == "gguf":
-        return None, f"MODEL is a shard set of {manifest.source.get('name')}.gguf: pass the .gguf file to measure llama.cpp"
+        return None, (
+            f"MODEL is a shard set of {manifest.source.get('name')}.gguf: pass the .gguf file to measure llama.cpp"
+        )
     return None, "the model has no GGUF file (llama.cpp runs GGUF files; MODEL was not sharded from one)"
 
 
@@ -65,8 +67,15 @@ def run_llamacpp(gguf: Path | None, no_gguf: str, regime: str, tokens: int, prom
     from ..stream.context import run_tokens
 
     # n_ctx: the tokens this run holds, as our row's KV cache is sized (regimes.py)
-    request = {"gguf": str(gguf), "n_ctx": run_tokens([prompt_tokens], new), "n_threads": threads, "n_gpu_layers": gpu_layers,
-               "prompt_text": PROMPT_TEXT, "prompt_tokens": prompt_tokens, "new_tokens": new}
+    request = {
+        "gguf": str(gguf),
+        "n_ctx": run_tokens([prompt_tokens], new),
+        "n_threads": threads,
+        "n_gpu_layers": gpu_layers,
+        "prompt_text": PROMPT_TEXT,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new,
+    }
     answer, why = _run_worker(request)
     extra = ""
     if answer is None and why.startswith("llama.cpp crashed"):  # perhaps in its repacked weights: once more without
@@ -85,19 +94,34 @@ def run_llamacpp(gguf: Path | None, no_gguf: str, regime: str, tokens: int, prom
     gaps = [b - a for a, b in pairwise(times)][WARMUP:]
     first, last = marks[WARMUP], marks[-1]
     where = "no GPU layers" if gpu_layers == 0 else "every layer on the GPU"
-    log(f"{regime}: llama.cpp {answer['version']} on {gguf.name}, {threads} threads, {where}{'; ' + extra if extra else ''}")
-    row.update(status="measured", ttft_ms=round(1000 * (times[0] - answer["start"]), 1), ms_per_token=ms_summary(gaps),
-               storage_witnessed_per_token=(last - first) // len(gaps) if first is not None and last is not None else None,
-               bytes_per_token=None,
-               llamacpp={"version": answer["version"], "n_threads": threads, "n_gpu_layers": gpu_layers, "use_mmap": True,
-                         "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size, **({"extra_buffers": extra} if extra else {})})
+    log(
+        f"{regime}: llama.cpp {answer['version']} on {gguf.name}, {threads} threads, "
+        f"{where}{'; ' + extra if extra else ''}"
+    )
+    row.update(
+        status="measured",
+        ttft_ms=round(1000 * (times[0] - answer["start"]), 1),
+        ms_per_token=ms_summary(gaps),
+        storage_witnessed_per_token=(last - first) // len(gaps) if first is not None and last is not None else None,
+        bytes_per_token=None,
+        llamacpp={
+            "version": answer["version"],
+            "n_threads": threads,
+            "n_gpu_layers": gpu_layers,
+            "use_mmap": True,
+            "gguf": gguf.name,
+            "gguf_bytes": gguf.stat().st_size,
+            **({"extra_buffers": extra} if extra else {}),
+        },
+    )
     return row
 
 
 def _run_worker(request: dict) -> tuple[dict | None, str]:
     """(the worker's answer, "") or (None, why it gave none)."""
-    run = subprocess.run([sys.executable, str(WORKER)], input=json.dumps(request), capture_output=True, text=True,
-                         check=False)
+    run = subprocess.run(
+        [sys.executable, str(WORKER)], input=json.dumps(request), capture_output=True, text=True, check=False
+    )
     last_err = next((line.strip() for line in reversed(run.stderr.splitlines()) if line.strip()), "")
     if run.returncode != 0:
         how = f"signal {_signal_name(-run.returncode)}" if run.returncode < 0 else f"exit status {run.returncode}"

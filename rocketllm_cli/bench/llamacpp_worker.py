@@ -35,8 +35,15 @@ def measure(req: dict) -> dict:
         return {"skip": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
     if not req.get("extra_buffers", True) and not without_extra_buffers(llama_cpp):
         return {"skip": "this llama-cpp-python cannot turn its extra buffer types off (no llama_model_default_params)"}
-    llm = llama_cpp.Llama(model_path=req["gguf"], n_ctx=req["n_ctx"], n_threads=req["n_threads"], n_threads_batch=req["n_threads"],
-                          n_gpu_layers=req["n_gpu_layers"], use_mmap=True, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=req["gguf"],
+        n_ctx=req["n_ctx"],
+        n_threads=req["n_threads"],
+        n_threads_batch=req["n_threads"],
+        n_gpu_layers=req["n_gpu_layers"],
+        use_mmap=True,
+        verbose=False,
+    )
     ids = llm.tokenize(req["prompt_text"].encode("utf-8"), add_bos=False)
     if not ids:
         return {"skip": "llama.cpp encodes the fixed benchmark text to no tokens"}

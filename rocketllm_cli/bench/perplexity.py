@@ -50,10 +50,15 @@ class PerplexityRequest:
         if self.stride is not None and self.stride < 1:
             raise UsageError(f"--stride must be at least 1 token (got {self.stride})")
         if self.stride is not None and self.window is not None and self.stride >= self.window:
-            raise UsageError(f"--stride ({self.stride}) must be less than --window ({self.window}): a window's first token is "
-                             "predicted from the one before it")
+            raise UsageError(
+                f"--stride ({self.stride}) must be less than --window ({self.window}): a window's first "
+                f"token is "
+                "predicted from the one before it"
+            )
         if self.regime not in PERPLEXITY_REGIMES:
-            raise UsageError(f"--perplexity runs one regime: pass --regime {', '.join(PERPLEXITY_REGIMES)} (got {self.regime!r})")
+            raise UsageError(
+                f"--perplexity runs one regime: pass --regime {', '.join(PERPLEXITY_REGIMES)} (got {self.regime!r})"
+            )
 
 
 def read_text(path: str) -> str:
@@ -101,7 +106,8 @@ class Scored:
 
 def score(model, ids: list[int], window: int, stride: int, rows: Callable | None = None) -> Scored:
     """Teacher-forced scores of `ids` under any transformers-compatible causal LM (streamed or not). `rows`, when given,
-    is called with the fp32 log-probabilities [r, vocabulary] of every ROWS scored positions or fewer, in position order."""
+    is called with the fp32 log-probabilities [r, vocabulary] of every ROWS scored positions or fewer, in position
+    order."""
     import torch
 
     nll, argmax, seconds, sizes = [], [], [], []
@@ -161,8 +167,10 @@ class Divergence:
         if self.why_not is not None:
             return
         if logp.shape[-1] != self.width:
-            self.why_not = (f"{self.names[0]} scores {self.width} tokens, --reference {self.names[1]} {logp.shape[-1]} "
-                            "(a padded vocabulary)")
+            self.why_not = (
+                f"{self.names[0]} scores {self.width} tokens, --reference {self.names[1]} {logp.shape[-1]} "
+                "(a padded vocabulary)"
+            )
             return
         if not self._reading:
             self._file.close()
@@ -187,8 +195,11 @@ class Divergence:
         if self.compared != self.kept or not self.values:
             raise RocketError(f"KL divergence: the reference scored {self.compared} positions, the model {self.kept}")
         values = sorted(self.values)
-        return {"mean": round(math.fsum(values) / len(values), 8), "p99": round(percentile(values, 99), 8),
-                "max": round(values[-1], 8)}
+        return {
+            "mean": round(math.fsum(values) / len(values), 8),
+            "p99": round(percentile(values, 99), 8),
+            "max": round(values[-1], 8),
+        }
 
     def close(self) -> None:
         self._file.close()
@@ -200,8 +211,10 @@ def divergence(positions: int, vocabulary: int, names: tuple[str, str], log=None
     (an error, Ctrl-C)."""
     directory = scratch_directory(positions, vocabulary)
     if log is not None:
-        log(f"KL divergence: {names[0]}'s log-probabilities wait in {directory} until the reference is scored "
-            f"({format_bytes(4 * positions * vocabulary)}, removed after)")
+        log(
+            f"KL divergence: {names[0]}'s log-probabilities wait in {directory} until the reference is scored "
+            f"({format_bytes(4 * positions * vocabulary)}, removed after)"
+        )
     with tempfile.TemporaryDirectory(prefix="perplexity-kl-", dir=directory) as scratch:
         meter = Divergence(Path(scratch) / "model-logprobs.f32", names)
         try:
@@ -224,22 +237,31 @@ def scratch_directory(positions: int, vocabulary: int) -> Path:
                 return directory
             why = f"{format_bytes(free)} free"
         tried.append(f"{directory} ({why})")
-    raise RocketError(f"KL divergence needs {format_bytes(needed)} of scratch space for the model's log-probabilities "
-                      f"({positions} positions x {vocabulary} tokens, fp32): {'; '.join(tried)}; set ROCKETLLM_CACHE or "
-                      "TMPDIR to a directory with room")
+    raise RocketError(
+        f"KL divergence needs {format_bytes(needed)} of scratch space for the model's log-probabilities "
+        f"({positions} positions x {vocabulary} tokens, fp32): {'; '.join(tried)}; set ROCKETLLM_CACHE "
+        f"or "
+        "TMPDIR to a directory with room"
+    )
 
 
-def check_same_tokenizer(tokenizer, reference_tokenizer, ids: list[int], ref_ids: list[int], names: tuple[str, str]) -> None:
+def check_same_tokenizer(
+    tokenizer, reference_tokenizer, ids: list[int], ref_ids: list[int], names: tuple[str, str]
+) -> None:
     """Refuse a reference whose tokenizer differs: vocabulary size, then the text's own token ids."""
     a, b = len(tokenizer), len(reference_tokenizer)
     if a != b:
-        raise UsageError(f"tokenizer mismatch: {names[0]} has {a} tokens, --reference {names[1]} has {b}; "
-                         "agreement needs the same tokenizer")
+        raise UsageError(
+            f"tokenizer mismatch: {names[0]} has {a} tokens, --reference {names[1]} has {b}; "
+            "agreement needs the same tokenizer"
+        )
     if ids != ref_ids:
         at = next((i for i, (x, y) in enumerate(zip(ids, ref_ids)) if x != y), min(len(ids), len(ref_ids)))
         mine, theirs = ids[at : at + CHECKED_IDS], ref_ids[at : at + CHECKED_IDS]
-        raise UsageError(f"tokenizer mismatch: the text encodes differently from token {at} on ({names[0]} {mine}, "
-                         f"--reference {names[1]} {theirs}; {len(ids)} vs {len(ref_ids)} tokens); agreement needs the same tokenizer")
+        raise UsageError(
+            f"tokenizer mismatch: the text encodes differently from token {at} on ({names[0]} {mine}, --reference "
+            f"{names[1]} {theirs}; {len(ids)} vs {len(ref_ids)} tokens); agreement needs the same tokenizer"
+        )
 
 
 def _text_config(directory: Path):
@@ -281,7 +303,9 @@ def run_perplexity(req: PerplexityRequest, log, progress=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(shards)
     ids = _encode(tokenizer, text)
     if len(ids) < 2:
-        raise UsageError(f"--perplexity {req.text_file}: the text encodes to {len(ids)} token; scoring needs at least 2")
+        raise UsageError(
+            f"--perplexity {req.text_file}: the text encodes to {len(ids)} token; scoring needs at least 2"
+        )
     runs = [("model", req.synthetic or Path(req.model).name, shards, manifest)]
     if req.reference is not None:
         ref_manifest, ref_shards = ensure_shards(req.reference, log=log, progress=progress)
@@ -296,7 +320,10 @@ def run_perplexity(req: PerplexityRequest, log, progress=None) -> dict:
     with ExitStack() as stack:
         meter = _divergence(stack, runs, len(ids) - 1, len(tokenizer), log)
         for role, name, directory, man in runs:
-            log(f"{role} {name}: scoring {len(ids)} tokens in {len(spans)} windows of up to {window} ({req.regime} regime)")
+            log(
+                f"{role} {name}: scoring {len(ids)} tokens in {len(spans)} windows of up to {window} ({req.regime} "
+                f"regime)"
+            )
             sink = None if meter is None else (meter.keep if role == "model" else meter.compare)
             with phase(f"perplexity: {name}", announce=False):
                 row, result, profile = _score_one(directory, man, ids, window, stride, req, log, sink)
@@ -315,9 +342,15 @@ def run_perplexity(req: PerplexityRequest, log, progress=None) -> dict:
     return {
         "hardware": hardware_line(profile),
         "text": {"file": Path(req.text_file).name, "bytes": len(text.encode()), "tokens": len(ids)},
-        "window": window, "stride": stride, "windows": len(spans), "regime": req.regime,
-        "rows": rows, "agreement": None if agreement is None else round(agreement, 6),
-        "perplexity_diff_pct": None if diff is None else round(diff, 4), "kl_divergence": kl, "load": load,
+        "window": window,
+        "stride": stride,
+        "windows": len(spans),
+        "regime": req.regime,
+        "rows": rows,
+        "agreement": None if agreement is None else round(agreement, 6),
+        "perplexity_diff_pct": None if diff is None else round(diff, 4),
+        "kl_divergence": kl,
+        "load": load,
     }
 
 
@@ -329,13 +362,17 @@ def _divergence(stack: ExitStack, runs: list, positions: int, tokens: int, log) 
     (_, name, directory, _), (_, ref_name, ref_directory, _) = runs
     sizes = model_vocabulary(directory), model_vocabulary(ref_directory)
     if None not in sizes and sizes[0] != sizes[1]:
-        log(f"KL divergence left out: {name} scores {sizes[0]} tokens, --reference {ref_name} {sizes[1]} (a padded vocabulary)")
+        log(
+            f"KL divergence left out: {name} scores {sizes[0]} tokens, --reference {ref_name} {sizes[1]} (a padded "
+            f"vocabulary)"
+        )
         return None
     return stack.enter_context(divergence(positions, sizes[0] or tokens, (name, ref_name), log))
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    return [int(t) for t in tokenizer(text).input_ids]  # special tokens as the tokenizer adds them to a text (a BOS, if any)
+    # special tokens as the tokenizer adds them to a text (a BOS, if any)
+    return [int(t) for t in tokenizer(text).input_ids]
 
 
 def _window_and_stride(req: PerplexityRequest, directories: list[Path], n: int) -> tuple[int, int]:
@@ -351,7 +388,9 @@ def _window_and_stride(req: PerplexityRequest, directories: list[Path], n: int) 
     return window, stride
 
 
-def _score_one(directory: Path, manifest, ids: list[int], window: int, stride: int, req: PerplexityRequest, log, sink=None):
+def _score_one(
+    directory: Path, manifest, ids: list[int], window: int, stride: int, req: PerplexityRequest, log, sink=None
+):
     from ..auto import AutoModel
     from .regimes import REGIME_KNOBS, regime_overrides
     from .timing import ms_summary
@@ -361,11 +400,14 @@ def _score_one(directory: Path, manifest, ids: list[int], window: int, stride: i
     try:
         result = score(streamed, ids, window, stride, sink)
         row = {
-            "status": "measured", "perplexity": round(result.perplexity, 4),
-            "nll_mean": round(sum(result.nll) / len(result.nll), 6), "tokens_scored": len(result.nll),
+            "status": "measured",
+            "perplexity": round(result.perplexity, 4),
+            "nll_mean": round(sum(result.nll) / len(result.nll), 6),
+            "tokens_scored": len(result.nll),
             "ms_per_window": ms_summary(result.window_s),
             "tokens_per_s": round(sum(result.window_tokens) / sum(result.window_s), 2),
-            "compute_dtype": str(streamed.dtype).removeprefix("torch."), "shard_dtype": manifest.dtype,
+            "compute_dtype": str(streamed.dtype).removeprefix("torch."),
+            "shard_dtype": manifest.dtype,
             "residency": streamed.plan.describe(streamed.manifest),
         }
         return row, result, streamed.profile
@@ -375,19 +417,36 @@ def _score_one(directory: Path, manifest, ids: list[int], window: int, stride: i
         gc.collect()
 
 
-COLUMNS = ("run", "model", "perplexity", "tokens scored", "top-1 agreement", "perplexity vs reference",
-           "KL(ref ‖ model) mean [p99, max]", "ms/window median [p10–p90]", "tokens/s (windows)", "compute dtype")
+COLUMNS = (
+    "run",
+    "model",
+    "perplexity",
+    "tokens scored",
+    "top-1 agreement",
+    "perplexity vs reference",
+    "KL(ref ‖ model) mean [p99, max]",
+    "ms/window median [p10–p90]",
+    "tokens/s (windows)",
+    "compute dtype",
+)
 
 
 def render_perplexity(doc: dict) -> str:
     from .report import load_note
 
     t = doc["text"]
-    lines = [f"**Hardware:** {doc['hardware']}", "",
-             (f"**Text:** {t['file']} ({t['bytes']} bytes, {t['tokens']} tokens); windows of {doc['window']} tokens every "
-              f"{doc['stride']} ({doc['windows']} passes per model, one streaming pass each, {doc['regime']} regime); "
-              f"{load_note(doc['load'])}"), "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = [
+        f"**Hardware:** {doc['hardware']}",
+        "",
+        (
+            f"**Text:** {t['file']} ({t['bytes']} bytes, {t['tokens']} tokens); windows of {doc['window']} tokens "
+            f"every {doc['stride']} ({doc['windows']} passes per model, one streaming pass each, {doc['regime']} "
+            f"regime); {load_note(doc['load'])}"
+        ),
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     for row in doc["rows"]:
         ms = row["ms_per_window"]
         reference = row["role"] == "reference"
@@ -395,13 +454,21 @@ def render_perplexity(doc: dict) -> str:
         diff = "-" if doc["perplexity_diff_pct"] is None or reference else f"{doc['perplexity_diff_pct']:+.2f}%"
         kl = doc.get("kl_divergence")
         kl = "-" if kl is None or reference else f"{kl['mean']:.3g} [{kl['p99']:.3g}, {kl['max']:.3g}]"
-        lines.append(f"| {row['role']} | {row['name']} | {row['perplexity']:.4f} | {row['tokens_scored']} | {agree} | {diff} | {kl} | "
-                     f"{ms['median']:.1f} [{ms['p10']:.1f}–{ms['p90']:.1f}] | {row['tokens_per_s']:.1f} | {row['compute_dtype']} |")
+        lines.append(
+            f"| {row['role']} | {row['name']} | {row['perplexity']:.4f} | {row['tokens_scored']} | {agree} | {diff} | "
+            f"{kl} | {ms['median']:.1f} [{ms['p10']:.1f}–{ms['p90']:.1f}] | {row['tokens_per_s']:.1f} | "
+            f"{row['compute_dtype']} |"
+        )
     lines.append("")
-    lines += [f"- {row['role']}: shards {row['shard_dtype']}, computing in {row['compute_dtype']}; {row['residency']}" for row in doc["rows"]]
+    lines += [
+        f"- {row['role']}: shards {row['shard_dtype']}, computing in {row['compute_dtype']}; {row['residency']}"
+        for row in doc["rows"]
+    ]
     if doc.get("kl_divergence") is not None:
-        lines.append("- KL(ref ‖ model): nats per scored token, the reference's fp32 distribution against the model's at "
-                     "each scored position")
+        lines.append(
+            "- KL(ref ‖ model): nats per scored token, the reference's fp32 distribution against the model's at each "
+            "scored position"
+        )
     return "\n".join(lines)
 
 

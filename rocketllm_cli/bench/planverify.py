@@ -36,13 +36,21 @@ def verify_rows(plan, model: str, count: int, log, progress=None) -> list[dict]:
     for row in plan.rows:
         if ran == count:
             break
-        entry = {"rank": row.rank, "projected_tokens_per_s": row.tokens_per_s, "tokens_per_s": None, "status": "skipped", "notes": []}
+        entry = {
+            "rank": row.rank,
+            "projected_tokens_per_s": row.tokens_per_s,
+            "tokens_per_s": None,
+            "status": "skipped",
+            "notes": [],
+        }
         out.append(entry)
         if row.hosts > 1:
             entry["reason"] = f"needs {row.hosts} hosts: run its torchrun lines on each"
             continue
         if row.memory["used"] > ram_free:
-            entry["reason"] = f"needs {format_bytes(row.memory['used'])}, this machine has {format_bytes(ram_free)} free"
+            entry["reason"] = (
+                f"needs {format_bytes(row.memory['used'])}, this machine has {format_bytes(ram_free)} free"
+            )
             continue
         ran += 1
         target = set_path(row, plan.source, model)
@@ -60,8 +68,10 @@ def verify_rows(plan, model: str, count: int, log, progress=None) -> list[dict]:
                 command = [wrapper, limit, "--", *command]
                 entry["notes"].append(f"under {Path(wrapper).name} {limit}")
             else:
-                entry["notes"].append(f"measured without the {format_bytes(plan.profile.ram_total)} cap the row assumes (no cgroup "
-                                      f"tool: set {WITH_RAM} to a `with-ram LIMIT -- CMD` wrapper); its caches are the row's")
+                entry["notes"].append(
+                    f"measured without the {format_bytes(plan.profile.ram_total)} cap the row assumes (no cgroup tool: "
+                    f"set {WITH_RAM} to a `with-ram LIMIT -- CMD` wrapper); its caches are the row's"
+                )
         if plan.hardware or plan.profile.fingerprint != _here(plan):
             entry["notes"].append("planned for other hardware than this machine's: measured here")
         entry["command"] = " ".join([*(f"{k}={v}" for k, v in env.items()), "rocketllm", *words])
@@ -110,10 +120,17 @@ def _measure(command: list[str], env: dict, batch: int) -> dict:
     # accepted: a third of a pass) and overstates the rate; there the mean, tokens over time, is the rate
     speculated = bool((row.get("speculation") or {}).get("passes"))
     rate = row.get("tokens_per_s") if speculated and row.get("tokens_per_s") else 1000 / ms if ms else None
-    return {"status": "measured", "tokens_per_s": rate, "ms_per_token": ms, "rate": "mean" if speculated else "median",
-            "ms_p10_p90": [row["ms_per_token"].get("p10"), row["ms_per_token"].get("p90")],
-            "bench_projected_ms": row.get("projected_ms"), "bytes_per_token": row.get("bytes_per_token"),
-            "speculation": row.get("speculation"), "disk_now": row.get("disk_now")}
+    return {
+        "status": "measured",
+        "tokens_per_s": rate,
+        "ms_per_token": ms,
+        "rate": "mean" if speculated else "median",
+        "ms_p10_p90": [row["ms_per_token"].get("p10"), row["ms_per_token"].get("p90")],
+        "bench_projected_ms": row.get("projected_ms"),
+        "bytes_per_token": row.get("bytes_per_token"),
+        "speculation": row.get("speculation"),
+        "disk_now": row.get("disk_now"),
+    }
 
 
 def _requantised(source, model: str, row, log) -> Path:
@@ -123,8 +140,23 @@ def _requantised(source, model: str, row, log) -> Path:
     target = cache_dir() / "plan" / f"{source.name}-{row.format.quantize}"
     if not (target / "manifest.json").is_file():
         log(f"verify #{row.rank}: rocketllm shard {model} --quantize {row.format.quantize} --out {target}")
-        done = subprocess.run([sys.executable, "-m", "rocketllm_cli", "shard", model, "--quantize", row.format.quantize,
-                               "--out", str(target)], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rocketllm_cli",
+                "shard",
+                model,
+                "--quantize",
+                row.format.quantize,
+                "--out",
+                str(target),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
         if done.returncode != 0:
             from ..errors import ShardError
 

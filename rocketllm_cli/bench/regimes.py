@@ -33,7 +33,10 @@ def regime_overrides(regime: str, manifest) -> dict[str, int]:
         "host": {"device_cache_bytes": 0, "host_cache_bytes": huge},
         "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0},
         "auto": {},
-        "expert-cache": {"device_cache_bytes": total_bytes - experts + int(EXPERT_CACHE_SHARE * experts), "host_cache_bytes": 0},
+        "expert-cache": {
+            "device_cache_bytes": total_bytes - experts + int(EXPERT_CACHE_SHARE * experts),
+            "host_cache_bytes": 0,
+        },
     }[regime]
 
 
@@ -44,8 +47,10 @@ def skip_reason(regime: str, total_bytes: int, ram_available: int, has_experts: 
     if regime in ("storage", "auto") or total_bytes <= RAM_SHARE * ram_available:
         return None
     where = "resident" if regime == "resident" else "in the page cache"
-    return (f"the model ({format_bytes(total_bytes)}) does not fit {where} in {RAM_SHARE:.0%} of the "
-            f"{format_bytes(ram_available)} RAM available")
+    return (
+        f"the model ({format_bytes(total_bytes)}) does not fit {where} in {RAM_SHARE:.0%} of the "
+        f"{format_bytes(ram_available)} RAM available"
+    )
 
 
 def read_method(knobs) -> str:
@@ -61,8 +66,9 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
 
     overrides = regime_overrides(regime, Manifest.load(model_path))
     # the KV this run holds, as llama.cpp's row gets n_ctx for the same run (llamacpp.py)
-    streamed = AutoModel.from_pretrained(model_path, flags=flags, log=log, run_tokens=run_tokens([prompt_tokens], 1 + WARMUP + tokens),
-                                         **overrides)
+    streamed = AutoModel.from_pretrained(
+        model_path, flags=flags, log=log, run_tokens=run_tokens([prompt_tokens], 1 + WARMUP + tokens), **overrides
+    )
     directory = streamed.directory
     try:
         streams = [u for u in streamed.manifest.units if streamed.plan.tier[u.name] == "storage" and u.kind != "expert"]
@@ -71,8 +77,12 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
         moe = bool(streamed.manifest.experts)
         experts = stats.experts_per_token
         row = {
-            "name": "rocketllm", "regime": regime, "status": "measured", "reason": "",
-            "ttft_ms": round(1000 * stats.ttft_s, 1), "ms_per_token": ms_summary(stats.token_gaps_s),
+            "name": "rocketllm",
+            "regime": regime,
+            "status": "measured",
+            "reason": "",
+            "ttft_ms": round(1000 * stats.ttft_s, 1),
+            "ms_per_token": ms_summary(stats.token_gaps_s),
             "tokens_per_s": round(stats.tokens_per_s, 2) if stats.tokens_per_s else None,
             "speculation": stats.speculation or None,
             "bytes_per_token": served,
@@ -84,12 +94,26 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
             "storage_witnessed_per_token": stats.storage_witnessed_per_token,
             "phase_ms_per_token": {p: round(1000 * s, 2) for p, s in (stats.phase_seconds_per_token or {}).items()},
             "read_method": read_method(streamed.knobs) if served["storage"] else None,
-            "residency": streamed.plan.to_dict(), "residency_text": streamed.residency_text(),
-            "knobs": {k: streamed.knobs.value(k) for k in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers",
-                                                           "direct_io", "compute_dtype", "kernel", "kv_cache_bytes", "max_context")},
+            "residency": streamed.plan.to_dict(),
+            "residency_text": streamed.residency_text(),
+            "knobs": {
+                k: streamed.knobs.value(k)
+                for k in (
+                    "device_cache_bytes",
+                    "host_cache_bytes",
+                    "prefetch_depth",
+                    "io_workers",
+                    "direct_io",
+                    "compute_dtype",
+                    "kernel",
+                    "kv_cache_bytes",
+                    "max_context",
+                )
+            },
             "compute_threads": COMPUTE_THREADS.describe(),  # before close() gives torch its own count back
             **({"stages": streamed.stage.figures()} if getattr(streamed, "stage", None) is not None else {}),
-            "_facts": streamed.facts, "_profile": streamed.profile,
+            "_facts": streamed.facts,
+            "_profile": streamed.profile,
         }
     finally:
         streamed.close()
@@ -100,7 +124,8 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
     return row
 
 
-SAMPLE_LAYERS_BYTES = 128 * 1024**2  # of the streamed layers read for disk_now: enough that a request's latency averages out
+# of the streamed layers read for disk_now: enough that a request's latency averages out
+SAMPLE_LAYERS_BYTES = 128 * 1024**2
 
 
 def disk_now(directory, units: list) -> dict | None:
@@ -116,6 +141,9 @@ def disk_now(directory, units: list) -> dict | None:
     if reads is None:
         return None
     best = max(reads.rows, key=lambda r: r.bps)
-    return {"bps": round(best.bps), "bytes": best.bytes, "units": reads.units,
-            "how": f"{'O_DIRECT' if best.direct else 'buffered'} x{best.in_flight}, best of {len(reads.rows)} ways"}
-
+    return {
+        "bps": round(best.bps),
+        "bytes": best.bytes,
+        "units": reads.units,
+        "how": f"{'O_DIRECT' if best.direct else 'buffered'} x{best.in_flight}, best of {len(reads.rows)} ways",
+    }

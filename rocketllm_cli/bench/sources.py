@@ -1,7 +1,7 @@
 """Checkpoints bench needs: synthetic models written once into the cache, and a plain Hugging Face copy for baselines.
 
-    synthetic_checkpoint("llama:1B")       -> <cache>/synthetic/llama-1B-seed0   (bf16, streamed, reused)
-    hf_checkpoint(model, manifest)         -> a directory transformers loads, or a reason there is none
+synthetic_checkpoint("llama:1B")       -> <cache>/synthetic/llama-1B-seed0   (bf16, streamed, reused)
+hf_checkpoint(model, manifest)         -> a directory transformers loads, or a reason there is none
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ def synthetic_config(spec: str):
 
     arch, sep, size = spec.partition(":")
     if not sep or not size.strip():
-        raise UsageError(f"bad --synthetic {spec!r}: expected ARCH:SIZE such as llama:1B (architectures: {', '.join(ARCHS)})")
+        raise UsageError(
+            f"bad --synthetic {spec!r}: expected ARCH:SIZE such as llama:1B (architectures: {', '.join(ARCHS)})"
+        )
     try:
         return config_from_spec(spec)
     except ValueError as exc:
@@ -47,14 +49,18 @@ def synthetic_checkpoint(spec: str, log=lambda m: None) -> Path:
     if (dest / DONE).is_file():
         return dest
     params = count_params(config)
-    log(f"writing synthetic {spec} ({params / 1e9:.2f}B parameters, {2 * params / 1e9:.1f} GB bf16) once into the bench cache")
+    log(
+        f"writing synthetic {spec} ({params / 1e9:.2f}B parameters, {2 * params / 1e9:.1f} GB bf16) once into the "
+        f"bench cache"
+    )
     write_checkpoint(config, dest, dtype=torch.bfloat16, seed=SEED, layout="single")
     (dest / DONE).write_text(spec + "\n")
     return dest
 
 
 def hf_checkpoint(model: str, manifest, log=lambda m: None) -> tuple[Path | None, str]:
-    """A Hugging Face directory with the same weights as the shards, for the baselines; (None, why) when there is none."""
+    """A Hugging Face directory with the same weights as the shards, for the baselines; (None, why) when there is
+    none."""
     from ..checkpoint.manifest import MANIFEST
     from ..profiles import cache_dir
 

@@ -1,4 +1,5 @@
-"""One bench run: shard (or reuse), each regime, each baseline where it means something, the batch sweep; one document."""
+"""One bench run: shard (or reuse), each regime, each baseline where it means something, the batch sweep; one
+document."""
 
 from __future__ import annotations
 
@@ -52,13 +53,16 @@ class BenchRequest:
             if n < 1:
                 raise UsageError(f"--batch sizes must be at least 1 (got {n})")
         if self.batch and len(self.regimes) > 1:
-            raise UsageError(f"--batch measures one regime: pass --regime resident, host or storage (default {BATCH_REGIME})")
+            raise UsageError(
+                f"--batch measures one regime: pass --regime resident, host or storage (default {BATCH_REGIME})"
+            )
         if not self.regimes:
             self.regimes = (BATCH_REGIME,) if self.batch else ()  # () = every regime that applies to the model
 
 
 def run_bench(req: BenchRequest, log, progress=None) -> dict:
-    """progress: Output.progress or alike; first-use sharding gets its bar, and each phase a status line beside its log line."""
+    """progress: Output.progress or alike; first-use sharding gets its bar, and each phase a status line beside its log
+    line."""
     from ..auto import ensure_shards
     from ..profiles import cache_dir
     from .report import hardware_line, load_average
@@ -95,11 +99,23 @@ def run_bench(req: BenchRequest, log, progress=None) -> dict:
             row = run_regime(shards, regime, req.tokens, req.prompt_tokens, flags, log)
         profile, facts = row.pop("_profile"), row.pop("_facts")
         dtype = row["knobs"]["compute_dtype"]
-        if regime == "resident" and row.get("status") == "measured" and (row.get("speculation") or {}).get("mode", "off") == "off":
+        if (
+            regime == "resident"
+            and row.get("status") == "measured"
+            and (row.get("speculation") or {}).get("mode", "off") == "off"
+        ):
             from ..profiles.probe.decodecompute import record
 
-            record(profile, shards, manifest, dtype, row["ms_per_token"], str(row.get("compute_threads") or "").split(":")[0] or None,
-                   facts, str(row["knobs"].get("kernel") or "exact"))
+            record(
+                profile,
+                shards,
+                manifest,
+                dtype,
+                row["ms_per_token"],
+                str(row.get("compute_threads") or "").split(":")[0] or None,
+                facts,
+                str(row["knobs"].get("kernel") or "exact"),
+            )
         if row.get("status") == "measured" and (row.get("speculation") or {}).get("passes"):
             from ..profiles.probe import acceptance
 
@@ -119,7 +135,9 @@ def run_bench(req: BenchRequest, log, progress=None) -> dict:
                 continue
             log(f"{regime}: measuring baseline {name}")
             with phase(f"{regime}: baseline {name}", announce=False):
-                rows.append(run_baseline(name, regime, hf_dir, _torch_dtype(dtype), req.tokens, req.prompt_tokens, work, log))
+                rows.append(
+                    run_baseline(name, regime, hf_dir, _torch_dtype(dtype), req.tokens, req.prompt_tokens, work, log)
+                )
     batch = None
     if req.batch:
         regime = req.regimes[0]
@@ -131,21 +149,40 @@ def run_bench(req: BenchRequest, log, progress=None) -> dict:
     finish_rows(rows, profile, facts)
     load["after"], load["cores"] = load_average(), profile.cpu_cores
     return {
-        "hardware": hardware_line(profile), "profile": {"fingerprint": profile.fingerprint, "summary": hardware_line(profile),
-                                                       "compute_device": profile.compute_device, "tiers": profile.tier_meaning()},
-        "model": {"name": req.synthetic or Path(req.model).name, "total_bytes": manifest.total_bytes, "dtype": manifest.dtype,
-                  "num_layers": len(manifest.layers), "synthetic": req.synthetic},
-        "tokens": req.tokens, "prompt_tokens": req.prompt_tokens, "warmup": WARMUP, "load": load,
-        "residency": residency, "rows": rows, "batch": batch,
+        "hardware": hardware_line(profile),
+        "profile": {
+            "fingerprint": profile.fingerprint,
+            "summary": hardware_line(profile),
+            "compute_device": profile.compute_device,
+            "tiers": profile.tier_meaning(),
+        },
+        "model": {
+            "name": req.synthetic or Path(req.model).name,
+            "total_bytes": manifest.total_bytes,
+            "dtype": manifest.dtype,
+            "num_layers": len(manifest.layers),
+            "synthetic": req.synthetic,
+        },
+        "tokens": req.tokens,
+        "prompt_tokens": req.prompt_tokens,
+        "warmup": WARMUP,
+        "load": load,
+        "residency": residency,
+        "rows": rows,
+        "batch": batch,
     }
 
 
-def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log, phase=no_progress) -> tuple[dict, object, object]:
+def run_batch(
+    shards: Path, regime: str, req: BenchRequest, flags: dict, log, phase=no_progress
+) -> tuple[dict, object, object]:
     """Throughput vs batch size N in one regime: each step of a batch of N is one streaming pass."""
     from ..auto import AutoModel
     from .timing import ms_summary, percentile, timed_batch
 
-    streamed = AutoModel.from_pretrained(shards, flags=flags, log=log, **regime_overrides(regime, Manifest.load(shards)))
+    streamed = AutoModel.from_pretrained(
+        shards, flags=flags, log=log, **regime_overrides(regime, Manifest.load(shards))
+    )
     rows = []
     try:
         base = fixed_prompt(streamed.tokenizer, req.prompt_tokens + max(req.batch))
@@ -155,13 +192,24 @@ def run_batch(shards: Path, regime: str, req: BenchRequest, flags: dict, log, ph
             with phase(f"batch {n}: RocketLLM", announce=False):
                 stats = timed_batch(streamed, prompts, req.tokens)  # every sequence runs the full count: no early EOS
             median = 1000 * percentile(sorted(stats.gaps_s), 50)
-            rows.append({"batch": n, "ms_per_step": ms_summary(stats.gaps_s), "tokens_per_s": round(1000 * n / median, 3),
-                         "storage_witnessed_per_step": stats.storage_witnessed_per_token})
+            rows.append(
+                {
+                    "batch": n,
+                    "ms_per_step": ms_summary(stats.gaps_s),
+                    "tokens_per_s": round(1000 * n / median, 3),
+                    "storage_witnessed_per_step": stats.storage_witnessed_per_token,
+                }
+            )
         one = next((r for r in rows if r["batch"] == 1), rows[0])
         for r in rows:
             r["speedup_vs_1"] = round(r["tokens_per_s"] / one["tokens_per_s"], 2)
-        doc = {"regime": regime, "read_method": read_method(streamed.knobs), "rows": rows, "speedup_base": one["batch"],
-               "residency": streamed.plan.to_dict()}
+        doc = {
+            "regime": regime,
+            "read_method": read_method(streamed.knobs),
+            "rows": rows,
+            "speedup_base": one["batch"],
+            "residency": streamed.plan.to_dict(),
+        }
         return doc, streamed.profile, streamed.facts
     finally:
         streamed.close()

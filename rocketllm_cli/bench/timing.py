@@ -1,4 +1,5 @@
-"""What bench adds to the one generation loop (text/loop.py): the fixed prompt, the warm-up, exact token counts, percentiles.
+"""What bench adds to the one generation loop (text/loop.py): the fixed prompt, the warm-up, exact token counts,
+percentiles.
 
 A run generates 1 (prefill) + `warmup` + `tokens` tokens with end-of-sequence held off (min_new_tokens), so every
 run of every engine and baseline generates the same count; the first `warmup` decode steps are left out of the
@@ -47,8 +48,12 @@ def timed_run(model, prompt_ids: list[int], tokens: int, warmup: int = WARMUP):
 def ms_summary(seconds: list[float]) -> dict:
     """Median, p10 and p90 in milliseconds, and the count."""
     ms = sorted(1000 * s for s in seconds)
-    return {"median": round(percentile(ms, 50), 2), "p10": round(percentile(ms, 10), 2), "p90": round(percentile(ms, 90), 2),
-            "n": len(ms)}
+    return {
+        "median": round(percentile(ms, 50), 2),
+        "p10": round(percentile(ms, 10), 2),
+        "p90": round(percentile(ms, 90), 2),
+        "n": len(ms),
+    }
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

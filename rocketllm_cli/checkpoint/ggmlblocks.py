@@ -34,13 +34,32 @@ CUDA_CHUNKS = 16  # ... the cache saves; on CUDA a tile is 16 times that (launch
 
 # name -> (elements per block, bytes per block), as gguf's GGML_QUANT_SIZES has them
 SUPPORTED: dict[str, tuple[int, int]] = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
-    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
-    "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ2_S": (256, 82), "IQ3_XXS": (256, 98), "IQ3_S": (256, 110),
-    "IQ1_S": (256, 50), "IQ1_M": (256, 56),
-    "TQ1_0": (256, 54), "TQ2_0": (256, 66), "MXFP4": (32, 17), "NVFP4": (64, 36),
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
+    "IQ2_XXS": (256, 66),
+    "IQ2_XS": (256, 74),
+    "IQ2_S": (256, 82),
+    "IQ3_XXS": (256, 98),
+    "IQ3_S": (256, 110),
+    "IQ1_S": (256, 50),
+    "IQ1_M": (256, 56),
+    "TQ1_0": (256, 54),
+    "TQ2_0": (256, 66),
+    "MXFP4": (32, 17),
+    "NVFP4": (64, 36),
 }
 
 # GGML types gguf knows that are not decoded here, and why (gguf's dequantize has none of them either)
@@ -57,7 +76,7 @@ _MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m
 
 
 def unsupported(gguf_type) -> str:
-    """"" if `gguf_type` (a name, or a gguf.GGMLQuantizationType) is decoded here, else a one-line reason."""
+    """ "" if `gguf_type` (a name, or a gguf.GGMLQuantizationType) is decoded here, else a one-line reason."""
     name = _name(gguf_type)
     if name in SUPPORTED:
         return ""
@@ -72,8 +91,9 @@ def unsupported(gguf_type) -> str:
     return f"GGUF type {name} is not supported: no decoder for it here yet"
 
 
-def dequantize_blocks(blocks: torch.Tensor, gguf_type, out: torch.Tensor | None = None, *,
-                      chunk_elems: int | None = None) -> torch.Tensor:
+def dequantize_blocks(
+    blocks: torch.Tensor, gguf_type, out: torch.Tensor | None = None, *, chunk_elems: int | None = None
+) -> torch.Tensor:
     """uint8 `blocks` [rows, blocks_per_row·block_bytes] (one GGUF tensor's raw bytes, one row per weight row)
     -> fp32 [rows, blocks_per_row·block_elems], or written into `out` (that shape, any float dtype, on the same
     device; rounded once from fp32) and `out` returned. `chunk_elems` overrides the outputs decoded per tile."""
@@ -83,8 +103,11 @@ def dequantize_blocks(blocks: torch.Tensor, gguf_type, out: torch.Tensor | None 
         raise ValueError(reason)
     elems, nbytes = SUPPORTED[name]
     if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() != 2:
-        what = (f"{blocks.dtype} tensor of shape {tuple(blocks.shape)}" if isinstance(blocks, torch.Tensor)
-                else type(blocks).__name__)
+        what = (
+            f"{blocks.dtype} tensor of shape {tuple(blocks.shape)}"
+            if isinstance(blocks, torch.Tensor)
+            else type(blocks).__name__
+        )
         raise ValueError(f"{name} blocks must be a 2-D uint8 tensor [rows, bytes_per_row], got a {what}")
     rows, row_bytes = blocks.shape
     if row_bytes % nbytes:
@@ -93,10 +116,15 @@ def dequantize_blocks(blocks: torch.Tensor, gguf_type, out: torch.Tensor | None 
     cols = per_row * elems
     if out is None:
         out = torch.empty(rows, cols, dtype=torch.float32, device=blocks.device)
-    elif not (isinstance(out, torch.Tensor) and out.is_floating_point() and tuple(out.shape) == (rows, cols)
-              and out.device == blocks.device):
-        what = (f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor)
-                else type(out).__name__)
+    elif not (
+        isinstance(out, torch.Tensor)
+        and out.is_floating_point()
+        and tuple(out.shape) == (rows, cols)
+        and out.device == blocks.device
+    ):
+        what = (
+            f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        )
         raise ValueError(f"{name} out must be a float tensor of shape {(rows, cols)} on {blocks.device}, got {what}")
     if chunk_elems is not None and chunk_elems < 1:
         raise ValueError(f"chunk_elems must be a positive number of outputs, got {chunk_elems}")
@@ -114,14 +142,14 @@ def dequantize_blocks(blocks: torch.Tensor, gguf_type, out: torch.Tensor | None 
         r1 = min(rows, r0 + row_step)
         for b0 in range(0, per_row, block_step):
             b1 = min(per_row, b0 + block_step)
-            tile = blocks[r0:r1, b0 * nbytes:b1 * nbytes].reshape(-1, nbytes)  # [tile blocks, block bytes]
-            target = out[r0:r1, b0 * elems:b1 * elems]  # contiguous when out is: whole rows, or part of one
+            tile = blocks[r0:r1, b0 * nbytes : b1 * nbytes].reshape(-1, nbytes)  # [tile blocks, block bytes]
+            target = out[r0:r1, b0 * elems : b1 * elems]  # contiguous when out is: whole rows, or part of one
             if direct:
                 decode(tile, target.view(-1, elems))
                 continue
             if work is None:
                 work = torch.empty(min(rows, row_step) * min(per_row, block_step) * elems, device=blocks.device)
-            dst = work[:tile.shape[0] * elems].view(-1, elems)
+            dst = work[: tile.shape[0] * elems].view(-1, elems)
             decode(tile, dst)
             target.copy_(dst.view(target.shape))  # the one rounding, when out is not fp32
     return out
@@ -132,6 +160,7 @@ def _name(gguf_type) -> str:
 
 
 # ---- byte-field helpers: x is uint8 [n, block_bytes]; little-endian, as GGUF files and both devices are ----
+
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 x [n, m·size] read as `dtype` [n, m]: a view where x is contiguous and aligned, else a fresh copy
@@ -144,17 +173,17 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _f16(x: torch.Tensor, at: int) -> torch.Tensor:
     """The fp16 field at byte `at` as fp32 [n, 1] (exact)."""
-    return _as(x[:, at:at + 2], torch.float16).float()
+    return _as(x[:, at : at + 2], torch.float16).float()
 
 
 def _u16(x: torch.Tensor, at: int, count: int) -> torch.Tensor:
     """`count` uint16 fields from byte `at` as int32 [n, count] (0..65535)."""
-    return _as(x[:, at:at + 2 * count], torch.int16).int() & 0xFFFF
+    return _as(x[:, at : at + 2 * count], torch.int16).int() & 0xFFFF
 
 
 def _i32(x: torch.Tensor, at: int, count: int) -> torch.Tensor:
     """`count` uint32 fields from byte `at`, as int32 bit patterns [n, count] (mask after any right shift)."""
-    return _as(x[:, at:at + 4 * count], torch.int32)
+    return _as(x[:, at : at + 4 * count], torch.int32)
 
 
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -193,7 +222,7 @@ def _ue4m3_half(b: int) -> float:
     if b in (0, 0x7F):
         return 0.0
     exp, man = (b >> 3) & 0xF, b & 7
-    raw = man * 2.0 ** -9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
+    raw = man * 2.0**-9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
     return raw * 0.5
 
 
@@ -237,6 +266,7 @@ def _gather(dst: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torc
 
 # ---- the decoders: uint8 x [n, block_bytes] -> dst, fp32 [n, block_elems] (contiguous), filled in place ----
 
+
 def _f32(x, dst):
     dst.copy_(_as(x, torch.float32))
 
@@ -260,7 +290,7 @@ def _q4_1(x, dst):
 
 def _q5(x, at):
     """Q5_0 / Q5_1 5-bit codes [n, 32] uint8: a nibble from byte `at` on, bit 4 from the uint32 at at − 4."""
-    return _nibbles(x[:, at:], 16).bitwise_or_(_bits(x[:, at - 4:at]).bitwise_left_shift_(4))
+    return _nibbles(x[:, at:], 16).bitwise_or_(_bits(x[:, at - 4 : at]).bitwise_left_shift_(4))
 
 
 def _q5_0(x, dst):
@@ -386,7 +416,7 @@ def _ksign_bytes(index: torch.Tensor) -> torch.Tensor:
 
 def _iq_db(x, at: int, count: int) -> torch.Tensor:
     """IQ2_XS / IQ2_S: d·(0.5 + s)·0.25 for the 4-bit scales in `count` bytes from `at`, fp32 [n, 2·count]."""
-    s = _unpack(x[:, at:at + count], "0,4", 2, 0x0F).view(x.shape[0], -1)
+    s = _unpack(x[:, at : at + count], "0,4", 2, 0x0F).view(x.shape[0], -1)
     return _f16(x, 0) * (0.5 + s.float()) * 0.25
 
 
@@ -461,11 +491,30 @@ def _iq1_m(x, dst):
 
 
 _DECODERS = {
-    "F32": _f32, "F16": _f16_plain, "BF16": _bf16,
-    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-    "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
-    "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s, "IQ3_XXS": _iq3_xxs, "IQ3_S": _iq3_s,
-    "IQ1_S": _iq1_s, "IQ1_M": _iq1_m,
-    "TQ1_0": _tq1_0, "TQ2_0": _tq2_0, "MXFP4": _mxfp4, "NVFP4": _nvfp4,
+    "F32": _f32,
+    "F16": _f16_plain,
+    "BF16": _bf16,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
+    "IQ2_XXS": _iq2_xxs,
+    "IQ2_XS": _iq2_xs,
+    "IQ2_S": _iq2_s,
+    "IQ3_XXS": _iq3_xxs,
+    "IQ3_S": _iq3_s,
+    "IQ1_S": _iq1_s,
+    "IQ1_M": _iq1_m,
+    "TQ1_0": _tq1_0,
+    "TQ2_0": _tq2_0,
+    "MXFP4": _mxfp4,
+    "NVFP4": _nvfp4,
 }

@@ -16,31 +16,111 @@ from ..sizes import format_bytes
 # value type id -> struct format of a scalar; 8 = string, 9 = array
 _LENGTH = struct.Struct("<Q")
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M",
-              13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
+FILE_TYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    32: "BF16",
+}
 
 
 # ggml tensor type id -> (elements per block, bytes per block), for the types whose size we can check exactly
-_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
-           10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
-           16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
-           23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
-           34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36)}
+_BLOCKS = {
+    0: (1, 4),
+    1: (1, 2),
+    2: (32, 18),
+    3: (32, 20),
+    6: (32, 22),
+    7: (32, 24),
+    8: (32, 34),
+    9: (32, 36),
+    10: (256, 84),
+    11: (256, 110),
+    12: (256, 144),
+    13: (256, 176),
+    14: (256, 210),
+    15: (256, 292),
+    16: (256, 66),
+    17: (256, 74),
+    18: (256, 98),
+    19: (256, 50),
+    20: (32, 18),
+    21: (256, 110),
+    22: (256, 82),
+    23: (256, 136),
+    24: (1, 1),
+    25: (1, 2),
+    26: (1, 4),
+    27: (1, 8),
+    28: (1, 8),
+    29: (256, 56),
+    30: (1, 2),
+    34: (256, 54),
+    35: (256, 66),
+    39: (32, 17),
+    40: (64, 36),
+}
 
 
 # ggml tensor type id -> name (gguf's GGMLQuantizationType names), for the types _BLOCKS sizes
-GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
-              12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
-              20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
-              29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4"}
+GGML_NAMES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    15: "Q8_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
+    20: "IQ4_NL",
+    21: "IQ3_S",
+    22: "IQ2_S",
+    23: "IQ4_XS",
+    24: "I8",
+    25: "I16",
+    26: "I32",
+    27: "I64",
+    28: "F64",
+    29: "IQ1_M",
+    30: "BF16",
+    34: "TQ1_0",
+    35: "TQ2_0",
+    39: "MXFP4",
+    40: "NVFP4",
+}
 
 
 # ggml type ids `shard --quantize auto` keeps as their own blocks (shard/packing.py KEPT), sized by _BLOCKS
-_KEPT_IDS = frozenset(type_id for type_id, (elems, _) in _BLOCKS.items() if elems > 1 and type_id not in (9, 15))  # not Q8_1, Q8_K
+# not Q8_1, Q8_K
+_KEPT_IDS = frozenset(type_id for type_id, (elems, _) in _BLOCKS.items() if elems > 1 and type_id not in (9, 15))
 
 
 def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, int]]:
-    """(metadata without arrays of strings, tensor name -> bytes as stored). ModelError on a foreign or truncated file."""
+    """(metadata without arrays of strings, tensor name -> bytes as stored). ModelError on a foreign or truncated
+    file."""
     meta, sizes, _ = read_gguf_tensors(path)
     return meta, sizes
 
@@ -58,9 +138,13 @@ class Truncated(ValueError):
         elif self.in_header:
             what = f"it ends inside its header, at {self.actual:,} bytes ({format_bytes(self.actual)})"
         else:
-            what = (f"its header describes {self.expected:,} bytes ({format_bytes(self.expected)}), the file has "
-                    f"{self.actual:,} ({format_bytes(self.actual)})")
-        return f"{name} is truncated: {what}; download it again (an interrupted download or a full disk cuts a file short)"
+            what = (
+                f"its header describes {self.expected:,} bytes ({format_bytes(self.expected)}), the file has "
+                f"{self.actual:,} ({format_bytes(self.actual)})"
+            )
+        return (
+            f"{name} is truncated: {what}; download it again (an interrupted download or a full disk cuts a file short)"
+        )
 
 
 _PARSED: dict[tuple, tuple] = {}  # (path, device, inode, size, mtime) -> what read_gguf_tensors returned
@@ -123,8 +207,10 @@ def header_problem(path: Path) -> str | None:
         except (ImportError, ValueError):
             type_name = f"ggml type {type_id}"
         why = unsupported(type_name).split(" is not supported: ", 1)[-1]
-        return (f"{path.name}: tensor {name} is {type_name}, which cannot be read here ({why}); use a file quantized "
-                "to another type (Q4_K_M, Q5_K_M, Q6_K, Q8_0 ...)")
+        return (
+            f"{path.name}: tensor {name} is {type_name}, which cannot be read here ({why}); use a file quantized "
+            "to another type (Q4_K_M, Q5_K_M, Q6_K, Q8_0 ...)"
+        )
     return None
 
 
@@ -149,9 +235,14 @@ def kept_as_blocks(infos: dict[str, tuple[int, tuple[int, ...]]]) -> set[str]:
     """The tensors a `shard --quantize auto` set keeps as their blocks: matrices the model computes with (every 2-D
     tensor but an untied token embedding, which is looked up by rows) of a kept type."""
     tied = "output.weight" not in infos
-    return {name for name, (ggml_type, dims) in infos.items()
-            if len(dims) == 2 and (name != "token_embd.weight" or tied) and ggml_type in _KEPT_IDS
-            and dims[0] % _BLOCKS[ggml_type][0] == 0}
+    return {
+        name
+        for name, (ggml_type, dims) in infos.items()
+        if len(dims) == 2
+        and (name != "token_embd.weight" or tied)
+        and ggml_type in _KEPT_IDS
+        and dims[0] % _BLOCKS[ggml_type][0] == 0
+    }
 
 
 _FLOAT_IDS = {0: "fp32", 1: "fp16", 30: "bf16"}  # ggml type ids F32, F16, BF16

@@ -48,7 +48,8 @@ class TensorRecord:
 class UnitRecord:
     name: str  # embed, layer.000 ..., layer.000.expert.000 ..., norm, lm_head, extra.<module path>
     kind: str  # embed | layer | expert | norm | lm_head | extra | root | vision
-    module: str  # module path the unit's forward hook sits on ("" = the whole model); for an expert, its tensors' common prefix
+    # module path the unit's forward hook sits on ("" = the whole model); for an expert, its tensors' common prefix
+    module: str
     file: str
     bytes: int  # file size
     sha256: str
@@ -97,7 +98,8 @@ class Manifest:
 
     @property
     def vision(self) -> list[UnitRecord]:
-        """A vision-language model's vision tower and projector units (resident, run once per request); empty otherwise."""
+        """A vision-language model's vision tower and projector units (resident, run once per request); empty
+        otherwise."""
         return [u for u in self.units if u.kind == "vision"]
 
     def unit(self, name: str) -> UnitRecord:
@@ -109,7 +111,8 @@ class Manifest:
 
     @property
     def key(self) -> str:
-        """The set's dtype and packing, as its default directory and journal name them ("bf16", "bf16-packed-lanes64")."""
+        """The set's dtype and packing, as its default directory and journal name them ("bf16",
+        "bf16-packed-lanes64")."""
         return set_key(self.dtype, self.packing, self.int4_layout)
 
     def to_dict(self) -> dict:
@@ -129,7 +132,8 @@ class Manifest:
         return doc
 
     def save(self, directory: Path) -> None:
-        """Write manifest.json into DIRECTORY atomically (temporary file, fsync, rename): a reader sees all of it or none."""
+        """Write manifest.json into DIRECTORY atomically (temporary file, fsync, rename): a reader sees all of it or
+        none."""
         tmp = directory / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:
             json.dump(self.to_dict(), f, indent=1)
@@ -141,7 +145,8 @@ class Manifest:
     def load(cls, directory: Path) -> "Manifest":
         """The manifest of the shard set in DIRECTORY, validated and checked against its unit files (check_files).
 
-        Anything missing, corrupt, of another format or not matching is one ShardError that says to re-run `rocketllm shard`."""
+        Anything missing, corrupt, of another format or not matching is one ShardError that says to re-run `rocketllm
+        shard`."""
         path = Path(directory) / MANIFEST
         if not path.is_file():
             raise ShardError(f"{directory}: no {MANIFEST} (not a complete shard directory); {RESHARD}")
@@ -151,8 +156,15 @@ class Manifest:
             doc = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deeply, a number too long
             raise ShardError(f"{path}: manifest is corrupt (not readable JSON); {RESHARD}") from None
-        if isinstance(doc, dict) and doc.get("format_version") not in READABLE_VERSIONS and isinstance(doc.get("format_version"), int):
-            raise ShardError(f"{path}: manifest format {doc.get('format_version')!r}, this rocketllm reads {' and '.join(map(str, READABLE_VERSIONS))}; {RESHARD}")
+        if (
+            isinstance(doc, dict)
+            and doc.get("format_version") not in READABLE_VERSIONS
+            and isinstance(doc.get("format_version"), int)
+        ):
+            raise ShardError(
+                f"{path}: manifest format {doc.get('format_version')!r}, this rocketllm reads "
+                f"{' and '.join(map(str, READABLE_VERSIONS))}; {RESHARD}"
+            )
         try:
             _validate(doc)
         except _Corrupt as exc:
@@ -173,7 +185,9 @@ class Manifest:
             except OSError:
                 raise ShardError(f"shard file {u.file} is missing; {RESHARD}") from None
             if size != u.bytes:
-                raise ShardError(f"shard file {u.file} is {size} bytes, manifest says {u.bytes} (truncated or changed); {RESHARD}")
+                raise ShardError(
+                    f"shard file {u.file} is {size} bytes, manifest says {u.bytes} (truncated or changed); {RESHARD}"
+                )
             try:
                 header = stfile.read_header(path)
             except ShardError as exc:
@@ -181,7 +195,9 @@ class Manifest:
             stored = {n: (stfile.NAMES[e.dtype], list(e.shape), e.start, e.nbytes) for n, e in header.entries.items()}
             recorded = {t.name: (t.dtype, list(t.shape), t.offset, t.nbytes) for t in u.tensors}
             if stored != recorded or header.metadata.get("unit", u.name) != u.name:
-                differs = next((n for n in sorted(set(stored) | set(recorded)) if stored.get(n) != recorded.get(n)), None)
+                differs = next(
+                    (n for n in sorted(set(stored) | set(recorded)) if stored.get(n) != recorded.get(n)), None
+                )
                 what = f"tensor {differs}" if differs else f"it holds unit {header.metadata.get('unit')!r}"
                 raise ShardError(f"shard file {u.file} does not match the manifest ({what[:120]}); {RESHARD}")
         try:
@@ -199,7 +215,8 @@ INT4_LAYOUTS = ("rows", "pairs", "lanes32", "lanes64")  # packed/cpulayout.py LA
 
 def set_key(dtype: str, packing: str = "", int4_layout: str = "") -> str:
     """What names a set beside its source: its dtype, its packing, and the order its int4 codes are in, since a CPU
-    whose kernel reads another order reorders them on every streamed use ("bf16", "bf16-int8", "bf16-packed-lanes64")."""
+    whose kernel reads another order reorders them on every streamed use ("bf16", "bf16-int8",
+    "bf16-packed-lanes64")."""
     key = f"{dtype}-{packing}" if packing else dtype
     return f"{key}-{int4_layout}" if packing and int4_layout and int4_layout != "rows" else key
 
@@ -237,14 +254,20 @@ def _fields(cls) -> set[str]:
 def _validate(doc) -> None:
     """Types and cross-field consistency, before any field is trusted: a manifest that passes describes
     units whose names, files, modules and tensors agree with one another."""
-    _require(isinstance(doc, dict) and _fields(Manifest) - OPTIONAL <= set(doc) <= _fields(Manifest), "fields missing or unknown")
+    _require(
+        isinstance(doc, dict) and _fields(Manifest) - OPTIONAL <= set(doc) <= _fields(Manifest),
+        "fields missing or unknown",
+    )
     _require(doc.get("packing", "") in PACKINGS, "bad packing")
     _require(doc.get("int4_layout", "") in ("", *INT4_LAYOUTS), "bad int4_layout")
     _require(type(doc["format_version"]) is int, "bad format_version")
     _require(isinstance(doc.get("fusion", ""), str), "bad fusion")
     source = doc["source"]
     _require(isinstance(source, dict) and isinstance(source.get("fingerprint"), str), "bad source")
-    _require(all(isinstance(doc[k], str) for k in ("model_type", "architecture", "stack")), "bad model_type, architecture or stack")
+    _require(
+        all(isinstance(doc[k], str) for k in ("model_type", "architecture", "stack")),
+        "bad model_type, architecture or stack",
+    )
     _require(isinstance(doc["dtype"], str) and doc["dtype"] in SHARD_DTYPES, "bad dtype")
     _require(type(doc["seconds"]) in (int, float), "bad seconds")
     units = doc["units"]
@@ -256,50 +279,91 @@ def _validate(doc) -> None:
         name, kind, module, index = u["name"], u["kind"], u["module"], u["index"]
         _require(isinstance(name, str) and isinstance(module, str), f"unit {i}: bad name or module")
         if kind == "layer":
-            _require(type(index) is int and index == layers, f"unit {name[:40]!r}: layer index {_show(index)} out of order")
+            _require(
+                type(index) is int and index == layers, f"unit {name[:40]!r}: layer index {_show(index)} out of order"
+            )
             expected = (f"layer.{index:03d}", f"{doc['stack']}.{index}")
             layers += 1
         elif kind == "expert":
             m = re.fullmatch(r"layer\.(\d{3,})\.expert\.(\d{3,})", name) if isinstance(name, str) else None
-            _require(doc["format_version"] >= 2 and m is not None and type(index) is int and index == layers - 1 == int(m.group(1)),
-                     f"unit {i}: expert {_show(name)} is not after its layer")
+            _require(
+                doc["format_version"] >= 2
+                and m is not None
+                and type(index) is int
+                and index == layers - 1 == int(m.group(1)),
+                f"unit {i}: expert {_show(name)} is not after its layer",
+            )
             expected = (name, module)
         else:
-            _require(isinstance(kind, str) and (kind in FIXED_UNIT_NAMES or kind in PREFIXED_KINDS), f"unit {i}: unknown kind {_show(kind)}")
+            _require(
+                isinstance(kind, str) and (kind in FIXED_UNIT_NAMES or kind in PREFIXED_KINDS),
+                f"unit {i}: unknown kind {_show(kind)}",
+            )
             _require(type(index) is int and index == -1, f"unit {name[:40]!r}: bad index")
-            expected = (f"{kind}.{module}", module) if kind in PREFIXED_KINDS else (FIXED_UNIT_NAMES[kind], "" if kind == "root" else module)
-        _require((name, module) == expected, f"unit {i}: name {name[:40]!r} or module {module[:40]!r} does not fit kind {kind}")
-        _require(u["file"] == f"{i:04d}-{name}.safetensors" and "/" not in name and "\x00" not in name, f"unit {name[:40]!r}: bad file name")
+            expected = (
+                (f"{kind}.{module}", module)
+                if kind in PREFIXED_KINDS
+                else (FIXED_UNIT_NAMES[kind], "" if kind == "root" else module)
+            )
+        _require(
+            (name, module) == expected,
+            f"unit {i}: name {name[:40]!r} or module {module[:40]!r} does not fit kind {kind}",
+        )
+        _require(
+            u["file"] == f"{i:04d}-{name}.safetensors" and "/" not in name and "\x00" not in name,
+            f"unit {name[:40]!r}: bad file name",
+        )
         _require(_count(u["bytes"]), f"unit {name[:40]!r}: bad bytes")
-        _require(isinstance(u["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", u["sha256"]) is not None, f"unit {name[:40]!r}: bad sha256")
+        _require(
+            isinstance(u["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", u["sha256"]) is not None,
+            f"unit {name[:40]!r}: bad sha256",
+        )
         _require(isinstance(u["tensors"], list), f"unit {name[:40]!r}: bad tensors")
         for t in u["tensors"]:
-            _require(isinstance(t, dict) and _fields(TensorRecord) - OPTIONAL <= set(t) <= _fields(TensorRecord),
-                     f"unit {name[:40]!r}: a tensor's fields missing or unknown")
+            _require(
+                isinstance(t, dict) and _fields(TensorRecord) - OPTIONAL <= set(t) <= _fields(TensorRecord),
+                f"unit {name[:40]!r}: a tensor's fields missing or unknown",
+            )
             _validate_tensor(t, module, doc["dtype"], tensors)
-            _require(t.get("packed") is None or (doc["format_version"] >= PACKED_VERSION and bool(doc.get("packing"))),
-                     f"tensor {_show(t['name'])}: packed in a set that does not say so")
-            _require(t.get("fused") is None or doc["format_version"] >= FUSED_VERSION, f"tensor {_show(t['name'])}: fused in a set that does not say so")
+            _require(
+                t.get("packed") is None or (doc["format_version"] >= PACKED_VERSION and bool(doc.get("packing"))),
+                f"tensor {_show(t['name'])}: packed in a set that does not say so",
+            )
+            _require(
+                t.get("fused") is None or doc["format_version"] >= FUSED_VERSION,
+                f"tensor {_show(t['name'])}: fused in a set that does not say so",
+            )
     _require(layers > 0, "no layer units")
     aliases = doc["aliases"]
-    _require(isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors and k not in tensors for k, v in aliases.items()),
-             "bad aliases")
+    _require(
+        isinstance(aliases, dict)
+        and all(isinstance(v, str) and v in tensors and k not in tensors for k, v in aliases.items()),
+        "bad aliases",
+    )
 
 
 def _validate_tensor(t: dict, module: str, dtype: str, seen: set[str]) -> None:
     name = t["name"]
-    _require(isinstance(name, str) and name not in seen and name.startswith(module + "." if module else ""),
-             f"tensor {_show(name)}: duplicate or outside its unit's module")
+    _require(
+        isinstance(name, str) and name not in seen and name.startswith(module + "." if module else ""),
+        f"tensor {_show(name)}: duplicate or outside its unit's module",
+    )
     seen.add(name)
     _require(isinstance(t["source"], str), f"tensor {name[:60]!r}: bad source name")
     stored = stfile.DTYPES.get(t["dtype"]) if isinstance(t["dtype"], str) else None
-    _require(stored is not None and (not stored.is_floating_point or t["dtype"] == SHARD_DTYPES[dtype]), f"tensor {name[:60]!r}: bad dtype")
+    _require(
+        stored is not None and (not stored.is_floating_point or t["dtype"] == SHARD_DTYPES[dtype]),
+        f"tensor {name[:60]!r}: bad dtype",
+    )
     shape = t["shape"]
     _require(isinstance(shape, list) and all(_count(d) for d in shape), f"tensor {name[:60]!r}: bad shape")
     numel = 1
     for d in shape:
         numel *= d
-    _require(_count(t["offset"]) and _count(t["nbytes"]) and t["nbytes"] == numel * stored.itemsize, f"tensor {name[:60]!r}: bad offset or size")
+    _require(
+        _count(t["offset"]) and _count(t["nbytes"]) and t["nbytes"] == numel * stored.itemsize,
+        f"tensor {name[:60]!r}: bad offset or size",
+    )
     if t.get("packed") is not None:
         from .packedformat import PackedFormat
 
@@ -307,7 +371,10 @@ def _validate_tensor(t: dict, module: str, dtype: str, seen: set[str]) -> None:
             fmt = PackedFormat.from_dict(t["packed"])
         except (ValueError, TypeError) as exc:
             raise _Corrupt(f"tensor {name[:60]!r}: bad packed format ({str(exc)[:120]})") from None
-        _require(t["dtype"] == "U8" and shape == [fmt.offsets()[1]], f"tensor {name[:60]!r}: packed bytes do not match its format")
+        _require(
+            t["dtype"] == "U8" and shape == [fmt.offsets()[1]],
+            f"tensor {name[:60]!r}: packed bytes do not match its format",
+        )
     if t.get("fused") is not None:
         _validate_fused(t, seen)
 
@@ -316,12 +383,25 @@ def _validate_fused(t: dict, seen: set[str]) -> None:
     """A fused record names its members (each a weight beside the others, in no other record) and their rows, which add
     up to its packed weight's."""
     name, fused = t["name"], t["fused"]
-    _require(t.get("packed") is not None and isinstance(fused, list) and len(fused) > 1
-             and all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) and _count(m[1]) and m[1] > 0 for m in fused),
-             f"tensor {name[:60]!r}: bad fused members")
+    _require(
+        t.get("packed") is not None
+        and isinstance(fused, list)
+        and len(fused) > 1
+        and all(
+            isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) and _count(m[1]) and m[1] > 0 for m in fused
+        ),
+        f"tensor {name[:60]!r}: bad fused members",
+    )
     members = [m[0] for m in fused]
-    _require(fused_name(members) == name and len({m.rsplit(".", 2)[0] for m in members}) == 1 and all(m.endswith(".weight") for m in members),
-             f"tensor {name[:60]!r}: fused members do not match its name")
-    _require(sum(m[1] for m in fused) == t["packed"]["shape"][0], f"tensor {name[:60]!r}: fused rows do not add up to its weight's")
+    _require(
+        fused_name(members) == name
+        and len({m.rsplit(".", 2)[0] for m in members}) == 1
+        and all(m.endswith(".weight") for m in members),
+        f"tensor {name[:60]!r}: fused members do not match its name",
+    )
+    _require(
+        sum(m[1] for m in fused) == t["packed"]["shape"][0],
+        f"tensor {name[:60]!r}: fused rows do not add up to its weight's",
+    )
     _require(not any(m in seen for m in members), f"tensor {name[:60]!r}: a fused member is stored twice")
     seen.update(members)

@@ -56,7 +56,8 @@ class ModelFacts:
     # {GGML type name: {"NxK": bytes}}: the set's tensors kept as that type's blocks, by product shape (a weight of N
     # rows of K elements), summed over the tensors of that shape (a GGUF set); None: no blocks
     block_bytes: dict | None = None
-    active_bytes: int | None = None  # mixture-of-experts: what one decode token reads (dense part + routed experts); None = every weight
+    # mixture-of-experts: what one decode token reads (dense part + routed experts); None = every weight
+    active_bytes: int | None = None
     # What really grows with the context (max_context divides by it): K and V values per token of the layers whose
     # cache keeps every token (full attention), how many such layers, and what sliding-window layers hold at most.
     # Linear-attention, convolution and Mamba layers keep a fixed state, counted in neither. 0 = not known.
@@ -122,7 +123,10 @@ def parse_param_count(text: str) -> float:
     except ValueError:
         value = float("nan")
     if not value > 0 or value == float("inf"):
-        raise ValueError(f"cannot read {text!r} as a parameter count; expected a positive number with an optional K/M/B/T suffix, e.g. 70B, 7.5B, 135M")
+        raise ValueError(
+            f"cannot read {text!r} as a parameter count; expected a positive number with an optional "
+            f"K/M/B/T suffix, e.g. 70B, 7.5B, 135M"
+        )
     return value
 
 
@@ -170,18 +174,27 @@ class Units:
     """A model's weights in bytes, grouped as streaming reads them."""
 
     layers: dict[int, int] = field(default_factory=dict)  # decoder layer index -> its dense part
-    experts: dict[int, tuple[int, int]] = field(default_factory=dict)  # layer index -> (its routed experts' bytes, how many)
+    # layer index -> (its routed experts' bytes, how many)
+    experts: dict[int, tuple[int, int]] = field(default_factory=dict)
     others: list[int] = field(default_factory=list)  # embed, norm, lm_head, extras, another stack's layers
 
 
-def _build(name: str, units: Units, config, dtype: str, compute_dtype: str | None = None,
-           gguf_blocks: bool = False, block_bytes: dict | None = None) -> ModelFacts:
+def _build(
+    name: str,
+    units: Units,
+    config,
+    dtype: str,
+    compute_dtype: str | None = None,
+    gguf_blocks: bool = False,
+    block_bytes: dict | None = None,
+) -> ModelFacts:
     """`config`: a mapping or a transformers config object, read only through config_int."""
     if not units.layers:
         raise ModelError(f"{name}: no decoder layers found")
     routed = sum(nbytes for nbytes, _ in units.experts.values())
     total = sum(units.layers.values()) + routed + sum(units.others)
-    stored = [dense + units.experts.get(i, (0, 0))[0] for i, dense in units.layers.items()]  # what streaming a layer whole reads
+    # what streaming a layer whole reads
+    stored = [dense + units.experts.get(i, (0, 0))[0] for i, dense in units.layers.items()]
     one_expert = [-(-nbytes // count) for nbytes, count in units.experts.values()]
     # A decode token reads every dense weight and top-k of each layer's experts. Top-k unknown: every weight
     # (None), so the cost model never promises a speed the model cannot reach.
@@ -225,16 +238,24 @@ def _kv_layer_kinds(config, kv_layers: int) -> tuple[int, int, int]:
 
     Without layer types every layer counts as keeping every token: a window the cache may not apply is not
     a saving to promise."""
-    text = config.get("text_config") or config if isinstance(config, Mapping) else (
-        config.get_text_config() if hasattr(config, "get_text_config") else config)
+    text = (
+        config.get("text_config") or config
+        if isinstance(config, Mapping)
+        else (config.get_text_config() if hasattr(config, "get_text_config") else config)
+    )
     read = text.get if isinstance(text, Mapping) else (lambda key: getattr(text, key, None))
     types = read("layer_types")
     if not isinstance(types, (list, tuple)) or not types:
         return kv_layers, 0, 0
     window = config_int(config, ("sliding_window", "attention_chunk_size")) or 0
     windowed = sum(1 for t in types if window and isinstance(t, str) and ("sliding" in t or "chunked" in t))
-    growing = sum(1 for t in types if isinstance(t, str) and t in ("full_attention", "attention", "global_attention")
-                  or (not window and isinstance(t, str) and ("sliding" in t or "chunked" in t)))
+    growing = sum(
+        1
+        for t in types
+        if isinstance(t, str)
+        and t in ("full_attention", "attention", "global_attention")
+        or (not window and isinstance(t, str) and ("sliding" in t or "chunked" in t))
+    )
     return growing, windowed, window
 
 
@@ -246,8 +267,15 @@ def facts_from_manifest(manifest, config, compute_dtype: str | None = None) -> M
     transformers config object (AutoConfig.from_pretrained(directory))."""
     units = _manifest_units((u.kind, u.tensor_bytes) for u in manifest.units)
     blocks = _block_bytes((t.packed, t.nbytes) for u in manifest.units for t in u.tensors)
-    return _build(manifest.source.get("name") or "model", units, config, manifest.dtype, compute_dtype,
-                  manifest.packing == "blocks", blocks)
+    return _build(
+        manifest.source.get("name") or "model",
+        units,
+        config,
+        manifest.dtype,
+        compute_dtype,
+        manifest.packing == "blocks",
+        blocks,
+    )
 
 
 def _block_bytes(rows) -> dict[str, dict[str, int]]:
@@ -291,7 +319,8 @@ def _facts_of(path: Path) -> ModelFacts:
 
 
 def _from_shard_dir(path: Path) -> ModelFacts:
-    # manifest.json as JSON, not Manifest.load: that checks every unit file's header, which a size estimate does not need
+    # manifest.json as JSON, not Manifest.load: that checks every unit file's header, which a size estimate does not
+    # need
     try:
         doc = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
         units = _manifest_units((u["kind"], sum(t["nbytes"] for t in u["tensors"])) for u in doc["units"])
@@ -339,7 +368,12 @@ def _from_hf_dir(path: Path, files: list[Path]) -> ModelFacts:
     # the dtype most weights are stored in, as `shard --dtype auto` picks it; the config's for other dtypes (fp8 ...)
     floating = {k: n for k, n in elements.items() if k.startswith(("F", "BF"))}
     dtype = short_name(max(floating, key=floating.get)) if floating else None
-    return _build(path.name, _tensor_units(path.name, sizes, expert_count(config)), config, dtype or short_name(_dtype_of(config)) or "bf16")
+    return _build(
+        path.name,
+        _tensor_units(path.name, sizes, expert_count(config)),
+        config,
+        dtype or short_name(_dtype_of(config)) or "bf16",
+    )
 
 
 def _from_gguf(path: Path) -> ModelFacts:
@@ -362,15 +396,28 @@ def _from_gguf(path: Path) -> ModelFacts:
     }
     dtype = "gguf-" + FILE_TYPES.get(meta.get("general.file_type"), str(meta.get("general.file_type", "?")))
     kept = kept_as_blocks(infos)
-    blocks = _block_bytes(({"kind": "gguf", "gguf_type": GGML_NAMES.get(infos[n][0], str(infos[n][0])),
-                            "shape": [infos[n][1][1], infos[n][1][0]]}, sizes[n]) for n in kept)
-    facts = _build(path.stem, _tensor_units(path.stem, sizes, None), config, dtype, gguf_blocks=True, block_bytes=blocks)
+    blocks = _block_bytes(
+        (
+            {
+                "kind": "gguf",
+                "gguf_type": GGML_NAMES.get(infos[n][0], str(infos[n][0])),
+                "shape": [infos[n][1][1], infos[n][1][0]],
+            },
+            sizes[n],
+        )
+        for n in kept
+    )
+    facts = _build(
+        path.stem, _tensor_units(path.stem, sizes, None), config, dtype, gguf_blocks=True, block_bytes=blocks
+    )
     window = get("attention.sliding_window")
     if isinstance(window, int) and window > 0 and not facts.kv_window_values:
         # The header declares sliding-window layers but not which (transformers derives them per architecture): every
         # layer still counts as keeping every token (the KV never undercounted), and one window's worth marks the
         # model as not all full attention, which an int4 KV cache needs (stream/kvcache.py).
-        facts = replace(facts, kv_window_values=window * 2 * (config["num_key_value_heads"] or 0) * (config["head_dim"] or 0))
+        facts = replace(
+            facts, kv_window_values=window * 2 * (config["num_key_value_heads"] or 0) * (config["head_dim"] or 0)
+        )
     return facts
 
 
@@ -412,7 +459,8 @@ def _config(path: Path) -> dict:
 
 
 def read_json_object(path: Path, shown: str | None = None) -> dict:
-    """The JSON object in PATH; ModelError naming it (as SHOWN, else its file name) where it is unreadable or not one."""
+    """The JSON object in PATH; ModelError naming it (as SHOWN, else its file name) where it is unreadable or not
+    one."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

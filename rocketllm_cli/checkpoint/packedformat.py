@@ -79,7 +79,9 @@ class PackedFormat:
 
     def with_layout(self, layout: str, scale_dtype: str | None = None) -> PackedFormat:
         """The same weight with its codes in another order (and its scales in another dtype)."""
-        return PackedFormat(self.kind, self.shape, self.group, scale_dtype or self.scale_dtype, self.gguf_type, self.block_bytes, layout)
+        return PackedFormat(
+            self.kind, self.shape, self.group, scale_dtype or self.scale_dtype, self.gguf_type, self.block_bytes, layout
+        )
 
     def to_dict(self) -> dict:
         """The manifest form: the fields plus every part's shape and dtype (checked again on reading)."""
@@ -100,9 +102,13 @@ class PackedFormat:
             raise ValueError(f"packed format must be a mapping, got {type(data).__name__}")
         try:
             fmt = cls(
-                kind=data["kind"], shape=tuple(data["shape"]), group=int(data["group"]),
-                scale_dtype=data.get("scale_dtype", ""), gguf_type=data.get("gguf_type", ""),
-                block_bytes=int(data.get("block_bytes", 0)), layout=data.get("layout", "rows"),
+                kind=data["kind"],
+                shape=tuple(data["shape"]),
+                group=int(data["group"]),
+                scale_dtype=data.get("scale_dtype", ""),
+                gguf_type=data.get("gguf_type", ""),
+                block_bytes=int(data.get("block_bytes", 0)),
+                layout=data.get("layout", "rows"),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"packed format is missing or mistypes a field ({exc})") from None
@@ -125,7 +131,9 @@ def _check(fmt: PackedFormat) -> None:
     elif fmt.scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"packed scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {fmt.scale_dtype!r}")
     if fmt.layout not in CODE_LAYOUTS or (fmt.layout != "rows" and fmt.kind != "int4"):
-        raise ValueError(f"packed layout must be one of {', '.join(CODE_LAYOUTS)} (not rows only for int4), got {fmt.layout!r}")
+        raise ValueError(
+            f"packed layout must be one of {', '.join(CODE_LAYOUTS)} (not rows only for int4), got {fmt.layout!r}"
+        )
     if fmt.kind == "int4" and fmt.group % 2:
         raise ValueError(f"int4 groups pack two codes a byte: group must be even, got {fmt.group}")
 
@@ -144,7 +152,9 @@ class PackedTensor:
         for name, (shape, dtype) in want.items():
             tensor = self.parts[name]
             if tuple(tensor.shape) != shape or _dtype_name(tensor.dtype) != dtype:
-                raise ValueError(f"packed part {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}")
+                raise ValueError(
+                    f"packed part {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}"
+                )
 
     def to_bytes(self):
         """The parts as one uint8 tensor, laid out as format.offsets() says (padding zeroed): what a shard stores."""
@@ -152,7 +162,7 @@ class PackedTensor:
 
         offsets, total = self.format.offsets()
         if len(offsets) == 1:  # one part that fills the layout (a GGUF tensor's blocks): itself, no copy
-            (name, at), = offsets.items()
+            ((name, at),) = offsets.items()
             raw = self.parts[name].detach().contiguous().cpu().reshape(-1).view(torch.uint8)
             if at == 0 and raw.numel() == total:
                 return raw
@@ -169,7 +179,9 @@ class PackedTensor:
 
         offsets, total = fmt.offsets()
         if data.dtype != torch.uint8 or data.numel() != total:
-            raise ValueError(f"packed bytes are {data.numel()} {data.dtype}, {fmt.kind} {fmt.shape} needs {total} uint8")
+            raise ValueError(
+                f"packed bytes are {data.numel()} {data.dtype}, {fmt.kind} {fmt.shape} needs {total} uint8"
+            )
         parts = {}
         for name, (shape, dtype) in fmt.parts().items():
             at, size = offsets[name], _part_bytes(shape, dtype)
@@ -194,4 +206,3 @@ def _torch_dtype(name: str):
     import torch
 
     return {"uint8": torch.uint8, "int8": torch.int8}.get(name) or dtypes.torch_dtype(name)
-

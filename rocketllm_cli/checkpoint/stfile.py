@@ -28,10 +28,21 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors reference limit
 # safetensors dtype -> (torch dtype attribute, bytes per element). The torch dtypes are looked up on first
 # use, so parsing a header (doctor --model sizes a model from its headers) does not import torch.
 _KINDS = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
-    "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
-    "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "U16": ("uint16", 2),
+    "U32": ("uint32", 4),
+    "U64": ("uint64", 8),
 }
 
 
@@ -83,7 +94,9 @@ def read_header(path: Path) -> Header:
                 raise ShardError(f"{path.name}: not a safetensors file (shorter than 8 bytes)")
             (length,) = struct.unpack("<Q", prefix)
             if length > MAX_HEADER_BYTES or length > size - 8:
-                raise ShardError(f"{path.name}: corrupt safetensors header (length {length} exceeds the file or the 100 MB limit)")
+                raise ShardError(
+                    f"{path.name}: corrupt safetensors header (length {length} exceeds the file or the 100 MB limit)"
+                )
             raw = f.read(length)
     except OSError as exc:
         raise ShardError(f"{path.name}: cannot read ({exc.strerror or exc})") from None
@@ -118,11 +131,19 @@ def _entry(path: Path, name: str, spec: object, data_offset: int, size: int) -> 
     itemsize = _KINDS[name_of_dtype][1] if isinstance(name_of_dtype, str) and name_of_dtype in _KINDS else None
     shape, offsets = spec.get("shape"), spec.get("data_offsets")
     if itemsize is None:
-        shown = repr(name_of_dtype[:20]) if isinstance(name_of_dtype, str) else f"of type {type(name_of_dtype).__name__}"
+        shown = (
+            repr(name_of_dtype[:20]) if isinstance(name_of_dtype, str) else f"of type {type(name_of_dtype).__name__}"
+        )
         raise ShardError(f"{bad} (unknown dtype {shown})")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape):
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape
+    ):
         raise ShardError(f"{bad} (shape is not a list of non-negative integers)")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
         raise ShardError(f"{bad} (data_offsets is not [start, end])")
     begin, end = offsets
     if not 0 <= begin <= end or data_offset + end > size:
@@ -131,7 +152,9 @@ def _entry(path: Path, name: str, spec: object, data_offset: int, size: int) -> 
     for d in shape:
         numel *= d
     if numel * itemsize != end - begin:
-        raise ShardError(f"{bad} (shape {shape} x {name_of_dtype} needs {numel * itemsize} bytes, header says {end - begin})")
+        raise ShardError(
+            f"{bad} (shape {shape} x {name_of_dtype} needs {numel * itemsize} bytes, header says {end - begin})"
+        )
     return TensorEntry(str(name), name_of_dtype, tuple(shape), data_offset + begin, end - begin)
 
 
@@ -152,7 +175,9 @@ def read_tensor(fd: int, entry: TensorEntry) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(entry.dtype).view(entry.shape)
 
 
-def layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[str, int, int]]]:
+def layout(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[tuple[str, int, int]]]:
     """Header bytes (padded to ALIGN) and (name, offset-in-data, nbytes) in write order: largest first."""
     order = sorted(tensors, key=lambda n: (-tensors[n].numel() * tensors[n].element_size(), n))
     doc: dict[str, object] = {"__metadata__": dict(metadata or {})}
@@ -160,7 +185,11 @@ def layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = N
     for name in order:
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        doc[name] = {"dtype": _torch_tables()[1][t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        doc[name] = {
+            "dtype": _torch_tables()[1][t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         spans.append((name, offset, nbytes))
         offset += nbytes
     raw = json.dumps(doc, separators=(",", ":")).encode()

@@ -1,4 +1,5 @@
-"""rocketllm bench: per regime, measured ms/token next to the cost model's projection and the physical limit, baselines beside."""
+"""rocketllm bench: per regime, measured ms/token next to the cost model's projection and the physical limit, baselines
+beside."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from ..output import Output
 
 NAME = "bench"
 NO_ARGS_IS_HELP = True
-HELP = """Benchmark MODEL (or a --synthetic one) in the resident, host and storage regimes (and expert-cache for a MoE model).
+HELP = """Benchmark MODEL (or a --synthetic one) in the resident, host and storage regimes (and expert-cache for a MoE
+model).
 
 Prints a one-line hardware profile and a Markdown table (paste it into docs/HARDWARE.md): ms/token
 median and spread, time to first token, bytes per token per tier, storage bytes witnessed by
@@ -44,25 +46,118 @@ Examples:
   rocketllm bench --kernels
 """
 
-RegimeOpt = Annotated[Optional[list[str]], typer.Option("--regime", help=f"resident, host, storage, auto (the residency this machine derives, as generate runs: a model larger than memory), expert-cache (MoE models) or all (repeatable; all is every one but auto). [default: all that apply; {BATCH_REGIME} with --batch]", show_default=False)]
-BaselineOpt = Annotated[Optional[list[str]], typer.Option("--baseline", help="transformers, accelerate, naive, airllm, llamacpp (a GGUF MODEL, llama-cpp-python installed) or all (repeatable; several names after one flag work too).", show_default=False)]
-ConversationOpt = Annotated[Optional[int], typer.Option("--conversation", help=f"Replay an N-turn chat with prefix reuse off and on and print each turn's prefill time ({CONVERSATION_REGIME} regime unless --regime; replies of --tokens, default {REPLY_TOKENS}).", show_default=False)]
-PerplexityOpt = Annotated[Optional[str], typer.Option("--perplexity", metavar="FILE", help=f"Teacher-forced perplexity of MODEL on the UTF-8 text FILE (tests/fixtures/perplexity.txt is a 4.7 KB one): windows of --window tokens, one streaming pass each ({PERPLEXITY_REGIME} regime unless --regime).", show_default=False)]
-ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", metavar="REF", help="With --perplexity: score REF (same tokenizer) too, and print both perplexities, their difference in %, top-1 agreement and the KL divergence KL(REF || MODEL) per scored token (mean, p99, max; nats).", show_default=False)]
-WindowOpt = Annotated[Optional[int], typer.Option("--window", help=f"With --perplexity: tokens per pass. [default: {PERPLEXITY_WINDOW}, or the model's context if shorter]", show_default=False)]
-StrideOpt = Annotated[Optional[int], typer.Option("--stride", help="With --perplexity: tokens between window starts; each token is scored once. [default: half the window]", show_default=False)]
-BatchOpt = Annotated[Optional[list[int]], typer.Option("--batch", help="Batch sizes to sweep (e.g. --batch 1 4 8): throughput vs N in one regime.", show_default=False)]
-SchemaOpt = Annotated[Optional[str], typer.Option("--json-schema", metavar="SCHEMA", help=f"What constrained decoding costs: ms/token of replies constrained by SCHEMA (inline JSON or a file) beside free replies of as many tokens, per regime (resident and storage unless --regime; --tokens default {GRAMMAR_TOKENS}).", show_default=False)]
+RegimeOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--regime",
+        help=f"resident, host, storage, auto (the residency this machine derives, as generate runs: a model larger "
+        f"than memory), expert-cache (MoE models) or all (repeatable; all is every one but auto). [default: all that "
+        f"apply; {BATCH_REGIME} with --batch]",
+        show_default=False,
+    ),
+]
+BaselineOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--baseline",
+        help="transformers, accelerate, naive, airllm, llamacpp (a GGUF MODEL, llama-cpp-python installed) or all "
+        "(repeatable; several names after one flag work too).",
+        show_default=False,
+    ),
+]
+ConversationOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--conversation",
+        help=f"Replay an N-turn chat with prefix reuse off and on and print each turn's prefill time "
+        f"({CONVERSATION_REGIME} regime unless --regime; replies of --tokens, default {REPLY_TOKENS}).",
+        show_default=False,
+    ),
+]
+PerplexityOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--perplexity",
+        metavar="FILE",
+        help=f"Teacher-forced perplexity of MODEL on the UTF-8 text FILE (tests/fixtures/perplexity.txt is a 4.7 KB "
+        f"one): windows of --window tokens, one streaming pass each ({PERPLEXITY_REGIME} regime unless --regime).",
+        show_default=False,
+    ),
+]
+ReferenceOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--reference",
+        metavar="REF",
+        help="With --perplexity: score REF (same tokenizer) too, and print both perplexities, their difference in %, "
+        "top-1 agreement and the KL divergence KL(REF || MODEL) per scored token (mean, p99, max; nats).",
+        show_default=False,
+    ),
+]
+WindowOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--window",
+        help=f"With --perplexity: tokens per pass. [default: {PERPLEXITY_WINDOW}, or the model's context if shorter]",
+        show_default=False,
+    ),
+]
+StrideOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--stride",
+        help="With --perplexity: tokens between window starts; each token is scored once. [default: half the window]",
+        show_default=False,
+    ),
+]
+BatchOpt = Annotated[
+    Optional[list[int]],
+    typer.Option(
+        "--batch", help="Batch sizes to sweep (e.g. --batch 1 4 8): throughput vs N in one regime.", show_default=False
+    ),
+]
+SchemaOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--json-schema",
+        metavar="SCHEMA",
+        help=f"What constrained decoding costs: ms/token of replies constrained by SCHEMA (inline JSON or a file) "
+        f"beside free replies of as many tokens, per regime (resident and storage unless --regime; --tokens default "
+        f"{GRAMMAR_TOKENS}).",
+        show_default=False,
+    ),
+]
 
 
 @with_knob_options
 def run(
-    model: Annotated[Optional[list[str]], typer.Argument(help="Model directory, .gguf file, hub id or shard directory.", show_default=False, metavar="[MODEL]")] = None,
+    model: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            help="Model directory, .gguf file, hub id or shard directory.", show_default=False, metavar="[MODEL]"
+        ),
+    ] = None,
     model_option: ModelOpt = None,
-    synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="Bench a random-weight model ARCH:SIZE (e.g. llama:1B), written once into the cache.", show_default=False)] = None,
+    synthetic: Annotated[
+        Optional[str],
+        typer.Option(
+            "--synthetic",
+            help="Bench a random-weight model ARCH:SIZE (e.g. llama:1B), written once into the cache.",
+            show_default=False,
+        ),
+    ] = None,
     regime: RegimeOpt = None,
-    tokens: Annotated[Optional[int], typer.Option("--tokens", help=f"Decode tokens measured (after one warm-up token). [default: {DECODE_TOKENS}]", show_default=False)] = None,
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Length of the fixed prompt in tokens.")] = PROMPT_TOKENS,
+    tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            "--tokens",
+            help=f"Decode tokens measured (after one warm-up token). [default: {DECODE_TOKENS}]",
+            show_default=False,
+        ),
+    ] = None,
+    prompt_tokens: Annotated[
+        int, typer.Option("--prompt-tokens", help="Length of the fixed prompt in tokens.")
+    ] = PROMPT_TOKENS,
     baseline: BaselineOpt = None,
     batch: BatchOpt = None,
     conversation: ConversationOpt = None,
@@ -71,7 +166,14 @@ def run(
     window: WindowOpt = None,
     stride: StrideOpt = None,
     json_schema: SchemaOpt = None,
-    kernels: Annotated[bool, typer.Option("--kernels", help="No model: the native kernels' GB/s per GGUF block type, exact and int8, their error against fp64, and the torch decoder's rate.")] = False,
+    kernels: Annotated[
+        bool,
+        typer.Option(
+            "--kernels",
+            help="No model: the native kernels' GB/s per GGUF block type, "
+            "exact and int8, their error against fp64, and the torch decoder's rate.",
+        ),
+    ] = False,
     json: JsonOpt = False,
     knob_flags: dict | None = None,
 ) -> None:
@@ -91,7 +193,10 @@ def run(
         if synthetic is not None or model is None:
             from ..errors import UsageError
 
-            raise UsageError("under torchrun, bench a MODEL path every rank can read (write a --synthetic model once without torchrun)")
+            raise UsageError(
+                "under torchrun, bench a MODEL path every rank can read (write a --synthetic model once "
+                "without torchrun)"
+            )
         if not launch.is_first:
             from ..auto import run_later_stage
 
@@ -100,7 +205,20 @@ def run(
 
         join(launch, knob_flags)  # every rank joins now; rank 0 loads after
     if perplexity is not None:
-        _perplexity(model, synthetic, perplexity, reference, window, stride, regime, baseline, batch, conversation, knob_flags or {}, output)
+        _perplexity(
+            model,
+            synthetic,
+            perplexity,
+            reference,
+            window,
+            stride,
+            regime,
+            baseline,
+            batch,
+            conversation,
+            knob_flags or {},
+            output,
+        )
         return
     if reference is not None or window is not None or stride is not None:
         from ..errors import UsageError
@@ -115,8 +233,16 @@ def run(
     tokens = DECODE_TOKENS if tokens is None else tokens
     regimes = () if "all" in regime else tuple(dict.fromkeys(regime))  # () = every regime that applies to the model
     baselines = tuple(BASELINES if b == "all" else (b,) for b in baseline)
-    req = BenchRequest(model, synthetic, regimes, tokens, prompt_tokens,
-                       tuple(dict.fromkeys(b for group in baselines for b in group)), tuple(batch or ()), knob_flags or {})
+    req = BenchRequest(
+        model,
+        synthetic,
+        regimes,
+        tokens,
+        prompt_tokens,
+        tuple(dict.fromkeys(b for group in baselines for b in group)),
+        tuple(batch or ()),
+        knob_flags or {},
+    )
     doc = run_bench(req, output.log, output.progress)
     if json:
         output.json(doc)
@@ -154,7 +280,8 @@ def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob
 
     regimes = _alone("--conversation", regime, baseline, batch)
     req = ConversationRequest(model, synthetic, turns, REPLY_TOKENS if tokens is None else tokens, regimes, knob_flags)
-    with output.progress(f"conversation: {turns} turns", announce=False):  # a status line beside the bench's own log lines
+    # a status line beside the bench's own log lines
+    with output.progress(f"conversation: {turns} turns", announce=False):
         doc = run_conversation(req, output.log)
     if output.as_json:
         output.json(doc)
@@ -163,7 +290,8 @@ def _conversation(model, synthetic, turns, tokens, regime, baseline, batch, knob
 
 
 def _alone(mode: str, regime: list[str], baseline: list, batch: list) -> tuple[str, ...]:
-    """The regimes a mode that measures RocketLLM alone runs (--regime all: every one), refusing baselines and batches."""
+    """The regimes a mode that measures RocketLLM alone runs (--regime all: every one), refusing baselines and
+    batches."""
     from ..bench import REGIMES
     from ..errors import UsageError
 
@@ -181,7 +309,9 @@ def _grammar(model, synthetic, schema, tokens, regime, baseline, batch, knob_fla
     from ..text.constraints import json_schema_of
 
     regimes = _alone("--json-schema", regime, baseline, batch)
-    req = GrammarRequest(model, synthetic, json_schema_of(schema), GRAMMAR_TOKENS if tokens is None else tokens, regimes, knob_flags)
+    req = GrammarRequest(
+        model, synthetic, json_schema_of(schema), GRAMMAR_TOKENS if tokens is None else tokens, regimes, knob_flags
+    )
     with output.progress("constrained and free replies", announce=False):
         doc = run_grammar(req, output.log)
     if output.as_json:
@@ -190,7 +320,9 @@ def _grammar(model, synthetic, schema, tokens, regime, baseline, batch, knob_fla
         output.result(render_grammar(doc))
 
 
-def _perplexity(model, synthetic, text_file, reference, window, stride, regime, baseline, batch, conversation, knob_flags, output) -> None:
+def _perplexity(
+    model, synthetic, text_file, reference, window, stride, regime, baseline, batch, conversation, knob_flags, output
+) -> None:
     from ..bench.perplexity import (
         PerplexityRequest,
         read_text,
@@ -203,7 +335,9 @@ def _perplexity(model, synthetic, text_file, reference, window, stride, regime, 
         raise UsageError("--perplexity scores RocketLLM (and --reference): drop --baseline, --batch and --conversation")
     if len(regime) > 1 or "all" in regime:
         raise UsageError("--perplexity runs one regime: pass --regime resident, host or storage")
-    req = PerplexityRequest(model, text_file, reference, window, stride, regime[0] if regime else PERPLEXITY_REGIME, synthetic, knob_flags)
+    req = PerplexityRequest(
+        model, text_file, reference, window, stride, regime[0] if regime else PERPLEXITY_REGIME, synthetic, knob_flags
+    )
     read_text(text_file)  # a bad FILE is refused before any model is sharded or loaded
     if reference is not None:
         from ..errors import ModelError

@@ -16,19 +16,24 @@ from ..sizes import format_bytes
 NAME = "cache"
 HELP = """See and remove what rocketllm keeps on disk: shard sets and measured profiles.
 
-Shards go to the cache unless --out is given: ROCKETLLM_CACHE if set, else ~/.cache/rocketllm ($XDG_CACHE_HOME/rocketllm). bf16 shards of a 4-bit GGUF are about 2.7 times the file.
+Shards go to the cache unless --out is given: ROCKETLLM_CACHE if set, else ~/.cache/rocketllm
+($XDG_CACHE_HOME/rocketllm). bf16 shards of a 4-bit GGUF are about 2.7 times the file.
 
-Examples: `rocketllm cache ls`, `rocketllm cache rm NAME -y`, `rocketllm cache rm --all`, `du -sh "$(rocketllm cache path)"`.
+Examples: `rocketllm cache ls`, `rocketllm cache rm NAME -y`, `rocketllm cache rm --all`, `du -sh "$(rocketllm cache
+path)"`.
 """
 LS_HELP = """List every shard set in the cache: model, source, dtype, units, size on disk, when last used, state.
 
-State: complete; damaged (would not load: re-run `rocketllm shard` or remove it); partial (an interrupted `shard`, resumed by the next one); leftover (an interrupted removal). Last used: the last load by generate, serve or bench, else when it was sharded.
+State: complete; damaged (would not load: re-run `rocketllm shard` or remove it); partial (an interrupted `shard`,
+resumed by the next one); leftover (an interrupted removal). Last used: the last load by generate, serve or bench, else
+when it was sharded.
 
 Examples: `rocketllm cache ls`, `rocketllm cache ls --json`.
 """
 RM_HELP = """Remove shard sets by NAME (as `rocketllm cache ls` shows it), with what interrupted runs left of them.
 
-Asks first on a terminal; -y removes without asking (needed off a terminal). A set another process is sharding is refused. Nothing outside the cache is ever deleted.
+Asks first on a terminal; -y removes without asking (needed off a terminal). A set another process is sharding is
+refused. Nothing outside the cache is ever deleted.
 
 Examples: `rocketllm cache rm SmolLM2-135M-Instruct.Q4_1-0123456789abcdef-bf16`, `rocketllm cache rm --all -y`.
 """
@@ -37,7 +42,10 @@ PATH_HELP = """Print the cache directory: ROCKETLLM_CACHE if set, else the defau
 Example: `du -sh "$(rocketllm cache path)"`; move the cache with `ROCKETLLM_CACHE=/big/disk/rocketllm`.
 """
 
-NamesArg = Annotated[Optional[list[str]], typer.Argument(metavar="NAME", help="Shard set names, from `rocketllm cache ls`.", show_default=False)]
+NamesArg = Annotated[
+    Optional[list[str]],
+    typer.Argument(metavar="NAME", help="Shard set names, from `rocketllm cache ls`.", show_default=False),
+]
 AllOpt = Annotated[bool, typer.Option("--all", help="Remove every shard set in the cache.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking.")]
 
@@ -50,22 +58,42 @@ def ls(json: JsonOpt = False) -> None:
     sets, profiles, other = list_sets(), profiles_usage(), other_usage()
     total = sum(s.bytes for s in sets)
     if json:
-        output.json({"shards_dir": str(shards_root()), "sets": [s.to_dict() for s in sets], "total_bytes": total,
-                     "profiles": profiles, "other": other})
+        output.json(
+            {
+                "shards_dir": str(shards_root()),
+                "sets": [s.to_dict() for s in sets],
+                "total_bytes": total,
+                "profiles": profiles,
+                "other": other,
+            }
+        )
         return
     rows = [("NAME", "MODEL", "SOURCE", "DTYPE", "UNITS", "LAYERS", "SIZE", "LAST USED", "STATE")]
     for s in sets:
         implied = {"partial": "partial", "leftover": "old"}.get(s.state)  # the leftover the state itself names
         state = " +".join([s.state, *(kind for kind in (n.rsplit(".", 1)[1] for n in s.leftovers) if kind != implied)])
-        rows.append((s.name, s.model or "-", s.source_kind or "-", s.dtype or "-", _count(s.units), _count(s.layers),
-                     format_bytes(s.bytes), _ago(s.last_used), state))
+        rows.append(
+            (
+                s.name,
+                s.model or "-",
+                s.source_kind or "-",
+                s.dtype or "-",
+                _count(s.units),
+                _count(s.layers),
+                format_bytes(s.bytes),
+                _ago(s.last_used),
+                state,
+            )
+        )
     if sets:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         output.result("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows))
     noun = "shard set" if len(sets) == 1 else "shard sets"
     output.result(f"total: {len(sets)} {noun}, {format_bytes(total)} in {shards_root()}")
     machines = "machine" if profiles["machines"] == 1 else "machines"
-    output.result(f"profiles: {profiles['count']} measured ({profiles['machines']} {machines}), {format_bytes(profiles['bytes'])}")
+    output.result(
+        f"profiles: {profiles['count']} measured ({profiles['machines']} {machines}), {format_bytes(profiles['bytes'])}"
+    )
     if other:
         output.result("other: " + ", ".join(f"{name}/ {format_bytes(size)}" for name, size in other.items()))
 
@@ -74,13 +102,19 @@ def rm(names: NamesArg = None, all_sets: AllOpt = False, yes: YesOpt = False, js
     from ..shard.cachedir import disk_bytes, find, remove
 
     if all_sets == bool(names):
-        raise UsageError("give shard set names (see `rocketllm cache ls`) or --all, not both" if names else
-                         "name the shard sets to remove (see `rocketllm cache ls`), or pass --all")
+        raise UsageError(
+            "give shard set names (see `rocketllm cache ls`) or --all, not both"
+            if names
+            else "name the shard sets to remove (see `rocketllm cache ls`), or pass --all"
+        )
     output = Output(as_json=json)
     chosen = find(None if all_sets else names)
     if chosen and not yes:
         if not sys.stdin.isatty():
-            raise UsageError("`rocketllm cache rm` asks before deleting and stdin is not a terminal; pass -y to remove without asking")
+            raise UsageError(
+                "`rocketllm cache rm` asks before deleting and stdin is not a terminal; pass -y to remove "
+                "without asking"
+            )
         sizes = {name: sum(disk_bytes(p) for p in pieces) for name, pieces in chosen.items()}
         for name, size in sizes.items():
             output.log(f"  {name}  {format_bytes(size)}")
@@ -90,11 +124,18 @@ def rm(names: NamesArg = None, all_sets: AllOpt = False, yes: YesOpt = False, js
             return
     freed = remove(list(chosen))
     if json:
-        output.json({"removed": [{"name": name, "bytes": size} for name, size in freed.items()], "freed_bytes": sum(freed.values())})
+        output.json(
+            {
+                "removed": [{"name": name, "bytes": size} for name, size in freed.items()],
+                "freed_bytes": sum(freed.values()),
+            }
+        )
         return
     for name, size in freed.items():
         output.result(f"removed {name} ({format_bytes(size)})")
-    output.result(f"freed {format_bytes(sum(freed.values()))}" if freed else "nothing to remove: the cache holds no shard sets")
+    output.result(
+        f"freed {format_bytes(sum(freed.values()))}" if freed else "nothing to remove: the cache holds no shard sets"
+    )
 
 
 def path(json: JsonOpt = False) -> None:
@@ -107,7 +148,11 @@ def path(json: JsonOpt = False) -> None:
         output.json({"path": str(where), "from": origin})
         return
     output.result(str(where))  # alone on stdout, for "$(rocketllm cache path)"
-    output.log("from ROCKETLLM_CACHE" if origin == "ROCKETLLM_CACHE" else "the default; set ROCKETLLM_CACHE=/big/disk/rocketllm to move it")
+    output.log(
+        "from ROCKETLLM_CACHE"
+        if origin == "ROCKETLLM_CACHE"
+        else "the default; set ROCKETLLM_CACHE=/big/disk/rocketllm to move it"
+    )
 
 
 SUBCOMMANDS = {"ls": (ls, LS_HELP), "rm": (rm, RM_HELP), "path": (path, PATH_HELP)}

@@ -11,13 +11,25 @@ from ..options import JsonOpt, ModelPathOpt, RefreshOpt
 from ..output import Output
 
 NAME = "doctor"
-HELP = """Report versions, hardware, capability decisions, measured bandwidths and the projected cost per token, as Markdown to paste into an issue.
+HELP = """Report versions, hardware, capability decisions, measured bandwidths and the projected cost per token, as
+Markdown to paste into an issue.
 
-Examples: `rocketllm doctor`, `rocketllm doctor --model ./shards`, `rocketllm doctor --model-size 70B --weight-bits 4 --json`.
+Examples: `rocketllm doctor`, `rocketllm doctor --model ./shards`, `rocketllm doctor --model-size 70B --weight-bits 4
+--json`.
 """
 
-ModelSizeOpt = Annotated[Optional[str], typer.Option("--model-size", help="Project a dense model of this many parameters instead of a path, e.g. 70B, 8B, 135M.")]
-WeightBitsOpt = Annotated[Optional[float], typer.Option("--weight-bits", help="Bits per weight for --model-size (16 = bf16, 4 = 4-bit quantized). [default: 16]")]
+ModelSizeOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model-size", help="Project a dense model of this many parameters instead of a path, e.g. 70B, 8B, 135M."
+    ),
+]
+WeightBitsOpt = Annotated[
+    Optional[float],
+    typer.Option(
+        "--weight-bits", help="Bits per weight for --model-size (16 = bf16, 4 = 4-bit quantized). [default: 16]"
+    ),
+]
 
 
 def run(
@@ -48,7 +60,10 @@ def run(
         if not 1 <= bits <= 32:
             raise ModelError(f"--weight-bits {bits:g} is out of range: expected 1 to 32 (e.g. 4, 8, 16)")
         try:
-            facts, source = ModelFacts.from_size(parse_param_count(model_size), bits), f"--model-size {model_size} --weight-bits {bits:g}"
+            facts, source = (
+                ModelFacts.from_size(parse_param_count(model_size), bits),
+                (f"--model-size {model_size} --weight-bits {bits:g}"),
+            )
         except ValueError as exc:
             raise ModelError(f"--model-size: {exc}") from None
 
@@ -59,7 +74,9 @@ def run(
     profile = HardwareProfile.load(storage_path=model, refresh=refresh, log=out.log)
     from ..packed.probe import report_rows
 
-    document = report.build(profile, facts, source, model_path=model, log=out.log, kernels=report_rows(profile.compute_device))
+    document = report.build(
+        profile, facts, source, model_path=model, log=out.log, kernels=report_rows(profile.compute_device)
+    )
     from ..distributed.launch import launched
 
     launch = launched()  # under torchrun: every rank measures itself and its link; rank 0 reports the stage plan

@@ -1,4 +1,5 @@
-"""rocketllm plan: every whole configuration of a model on this machine (or one to buy), ranked by projected tokens/s."""
+"""rocketllm plan: every whole configuration of a model on this machine (or one to buy), ranked by projected
+tokens/s."""
 
 from __future__ import annotations
 
@@ -13,9 +14,14 @@ from ..output import Output
 
 NAME = "plan"
 NO_ARGS_IS_HELP = True
-HELP = """Rank whole configurations of MODEL by projected tokens/s: weight format, compute dtype, KV dtype and context, residency per tier, speculation, batch and stages over hosts, each with the memory it takes per tier, its projection's formula and inputs, and the generate/bench lines that run it. The first row is what the defaults pick, or says why they differ.
+HELP = """Rank whole configurations of MODEL by projected tokens/s: weight format, compute dtype, KV dtype and context,
+residency per tier, speculation, batch and stages over hosts, each with the memory it takes per tier, its projection's
+formula and inputs, and the generate/bench lines that run it. The first row is what the defaults pick, or says why they
+differ.
 
-MODEL is a .gguf file, a checkpoint directory, a shard set or a config.json: only headers are read. The machine is this one's saved profile (measured once if none is), or what --profile, --ram, --vram, --disk-bw and --hosts describe. --verify K benches the top K rows here and prints projected beside measured.
+MODEL is a .gguf file, a checkpoint directory, a shard set or a config.json: only headers are read. The machine is this
+one's saved profile (measured once if none is), or what --profile, --ram, --vram, --disk-bw and --hosts describe.
+--verify K benches the top K rows here and prints projected beside measured.
 
 Examples:
   rocketllm plan ./SmolLM2.gguf
@@ -31,44 +37,150 @@ PANEL_MACHINE, PANEL_REQUEST = "What-if hardware", "Constraints"
 def run(
     model: ModelArg = None,
     model_option: ModelOpt = None,
-    ram: Annotated[Optional[str], typer.Option("--ram", metavar="BYTES", rich_help_panel=PANEL_MACHINE, show_default=False,
-                                               help="Plan for this much RAM (e.g. 64GiB); free memory keeps today's share.")] = None,
-    vram: Annotated[Optional[str], typer.Option("--vram", metavar="BYTES", rich_help_panel=PANEL_MACHINE, show_default=False,
-                                                help="Plan for this much VRAM (a GPU machine's profile).")] = None,
-    disk_bw: Annotated[Optional[str], typer.Option("--disk-bw", metavar="RATE", rich_help_panel=PANEL_MACHINE, show_default=False,
-                                                   help="Plan for storage reads this fast, in bytes/s (e.g. 7GB/s).")] = None,
-    hosts: Annotated[int, typer.Option("--hosts", metavar="N", min=1, rich_help_panel=PANEL_MACHINE,
-                                       help="Also plan pipeline stages over 2, 4 ... this many hosts like this one.")] = 1,
-    link_bw: Annotated[Optional[str], typer.Option("--link-bw", metavar="RATE", rich_help_panel=PANEL_MACHINE, show_default=False,
-                                                   help="With --hosts: the link between hosts, bytes/s (1.25GB/s is 10 Gbit/s).")] = None,
-    link_latency: Annotated[float, typer.Option("--link-latency", metavar="SECONDS", min=0.0, rich_help_panel=PANEL_MACHINE,
-                                                help="With --hosts: one message's latency over a link.")] = 0.0,
-    profile_file: Annotated[Optional[Path], typer.Option("--profile", metavar="FILE", rich_help_panel=PANEL_MACHINE, show_default=False,
-                                                         help="Plan for the machine `rocketllm doctor --json` described.")] = None,
-    min_context: Annotated[Optional[int], typer.Option("--min-context", metavar="TOKENS", min=1, rich_help_panel=PANEL_REQUEST, show_default=False,
-                                                       help="Tokens each sequence must hold.")] = None,
-    max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="BYTES", rich_help_panel=PANEL_REQUEST, show_default=False,
-                                                      help="Memory the run may take (RAM, plus VRAM on a GPU).")] = None,
-    batch: Annotated[int, typer.Option("--batch", metavar="N", min=1, rich_help_panel=PANEL_REQUEST,
-                                       help="Sequences per pass (generate --batch).")] = 1,
-    quality: Annotated[Optional[float], typer.Option("--quality", metavar="KL", min=0.0, rich_help_panel=PANEL_REQUEST, show_default=False,
-                                                     help="Only formats whose measured KL against the unquantised weights is at most KL "
-                                                          "(nats per token).")] = None,
-    top: Annotated[int, typer.Option("--top", metavar="N", min=1, help="Rows shown in the table, each with its details.")] = TOP,
-    verify: Annotated[Optional[int], typer.Option("--verify", metavar="K", min=1, show_default=False,
-                                                  help="Bench the top K rows that run here; projected beside measured.")] = None,
-    summary_only: Annotated[bool, typer.Option("--summary", help="Print only the one-line summary (for an issue).")] = False,
+    ram: Annotated[
+        Optional[str],
+        typer.Option(
+            "--ram",
+            metavar="BYTES",
+            rich_help_panel=PANEL_MACHINE,
+            show_default=False,
+            help="Plan for this much RAM (e.g. 64GiB); free memory keeps today's share.",
+        ),
+    ] = None,
+    vram: Annotated[
+        Optional[str],
+        typer.Option(
+            "--vram",
+            metavar="BYTES",
+            rich_help_panel=PANEL_MACHINE,
+            show_default=False,
+            help="Plan for this much VRAM (a GPU machine's profile).",
+        ),
+    ] = None,
+    disk_bw: Annotated[
+        Optional[str],
+        typer.Option(
+            "--disk-bw",
+            metavar="RATE",
+            rich_help_panel=PANEL_MACHINE,
+            show_default=False,
+            help="Plan for storage reads this fast, in bytes/s (e.g. 7GB/s).",
+        ),
+    ] = None,
+    hosts: Annotated[
+        int,
+        typer.Option(
+            "--hosts",
+            metavar="N",
+            min=1,
+            rich_help_panel=PANEL_MACHINE,
+            help="Also plan pipeline stages over 2, 4 ... this many hosts like this one.",
+        ),
+    ] = 1,
+    link_bw: Annotated[
+        Optional[str],
+        typer.Option(
+            "--link-bw",
+            metavar="RATE",
+            rich_help_panel=PANEL_MACHINE,
+            show_default=False,
+            help="With --hosts: the link between hosts, bytes/s (1.25GB/s is 10 Gbit/s).",
+        ),
+    ] = None,
+    link_latency: Annotated[
+        float,
+        typer.Option(
+            "--link-latency",
+            metavar="SECONDS",
+            min=0.0,
+            rich_help_panel=PANEL_MACHINE,
+            help="With --hosts: one message's latency over a link.",
+        ),
+    ] = 0.0,
+    profile_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--profile",
+            metavar="FILE",
+            rich_help_panel=PANEL_MACHINE,
+            show_default=False,
+            help="Plan for the machine `rocketllm doctor --json` described.",
+        ),
+    ] = None,
+    min_context: Annotated[
+        Optional[int],
+        typer.Option(
+            "--min-context",
+            metavar="TOKENS",
+            min=1,
+            rich_help_panel=PANEL_REQUEST,
+            show_default=False,
+            help="Tokens each sequence must hold.",
+        ),
+    ] = None,
+    max_memory: Annotated[
+        Optional[str],
+        typer.Option(
+            "--max-memory",
+            metavar="BYTES",
+            rich_help_panel=PANEL_REQUEST,
+            show_default=False,
+            help="Memory the run may take (RAM, plus VRAM on a GPU).",
+        ),
+    ] = None,
+    batch: Annotated[
+        int,
+        typer.Option(
+            "--batch", metavar="N", min=1, rich_help_panel=PANEL_REQUEST, help="Sequences per pass (generate --batch)."
+        ),
+    ] = 1,
+    quality: Annotated[
+        Optional[float],
+        typer.Option(
+            "--quality",
+            metavar="KL",
+            min=0.0,
+            rich_help_panel=PANEL_REQUEST,
+            show_default=False,
+            help="Only formats whose measured KL against the unquantised weights is at most KL (nats per token).",
+        ),
+    ] = None,
+    top: Annotated[
+        int, typer.Option("--top", metavar="N", min=1, help="Rows shown in the table, each with its details.")
+    ] = TOP,
+    verify: Annotated[
+        Optional[int],
+        typer.Option(
+            "--verify",
+            metavar="K",
+            min=1,
+            show_default=False,
+            help="Bench the top K rows that run here; projected beside measured.",
+        ),
+    ] = None,
+    summary_only: Annotated[
+        bool, typer.Option("--summary", help="Print only the one-line summary (for an issue).")
+    ] = False,
     json_output: JsonOpt = False,
 ) -> None:
     from ..planning.planner import PlanRequest
 
     model = pick_model(model, model_option)
     if hosts > 1 and link_bw is None:
-        raise UsageError("--hosts needs --link-bw: the link between hosts, e.g. --link-bw 1.25GB/s for 10 Gbit/s Ethernet")
+        raise UsageError(
+            "--hosts needs --link-bw: the link between hosts, e.g. --link-bw 1.25GB/s for 10 Gbit/s Ethernet"
+        )
     if hosts == 1 and (link_bw is not None or link_latency):
         raise UsageError("--link-bw and --link-latency go with --hosts N (N at least 2)")
-    request = PlanRequest(min_context, _size("--max-memory", max_memory), batch, quality, hosts,
-                          _size("--link-bw", link_bw, rate=True) or 0.0, link_latency)
+    request = PlanRequest(
+        min_context,
+        _size("--max-memory", max_memory),
+        batch,
+        quality,
+        hosts,
+        _size("--link-bw", link_bw, rate=True) or 0.0,
+        link_latency,
+    )
     from ..planning.formats import read_source
     from ..planning.planner import make_plan
     from ..planning.report import document, render, summary
@@ -76,8 +188,12 @@ def run(
 
     source = read_source(Path(model))
     out = Output(as_json=json_output)
-    profile, notes = what_if(_profile(profile_file, source, out), _size("--ram", ram), _size("--vram", vram),
-                             _size("--disk-bw", disk_bw, rate=True))
+    profile, notes = what_if(
+        _profile(profile_file, source, out),
+        _size("--ram", ram),
+        _size("--vram", vram),
+        _size("--disk-bw", disk_bw, rate=True),
+    )
     plan = make_plan(source, profile, request, notes)
     measured = None
     if verify:

@@ -6,7 +6,8 @@ from ..options import JsonOpt, ModelPathOpt, RefreshOpt, with_knob_options
 from ..output import Output
 
 NAME = "profile"
-HELP = """Print every knob: its value, the formula that derived it from the measured hardware, the formula's inputs, and its source.
+HELP = """Print every knob: its value, the formula that derived it from the measured hardware, the formula's inputs, and
+its source.
 
 Overrides (a --<knob> flag, or ROCKETLLM_<NAME> in the environment) are marked [OVERRIDDEN].
 Examples: `rocketllm profile`, `rocketllm profile --model ./shards --prefetch-depth 2`, `rocketllm profile --json`.
@@ -37,8 +38,9 @@ def run(
     if facts is not None:  # a shard set streamed from storage: its own units' reads decide the read knobs
         from ..profiles.probe.unitreads import with_own_reads
 
-        facts, knobs = with_own_reads(profile, facts, model, knobs, lambda f: resolve_knobs(profile, f, flags=knob_flags, shape=shape),
-                                      out.log)
+        facts, knobs = with_own_reads(
+            profile, facts, model, knobs, lambda f: resolve_knobs(profile, f, flags=knob_flags, shape=shape), out.log
+        )
         floor = memory_floor(profile, facts, knobs, shape=shape)
     from ..distributed.launch import launched
 
@@ -54,17 +56,33 @@ def run(
         if not launch.is_first:
             return
     if json_output:
-        out.json({
-            "fingerprint": profile.fingerprint, "compute_device": profile.compute_device, "from_cache": profile.from_cache,
-            "tiers": profile.tier_meaning(), "model": facts.to_dict() if facts else None, "knobs": knobs.to_dict(),
-            "memory_floor": {"value": evaluate(floor.formula, floor.inputs), "formula": floor.formula, "inputs": floor.inputs,
-                             "note": floor.note} if floor else None,
-            **({"stages": stages} if stages else {}),
-        })
+        out.json(
+            {
+                "fingerprint": profile.fingerprint,
+                "compute_device": profile.compute_device,
+                "from_cache": profile.from_cache,
+                "tiers": profile.tier_meaning(),
+                "model": facts.to_dict() if facts else None,
+                "knobs": knobs.to_dict(),
+                "memory_floor": {
+                    "value": evaluate(floor.formula, floor.inputs),
+                    "formula": floor.formula,
+                    "inputs": floor.inputs,
+                    "note": floor.note,
+                }
+                if floor
+                else None,
+                **({"stages": stages} if stages else {}),
+            }
+        )
         return
-    lines = [f"fingerprint {profile.fingerprint} ({'cached' if profile.from_cache else 'measured now'}), compute device {profile.compute_device}",
-             f"tiers: {profile.tier_meaning()}",
-             f"model: {facts.name}" if facts else "model: none (--model PATH sizes the model-dependent knobs)", ""]
+    lines = [
+        f"fingerprint {profile.fingerprint} ({'cached' if profile.from_cache else 'measured now'}), compute "
+        f"device {profile.compute_device}",
+        f"tiers: {profile.tier_meaning()}",
+        f"model: {facts.name}" if facts else "model: none (--model PATH sizes the model-dependent knobs)",
+        "",
+    ]
     for knob in knobs.values():
         mark = " [OVERRIDDEN]" if knob.overridden else ""
         lines.append(f"{knob.name:<20} {knob.display():>12}  {knob.source}{mark}")
@@ -77,8 +95,11 @@ def run(
         from ..sizes import format_bytes
 
         lines.append(f"{'memory floor':<20} {format_bytes(evaluate(floor.formula, floor.inputs)):>12}  derived")
-        lines += [f"    = {floor.formula}", "    with " + ", ".join(describe_input(k, v) for k, v in floor.inputs.items()),
-                  f"    ({floor.note})"]
+        lines += [
+            f"    = {floor.formula}",
+            "    with " + ", ".join(describe_input(k, v) for k, v in floor.inputs.items()),
+            f"    ({floor.note})",
+        ]
     if stages:
         lines += ["", *stages["ranks"], stages["text"], f"    = {stages['formula']}"]
     out.result(redact("\n".join(lines)))

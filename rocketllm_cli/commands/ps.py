@@ -28,10 +28,19 @@ def run(json: JsonOpt = False) -> None:
             entry.remove()  # a server that died without removing its entry
             continue
         health = _health(entry)
-        rows.append({"model": entry.model_id, "path": entry.model, "pid": entry.pid, "rss_bytes": process_rss(entry.pid),
-                     "knobs": entry.knobs, "keep_alive_s": health.get("keep_alive_s", entry.keep_alive_s),
-                     "expires_in_s": health.get("expires_in_s"),
-                     "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(entry.started)), "socket": entry.socket})
+        rows.append(
+            {
+                "model": entry.model_id,
+                "path": entry.model,
+                "pid": entry.pid,
+                "rss_bytes": process_rss(entry.pid),
+                "knobs": entry.knobs,
+                "keep_alive_s": health.get("keep_alive_s", entry.keep_alive_s),
+                "expires_in_s": health.get("expires_in_s"),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(entry.started)),
+                "socket": entry.socket,
+            }
+        )
     if json:
         output.json({"models": rows})
         return
@@ -42,8 +51,16 @@ def run(json: JsonOpt = False) -> None:
     for r in rows:
         knobs = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(r["knobs"].items())) or "-"
         expires = format_duration(r["expires_in_s"]) if r["expires_in_s"] is not None else "?"
-        table.append((r["model"], str(r["pid"]), format_bytes(r["rss_bytes"]) if r["rss_bytes"] else "?", knobs,
-                      format_duration(r["keep_alive_s"]), expires))
+        table.append(
+            (
+                r["model"],
+                str(r["pid"]),
+                format_bytes(r["rss_bytes"]) if r["rss_bytes"] else "?",
+                knobs,
+                format_duration(r["keep_alive_s"]),
+                expires,
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     output.result("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table))
 

@@ -19,32 +19,101 @@ NAME = "serve"
 NO_ARGS_IS_HELP = True
 HELP = """Serve MODEL over HTTP with the OpenAI and Anthropic APIs, streamed layer by layer.
 
-POST /v1/chat/completions, /v1/completions and /v1/messages (each with stream: true); GET /v1/models, /health and /metrics. One model instance: requests queue and run one at a time, and a client that disconnects has its generation cancelled. Listens on 127.0.0.1 unless --host says otherwise. Needs the server extra: pip install -e '.[server]' in the rocketllm source directory.
+POST /v1/chat/completions, /v1/completions and /v1/messages (each with stream: true); GET /v1/models, /health and
+/metrics. One model instance: requests queue and run one at a time, and a client that disconnects has its generation
+cancelled. Listens on 127.0.0.1 unless --host says otherwise. Needs the server extra: pip install -e '.[server]' in the
+rocketllm source directory.
 
-Example: rocketllm serve ./SmolLM2.gguf --port 8000, then point an OpenAI client at http://127.0.0.1:8000/v1 or an Anthropic client at http://127.0.0.1:8000 (any API key, unless --api-key or ROCKETLLM_API_KEY sets one).
+Example: rocketllm serve ./SmolLM2.gguf --port 8000, then point an OpenAI client at http://127.0.0.1:8000/v1 or an
+Anthropic client at http://127.0.0.1:8000 (any API key, unless --api-key or ROCKETLLM_API_KEY sets one).
 """
-MISSING_EXTRA = "rocketllm serve needs the server extra: pip install -e '.[server]' in the rocketllm source directory (or pip install fastapi uvicorn)"
+MISSING_EXTRA = (
+    "rocketllm serve needs the server extra: pip install -e '.[server]' in the rocketllm source directory "
+    "(or pip install fastapi uvicorn)"
+)
 BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them
+
+
 @with_knob_options
 def run(
     model: ModelArg = None,
     model_option: ModelOpt = None,
-    host: Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.0.0 listens on every interface (set --api-key there).")] = "127.0.0.1",
+    host: Annotated[
+        str,
+        typer.Option("--host", help="Address to listen on; 0.0.0.0 listens on every interface (set --api-key there)."),
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0 picks a free one).")] = 8000,
-    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model id clients send and /v1/models lists. Default: the model directory's or file's name.", show_default=False)] = None,
-    tool_parser: Annotated[Optional[str], typer.Option("--tool-parser", help="Tool-call format: hermes, llama3_json or mistral. Default: read from the model's chat template.", show_default=False)] = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="ROCKETLLM_API_KEY", show_envvar=True, show_default=False,
-                                                   help="Require this key on every endpoint but /health (OpenAI clients send it as "
-                                                        "Authorization: Bearer, Anthropic clients as x-api-key); prefer the "
-                                                        "environment variable, which other users cannot read from the process list.")] = None,
-    max_queue: Annotated[Optional[int], typer.Option("--max-queue", show_default=False,
-                                                     help="Requests that may wait for the model; more get 429 with retry-after. "
-                                                          "Default: min(256, open-file limit // 4).")] = None,
-    access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log one line per request on stderr.")] = True,
-    json: Annotated[bool, typer.Option("--json", help="Once listening, print one JSON document on stdout: URL, model id, residency, tool parser, prefix cache.")] = False,
-    unix: Annotated[Optional[str], typer.Option("--unix", metavar="PATH", help="Listen on a unix socket at PATH (mode 0600: this user only) instead of TCP; --host and --port are then unused.", show_default=False)] = None,
-    keep_alive: Annotated[Optional[str], typer.Option("--keep-alive", metavar="DURATION", help="Stop after this long without a request (300, 30s, 5m, 1h); default: serve until stopped.", show_default=False)] = None,
-    warm_key: Annotated[Optional[str], typer.Option("--warm-key", hidden=True, help="The warm-model registry key generate started this server under.")] = None,
+    served_model_name: Annotated[
+        Optional[str],
+        typer.Option(
+            "--served-model-name",
+            help="The model id clients send and /v1/models lists. Default: the model directory's or file's name.",
+            show_default=False,
+        ),
+    ] = None,
+    tool_parser: Annotated[
+        Optional[str],
+        typer.Option(
+            "--tool-parser",
+            help="Tool-call format: hermes, llama3_json or mistral. Default: read from the model's chat template.",
+            show_default=False,
+        ),
+    ] = None,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            "--api-key",
+            envvar="ROCKETLLM_API_KEY",
+            show_envvar=True,
+            show_default=False,
+            help="Require this key on every endpoint but /health (OpenAI clients send it as Authorization: Bearer, "
+            "Anthropic clients as x-api-key); prefer the environment variable, which other users cannot read from the "
+            "process list.",
+        ),
+    ] = None,
+    max_queue: Annotated[
+        Optional[int],
+        typer.Option(
+            "--max-queue",
+            show_default=False,
+            help="Requests that may wait for the model; more get 429 with retry-after. Default: min(256, open-file "
+            "limit // 4).",
+        ),
+    ] = None,
+    access_log: Annotated[
+        bool, typer.Option("--access-log/--no-access-log", help="Log one line per request on stderr.")
+    ] = True,
+    json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Once listening, print one JSON document on stdout: URL, model "
+            "id, residency, tool parser, prefix cache.",
+        ),
+    ] = False,
+    unix: Annotated[
+        Optional[str],
+        typer.Option(
+            "--unix",
+            metavar="PATH",
+            help="Listen on a unix socket at PATH (mode "
+            "0600: this user only) instead of TCP; --host and --port are then unused.",
+            show_default=False,
+        ),
+    ] = None,
+    keep_alive: Annotated[
+        Optional[str],
+        typer.Option(
+            "--keep-alive",
+            metavar="DURATION",
+            help="Stop after this long without a request (300, 30s, 5m, 1h); default: serve until stopped.",
+            show_default=False,
+        ),
+    ] = None,
+    warm_key: Annotated[
+        Optional[str],
+        typer.Option("--warm-key", hidden=True, help="The warm-model registry key generate started this server under."),
+    ] = None,
     knob_flags: dict | None = None,
 ) -> None:
     from ..options import validate_knob_flags
@@ -77,7 +146,9 @@ def run(
         try:
             idle_s = parse_duration(keep_alive)
         except ValueError:
-            raise RocketError(f"bad --keep-alive {keep_alive!r}: expected seconds or a duration such as 30s, 5m or 1h") from None
+            raise RocketError(
+                f"bad --keep-alive {keep_alive!r}: expected seconds or a duration such as 30s, 5m or 1h"
+            ) from None
     from ..shard.source import check_locatable
 
     check_locatable(model)  # a mistyped path is refused before the server, torch and transformers are imported
@@ -96,16 +167,40 @@ def run(
             sock.close()
             raise
     try:
-        _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags or {}, output, api_key, max_queue,
-               idle_s, warm_key)
+        _serve(
+            sock,
+            model,
+            host,
+            served_model_name,
+            tool_parser,
+            access_log,
+            knob_flags or {},
+            output,
+            api_key,
+            max_queue,
+            idle_s,
+            warm_key,
+        )
     finally:
         sock.close()
         if unix:
             Path(unix).unlink(missing_ok=True)
 
 
-def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_flags, output, api_key=None, max_queue=None,
-           idle_s=None, warm_key=None) -> None:
+def _serve(
+    sock,
+    model,
+    host,
+    served_model_name,
+    tool_parser,
+    access_log,
+    knob_flags,
+    output,
+    api_key=None,
+    max_queue=None,
+    idle_s=None,
+    warm_key=None,
+) -> None:
     from ..auto import AutoModel
     from ..server.client import default_model_id
     from ..server.serving import make_server, sigterm_as_ctrl_c
@@ -115,8 +210,15 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
     streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
     state = None
     try:
-        state = ServerState(streamed, served_model_name or default_model_id(model), tool_parser, log=output.log,
-                            api_key=api_key, max_queue=max_queue, host=host)
+        state = ServerState(
+            streamed,
+            served_model_name or default_model_id(model),
+            tool_parser,
+            log=output.log,
+            api_key=api_key,
+            max_queue=max_queue,
+            host=host,
+        )
         server = make_server(state, access_log)
         if idle_s is not None:
             state.keep_alive(idle_s, server)
@@ -128,6 +230,7 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
             url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
         sock.listen(BACKLOG)  # from here a client that connects waits in the backlog until uvicorn accepts it
         entry = _register(warm_key, sock, model, state, knob_flags, idle_s) if warm_key else None
+
         def announce() -> None:  # once uvicorn holds the signals: whoever reads "listening" may Ctrl-C at once
             for line in state.startup_lines(url):
                 output.log(line)
@@ -141,7 +244,8 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
             try:
                 server.run(sockets=[sock])
             except KeyboardInterrupt:
-                pass  # Ctrl-C or SIGTERM: uvicorn stopped and raised it again, or it came before uvicorn took the signals
+                # Ctrl-C or SIGTERM: uvicorn stopped and raised it again, or it came before uvicorn took the signals
+                pass
             finally:
                 if entry is not None:
                     entry.remove()
@@ -149,7 +253,10 @@ def _serve(sock, model, host, served_model_name, tool_parser, access_log, knob_f
         if state is None or state.close(STOP_WAIT_S):
             streamed.close()
         else:  # closing the weights under a running forward pass is not safe, and the process ends anyway
-            output.log(f"note: the running generation step did not end within {STOP_WAIT_S:g} s of the stop; not waiting for it")
+            output.log(
+                f"note: the running generation step did not end within {STOP_WAIT_S:g} s of the stop; not "
+                f"waiting for it"
+            )
     output.log("stopped")
     # Nothing is left to collect: spare the interpreter's exit a pass over every object torch and transformers
     # made (seconds of a loaded CPU, for a server that has already stopped).
@@ -163,9 +270,17 @@ def _register(key: str, sock, model: str, state, knob_flags: dict, idle_s):
     from ..warm.registry import Entry
 
     path = Path(str(model)).expanduser()
-    entry = Entry(key=key, pid=os.getpid(), model=str(path.resolve()) if path.exists() else str(model), model_id=state.model_id,
-                  socket=sock.getsockname(), knobs=dict(knob_flags), keep_alive_s=idle_s or 0.0, started=time.time(),
-                  log=str(Path(sock.getsockname()).with_suffix(".log")))
+    entry = Entry(
+        key=key,
+        pid=os.getpid(),
+        model=str(path.resolve()) if path.exists() else str(model),
+        model_id=state.model_id,
+        socket=sock.getsockname(),
+        knobs=dict(knob_flags),
+        keep_alive_s=idle_s or 0.0,
+        started=time.time(),
+        log=str(Path(sock.getsockname()).with_suffix(".log")),
+    )
     entry.write()
     return entry
 
@@ -180,7 +295,9 @@ def bind_unix(path: str) -> socket.socket:
         sock.bind(str(target))
     except OSError as exc:
         sock.close()
-        raise RocketError(f"cannot listen on the unix socket {target} ({exc.strerror}); give another --unix path") from None
+        raise RocketError(
+            f"cannot listen on the unix socket {target} ({exc.strerror}); give another --unix path"
+        ) from None
     finally:
         os.umask(previous)
     target.chmod(0o600)
@@ -201,8 +318,10 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror:
-        raise RocketError(f"cannot listen on {host!r}: not a host name or address this machine knows; "
-                          "pass --host 127.0.0.1 (or 0.0.0.0 for every interface)") from None
+        raise RocketError(
+            f"cannot listen on {host!r}: not a host name or address this machine knows; "
+            "pass --host 127.0.0.1 (or 0.0.0.0 for every interface)"
+        ) from None
     family, _, proto, _, address = infos[0]
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the listening socket says TCP,
     # and without it every response written in two parts (headers, body) waits ~40 ms for the client's delayed ACK.
@@ -213,12 +332,19 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise RocketError(f"port {port} on {host} is already in use (another server?); stop that program or pass --port "
-                              "with a free port (--port 0 picks one)") from None
+            raise RocketError(
+                f"port {port} on {host} is already in use (another server?); stop that program or pass "
+                f"--port "
+                "with a free port (--port 0 picks one)"
+            ) from None
         if exc.errno == errno.EACCES:
-            raise RocketError(f"not allowed to listen on port {port} (ports below 1024 need privileges); pass --port 1024 or above") from None
+            raise RocketError(
+                f"not allowed to listen on port {port} (ports below 1024 need privileges); pass --port 1024 or above"
+            ) from None
         if exc.errno == errno.EADDRNOTAVAIL:
-            raise RocketError(f"cannot listen on {host}: not an address of this machine; pass --host 127.0.0.1 "
-                              "(or 0.0.0.0 for every interface)") from None
+            raise RocketError(
+                f"cannot listen on {host}: not an address of this machine; pass --host 127.0.0.1 "
+                "(or 0.0.0.0 for every interface)"
+            ) from None
         raise RocketError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
     return sock

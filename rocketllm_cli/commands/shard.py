@@ -36,11 +36,32 @@ Example: rocketllm shard ./Llama-3.1-8B --dtype bf16 --verify
 def run(
     model: ModelArg = None,
     model_option: ModelOpt = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Shard directory to write (default: under the cache dir, keyed by the source).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Dtype of the shards: auto (as stored), bf16, fp16 or fp32.")] = "auto",
-    verify: Annotated[bool, typer.Option("--verify", help="Re-check every shard file against the manifest (sizes and sha256).")] = False,
-    quantize: Annotated[str, typer.Option("--quantize", help="Low-bit weights: auto (keep a GGUF's or a GPTQ/AWQ/compressed-tensors/bitsandbytes checkpoint's packed weights), int4 or int8 (round-to-nearest, lossy), none (all floats).")] = "auto",
-    fuse: Annotated[bool, typer.Option("--fuse/--no-fuse", help="Store the packed Linears of a layer that read the same input (q/k/v, gate/up: found by tracing the model) as one weight, computed in one call.")] = True,
+    out: Annotated[
+        Optional[Path],
+        typer.Option("--out", help="Shard directory to write (default: under the cache dir, keyed by the source)."),
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="Dtype of the shards: auto (as stored), bf16, fp16 or fp32.")
+    ] = "auto",
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Re-check every shard file against the manifest (sizes and sha256).")
+    ] = False,
+    quantize: Annotated[
+        str,
+        typer.Option(
+            "--quantize",
+            help="Low-bit weights: auto (keep a GGUF's or a GPTQ/AWQ/compressed-tensors/bitsandbytes checkpoint's "
+            "packed weights), int4 or int8 (round-to-nearest, lossy), none (all floats).",
+        ),
+    ] = "auto",
+    fuse: Annotated[
+        bool,
+        typer.Option(
+            "--fuse/--no-fuse",
+            help="Store the packed Linears of a layer that read the "
+            "same input (q/k/v, gate/up: found by tracing the model) as one weight, computed in one call.",
+        ),
+    ] = True,
     json: JsonOpt = False,
 ) -> None:
     from ..dtypes import NAMES as DTYPES
@@ -56,6 +77,7 @@ def run(
     from ..checkpoint.manifest import MANIFEST, Manifest
     from ..shard.checks import verify as verify_dir
     from ..shard.sharder import shard, summarize
+
     output = Output(as_json=json)
     path = Path(model).expanduser()
     from_source = not (path.is_dir() and (path / MANIFEST).is_file())
@@ -63,29 +85,50 @@ def run(
         manifest, directory = Manifest.load(path), path
         summary = {"reused": True, **summarize(manifest, 0.0)}  # the same fields as a fresh or reused run from a source
     else:
-        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log, packing=quantize, fuse=fuse)
+        manifest, directory, summary = shard(
+            model, out=out, dtype=dtype, progress=output.progress, log=output.log, packing=quantize, fuse=fuse
+        )
     problems = verify_dir(directory) if verify else []
     if problems and from_source:  # the source is at hand: write the set again rather than report a damaged one
         output.log(f"{_count(problems)} not match the manifest ({problems[0]}); sharding again")
-        manifest, directory, summary = shard(model, out=out, dtype=dtype, progress=output.progress, log=output.log, rebuild=True, packing=quantize, fuse=fuse)
+        manifest, directory, summary = shard(
+            model,
+            out=out,
+            dtype=dtype,
+            progress=output.progress,
+            log=output.log,
+            rebuild=True,
+            packing=quantize,
+            fuse=fuse,
+        )
         problems = verify_dir(directory)
-    document = {"directory": str(directory), **summary, "verified": verify and not problems, "problems": problems,
-                "source": manifest.source, "model_type": manifest.model_type}
+    document = {
+        "directory": str(directory),
+        **summary,
+        "verified": verify and not problems,
+        "problems": problems,
+        "source": manifest.source,
+        "model_type": manifest.model_type,
+    }
     if json:
         output.json(document)
     else:
         rate = f", {summary['mb_per_s']} MB/s" if summary.get("mb_per_s") else ""
         state = "reused existing shards" if summary.get("reused") else f"sharded in {summary.get('seconds')} s{rate}"
-        output.result(f"{directory}\n{manifest.model_type}: {summary['units']} units ({summary['layers']} layers"
-                      f"{', ' + str(summary['experts']) + ' experts' if summary.get('experts') else ''}), "
-                      f"{format_bytes(summary['bytes'])} {manifest.dtype}{_packed(summary)}; {state}")
+        output.result(
+            f"{directory}\n{manifest.model_type}: {summary['units']} units ({summary['layers']} layers"
+            f"{', ' + str(summary['experts']) + ' experts' if summary.get('experts') else ''}), "
+            f"{format_bytes(summary['bytes'])} {manifest.dtype}{_packed(summary)}; {state}"
+        )
         if summary.get("packed_tensors"):
             output.result(f"fused: {manifest.fusion or 'none (a set from before fusion)'}")
         if verify:
             output.result("verify: ok, every file matches the manifest" if not problems else "verify: FAILED")
     if problems:
-        raise ShardError(f"{_count(problems)} not match the manifest ({problems[0]}); "
-                         "re-run `rocketllm shard` on the source model with --verify to write them again")
+        raise ShardError(
+            f"{_count(problems)} not match the manifest ({problems[0]}); "
+            "re-run `rocketllm shard` on the source model with --verify to write them again"
+        )
 
 
 def _packed(summary: dict) -> str:

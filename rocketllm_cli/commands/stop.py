@@ -19,8 +19,15 @@ Examples: `rocketllm stop ./SmolLM2.gguf`, `rocketllm stop --all`.
 """
 
 
-def run(model: Annotated[Optional[str], typer.Argument(help="The model to stop (as given to generate, or as `rocketllm ps` names it).", show_default=False)] = None,
-        all_models: Annotated[bool, typer.Option("--all", help="Stop every warm model.")] = False) -> None:
+def run(
+    model: Annotated[
+        Optional[str],
+        typer.Argument(
+            help="The model to stop (as given to generate, or as `rocketllm ps` names it).", show_default=False
+        ),
+    ] = None,
+    all_models: Annotated[bool, typer.Option("--all", help="Stop every warm model.")] = False,
+) -> None:
     from pathlib import Path
 
     from ..warm.launch import stop
@@ -45,6 +52,8 @@ def run(model: Annotated[Optional[str], typer.Argument(help="The model to stop (
         if stop(entry):
             output.log(f"stopped {entry.model_id} (pid {entry.pid})")
         else:
-            raise RocketError(f"{entry.model_id} (pid {entry.pid}) did not stop within 10 s; kill it with `kill {entry.pid}`")
+            raise RocketError(
+                f"{entry.model_id} (pid {entry.pid}) did not stop within 10 s; kill it with `kill {entry.pid}`"
+            )
     if not live:
         output.log("no warm models")

@@ -28,7 +28,8 @@ OP_PASS, OP_STOP, OP_FAIL, OP_RESULT = 1, 2, 3, 4
 # header fields
 F_OP, F_NBYTES, F_PAST, F_CACHE, F_SEQ, F_COMPUTE_US, F_DEVICE_B, F_HOST_B, F_STORAGE_B, F_FINAL, F_PARTS = range(11)
 
-WIRE_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32, torch.bool, torch.uint8)  # a part's code
+# a part's code
+WIRE_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32, torch.bool, torch.uint8)
 MAX_DIMS = 4
 NEVER_S = 7 * 24 * 3600  # the op timeout: a stage waits for the next request as long as its peers are alive
 
@@ -75,13 +76,13 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> list[torch.Tensor | N
         if code == 0:
             out.append(None)
         else:
-            shape = [int(x) for x in header[at + 2: at + 2 + ndim]]
+            shape = [int(x) for x in header[at + 2 : at + 2 + ndim]]
             dtype = _dtype(code)
             n = 1
             for s in shape:
                 n *= s
             nbytes = n * torch.empty((), dtype=dtype).element_size()
-            out.append(payload[offset: offset + nbytes].view(dtype).view(shape))
+            out.append(payload[offset : offset + nbytes].view(dtype).view(shape))
             offset += nbytes + (-nbytes % 8)
         at += 2 + MAX_DIMS
     return out
@@ -96,19 +97,24 @@ class StageGroup:
         self.timeout_s = float(timeout_s)
         self.failure: str | None = None
         # called once with the failure line, from the watchdog thread or a failed receive; by default a failure the main
-        # thread will raise is left to it, and one the watchdog found (the main thread may be blocked for good) ends the process
+        # thread will raise is left to it, and one the watchdog found (the main thread may be blocked for good) ends the
+        # process
         self.on_failure = self._exit_from_watchdog
         self.open_stage = None  # the Stage of the model open now, if any (distributed/stages.py)
         self._stop = threading.Event()
         self._failed_once = threading.Lock()
-        # NCCL where this rank computes on a CUDA device and the build has it (a capability, not a name); else gloo, whose
+        # NCCL where this rank computes on a CUDA device and the build has it (a capability, not a name); else gloo,
+        # whose
         # messages are host tensors (a CUDA rank's hidden state is copied across)
-        self.backend = "nccl" if device.startswith("cuda") and torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+        self.backend = (
+            "nccl" if device.startswith("cuda") and torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+        )
         self.device = torch.device("cpu")
         if self.backend == "nccl":
             torch.cuda.set_device(launch.local_rank % max(1, torch.cuda.device_count()))
             self.device = torch.device("cuda", torch.cuda.current_device())
-        address = stage_address(launch) if self.backend == "gloo" else None  # a wildcard is refused before anything binds
+        # a wildcard is refused before anything binds
+        address = stage_address(launch) if self.backend == "gloo" else None
         self.store = self._store()
         self._round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restarted group
         self._gather()
@@ -119,11 +125,19 @@ class StageGroup:
                 options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
                 options._timeout = datetime.timedelta(seconds=NEVER_S)
         try:
-            dist.init_process_group(self.backend, store=dist.PrefixStore("rocketllm/pg", self.store), rank=self.rank,
-                                    world_size=self.world, timeout=datetime.timedelta(seconds=NEVER_S), pg_options=options)
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore("rocketllm/pg", self.store),
+                rank=self.rank,
+                world_size=self.world,
+                timeout=datetime.timedelta(seconds=NEVER_S),
+                pg_options=options,
+            )
         except (RuntimeError, ValueError, OSError) as e:
-            raise StageError(f"rank {self.rank} ({launch.host}) could not join the stages at {launch.master_addr}:{launch.master_port} "
-                             f"within {self.timeout_s:.0f} s: {_first_line(e)}") from None
+            raise StageError(
+                f"rank {self.rank} ({launch.host}) could not join the stages at "
+                f"{launch.master_addr}:{launch.master_port} within {self.timeout_s:.0f} s: {_first_line(e)}"
+            ) from None
         self.places = self.exchange((launch.host, memory_cgroup()))  # each rank's host and memory cgroup
         self.hosts = [host for host, _ in self.places]
         self._beats = {r: (-1, time.monotonic()) for r in range(self.world) if r != self.rank}
@@ -144,22 +158,37 @@ class StageGroup:
             except (RuntimeError, OSError):
                 pass
             launch = self.launch
-            raise StageError(f"rank {self.rank} ({launch.host}) could not join the stages at {launch.master_addr}:{launch.master_port}: "
-                             f"{joined} of {self.world} ranks came within {self.timeout_s:.0f} s (--stage-timeout-s); start every rank "
-                             "with the same --rdzv-endpoint and WORLD_SIZE") from None
+            raise StageError(
+                f"rank {self.rank} ({launch.host}) could not join the stages at "
+                f"{launch.master_addr}:{launch.master_port}: "
+                f"{joined} of {self.world} ranks came within {self.timeout_s:.0f} s (--stage-timeout-s); "
+                f"start every rank "
+                "with the same --rdzv-endpoint and WORLD_SIZE"
+            ) from None
 
     def _store(self):
-        """The rendezvous store: torchrun's agent's, or rank 0's own (as env:// makes it); joining waits timeout_s at most."""
+        """The rendezvous store: torchrun's agent's, or rank 0's own (as env:// makes it); joining waits timeout_s at
+        most."""
         launch = self.launch
         host_it = launch.rank == 0 and not launch.agent_store
         try:
-            return dist.TCPStore(launch.master_addr, launch.master_port, self.world if host_it else None, host_it,
-                                 timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False,
-                                 use_libuv=True)
+            return dist.TCPStore(
+                launch.master_addr,
+                launch.master_port,
+                self.world if host_it else None,
+                host_it,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+                wait_for_workers=False,
+                use_libuv=True,
+            )
         except (RuntimeError, OSError) as e:
-            raise StageError(f"rank {launch.rank} ({launch.host}) could not reach the rendezvous at {launch.master_addr}:"
-                             f"{launch.master_port} within {self.timeout_s:.0f} s: {_first_line(e)}; start every rank with the same "
-                             "--rdzv-endpoint, rank 0's host first reachable") from None
+            raise StageError(
+                f"rank {launch.rank} ({launch.host}) could not reach the rendezvous at "
+                f"{launch.master_addr}:"
+                f"{launch.master_port} within {self.timeout_s:.0f} s: {_first_line(e)}; start every rank "
+                f"with the same "
+                "--rdzv-endpoint, rank 0's host first reachable"
+            ) from None
 
     def name(self, rank: int) -> str:
         host = self.hosts[rank] if rank < len(self.hosts) else "?"
@@ -231,14 +260,19 @@ class StageGroup:
                     if count != last:
                         self._beats[r] = (count, now)
                     elif now - since > self.timeout_s:
-                        self.fail(f"{self.name(r)} stopped answering: no heartbeat for {now - since:.0f} s "
-                                  f"(--stage-timeout-s)")
+                        self.fail(
+                            f"{self.name(r)} stopped answering: no heartbeat for {now - since:.0f} s "
+                            f"(--stage-timeout-s)"
+                        )
                         return
             except Exception as e:  # noqa: BLE001 - the store's host is gone, whatever the error type
                 if self._stop.is_set():
                     return
-                self.fail(f"the rendezvous at {self.launch.master_addr}:{self.launch.master_port} is gone ({_first_line(e)}): "
-                          "rank 0 or its launcher ended")
+                self.fail(
+                    f"the rendezvous at {self.launch.master_addr}:{self.launch.master_port} is gone "
+                    f"({_first_line(e)}): "
+                    "rank 0 or its launcher ended"
+                )
                 return
 
     def end(self) -> None:

@@ -67,8 +67,11 @@ class StagePlan:
             at = f", {1000 * s:.1f} ms/token" if s is not None else ""
             parts.append(f"rank {r}{host}: layers {a}-{b - 1}{at}")
         stream = f"; one stream {1000 * self.stream_seconds:.1f} ms/token" if self.stream_seconds is not None else ""
-        return (f"stages ({self.source}, --stages {self.counts()}): " + "; ".join(parts)
-                + f"; links {1000 * self.link_seconds:.2f} ms/token{stream}")
+        return (
+            f"stages ({self.source}, --stages {self.counts()}): "
+            + "; ".join(parts)
+            + f"; links {1000 * self.link_seconds:.2f} ms/token{stream}"
+        )
 
     def to_dict(self) -> dict:
         doc = asdict(self)
@@ -76,9 +79,11 @@ class StagePlan:
         return doc
 
 
-FORMULA = ("stage seconds = max(io, compute): compute = its bytes per token / its compute bandwidth; io = bytes beyond "
-           "its device budget up to its host budget / host bandwidth + the rest / storage bandwidth; ranges minimise the "
-           "slowest stage, then the sum; links = sum over hops of (latency + hidden bytes / bandwidth)")
+FORMULA = (
+    "stage seconds = max(io, compute): compute = its bytes per token / its compute bandwidth; io = bytes beyond its "
+    "device budget up to its host budget / host bandwidth + the rest / storage bandwidth; ranges minimise the slowest "
+    "stage, then the sum; links = sum over hops of (latency + hidden bytes / bandwidth)"
+)
 
 
 def stage_cost(facts: RankFacts, memory_bytes: int, token_bytes: int) -> tuple[float | None, dict]:
@@ -110,11 +115,14 @@ def parse_counts(text: str, layers: int, world: int) -> list[tuple[int, int]]:
     try:
         counts = [int(x) for x in str(text).replace(" ", "").split(",")]
     except ValueError:
-        raise KnobError(f"bad value {text!r} for stages: expected auto or one layer count per rank, e.g. "
-                        f"{','.join(['1'] * world)}") from None
+        raise KnobError(
+            f"bad value {text!r} for stages: expected auto or one layer count per rank, e.g. {','.join(['1'] * world)}"
+        ) from None
     if len(counts) != world or min(counts) < 1 or sum(counts) != layers:
-        raise KnobError(f"stages {text!r} does not fit: give {world} layer counts of at least 1 adding up to the model's "
-                        f"{layers} layers (got {len(counts)} adding up to {sum(counts)})")
+        raise KnobError(
+            f"stages {text!r} does not fit: give {world} layer counts of at least 1 adding up to the model's {layers} "
+            f"layers (got {len(counts)} adding up to {sum(counts)})"
+        )
     ranges, start = [], 0
     for c in counts:
         ranges.append((start, start + c))
@@ -122,8 +130,15 @@ def parse_counts(text: str, layers: int, world: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def plan_stages(ranks: list[RankFacts], layer_bytes: list[int], layer_token_bytes: list[int], first_bytes: int, other_bytes: int,
-                hidden_bytes: int, override: str = "auto") -> StagePlan:
+def plan_stages(
+    ranks: list[RankFacts],
+    layer_bytes: list[int],
+    layer_token_bytes: list[int],
+    first_bytes: int,
+    other_bytes: int,
+    hidden_bytes: int,
+    override: str = "auto",
+) -> StagePlan:
     """Contiguous layer ranges, one per rank in rank order.
 
     layer_bytes / layer_token_bytes: each layer's weights (experts included) and what one token reads of them;
@@ -131,7 +146,9 @@ def plan_stages(ranks: list[RankFacts], layer_bytes: list[int], layer_token_byte
     besides its layers (the final norm, extras); hidden_bytes: one token's hidden state as it crosses a link."""
     n, world = len(layer_bytes), len(ranks)
     if world > n:
-        raise KnobError(f"{world} ranks for a model of {n} layers: launch at most {n} (each stage holds at least one layer)")
+        raise KnobError(
+            f"{world} ranks for a model of {n} layers: launch at most {n} (each stage holds at least one layer)"
+        )
     links = link_seconds(ranks, hidden_bytes)
     prefix = [0]
     for b in layer_bytes:
@@ -145,8 +162,14 @@ def plan_stages(ranks: list[RankFacts], layer_bytes: list[int], layer_token_byte
         s, _ = stage_cost(ranks[r], prefix[b] - prefix[a] + fixed, tprefix[b] - tprefix[a] + fixed)
         return s
 
-    inputs = {"layers": n, "ranks": world, "hidden_bytes": hidden_bytes, "first_bytes": first_bytes, "other_bytes": other_bytes,
-              "per_rank": [asdict(f) for f in ranks]}
+    inputs = {
+        "layers": n,
+        "ranks": world,
+        "hidden_bytes": hidden_bytes,
+        "first_bytes": first_bytes,
+        "other_bytes": other_bytes,
+        "per_rank": [asdict(f) for f in ranks],
+    }
     if override and override != "auto":
         ranges, source = parse_counts(override, n, world), "--stages"
     else:
@@ -186,8 +209,15 @@ def _best(cost, n: int, world: int) -> list[tuple[int, int]]:
 
 
 def describe_rank(f: RankFacts) -> str:
-    link = f", link to the next rank {1e6 * f.link_latency_s:.0f} µs + {f.link_bps / 1e6:.0f} MB/s" if f.link_bps else ""
-    bw = ", ".join(f"{name} {bps / 1e9:.2f} GB/s" for name, bps in (("compute", f.compute_bps), ("host", f.host_bps),
-                                                                     ("storage", f.storage_bps)) if bps)
-    return (f"rank {f.rank} ({f.host}, {f.device}): device {format_bytes(f.device_bytes)}, host {format_bytes(f.host_bytes)}; "
-            f"{bw}{link}")
+    link = (
+        f", link to the next rank {1e6 * f.link_latency_s:.0f} µs + {f.link_bps / 1e6:.0f} MB/s" if f.link_bps else ""
+    )
+    bw = ", ".join(
+        f"{name} {bps / 1e9:.2f} GB/s"
+        for name, bps in (("compute", f.compute_bps), ("host", f.host_bps), ("storage", f.storage_bps))
+        if bps
+    )
+    return (
+        f"rank {f.rank} ({f.host}, {f.device}): device {format_bytes(f.device_bytes)}, host "
+        f"{format_bytes(f.host_bytes)}; {bw}{link}"
+    )

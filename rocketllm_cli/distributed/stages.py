@@ -100,7 +100,15 @@ def _with_hidden(output, hidden: torch.Tensor):
 class Stage:
     """This rank's place in the pipeline: the group, the plan, its layer range and what crossing the links cost."""
 
-    def __init__(self, group: StageGroup, plan: StagePlan, streamed, base: nn.Module, first_layer: nn.Module, last_layer: nn.Module) -> None:
+    def __init__(
+        self,
+        group: StageGroup,
+        plan: StagePlan,
+        streamed,
+        base: nn.Module,
+        first_layer: nn.Module,
+        last_layer: nn.Module,
+    ) -> None:
         self.group, self.plan, self.streamed, self.base = group, plan, streamed, base
         self.rank, self.world = group.rank, group.world
         self.start, self.stop = plan.ranges[self.rank]
@@ -140,10 +148,15 @@ class Stage:
     def figures(self) -> dict:
         """Rank 0: the plan and what the links and the other ranks took per pass, measured (--stats, bench, /health)."""
         n = max(1, self.passes)
-        return {"plan": self.plan.describe(), "ranges": [list(r) for r in self.plan.ranges], "hosts": self.plan.hosts,
-                "passes": self.passes, "link_ms_per_pass": round(1000 * self.link_s / n, 3),
-                "other_ranks_ms_per_pass": round(1000 * self.remote_compute_s / n, 3),
-                "projected_link_ms_per_token": round(1000 * self.plan.link_seconds, 3)}
+        return {
+            "plan": self.plan.describe(),
+            "ranges": [list(r) for r in self.plan.ranges],
+            "hosts": self.plan.hosts,
+            "passes": self.passes,
+            "link_ms_per_pass": round(1000 * self.link_s / n, 3),
+            "other_ranks_ms_per_pass": round(1000 * self.remote_compute_s / n, 3),
+            "projected_link_ms_per_token": round(1000 * self.plan.link_seconds, 3),
+        }
 
     # -- rank 0 ------------------------------------------------------------------------------------------------------
     def _capture(self, module, args, kwargs):
@@ -163,7 +176,9 @@ class Stage:
             past = int(cache.get_seq_length())
         mask = kwargs.get("attention_mask")
         if mask is not None and not isinstance(mask, torch.Tensor):
-            raise StageError("this model passes its attention mask as a mapping, which cannot cross stages; run it in one process")
+            raise StageError(
+                "this model passes its attention mask as a mapping, which cannot cross stages; run it in one process"
+            )
         self._stash = (mask, kwargs.get("position_ids"), kwargs.get("cache_position"), past, cache_id)
         return args, kwargs
 
@@ -199,7 +214,8 @@ class Stage:
         return t if t.device == self.wire else t.to(self.wire)
 
     def stop_all(self, final: bool = False) -> None:
-        """Rank 0: the other ranks close this model and wait for the next load (FINAL: they end); quiet if one is gone."""
+        """Rank 0: the other ranks close this model and wait for the next load (FINAL: they end); quiet if one is
+        gone."""
         if self.rank != 0 or self.group.failure or self.stopped:
             return
         self.stopped = True
@@ -241,7 +257,9 @@ class Stage:
             hidden, mask, position_ids, cache_position = unpack(header, payload)
             started = time.perf_counter()
             try:
-                out, served = self._run(hidden, mask, position_ids, cache_position, int(header[F_PAST]), int(header[F_CACHE]))
+                out, served = self._run(
+                    hidden, mask, position_ids, cache_position, int(header[F_PAST]), int(header[F_CACHE])
+                )
             except StageError as e:
                 if self.group.failure:
                     raise
@@ -283,7 +301,10 @@ class Stage:
         if held > past:
             cache.crop(past - held)  # negative: tokens to drop (transformers 5 takes only that; 4.x takes both)
         elif held < past:
-            raise StageError(f"{self.group.name(self.rank)} holds {held} tokens of KV cache where rank 0 holds {past}; restart the stages")
+            raise StageError(
+                f"{self.group.name(self.rank)} holds {held} tokens of KV cache where rank 0 holds {past}; "
+                f"restart the stages"
+            )
         return cache
 
     def _new_cache(self):
@@ -306,10 +327,19 @@ class Stage:
         embeds = torch.zeros(hidden.shape, dtype=dtype, device=device)
         streamed._begin_pass(None, (), {"inputs_embeds": embeds})
         try:
-            extra = {"cache_position": cache_position.to(device)} if cache_position is not None and self._takes_cache_position else {}
-            self.base(inputs_embeds=embeds, attention_mask=None if mask is None else mask.to(device),
-                      position_ids=None if position_ids is None else position_ids.to(device),
-                      use_cache=cache is not None, **{self._cache_kw: cache}, **extra)
+            extra = (
+                {"cache_position": cache_position.to(device)}
+                if cache_position is not None and self._takes_cache_position
+                else {}
+            )
+            self.base(
+                inputs_embeds=embeds,
+                attention_mask=None if mask is None else mask.to(device),
+                position_ids=None if position_ids is None else position_ids.to(device),
+                use_cache=cache is not None,
+                **{self._cache_kw: cache},
+                **extra,
+            )
         finally:
             streamed._end_pass(None, (), None)
             self._incoming = None
@@ -327,13 +357,18 @@ class Stage:
         self._hooks.clear()
 
 
-# -- opening this rank's share ------------------------------------------------------------------------------------------
+# -- opening this rank's share
+# ------------------------------------------------------------------------------------------
 def _versions() -> dict:
     import transformers
 
     from .. import __version__
 
-    return {"rocketllm": __version__, "torch": torch.__version__.split("+")[0], "transformers": transformers.__version__}
+    return {
+        "rocketllm": __version__,
+        "torch": torch.__version__.split("+")[0],
+        "transformers": transformers.__version__,
+    }
 
 
 def _identity(manifest: Manifest) -> dict:
@@ -341,8 +376,16 @@ def _identity(manifest: Manifest) -> dict:
     its own copy of the checkpoint is the same set), its dtype and packing, and the versions that compute on it."""
     import hashlib
 
-    content = hashlib.sha256("\n".join(f"{u.name} {u.bytes} {u.sha256}" for u in manifest.units).encode()).hexdigest()[:16]
-    return {"fingerprint": content, "set": manifest.key, "layers": len(manifest.layers), "units": len(manifest.units), **_versions()}
+    content = hashlib.sha256("\n".join(f"{u.name} {u.bytes} {u.sha256}" for u in manifest.units).encode()).hexdigest()[
+        :16
+    ]
+    return {
+        "fingerprint": content,
+        "set": manifest.key,
+        "layers": len(manifest.layers),
+        "units": len(manifest.units),
+        **_versions(),
+    }
 
 
 def _check_same(group: StageGroup, ids: list[dict]) -> None:
@@ -351,9 +394,13 @@ def _check_same(group: StageGroup, ids: list[dict]) -> None:
         for key in ("fingerprint", "set", "layers", "units", "rocketllm", "torch", "transformers"):
             if other[key] != first[key]:
                 what = "shard set" if key in ("fingerprint", "set", "layers", "units") else f"{key} version"
-                raise StageError(f"{group.name(r)} has another {what} than rank 0 ({key} {other[key]} against {first[key]}): every "
-                                 "rank must run the same set (a shared directory, or a copy of it) with the same rocketllm, torch and "
-                                 "transformers")
+                raise StageError(
+                    f"{group.name(r)} has another {what} than rank 0 ({key} {other[key]} against "
+                    f"{first[key]}): every "
+                    "rank must run the same set (a shared directory, or a copy of it) with the same "
+                    "rocketllm, torch and "
+                    "transformers"
+                )
 
 
 def _refuse_together(group: StageGroup, err: RocketError) -> None:
@@ -405,16 +452,30 @@ def _rank_facts(group: StageGroup, profile, knobs, facts, link: tuple[float, flo
 
     compute, how = profile.matvec_bps(), "decode-shaped matvec, measured"
     if facts.decode_compute and facts.total_bytes:
-        compute, how = facts.bytes_per_token / float(facts.decode_compute["seconds"]), "this set's resident decode, measured by bench"
+        compute, how = (
+            facts.bytes_per_token / float(facts.decode_compute["seconds"]),
+            ("this set's resident decode, measured by bench"),
+        )
     elif not compute:
         compute, how = profile.device_memory_bps, "device memory copy"
-    return RankFacts(group.rank, group.launch.host, int(knobs.value("device_cache_bytes")), int(knobs.value("host_cache_bytes")),
-                     compute, tier_bandwidth(profile, "host")[0], tier_bandwidth(profile, "storage")[0], how, link[0], link[1],
-                     profile.compute_device)
+    return RankFacts(
+        group.rank,
+        group.launch.host,
+        int(knobs.value("device_cache_bytes")),
+        int(knobs.value("host_cache_bytes")),
+        compute,
+        tier_bandwidth(profile, "host")[0],
+        tier_bandwidth(profile, "storage")[0],
+        how,
+        link[0],
+        link[1],
+        profile.compute_device,
+    )
 
 
 def stage_inputs(manifest: Manifest, facts, hidden_bytes: int) -> dict:
-    """What the planner needs of the model: per-layer bytes (experts included) and per-token bytes, rank 0's own units."""
+    """What the planner needs of the model: per-layer bytes (experts included) and per-token bytes, rank 0's own
+    units."""
     n = len(manifest.layers)
     dense = [0] * n
     experts = [0] * n
@@ -429,11 +490,18 @@ def stage_inputs(manifest: Manifest, facts, hidden_bytes: int) -> dict:
         share = max(0.0, min(1.0, (facts.active_bytes - (facts.total_bytes - routed)) / routed))
     first = sum(u.tensor_bytes for u in manifest.units if u.kind not in ("layer", "expert"))
     other = sum(u.tensor_bytes for u in manifest.units if u.kind not in ("layer", "expert", *FIRST_ONLY_KINDS))
-    return {"layer_bytes": [d + e for d, e in zip(dense, experts)], "layer_token_bytes": [d + int(e * share) for d, e in zip(dense, experts)],
-            "first_bytes": first, "other_bytes": other, "hidden_bytes": hidden_bytes}
+    return {
+        "layer_bytes": [d + e for d, e in zip(dense, experts)],
+        "layer_token_bytes": [d + int(e * share) for d, e in zip(dense, experts)],
+        "first_bytes": first,
+        "other_bytes": other,
+        "hidden_bytes": hidden_bytes,
+    }
 
 
-def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, engine_config, log=None, overrides: dict | None = None):
+def open_stages(
+    launch, directory, manifest: Manifest, profile, knobs, facts, engine_config, log=None, overrides: dict | None = None
+):
     """This rank's StreamingModel of the pipeline LAUNCH describes: the group joined (formed once per process), rank 0's
     load announced (OVERRIDES: the knob keywords it was called with, which the other ranks load with too), the set and
     versions compared, the links probed, the plan made (on rank 0, from every rank's measurements) and this rank's share
@@ -446,11 +514,14 @@ def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, en
 
     log = log or (lambda m: None)
     if manifest.vision:
-        raise StageError("a vision-language set runs in one process: its tower and the picture's tokens live on rank 0 only; "
-                         "launch it without torchrun")
+        raise StageError(
+            "a vision-language set runs in one process: its tower and the picture's tokens live on rank 0 only; launch "
+            "it without torchrun"
+        )
     group = group_for(launch, int(knobs.value("stage_timeout_s")), profile.compute_device)
     if group.rank == 0:
-        group.broadcast({"op": "load", "overrides": _portable(overrides or {})})  # the other ranks wait in run_later_stage
+        # the other ranks wait in run_later_stage
+        group.broadcast({"op": "load", "overrides": _portable(overrides or {})})
     try:
         _check_same(group, group.exchange(_identity(manifest)))
     except StageError as e:
@@ -462,7 +533,9 @@ def open_stages(launch, directory, manifest: Manifest, profile, knobs, facts, en
     plan = None
     if group.rank == 0:
         try:
-            plan = plan_stages(ranks, override=str(knobs.value("stages")), **stage_inputs(manifest, facts, hidden_bytes))
+            plan = plan_stages(
+                ranks, override=str(knobs.value("stages")), **stage_inputs(manifest, facts, hidden_bytes)
+            )
         except RocketError as e:  # a --stages that does not fit: every rank stops on it, rank 0 says it
             plan = e
     plan = group.broadcast(plan)
@@ -499,7 +572,10 @@ def share_cores(group: StageGroup, profile, log=None) -> None:
     if torch.get_num_threads() > threads:
         torch.set_num_threads(threads)
         if group.rank == 0 and log is not None:
-            log(f"{here} ranks share this host's {profile.cpu_cores} cores: each computes with {threads} thread(s) (OMP_NUM_THREADS overrides)")
+            log(
+                f"{here} ranks share this host's {profile.cpu_cores} cores: each computes with {threads} thread(s) "
+                f"(OMP_NUM_THREADS overrides)"
+            )
 
 
 def shared_memory_profile(profile, group: StageGroup, log=None):
@@ -510,8 +586,11 @@ def shared_memory_profile(profile, group: StageGroup, log=None):
     if sharing <= 1:
         return profile
     if group.rank == 0 and log is not None:
-        log(f"{sharing} ranks share this host's memory (the same memory cgroup): each derives its budgets from 1/{sharing} "
-            "of the memory available (give each rank its own cgroup, or --device-cache-bytes, to size them otherwise)")
+        log(
+            f"{sharing} ranks share this host's memory (the same memory cgroup): each derives its budgets from "
+            f"1/{sharing} "
+            "of the memory available (give each rank its own cgroup, or --device-cache-bytes, to size them otherwise)"
+        )
     return dataclasses.replace(profile, ram_available=profile.ram_available // sharing)
 
 
@@ -532,7 +611,11 @@ def join(launch, flags: dict | None = None) -> StageGroup:
     flags = flags or {}
     spec = KNOBS_BY_NAME["stage_timeout_s"]
     raw = flags.get("stage_timeout_s") or os.environ.get(spec.env)
-    timeout = int(spec.parse(raw, spec.flag if flags.get("stage_timeout_s") else spec.env)) if raw else DEFAULT_STAGE_TIMEOUT_S
+    timeout = (
+        int(spec.parse(raw, spec.flag if flags.get("stage_timeout_s") else spec.env))
+        if raw
+        else DEFAULT_STAGE_TIMEOUT_S
+    )
     return group_for(launch, timeout)
 
 
@@ -560,7 +643,8 @@ def plan_for_doctor(launch, profile, facts, knobs, flags: dict | None = None) ->
         shared = shared_memory_profile(profile, group)
         if shared is not profile:  # ranks on one host: each plans with its share of the memory
             profile, knobs = shared, resolve_knobs(shared, facts, flags=flags or {})
-        # the hidden size from a layer's bytes (about 12 h^2 weights a layer), in the compute dtype: only the links use it
+        # the hidden size from a layer's bytes (about 12 h^2 weights a layer), in the compute dtype: only the links use
+        # it
         itemsize = ITEMSIZE.get(str(knobs.value("compute_dtype")), 2)
         per_weight = ITEMSIZE.get(facts.dtype, 2)
         hidden_bytes = int((max(1, facts.layer_bytes) / (12 * per_weight)) ** 0.5) * itemsize
@@ -569,10 +653,22 @@ def plan_for_doctor(launch, profile, facts, knobs, flags: dict | None = None) ->
         n = max(1, facts.num_layers)
         share = facts.bytes_per_token / facts.total_bytes if facts.total_bytes else 1.0
         layer = (facts.total_bytes - facts.non_layer_bytes) // n
-        plan = plan_stages(ranks, [layer] * n, [int(layer * share)] * n, facts.non_layer_bytes, 0, hidden_bytes,
-                           override=str(knobs.value("stages")))
-        done = {"plan": plan.to_dict(), "text": plan.describe(), "formula": plan.formula,
-                "ranks": [describe_rank(f) for f in ranks], "hidden_bytes": hidden_bytes}
+        plan = plan_stages(
+            ranks,
+            [layer] * n,
+            [int(layer * share)] * n,
+            facts.non_layer_bytes,
+            0,
+            hidden_bytes,
+            override=str(knobs.value("stages")),
+        )
+        done = {
+            "plan": plan.to_dict(),
+            "text": plan.describe(),
+            "formula": plan.formula,
+            "ranks": [describe_rank(f) for f in ranks],
+            "hidden_bytes": hidden_bytes,
+        }
         group.close(orderly=True)  # every rank got here: leave together
         return done
     finally:

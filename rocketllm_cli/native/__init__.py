@@ -49,7 +49,7 @@ def build_in_background() -> None:
 
 
 def why_not(isa: str | None = None) -> str:
-    """"" when kernels(isa) gives kernels, else the one-line reason (no compiler, build failed: ..., platform)."""
+    """ "" when kernels(isa) gives kernels, else the one-line reason (no compiler, build failed: ..., platform)."""
     return _resolve(isa)[1]
 
 

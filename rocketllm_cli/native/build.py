@@ -80,8 +80,12 @@ def _build(cxx: str, folder: Path, target: Path) -> str:
         if failed is not None:
             return f"native kernel build failed: {failed}"
         linked = Path(scratch) / LIBRARY
-        link = subprocess.run([cxx, *FLAGS, "-shared", *objects, "-o", str(linked)], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
+        link = subprocess.run(
+            [cxx, *FLAGS, "-shared", *objects, "-o", str(linked)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
         if link.returncode != 0:
             return f"native kernel link failed: {_first_error(link.stderr)}"
         os.replace(linked, target)  # atomic: a reader sees no library or a whole one
@@ -107,4 +111,4 @@ def _first_error(stderr: str) -> str:
 
 def _one_line(text: str, limit: int = 300) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

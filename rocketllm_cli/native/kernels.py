@@ -19,11 +19,28 @@ import torch
 ISAS = ("scalar", "avx2", "avx512")  # the variants, in the library's numbering; later is faster
 MODES = {"exact": 0, "int8": 1}
 # name -> GGML type number; the library reports each one's block layout, checked against ggmlblocks.SUPPORTED
-GGML_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-            "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+GGML_IDS = {
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": 8,
+    "Q2_K": 10,
+    "Q3_K": 11,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+    "IQ4_NL": 20,
+    "IQ4_XS": 23,
+}
 ABI_VERSION = 1
-_ERRORS = {-1: "unsupported type", -2: "variant not runnable on this CPU", -3: "shapes do not match",
-           -4: "unknown mode", -5: "out of memory for the quantized activations"}
+_ERRORS = {
+    -1: "unsupported type",
+    -2: "variant not runnable on this CPU",
+    -3: "shapes do not match",
+    -4: "unknown mode",
+    -5: "out of memory for the quantized activations",
+}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -31,10 +48,17 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 class NativeKernels:
     """y = x · Wᵀ computed on GGUF's quantized blocks as stored, by the library's `isa` variant."""
 
-    def __init__(self, lib: ctypes.CDLL, isa: str, runnable: tuple[str, ...], layouts: dict[str, tuple[int, int, int]],
-                 build: str = ""):
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        isa: str,
+        runnable: tuple[str, ...],
+        layouts: dict[str, tuple[int, int, int]],
+        build: str = "",
+    ):
         self._lib = lib
-        self.build = build  # the build's key (its cache folder: sources, compiler, flags), so measurements follow an edit
+        # the build's key (its cache folder: sources, compiler, flags), so measurements follow an edit
+        self.build = build
         self.isa = isa  # the variant in use: "avx512", "avx2" or "scalar"
         self.isas = runnable  # every variant this CPU runs, best first
         self._isa_id = ISAS.index(isa)
@@ -52,8 +76,19 @@ class NativeKernels:
             return None, f"cannot load {path.name}: {' '.join(str(exc).split())}"
         if abi != ABI_VERSION:
             return None, f"{path} has ABI {abi}, this code expects {ABI_VERSION}"
-        lib.rl_matmul.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,
-                                  ctypes.c_int]
+        lib.rl_matmul.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            _ptr,
+            _i64,
+            _i64,
+            _ptr,
+            _i64,
+            _i64,
+            _ptr,
+            ctypes.c_int,
+        ]
         lib.rl_quantize.argtypes = [ctypes.c_int, _ptr, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
         mask = lib.rl_isas()
         runnable = tuple(name for i, name in reversed(list(enumerate(ISAS))) if mask >> i & 1)
@@ -76,8 +111,15 @@ class NativeKernels:
         """Whether `gguf_type` (a name such as "Q4_K", or a gguf.GGMLQuantizationType) has kernels."""
         return str(getattr(gguf_type, "name", gguf_type)) in self._layouts
 
-    def matmul(self, blocks: torch.Tensor, gguf_type, x: torch.Tensor, mode: str = "exact",
-               out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    def matmul(
+        self,
+        blocks: torch.Tensor,
+        gguf_type,
+        x: torch.Tensor,
+        mode: str = "exact",
+        out: torch.Tensor | None = None,
+        threads: int | None = None,
+    ) -> torch.Tensor:
         """y [M, N] fp32 = x [M, K] fp32 · Wᵀ, W given as its raw GGUF blocks: uint8 [N, K / QK · block bytes],
         contiguous on the CPU (never copied). mode "exact": W's fp32 values (gguf's dequantization, bit for bit)
         times x in fp32; "int8": x quantized to 8 bits per 32 (256 for the K-quants) elements, integer dot
@@ -90,8 +132,13 @@ class NativeKernels:
         mode_id = MODES.get(mode)
         if mode_id is None:
             raise ValueError(f"mode must be 'exact' or 'int8', got {mode!r}")
-        if not (isinstance(blocks, torch.Tensor) and blocks.dtype == torch.uint8 and blocks.dim() == 2
-                and blocks.is_cpu and blocks.is_contiguous()):
+        if not (
+            isinstance(blocks, torch.Tensor)
+            and blocks.dtype == torch.uint8
+            and blocks.dim() == 2
+            and blocks.is_cpu
+            and blocks.is_contiguous()
+        ):
             raise ValueError(f"{name} blocks must be a contiguous 2-D uint8 CPU tensor, got {_describe(blocks)}")
         if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() == 2 and x.is_cpu):
             raise ValueError(f"x must be a 2-D float32 CPU tensor [M, K], got {_describe(x)}")
@@ -100,17 +147,35 @@ class NativeKernels:
         if k % qk:
             raise ValueError(f"{name} needs K a multiple of {qk}, got x of shape {tuple(x.shape)}")
         if row_bytes != k // qk * block_bytes:
-            raise ValueError(f"{name} blocks of {row_bytes} bytes per row do not hold K = {k} "
-                             f"({k // qk} blocks of {block_bytes} bytes = {k // qk * block_bytes})")
+            raise ValueError(
+                f"{name} blocks of {row_bytes} bytes per row do not hold K = {k} "
+                f"({k // qk} blocks of {block_bytes} bytes = {k // qk * block_bytes})"
+            )
         if out is None:
             out = torch.empty((m, n), dtype=torch.float32)
-        elif not (isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.is_cpu
-                  and out.shape == (m, n) and out.is_contiguous()):
+        elif not (
+            isinstance(out, torch.Tensor)
+            and out.dtype == torch.float32
+            and out.is_cpu
+            and out.shape == (m, n)
+            and out.is_contiguous()
+        ):
             raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {(m, n)}, got {_describe(out)}")
         if not x.is_contiguous():
             x = x.contiguous()  # activations are small; W is never copied
-        rc = self._call(self._isa_id, type_id, mode_id, blocks.data_ptr(), n, row_bytes, x.data_ptr(), m, k,
-                        out.data_ptr(), torch.get_num_threads() if threads is None else threads)
+        rc = self._call(
+            self._isa_id,
+            type_id,
+            mode_id,
+            blocks.data_ptr(),
+            n,
+            row_bytes,
+            x.data_ptr(),
+            m,
+            k,
+            out.data_ptr(),
+            torch.get_num_threads() if threads is None else threads,
+        )
         if rc:
             raise RuntimeError(f"native {name} matmul failed: {_ERRORS.get(rc, rc)}")
         return out

@@ -10,8 +10,20 @@ import numpy as np
 import torch
 
 # byte offsets of each native type's fp16 fields (d, and dmin where there is one) inside a block
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+F16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "IQ4_NL": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_XS": (0,),
+}
 
 
 def sample_blocks(name: str, rows: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -22,5 +34,5 @@ def sample_blocks(name: str, rows: int, k: int, seed: int = 0) -> torch.Tensor:
     qk, nbytes = SUPPORTED[name]
     raw = rng.integers(0, 256, size=(rows, k // qk, nbytes), dtype=np.uint8)
     for at in F16_FIELDS[name]:
-        raw[..., at:at + 2] = rng.uniform(1e-3, 1e-2, (rows, k // qk, 1)).astype(np.float16).view(np.uint8)
+        raw[..., at : at + 2] = rng.uniform(1e-3, 1e-2, (rows, k // qk, 1)).astype(np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(rows, -1))

@@ -18,10 +18,20 @@ Importing the package is cheap: each name below loads its module (and torch) whe
 from importlib import import_module
 
 _HOME = {
-    "PackedFormat": "..checkpoint.packedformat", "PackedTensor": "..checkpoint.packedformat", "from_gguf": "fromgguf", "quantize_rtn": "rtn",
-    "dequantize": "dequant", "dequantize_into": "dequant", "Scratch": "scratch", "SCRATCH": "scratch",
-    "Capabilities": "probe", "capabilities": "probe", "BoundWeight": "bound", "bind": "compute",
-    "kernel_path": "compute", "linear": "compute",
+    "PackedFormat": "..checkpoint.packedformat",
+    "PackedTensor": "..checkpoint.packedformat",
+    "from_gguf": "fromgguf",
+    "quantize_rtn": "rtn",
+    "dequantize": "dequant",
+    "dequantize_into": "dequant",
+    "Scratch": "scratch",
+    "SCRATCH": "scratch",
+    "Capabilities": "probe",
+    "capabilities": "probe",
+    "BoundWeight": "bound",
+    "bind": "compute",
+    "kernel_path": "compute",
+    "linear": "compute",
 }
 
 __all__ = sorted(_HOME)

@@ -18,7 +18,8 @@ from . import layout
 PATHS = ("int4", "int8", "native", "scratch")
 NATIVE_MODES = ("exact", "int8")  # native: fp32 activations (exact), or activations quantized to 8 bits per block
 # native, one row, where the thread follower is off (OMP_NUM_THREADS, a caller's own count: threads.py native_pass gives
-# a decode's products every free core otherwise): a weight of fewer bytes runs on the calling thread (SmolLM2's products:
+# a decode's products every free core otherwise): a weight of fewer bytes runs on the calling thread (SmolLM2's
+# products:
 # 27-35 ms/token on the pool beside torch's spinning threads, 23-25 on one thread; its 30 MiB head still gains from two)
 ONE_THREAD_BYTES = 4 << 20
 
@@ -69,8 +70,12 @@ def _fast_call(weight: BoundWeight):
     kernel, tail = weight.kernel, (n,)
     if weight.path == "native":
         # fp32 activations in, fp32 out: the kernels' own precision; a bf16 forward converts at the boundary
-        nk, blocks, kind, mode = native_kernels(weight.format, weight.device), weight.portable.parts["blocks"], \
-            weight.format.gguf_type, weight.mode
+        nk, blocks, kind, mode = (
+            native_kernels(weight.format, weight.device),
+            weight.portable.parts["blocks"],
+            weight.format.gguf_type,
+            weight.mode,
+        )
 
         # A weight this small is computed on the calling thread: waking the pool's workers (and competing with
         # torch's spinning OpenMP threads for the cores) cost ~0.3 ms a call, more than the product itself.
@@ -79,13 +84,26 @@ def _fast_call(weight: BoundWeight):
         def native(x):
             rows = x.reshape(-1, k)
             # a decode the model runs on these kernels: the free cores are theirs (threads.py, native_pass)
-            used = COMPUTE_THREADS.native_threads() if COMPUTE_THREADS.native_pass else threads if rows.shape[0] == 1 else None
-            out = nk.matmul(blocks, kind, rows if rows.dtype == torch.float32 else rows.float(), mode=mode, threads=used)
+            used = (
+                COMPUTE_THREADS.native_threads()
+                if COMPUTE_THREADS.native_pass
+                else threads
+                if rows.shape[0] == 1
+                else None
+            )
+            out = nk.matmul(
+                blocks, kind, rows if rows.dtype == torch.float32 else rows.float(), mode=mode, threads=used
+            )
             return (out if x.dtype == torch.float32 else out.to(x.dtype)).view(x.shape[:-1] + tail)
 
         return native
     if weight.path == "int4":
-        op, w, group, sz = layout.int4_op(weight.device), kernel["weight"], weight.format.group, kernel["scales_and_zeros"]
+        op, w, group, sz = (
+            layout.int4_op(weight.device),
+            kernel["weight"],
+            weight.format.group,
+            kernel["scales_and_zeros"],
+        )
         return lambda x: op(x.view(-1, k), w, group, sz).view(x.shape[:-1] + tail)
     op, w, scales = layout.INT8_MM, kernel["weight"], kernel["scales"]
     return lambda x: op(x.view(-1, k), w, scales).view(x.shape[:-1] + tail)

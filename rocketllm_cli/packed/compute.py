@@ -44,8 +44,9 @@ def kernel_dtype(fmt: PackedFormat, dtype: torch.dtype, device) -> torch.dtype:
     return dtypes.torch_dtype(fastest) if fastest else dtype
 
 
-def bind(packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16, *, kernel: bool = True,
-         mode: str = "exact") -> BoundWeight:
+def bind(
+    packed: PackedTensor, device="cpu", dtype: torch.dtype = torch.bfloat16, *, kernel: bool = True, mode: str = "exact"
+) -> BoundWeight:
     """`packed` ready for linear() on `device` with activations in `dtype` (the kernel's own, see kernel_dtype);
     kernel=False always dequantizes into scratch. `mode` is the native kernels' (bound.py NATIVE_MODES)."""
     device = torch.device(device)
@@ -71,7 +72,9 @@ def dense_plan(path: str, dtype: torch.dtype, device) -> tuple[int, torch.dtype 
     return (rows, dtypes.torch_dtype(in_dtype)) if rows else (0, None)
 
 
-def linear(x: torch.Tensor, weight: BoundWeight, bias: torch.Tensor | None = None, scratch: Scratch = SCRATCH) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: BoundWeight, bias: torch.Tensor | None = None, scratch: Scratch = SCRATCH
+) -> torch.Tensor:
     """x [*, K] in the weight's dtype -> [*, N]. Called once per Linear per pass: kept lean (a decode step of a
     small model is as much this function's overhead as the kernels' time)."""
     n, k = weight.format.shape

@@ -89,7 +89,9 @@ def cpu_layout() -> str | None:
     """The layout this process's CPU int4 kernel reads, found by running its conversion op on labelled codes;
     None when the op is missing or matches none of LAYOUTS (the weight is then converted by the op at bind)."""
     n, k = PROBE_SHAPE
-    codes = (torch.arange(n * k, dtype=torch.int32).reshape(n, k) * 7 + torch.arange(n, dtype=torch.int32)[:, None]) % 16
+    codes = (
+        torch.arange(n * k, dtype=torch.int32).reshape(n, k) * 7 + torch.arange(n, dtype=torch.int32)[:, None]
+    ) % 16
     try:
         made = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
     except (RuntimeError, AttributeError, NotImplementedError):

@@ -48,15 +48,27 @@ def _dense(x: torch.Tensor, weight, scratch: Scratch, dtype: torch.dtype) -> tor
     rows = min(n, max(ROW_ALIGN, CHUNK_VALUES // k // ROW_ALIGN * ROW_ALIGN))
     groups = k // weight.format.group if weight.path == "int4" else 1
     wide = dtype == torch.float32
-    work, narrow, scale, shift = scratch.take(device, (rows * k, torch.float32), (0 if wide else rows * k, dtype),
-                                              (rows * groups, torch.float32), (rows * groups, torch.float32))
+    work, narrow, scale, shift = scratch.take(
+        device,
+        (rows * k, torch.float32),
+        (0 if wide else rows * k, dtype),
+        (rows * groups, torch.float32),
+        (rows * groups, torch.float32),
+    )
     out = None if rows == n else torch.empty((x.shape[0], n), dtype=dtype, device=device)
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         count = stop - start
         block = work[: count * k].view(count, k)
         if weight.path == "int4":
-            _int4_rows(weight, start, stop, block, scale[: count * groups].view(count, groups), shift[: count * groups].view(count, groups))
+            _int4_rows(
+                weight,
+                start,
+                stop,
+                block,
+                scale[: count * groups].view(count, groups),
+                shift[: count * groups].view(count, groups),
+            )
         else:
             _int8_rows(weight, start, stop, block)
         if not wide:
@@ -68,7 +80,8 @@ def _dense(x: torch.Tensor, weight, scratch: Scratch, dtype: torch.dtype) -> tor
 
 
 def _int4_rows(weight, start: int, stop: int, block: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> None:
-    """Rows start:stop of an int4 kernel-form weight as fp32 into `block`: w = (q − 8)·scale + zero = q·scale + shift."""
+    """Rows start:stop of an int4 kernel-form weight as fp32 into `block`: w = (q − 8)·scale + zero = q·scale +
+    shift."""
     kernel = weight.kernel
     block.copy_(cpulayout.codes(kernel["weight"][start:stop], cpulayout.cpu_layout()))
     sz = kernel["scales_and_zeros"]  # [K/group, N, 2] in the kernel's dtype

@@ -40,8 +40,12 @@ def dequantize_into(packed: PackedTensor, dtype: torch.dtype, scratch: Scratch =
     rows = max(1, min(n, CPU_BLOCK // k)) if device.type == "cpu" else n
     wide, int4 = dtype == torch.float32, fmt.kind == "int4"
     flat, codes, work, scale, minimum = scratch.take(
-        device, (n * k, dtype), (rows * k if int4 else 0, torch.uint8), (0 if wide else rows * k, torch.float32),
-        (rows * fmt.groups, torch.float32), (rows * fmt.groups if int4 else 0, torch.float32),
+        device,
+        (n * k, dtype),
+        (rows * k if int4 else 0, torch.uint8),
+        (0 if wide else rows * k, torch.float32),
+        (rows * fmt.groups, torch.float32),
+        (rows * fmt.groups if int4 else 0, torch.float32),
     )
     out = flat.view(n, k)
     for start in range(0, n, rows):
@@ -50,9 +54,13 @@ def dequantize_into(packed: PackedTensor, dtype: torch.dtype, scratch: Scratch =
         block = out[start:stop] if wide else work[: count * k].view(count, k)
         _codes_into(block, codes[: count * k].view(count, k) if int4 else None, codes_part[start:stop])
         grouped = block.view(count, fmt.groups, fmt.group)
-        grouped.mul_(scale[: count * fmt.groups].view(count, fmt.groups, 1).copy_(parts["scale"][start:stop].unsqueeze(-1)))
+        grouped.mul_(
+            scale[: count * fmt.groups].view(count, fmt.groups, 1).copy_(parts["scale"][start:stop].unsqueeze(-1))
+        )
         if int4:
-            grouped.add_(minimum[: count * fmt.groups].view(count, fmt.groups, 1).copy_(parts["min"][start:stop].unsqueeze(-1)))
+            grouped.add_(
+                minimum[: count * fmt.groups].view(count, fmt.groups, 1).copy_(parts["min"][start:stop].unsqueeze(-1))
+            )
         if not wide:
             out[start:stop].copy_(block)  # the one rounding to dtype
     return out

@@ -93,7 +93,9 @@ class Bnb4bit:
             stop = min(total, start + step)
             raw = self.packed[start // 2 : (stop + 1) // 2]
             codes = torch.stack((raw >> 4, raw & 0xF), dim=1).reshape(-1)[: stop - start].long()
-            scales = absmax[start // self.blocksize : math.ceil(stop / self.blocksize)].repeat_interleave(self.blocksize)
+            scales = absmax[start // self.blocksize : math.ceil(stop / self.blocksize)].repeat_interleave(
+                self.blocksize
+            )
             out[start:stop] = table[codes].mul_(scales[: stop - start])
         return out.view(n, k)
 
@@ -103,19 +105,29 @@ class Bnb4bit:
         return quantize_rtn(exact, bits=4, group=group, scale_dtype=scale_dtype), exact
 
 
-def from_4bit(packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, state: dict,
-              nested_absmax: torch.Tensor | None = None, nested_map: torch.Tensor | None = None) -> Bnb4bit:
+def from_4bit(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    quant_map: torch.Tensor,
+    state: dict,
+    nested_absmax: torch.Tensor | None = None,
+    nested_map: torch.Tensor | None = None,
+) -> Bnb4bit:
     """The stored tensors of one 4-bit module and its parsed quant_state -> Bnb4bit; ValueError where they disagree."""
     shape = tuple(int(d) for d in state.get("shape") or ())
     blocksize = int(state.get("blocksize", 0))
     if len(shape) != 2 or blocksize < 1:
-        raise ValueError(f"its quant_state gives shape {list(shape)} and blocksize {blocksize}: not a 2-D blocked weight")
+        raise ValueError(
+            f"its quant_state gives shape {list(shape)} and blocksize {blocksize}: not a 2-D blocked weight"
+        )
     n, k = shape
     raw = packed.contiguous().reshape(-1).view(torch.uint8)
     blocks = math.ceil(n * k / blocksize)
     if raw.numel() != math.ceil(n * k / 2) or absmax.numel() != blocks or quant_map.numel() != 16:
-        raise ValueError(f"{raw.numel()} bytes, {absmax.numel()} absmax and a {quant_map.numel()}-value map do not hold "
-                         f"a [{n}, {k}] weight in blocks of {blocksize}")
+        raise ValueError(
+            f"{raw.numel()} bytes, {absmax.numel()} absmax and a {quant_map.numel()}-value map do not hold a [{n}, "
+            f"{k}] weight in blocks of {blocksize}"
+        )
     nested = nested_absmax is not None
     if nested != ("nested_offset" in state) or (nested and (nested_map is None or nested_map.numel() != 256)):
         raise ValueError("its double quantization (nested absmax, map and offset) is incomplete")
@@ -125,5 +137,8 @@ def from_4bit(packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tenso
         weight.nested_blocksize = int(state.get("nested_blocksize", 256))
         weight.offset = float(state["nested_offset"])
         if weight.nested_absmax.numel() != math.ceil(blocks / weight.nested_blocksize):
-            raise ValueError(f"{weight.nested_absmax.numel()} nested absmax do not cover {blocks} blocks of {weight.nested_blocksize}")
+            raise ValueError(
+                f"{weight.nested_absmax.numel()} nested absmax do not cover {blocks} blocks of "
+                f"{weight.nested_blocksize}"
+            )
     return weight

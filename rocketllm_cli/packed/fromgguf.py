@@ -35,7 +35,9 @@ def from_gguf(blocks: np.ndarray, ggml_type, raw: bool = False, copy: bool = Tru
         raise ValueError(f"{qtype.name} is not a quantized type: nothing to pack")
     blocks = np.asarray(blocks)
     if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] % block_bytes:
-        raise ValueError(f"{qtype.name} blocks must be uint8 [rows, k·{block_bytes}], got {blocks.dtype} {blocks.shape}")
+        raise ValueError(
+            f"{qtype.name} blocks must be uint8 [rows, k·{block_bytes}], got {blocks.dtype} {blocks.shape}"
+        )
     n, per_row = blocks.shape[0], blocks.shape[1] // block_bytes
     shape = (n, per_row * block)
     split = blocks.reshape(n, per_row, block_bytes)
@@ -43,7 +45,8 @@ def from_gguf(blocks: np.ndarray, ggml_type, raw: bool = False, copy: bool = Tru
     if unpacker is None:
         fmt = PackedFormat("gguf", shape, block, gguf_type=qtype.name, block_bytes=block_bytes)
         kept = not copy and blocks.flags.writeable and blocks.flags.c_contiguous
-        return PackedTensor(fmt, {"blocks": torch.from_numpy(blocks if kept else np.array(blocks, copy=True))})  # off the mapping
+        # off the mapping
+        return PackedTensor(fmt, {"blocks": torch.from_numpy(blocks if kept else np.array(blocks, copy=True))})
     return unpacker(split, shape)
 
 

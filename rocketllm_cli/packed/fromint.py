@@ -82,7 +82,9 @@ class IntWeight:
                 raise ValueError("int8 with zero points has no packed form (w = q·scale)")
             codes = (self.codes.to(torch.int16) - 128).to(torch.int8)
             scale, name = _stored(self.scale)
-            return PackedTensor(PackedFormat("int8", (n, k), self.group, scale_dtype=name), {"codes": codes, "scale": scale})
+            return PackedTensor(
+                PackedFormat("int8", (n, k), self.group, scale_dtype=name), {"codes": codes, "scale": scale}
+            )
         scale32 = self.scale.float()
         minimum = -(self.zeros.float() * scale32)
         name = dtypes.short_name(self.scale.dtype) or "fp32"
@@ -119,8 +121,14 @@ def lsb_first(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return fields[:, :count]
 
 
-def from_compressed(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, shape: tuple[int, int],
-                    bits: int, g_idx: torch.Tensor | None = None) -> IntWeight:
+def from_compressed(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    shape: tuple[int, int],
+    bits: int,
+    g_idx: torch.Tensor | None = None,
+) -> IntWeight:
     """compressed-tensors pack-quantized: weight_packed int32 [N, ⌈K·bits/32⌉], weight_scale [N, G] (or one value),
     weight_zero_point int32 [⌈N·bits/32⌉, G] or None (symmetric)."""
     n, k = shape
@@ -133,19 +141,29 @@ def from_compressed(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch
     return _checked(bits, codes, zeros, scale, g_idx)
 
 
-def from_naive(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int,
-               g_idx: torch.Tensor | None = None) -> IntWeight:
+def from_naive(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    bits: int,
+    g_idx: torch.Tensor | None = None,
+) -> IntWeight:
     """compressed-tensors naive-/int-quantized: weight int8 [N, K] holding q, zero point [N, G] holding z (or None)."""
     offset = 1 << (bits - 1)
     n = weight.shape[0]
     scale = _per_row(scale, n)
     codes = (weight.to(torch.int16) + offset).to(torch.uint8)
-    zeros = (torch.zeros(scale.shape, dtype=torch.int16) if zero_point is None else _per_row(zero_point, n).round().to(torch.int16)) + offset
+    zeros = (
+        torch.zeros(scale.shape, dtype=torch.int16)
+        if zero_point is None
+        else _per_row(zero_point, n).round().to(torch.int16)
+    ) + offset
     return _checked(bits, codes, zeros, scale, g_idx)
 
 
-def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None, bits: int,
-              v1: bool) -> IntWeight:
+def from_gptq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None, bits: int, v1: bool
+) -> IntWeight:
     """GPTQ: qweight int32 [K·bits/32, N], qzeros int32 [G, N·bits/32], scales [G, N]; v1 stores each zero minus one."""
     n = qweight.shape[1]
     k = qweight.shape[0] * 32 // bits
@@ -176,7 +194,9 @@ def _per_row(values: torch.Tensor, n: int) -> torch.Tensor:
     return values.reshape(1, -1).expand(n, -1).contiguous()
 
 
-def _checked(bits: int, codes: torch.Tensor, zeros: torch.Tensor, scale: torch.Tensor, g_idx: torch.Tensor | None) -> IntWeight:
+def _checked(
+    bits: int, codes: torch.Tensor, zeros: torch.Tensor, scale: torch.Tensor, g_idx: torch.Tensor | None
+) -> IntWeight:
     n, k = codes.shape
     groups = scale.shape[1]
     if scale.shape[0] != n or zeros.shape != scale.shape or groups < 1 or k % groups:

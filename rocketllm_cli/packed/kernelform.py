@@ -31,7 +31,13 @@ def to_kernel_form(packed: PackedTensor, layout: str, scale_dtype: str = "fp32")
     n = fmt.shape[0]
     scale = packed.parts["scale"].float()
     zero = packed.parts["min"].float() + MIDPOINT * scale
-    sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).reshape(fmt.groups, 2 * n).to(dtypes.torch_dtype(scale_dtype)).contiguous()
+    sz = (
+        torch.stack((scale, zero), dim=-1)
+        .transpose(0, 1)
+        .reshape(fmt.groups, 2 * n)
+        .to(dtypes.torch_dtype(scale_dtype))
+        .contiguous()
+    )
     codes = cpulayout.to_layout(packed.parts["codes"], layout)
     return PackedTensor(fmt.with_layout(layout, scale_dtype), {"codes": codes, "sz": sz})
 

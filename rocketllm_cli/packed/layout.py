@@ -51,7 +51,11 @@ def int4_for_kernel(packed: PackedTensor, dtype: torch.dtype, device) -> dict:
     tiles = inner_k_tiles(k)
     kernel_layout = cpulayout.cpu_layout() if device.type == "cpu" else None
     if kernel_layout is not None:
-        weight = codes if fmt.layout == kernel_layout else cpulayout.to_layout(cpulayout.from_layout(codes, fmt.layout), kernel_layout)
+        weight = (
+            codes
+            if fmt.layout == kernel_layout
+            else cpulayout.to_layout(cpulayout.from_layout(codes, fmt.layout), kernel_layout)
+        )
     elif device.type == "cpu":
         rows = cpulayout.from_layout(codes, fmt.layout)
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.unpack(rows).to(torch.int32), tiles)

@@ -38,7 +38,8 @@ TIMING_ROUNDS = 12  # each dtype's best of this many turns, after a warm-up call
 TIMING_BUDGET_S = 0.25  # rounds stop once they have taken this long (at least three are run)
 DENSE_ROWS = (512, 256, 128, 64, 32, 16)  # rows of x tried for the dense crossover, largest first
 DENSE_ROUNDS = 3  # each side's best of this many turns at each row count
-PROBE_FORMAT = 4  # stored answers of another method are probed again (1: one dtype after another, all cores; 2-3: no dense dtype)
+# stored answers of another method are probed again (1: one dtype after another, all cores; 2-3: no dense dtype)
+PROBE_FORMAT = 4
 
 _CACHE: dict[str, Capabilities] = {}
 
@@ -51,7 +52,8 @@ class Capabilities:
     int4: tuple[str, ...]
     int8: tuple[str, ...]
     seconds: tuple[tuple[str, str, float], ...] = ()  # (kind, dtype, best seconds of a decode-shaped call)
-    dense: tuple[tuple[str, int, str], ...] = ()  # (kind, rows of x from which a dense multiply was faster (0: never), its dtype)
+    # (kind, rows of x from which a dense multiply was faster (0: never), its dtype)
+    dense: tuple[tuple[str, int, str], ...] = ()
 
     def supports(self, kind: str, dtype: torch.dtype) -> bool:
         return dtypes.short_name(dtype) in getattr(self, kind, ())
@@ -108,8 +110,13 @@ def _store(caps: Capabilities) -> None:
         path = stored_path()
         doc = read_json(path) or {}
         doc.pop("cache_format", None)
-        doc[caps.device] = {"int4": list(caps.int4), "int8": list(caps.int8), "seconds": [list(s) for s in caps.seconds],
-                            "dense_rows": {k: [rows, dtype] for k, rows, dtype in caps.dense}, "probe_format": PROBE_FORMAT}
+        doc[caps.device] = {
+            "int4": list(caps.int4),
+            "int8": list(caps.int8),
+            "seconds": [list(s) for s in caps.seconds],
+            "dense_rows": {k: [rows, dtype] for k, rows, dtype in caps.dense},
+            "probe_format": PROBE_FORMAT,
+        }
         write_json(path, doc)
     except OSError:
         pass  # a read-only cache: the answer stays this process's
@@ -133,12 +140,16 @@ def probe(device) -> Capabilities:
                 got = _run(kind, packed, x.to(device, dtype), dtype, device).float().cpu()
             except (RuntimeError, NotImplementedError, AttributeError, TypeError):
                 continue  # op missing on this torch, or refused on this device or dtype
-            if got.shape == reference.shape and bool(((got - reference).abs().max() <= TRIAL_TOLERANCE * reference.abs().max())):
+            if got.shape == reference.shape and bool(
+                ((got - reference).abs().max() <= TRIAL_TOLERANCE * reference.abs().max())
+            ):
                 found[kind].append(name)
         best = _time_in_turns(kind, bits, group, [dtypes.torch_dtype(n) for n in found[kind]], device)
         timed += [(kind, name, best[name]) for name in found[kind]]
         if best and dense.supported(kind, device):
-            dense_from.append((kind, *_dense_crossover(kind, bits, group, dtypes.torch_dtype(min(best, key=best.get)), device)))
+            dense_from.append(
+                (kind, *_dense_crossover(kind, bits, group, dtypes.torch_dtype(min(best, key=best.get)), device))
+            )
     return Capabilities(str(device), tuple(found["int4"]), tuple(found["int8"]), tuple(timed), tuple(dense_from))
 
 
@@ -165,13 +176,15 @@ def _dense_crossover(kind: str, bits: int, group, dtype: torch.dtype, device) ->
     packed = quantize_rtn(weight, bits=bits, group=group)
     made = layout.for_kernel(kind, packed, dtype, device)
     choices = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
-    bounds = {d: BoundWeight(packed.format, dtype, torch.device(device), kind, kernel=made, dense_dtype=d) for d in choices}
+    bounds = {
+        d: BoundWeight(packed.format, dtype, torch.device(device), kind, kernel=made, dense_dtype=d) for d in choices
+    }
     scratch = Scratch()
     found, chosen = 0, choices[0]
     for rows in DENSE_ROWS:
         x = torch.randn(rows, TIMING_SHAPE[1]).to(device, dtype)
         runs = {"kernel": lambda kernel=bounds[chosen].fast: kernel(x)}
-        for d in (choices if rows == DENSE_ROWS[0] else [chosen]):  # the dtype is chosen at the most rows
+        for d in choices if rows == DENSE_ROWS[0] else [chosen]:  # the dtype is chosen at the most rows
             runs[d] = lambda b=bounds[d]: dense.dense_linear(x, b, scratch)
         best = _best_in_turns(runs, device, DENSE_ROUNDS)
         kernel_s = best.pop("kernel")
@@ -235,19 +248,41 @@ def report_rows(device: str) -> list[dict]:
     try:
         caps = capabilities(device)
     except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a row saying so, never a failed report
-        return [{"name": "packed_kernels", "value": False, "fallback_taken": "dequantize into scratch",
-                 "reason": f"the kernel probe failed: {type(exc).__name__}: {exc}"}]
+        return [
+            {
+                "name": "packed_kernels",
+                "value": False,
+                "fallback_taken": "dequantize into scratch",
+                "reason": f"the kernel probe failed: {type(exc).__name__}: {exc}",
+            }
+        ]
     rows = []
     for kind in ("int4", "int8"):
         timed = sorted((t, d) for kd, d, t in caps.seconds if kd == kind)
         if not timed:
-            rows.append({"name": f"packed_{kind}", "value": False, "fallback_taken": "dequantize into scratch",
-                         "reason": f"no {kind} kernel computed correctly on {device}"})
+            rows.append(
+                {
+                    "name": f"packed_{kind}",
+                    "value": False,
+                    "fallback_taken": "dequantize into scratch",
+                    "reason": f"no {kind} kernel computed correctly on {device}",
+                }
+            )
             continue
         calls = ", ".join(f"{d} {t * 1e6:.0f} us" for t, d in timed)
         dense_rows, dense_dtype = caps.dense_from(kind)
-        dense = (f"; from {dense_rows} rows of x (a prefill) dequantized and multiplied in {dense_dtype}, measured faster"
-                 if dense_rows else "; every pass through the kernel (a dense multiply was not faster)")
-        rows.append({"name": f"packed_{kind}", "value": f"{timed[0][1]} activations", "fallback_taken": None,
-                     "reason": f"{kind} kernel, fastest dtype of one [1,{k}] x [{k},{n}] call timed in turns on one thread: {calls}{dense}"})
+        dense = (
+            f"; from {dense_rows} rows of x (a prefill) dequantized and multiplied in {dense_dtype}, measured faster"
+            if dense_rows
+            else "; every pass through the kernel (a dense multiply was not faster)"
+        )
+        rows.append(
+            {
+                "name": f"packed_{kind}",
+                "value": f"{timed[0][1]} activations",
+                "fallback_taken": None,
+                "reason": f"{kind} kernel, fastest dtype of one [1,{k}] x [{k},{n}] call timed in turns on one "
+                f"thread: {calls}{dense}",
+            }
+        )
     return rows

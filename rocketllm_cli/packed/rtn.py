@@ -21,7 +21,9 @@ from . import nibbles
 LEVELS = {4: 15, 8: 127}  # int4: codes 0..15 over the range; int8: −127..127 around 0
 
 
-def quantize_rtn(weight: torch.Tensor, bits: int = 4, group: int | None = 32, scale_dtype: str = "fp16") -> PackedTensor:
+def quantize_rtn(
+    weight: torch.Tensor, bits: int = 4, group: int | None = 32, scale_dtype: str = "fp16"
+) -> PackedTensor:
     """weight [N, K] (any float dtype) -> PackedTensor of kind int4 or int8; group None: one group per row."""
     if bits not in LEVELS:
         raise ParameterError(f"{{bits}} must be one of {', '.join(map(str, LEVELS))}, got {bits}", "bits")
@@ -30,9 +32,13 @@ def quantize_rtn(weight: torch.Tensor, bits: int = 4, group: int | None = 32, sc
     n, k = weight.shape
     group = k if group is None else int(group)
     if group < 1 or k % group or (bits == 4 and group % 2):
-        raise ParameterError(f"{{group}} must divide K = {k}{' and be even' if bits == 4 else ''}, got {group}", "group")
+        raise ParameterError(
+            f"{{group}} must divide K = {k}{' and be even' if bits == 4 else ''}, got {group}", "group"
+        )
     if scale_dtype not in dtypes.NAMES:
-        raise ParameterError(f"{{scale_dtype}} must be one of {', '.join(dtypes.NAMES)}, got {scale_dtype!r}", "scale_dtype")
+        raise ParameterError(
+            f"{{scale_dtype}} must be one of {', '.join(dtypes.NAMES)}, got {scale_dtype!r}", "scale_dtype"
+        )
     stored = dtypes.torch_dtype(scale_dtype)
     w = weight.detach().float().reshape(n, k // group, group)
     if bits == 4:
@@ -51,7 +57,9 @@ def _stored(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = scale.to(dtype)
     if not bool(torch.isfinite(out).all()):
         name = dtypes.short_name(dtype)
-        raise ParameterError(f"{{scale_dtype}} {name} cannot hold this weight's scales (too large): use fp32", "scale_dtype")
+        raise ParameterError(
+            f"{{scale_dtype}} {name} cannot hold this weight's scales (too large): use fp32", "scale_dtype"
+        )
     return out
 
 

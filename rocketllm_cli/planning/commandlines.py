@@ -13,8 +13,10 @@ import shlex
 from ..profiles.knobs.table import KNOBS_BY_NAME
 
 CACHE_KNOBS = ("device_cache_bytes", "host_cache_bytes")
-TORCHRUN = ("torchrun --nnodes {hosts} --node-rank R --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 "
-            "-m rocketllm_cli")
+TORCHRUN = (
+    "torchrun --nnodes {hosts} --node-rank R --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 -m "
+    "rocketllm_cli"
+)
 
 
 def flag_of(name: str) -> str:

@@ -49,7 +49,8 @@ class WeightFormat:
     kl: float | None  # KL divergence per token against the unquantised weights, where known (0: they are those weights)
     kl_note: str = ""
     decode: dict = field(default_factory=dict)  # compute dtype -> this set's resident decode as bench measured it here
-    speculation: dict = field(default_factory=dict)  # speculation mode -> this set's tokens per pass as bench measured it here
+    # speculation mode -> this set's tokens per pass as bench measured it here
+    speculation: dict = field(default_factory=dict)
 
     @property
     def stored(self) -> bool:
@@ -70,8 +71,10 @@ class ModelSource:
     quantized: str = ""  # what quantized the stored weights ("gguf-Q4_1", "gptq" ...); "" for floats
     experts: int | None = None
     config: dict = field(default_factory=dict)
-    decode: dict = field(default_factory=dict)  # a shard set: compute dtype -> its resident decode measured by bench here
-    speculation: dict = field(default_factory=dict)  # a shard set: speculation mode -> its tokens per pass measured by bench here
+    # a shard set: compute dtype -> its resident decode measured by bench here
+    decode: dict = field(default_factory=dict)
+    # a shard set: speculation mode -> its tokens per pass measured by bench here
+    speculation: dict = field(default_factory=dict)
 
     @property
     def run_path(self) -> Path:
@@ -80,8 +83,15 @@ class ModelSource:
 
     def formats(self) -> list[WeightFormat]:
         if self.quantized:
-            kl, note = None, (f"the weights are stored quantized ({self.quantized}); the unquantised weights are not here to "
-                              "measure against (rocketllm bench SET --perplexity FILE --reference UNQUANTISED measures it)")
+            kl, note = (
+                None,
+                (
+                    f"the weights are stored quantized ({self.quantized}); the unquantised weights are not "
+                    f"here to "
+                    "measure against (rocketllm bench SET --perplexity FILE --reference UNQUANTISED measures "
+                    "it)"
+                ),
+            )
         else:
             kl, note = 0.0, "the stored floats themselves"
         if self.kind == "shards":
@@ -90,13 +100,25 @@ class ModelSource:
         if self.kind in ("shards",) or (self.quantized and self.kind != "gguf") or not self.tensors:
             return out
         for bits in (4, 8):
-            sizes = {name: self._requantised(name, shape, is_float, bits) for name, (shape, is_float) in self.tensors.items()}
+            sizes = {
+                name: self._requantised(name, shape, is_float, bits) for name, (shape, is_float) in self.tensors.items()
+            }
             if sum(sizes.values()) >= self.facts.total_bytes:
                 continue  # bigger than the set as stored (a 4-bit GGUF in int8): never a better row
             facts = self._facts_of(sizes, f"int{bits}")
-            out.append(WeightFormat(f"int{bits}", f"int{bits}", f"int{bits} RTN", facts, None,
-                                    f"round-to-nearest int{bits} of every Linear weight: lossy, not measured against the "
-                                    "unquantised weights (rocketllm bench SET --perplexity FILE --reference MODEL measures it)"))
+            out.append(
+                WeightFormat(
+                    f"int{bits}",
+                    f"int{bits}",
+                    f"int{bits} RTN",
+                    facts,
+                    None,
+                    f"round-to-nearest int{bits} of every Linear weight: lossy, not measured against "
+                    f"the "
+                    "unquantised weights (rocketllm bench SET --perplexity FILE --reference MODEL "
+                    "measures it)",
+                )
+            )
         return out
 
     def _requantised(self, name: str, shape: tuple[int, ...], is_float: bool, bits: int) -> int:
@@ -105,8 +127,11 @@ class ModelSource:
             numel *= d
         linear = len(shape) == 2 and name.endswith(".weight") and not any(word in name for word in _NOT_LINEAR)
         if linear and shape[1] % RTN_GROUP == 0 and (bits == 8 or shape[0] % INT4_ROWS == 0):
-            fmt = PackedFormat("int4", shape, RTN_GROUP, scale_dtype="fp16") if bits == 4 else \
-                PackedFormat("int8", shape, shape[1], scale_dtype="fp16")
+            fmt = (
+                PackedFormat("int4", shape, RTN_GROUP, scale_dtype="fp16")
+                if bits == 4
+                else PackedFormat("int8", shape, shape[1], scale_dtype="fp16")
+            )
             return fmt.offsets()[1]
         return numel * self.float_itemsize if is_float else numel
 
@@ -123,7 +148,9 @@ def with_measured_decode(source: ModelSource, profile) -> ModelSource:
     (probe/decodecompute.py): its rows project from it rather than from the matvec floor, as `doctor --model SET` does;
     and its tokens per speculative pass per mode (probe/acceptance.py), which its speculating rows project at.
     A GGUF file: the same for the default set sharded from it, where one is in the cache (sets_of_gguf)."""
-    directories = [source.path] if source.kind == "shards" else sets_of_gguf(source.path) if source.kind == "gguf" else []
+    directories = (
+        [source.path] if source.kind == "shards" else sets_of_gguf(source.path) if source.kind == "gguf" else []
+    )
     if not directories:
         return source
     from ..checkpoint.manifest import Manifest
@@ -172,8 +199,13 @@ def read_source(path: Path) -> ModelSource:
         return _from_config(path)
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path)
-    if path.is_dir() and not (path / "manifest.json").is_file() and (path / "config.json").is_file() \
-            and not any(path.glob("*.safetensors")) and not any(path.glob("*.gguf")):
+    if (
+        path.is_dir()
+        and not (path / "manifest.json").is_file()
+        and (path / "config.json").is_file()
+        and not any(path.glob("*.safetensors"))
+        and not any(path.glob("*.gguf"))
+    ):
         return _from_config(path / "config.json")
     facts = model_facts_from_path(path)
     if path.is_dir() and (path / "manifest.json").is_file():
@@ -192,8 +224,15 @@ def _from_gguf(path: Path) -> ModelSource:
     # GGUF lists dims innermost first: [K, N] is a weight of N rows of K
     tensors = {name: (tuple(reversed(dims)), True) for name, (_, dims) in infos.items()}
     hidden = meta.get(f"{arch}.embedding_length")
-    return ModelSource(path, "gguf", facts.name, facts, int(hidden) if isinstance(hidden, int) else 0, tensors,
-                       quantized="" if file_type in FLOAT_GGUF else facts.dtype)
+    return ModelSource(
+        path,
+        "gguf",
+        facts.name,
+        facts,
+        int(hidden) if isinstance(hidden, int) else 0,
+        tensors,
+        quantized="" if file_type in FLOAT_GGUF else facts.dtype,
+    )
 
 
 def _from_checkpoint(path: Path, facts: ModelFacts) -> ModelSource:
@@ -204,8 +243,18 @@ def _from_checkpoint(path: Path, facts: ModelFacts) -> ModelSource:
             tensors[name] = (tuple(entry.shape), entry.stored.startswith(("F", "BF")))
     quantization = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     quantized = str(quantization.get("quant_method") or "quantized") if isinstance(quantization, dict) else ""
-    return ModelSource(path, "checkpoint", facts.name, facts, _hidden(config), tensors, ITEMSIZE.get(facts.dtype, 2),
-                       quantized, expert_count(config), config)
+    return ModelSource(
+        path,
+        "checkpoint",
+        facts.name,
+        facts,
+        _hidden(config),
+        tensors,
+        ITEMSIZE.get(facts.dtype, 2),
+        quantized,
+        expert_count(config),
+        config,
+    )
 
 
 def _from_config(path: Path) -> ModelSource:
@@ -213,10 +262,21 @@ def _from_config(path: Path) -> ModelSource:
     norms), sized in the config's dtype."""
     config = read_json_object(path)
     text = config.get("text_config") or config
-    hidden, layers = config_int(config, ("hidden_size", "n_embd", "d_model")), config_int(config, ("num_hidden_layers", "n_layer"))
+    hidden, layers = (
+        config_int(config, ("hidden_size", "n_embd", "d_model")),
+        config_int(config, ("num_hidden_layers", "n_layer")),
+    )
     heads, vocab = config_int(config, ("num_attention_heads", "n_head")), config_int(config, ("vocab_size",))
-    missing = [k for k, v in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
-                              ("vocab_size", vocab)) if not v]
+    missing = [
+        k
+        for k, v in (
+            ("hidden_size", hidden),
+            ("num_hidden_layers", layers),
+            ("num_attention_heads", heads),
+            ("vocab_size", vocab),
+        )
+        if not v
+    ]
     if missing:
         raise ModelError(f"{path.name} does not give {', '.join(missing)}: cannot size the model from its config")
     kv = config_int(config, ("num_key_value_heads",)) or heads
@@ -229,17 +289,34 @@ def _from_config(path: Path) -> ModelSource:
         shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(layers):
         at = f"model.layers.{i}"
-        shapes.update({f"{at}.self_attn.q_proj.weight": (heads * head, hidden), f"{at}.self_attn.k_proj.weight": (kv * head, hidden),
-                       f"{at}.self_attn.v_proj.weight": (kv * head, hidden), f"{at}.self_attn.o_proj.weight": (hidden, heads * head),
-                       f"{at}.input_layernorm.weight": (hidden,), f"{at}.post_attention_layernorm.weight": (hidden,)})
+        shapes.update(
+            {
+                f"{at}.self_attn.q_proj.weight": (heads * head, hidden),
+                f"{at}.self_attn.k_proj.weight": (kv * head, hidden),
+                f"{at}.self_attn.v_proj.weight": (kv * head, hidden),
+                f"{at}.self_attn.o_proj.weight": (hidden, heads * head),
+                f"{at}.input_layernorm.weight": (hidden,),
+                f"{at}.post_attention_layernorm.weight": (hidden,),
+            }
+        )
         mlps = [f"{at}.mlp.experts.{e}" for e in range(experts)] if experts else [f"{at}.mlp"]
         width = expert_inter if experts else inter
         for mlp in mlps:
-            shapes.update({f"{mlp}.gate_proj.weight": (width, hidden), f"{mlp}.up_proj.weight": (width, hidden),
-                           f"{mlp}.down_proj.weight": (hidden, width)})
+            shapes.update(
+                {
+                    f"{mlp}.gate_proj.weight": (width, hidden),
+                    f"{mlp}.up_proj.weight": (width, hidden),
+                    f"{mlp}.down_proj.weight": (hidden, width),
+                }
+            )
         if experts:
             shapes[f"{at}.mlp.gate.weight"] = (experts, hidden)
-    dtype = short_name(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or config.get("dtype") or "") or "bf16"
+    dtype = (
+        short_name(
+            text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or config.get("dtype") or ""
+        )
+        or "bf16"
+    )
     itemsize = ITEMSIZE[dtype]
     sizes = {name: _numel(shape) * itemsize for name, shape in shapes.items()}
     name = path.parent.name if path.name == "config.json" else path.stem

@@ -10,7 +10,8 @@ the cost model's (`cost.project` on `cost.plan_tier_bytes`, the figures `doctor 
 planner's `plan_stages`), its memory per tier the knobs' own terms (max_context's room after weights, buffers and
 reserve: projection.py). A candidate whose context does not fit its memory is dropped, so every row runs.
 Ranked by tokens per second compared at three significant digits, then by fewer changes from the defaults, fewer
-hosts and less memory; the defaults' own row is resolved once more with no flag at all, and the first row says why it differs.
+hosts and less memory; the defaults' own row is resolved once more with no flag at all, and the first row says why it
+differs.
 """
 
 from __future__ import annotations
@@ -70,12 +71,15 @@ class Plan:
     seconds: float = 0.0
 
 
-def make_plan(source: ModelSource, profile: HardwareProfile, request: PlanRequest, hardware: list[str] | None = None) -> Plan:
+def make_plan(
+    source: ModelSource, profile: HardwareProfile, request: PlanRequest, hardware: list[str] | None = None
+) -> Plan:
     """Every configuration of SOURCE on PROFILE that runs and meets REQUEST, best first. PlanError where none does."""
     started = time.perf_counter()
     source = with_measured_decode(source, profile)
     default = _row(profile, source.formats()[0], None, "auto", None, "auto", 1, {}, explicit=False, default=True)
-    default = default if isinstance(default, Row) else None  # the defaults' KV does not fit what is left: every row says why
+    # the defaults' KV does not fit what is left: every row says why
+    default = default if isinstance(default, Row) else None
     rows, left_out = _enumerate(source, profile, request)
     if default is not None and not _meets(default, request):
         left_out["the defaults' own row: " + _unmet(default, request)] = 1
@@ -107,14 +111,30 @@ def _enumerate(source: ModelSource, profile: HardwareProfile, request: PlanReque
             for kv in _kv_dtypes(fmt):
                 for residency in RESIDENCIES:
                     for wanted in tokens:
-                        row = _row(budget, fmt, dtype if dtype != default_dtype else None, kv, wanted, residency, request.batch,
-                                   {}, explicit=request.max_memory is not None)
+                        row = _row(
+                            budget,
+                            fmt,
+                            dtype if dtype != default_dtype else None,
+                            kv,
+                            wanted,
+                            residency,
+                            request.batch,
+                            {},
+                            explicit=request.max_memory is not None,
+                        )
                         _keep(row, request, floor, rows, left_out)
                 for hosts in _host_counts(request.hosts):
                     from .stages import stage_row
 
-                    _keep(stage_row(budget, source, fmt, dtype if dtype != default_dtype else None, kv, floor, request, hosts),
-                          request, floor, rows, left_out)
+                    _keep(
+                        stage_row(
+                            budget, source, fmt, dtype if dtype != default_dtype else None, kv, floor, request, hosts
+                        ),
+                        request,
+                        floor,
+                        rows,
+                        left_out,
+                    )
     for row in list(rows):  # speculation: the derived mode, and off
         if row.speculate != "off":
             rows.append(_not_speculating(row))
@@ -127,8 +147,15 @@ def _not_speculating(row: Row) -> Row:
     inputs = {k: v for k, v in row.inputs.items() if k != "tokens_per_pass"}
     formula = row.formula.replace("batch * tokens_per_pass", "batch")
     tps = evaluate(formula, inputs) if inputs != row.inputs else row.tokens_per_s
-    return replace(row, speculate="off", flags={**row.flags, "speculate": "off"}, notes=notes, formula=formula, inputs=inputs,
-                   tokens_per_s=tps)
+    return replace(
+        row,
+        speculate="off",
+        flags={**row.flags, "speculate": "off"},
+        notes=notes,
+        formula=formula,
+        inputs=inputs,
+        tokens_per_s=tps,
+    )
 
 
 def _keep(row: Row | str, request: PlanRequest, floor: int, rows: list[Row], left_out: dict[str, int]) -> None:
@@ -144,8 +171,18 @@ def _keep(row: Row | str, request: PlanRequest, floor: int, rows: list[Row], lef
         rows.append(row)
 
 
-def _row(profile: HardwareProfile, fmt: WeightFormat, dtype: str | None, kv: str, tokens: int | None, residency: str, batch: int,
-         extra: dict, explicit: bool, default: bool = False) -> Row | str:
+def _row(
+    profile: HardwareProfile,
+    fmt: WeightFormat,
+    dtype: str | None,
+    kv: str,
+    tokens: int | None,
+    residency: str,
+    batch: int,
+    extra: dict,
+    explicit: bool,
+    default: bool = False,
+) -> Row | str:
     """One candidate: its knobs, memory, fit and projection; a string saying why it cannot run."""
     facts, total = fmt.facts, fmt.facts.total_bytes
     flags = dict(extra)
@@ -153,8 +190,13 @@ def _row(profile: HardwareProfile, fmt: WeightFormat, dtype: str | None, kv: str
         flags["compute_dtype"] = dtype
     if kv != "auto":
         flags["kv_cache_dtype"] = kv
-    flags.update({"resident": {"device_cache_bytes": total, "host_cache_bytes": 0}, "host": {"device_cache_bytes": 0, "host_cache_bytes": total},
-                  "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0}}.get(residency, {}))
+    flags.update(
+        {
+            "resident": {"device_cache_bytes": total, "host_cache_bytes": 0},
+            "host": {"device_cache_bytes": 0, "host_cache_bytes": total},
+            "storage": {"device_cache_bytes": 0, "host_cache_bytes": 0},
+        }.get(residency, {})
+    )
     if tokens is not None:
         if tokens > batch * facts.max_positions:
             return f"context over the model's {facts.max_positions} positions"
@@ -164,23 +206,53 @@ def _row(profile: HardwareProfile, fmt: WeightFormat, dtype: str | None, kv: str
     if memory is None:
         return "does not fit memory"
     if explicit and residency == "auto":  # a capped plan: this machine would derive more; spell out what fits the cap
-        flags.update(device_cache_bytes=int(knobs.value("device_cache_bytes")), host_cache_bytes=int(knobs.value("host_cache_bytes")))
+        flags.update(
+            device_cache_bytes=int(knobs.value("device_cache_bytes")),
+            host_cache_bytes=int(knobs.value("host_cache_bytes")),
+        )
         flags.setdefault("max_context", memory["tokens"])
     compute = engine_dtype(profile, facts, knobs)
     tiers = plan_tier_bytes(facts, knobs)
-    recorded = fmt.decode.get(str(knobs.value("compute_dtype")))  # keyed as bench records it and doctor reads it: the knob
-    measured = replace(facts, decode_compute=recorded) if recorded else with_layer_overhead(
-        profile, with_kernel_rates(profile, facts, str(knobs.value("kernel"))), str(knobs.value("compute_dtype")))
+    # keyed as bench records it and doctor reads it: the knob
+    recorded = fmt.decode.get(str(knobs.value("compute_dtype")))
+    measured = (
+        replace(facts, decode_compute=recorded)
+        if recorded
+        else with_layer_overhead(
+            profile, with_kernel_rates(profile, facts, str(knobs.value("kernel"))), str(knobs.value("compute_dtype"))
+        )
+    )
     speculate = str(knobs.value("speculate"))
-    tps, formula, inputs, note = projection(profile, measured, tiers, compute, batch, tokens_per_pass(speculate, fmt.speculation))
+    tps, formula, inputs, note = projection(
+        profile, measured, tiers, compute, batch, tokens_per_pass(speculate, fmt.speculation)
+    )
     context = memory["tokens"] // batch if memory["tokens"] is not None else None
     notes = [note] if note else []
     if facts.dtype in ITEMSIZE and compute != facts.dtype and not getattr(facts, "gguf_blocks", False):
-        notes.append(f"the set holds {facts.dtype}, computed in {compute}: each use of a streamed unit converts it (not in the projection)")
+        notes.append(
+            f"the set holds {facts.dtype}, computed in {compute}: each use of a streamed unit converts it "
+            f"(not in the projection)"
+        )
     if speculate != "off":
         notes.append(speculation_note(speculate, fmt.speculation.get(speculate)))
-    return Row(fmt, compute, kv_dtype_of(profile, facts, knobs), residency, context, batch, speculate, 1,
-               flags, tps, formula, inputs, memory, tiers, notes=notes, default=default)
+    return Row(
+        fmt,
+        compute,
+        kv_dtype_of(profile, facts, knobs),
+        residency,
+        context,
+        batch,
+        speculate,
+        1,
+        flags,
+        tps,
+        formula,
+        inputs,
+        memory,
+        tiers,
+        notes=notes,
+        default=default,
+    )
 
 
 def _dtypes(profile: HardwareProfile, default: str) -> list[str]:
@@ -193,7 +265,9 @@ def _dtypes(profile: HardwareProfile, default: str) -> list[str]:
 def _kv_dtypes(fmt: WeightFormat) -> list[str]:
     """auto, and int4 where every layer keeps full attention and the head dimension is even (stream/kvcache.py)."""
     f = fmt.facts
-    int4 = f.kv_head_dim > 0 and f.kv_head_dim % 2 == 0 and not f.kv_window_values and f.kv_growing_layers >= f.num_layers
+    int4 = (
+        f.kv_head_dim > 0 and f.kv_head_dim % 2 == 0 and not f.kv_window_values and f.kv_growing_layers >= f.num_layers
+    )
     return ["auto", "int4"] if int4 else ["auto"]
 
 
@@ -236,8 +310,17 @@ def _ranked(rows: list[Row]) -> list[Row]:
         held = unique.get(row.key())
         if held is None or (len(row.flags), not row.default) < (len(held.flags), not held.default):
             unique[row.key()] = row
-    ordered = sorted(unique.values(), key=lambda r: (r.tokens_per_s is None, -float(f"{r.tokens_per_s or 0:.{SIGNIFICANT}g}"),
-                                                     not r.default, len(r.flags), r.hosts, r.memory["used"]))
+    ordered = sorted(
+        unique.values(),
+        key=lambda r: (
+            r.tokens_per_s is None,
+            -float(f"{r.tokens_per_s or 0:.{SIGNIFICANT}g}"),
+            not r.default,
+            len(r.flags),
+            r.hosts,
+            r.memory["used"],
+        ),
+    )
     for i, row in enumerate(ordered, 1):
         row.rank = i
     return ordered
@@ -250,21 +333,34 @@ def _why(top: Row, default: Row, request: PlanRequest) -> str:
         why.append(f"the defaults' row ({default.short()}) does not meet the request: {_unmet(default, request)}")
     if top.format.name != default.format.name:
         saved = default.format.facts.total_bytes - top.format.facts.total_bytes
-        why.append(f"the defaults run the weights as stored ({default.format.label}) and never requantise; this row's "
-                   f"`shard --quantize {top.format.quantize}` set is {format_bytes(saved)} smaller ({top.format.kl_note.split(':')[0]})")
+        why.append(
+            f"the defaults run the weights as stored ({default.format.label}) and never requantise; this row's "
+            f"`shard --quantize {top.format.quantize}` set is {format_bytes(saved)} smaller "
+            f"({top.format.kl_note.split(':')[0]})"
+        )
     if top.compute_dtype != default.compute_dtype:
-        why.append(f"the defaults compute in {default.compute_dtype}; {top.compute_dtype}'s measured matvec projects faster here "
-                   f"({_rate(top)} against {_rate(default)})")
+        why.append(
+            f"the defaults compute in {default.compute_dtype}; {top.compute_dtype}'s measured matvec projects faster "
+            f"here ({_rate(top)} against {_rate(default)})"
+        )
     if (top.kv_dtype == "int4") != (default.kv_dtype == "int4"):
-        why.append(f"the defaults keep K and V in {default.kv_dtype}; {top.kv_dtype} takes fewer bytes a token, leaving memory to weights")
+        why.append(
+            f"the defaults keep K and V in {default.kv_dtype}; {top.kv_dtype} takes fewer bytes a token, "
+            f"leaving memory to weights"
+        )
     if top.context != default.context and not top.stages:
-        why.append(f"the defaults size the KV cache for {default.context} tokens; this row holds {top.context}, "
-                   f"{format_bytes(abs(default.memory['device']['kv'] - top.memory['device']['kv']))} "
-                   f"{'less' if (top.context or 0) < (default.context or 0) else 'more'} KV")
+        why.append(
+            f"the defaults size the KV cache for {default.context} tokens; this row holds {top.context}, "
+            f"{format_bytes(abs(default.memory['device']['kv'] - top.memory['device']['kv']))} "
+            f"{'less' if (top.context or 0) < (default.context or 0) else 'more'} KV"
+        )
     if top.residency_text() != default.residency_text() and not top.stages:
         why.append(f"the defaults keep {default.residency_text()}; this row {top.residency_text()}")
     if top.hosts != default.hosts:
-        why.append(f"the defaults run one process on one host; this row splits the layers over {top.hosts} hosts (--stages {top.stages})")
+        why.append(
+            f"the defaults run one process on one host; this row splits the layers over {top.hosts} hosts "
+            f"(--stages {top.stages})"
+        )
     if top.speculate != default.speculate:
         why.append(f"speculation {top.speculate} here, {default.speculate} in the defaults")
     return "; ".join(why) or "the same projection as the defaults' row"
@@ -277,19 +373,28 @@ def _rate(row: Row) -> str:
 
 def _nearest(source: ModelSource, profile: HardwareProfile, request: PlanRequest) -> str:
     """The one line for a request beyond every row: what was asked, what the rows reach, and the nearest one."""
-    asked = [text for text, given in ((f"--min-context {request.min_context}", request.min_context is not None),
-                                      (f"--max-memory {format_bytes(request.max_memory or 0)}", request.max_memory is not None),
-                                      (f"--quality {request.quality}", request.quality is not None),
-                                      (f"--batch {request.batch}", request.batch > 1)) if given]
+    asked = [
+        text
+        for text, given in (
+            (f"--min-context {request.min_context}", request.min_context is not None),
+            (f"--max-memory {format_bytes(request.max_memory or 0)}", request.max_memory is not None),
+            (f"--quality {request.quality}", request.quality is not None),
+            (f"--batch {request.batch}", request.batch > 1),
+        )
+        if given
+    ]
     loose = PlanRequest(hosts=request.hosts, link_bps=request.link_bps, link_latency_s=request.link_latency_s)
     rows, _ = _enumerate(source, profile, loose)
     rows = _ranked(rows)
     if not rows:
         free = profile.vram_free if profile.vram_free is not None else profile.ram_available
         reserve = resolve_knobs(profile, source.facts, env={}).value("reserve_bytes")
-        return (f"no configuration of {source.name} fits this machine's memory ({format_bytes(free)} free on "
-                f"{profile.compute_device}, less a {format_bytes(reserve)} reserve): not even every layer streamed from storage "
-                "with the shortest context")
+        return (
+            f"no configuration of {source.name} fits this machine's memory ({format_bytes(free)} free on "
+            f"{profile.compute_device}, less a {format_bytes(reserve)} reserve): not even every layer streamed "
+            f"from storage "
+            "with the shortest context"
+        )
     if not asked:
         return f"no configuration of {source.name} runs here; nearest: {rows[0].short()}"
 
@@ -300,14 +405,27 @@ def _nearest(source: ModelSource, profile: HardwareProfile, request: PlanRequest
         if request.max_memory:
             gaps.append(max(0.0, (row.memory["used"] - request.max_memory) / request.max_memory))
         if request.quality is not None:
-            gaps.append(1.0 if row.format.kl is None else max(0.0, row.format.kl - request.quality) / max(request.quality, 1e-12))
+            gaps.append(
+                1.0
+                if row.format.kl is None
+                else max(0.0, row.format.kl - request.quality) / max(request.quality, 1e-12)
+            )
         if request.batch > 1:
             gaps.append((request.batch - row.batch) / request.batch)
         return max(gaps)
 
     nearest = min(rows, key=lambda r: (miss(r), r.rank))
-    limit = ", the model's own limit" if request.min_context and request.min_context > source.facts.max_positions else ""
+    limit = (
+        ", the model's own limit" if request.min_context and request.min_context > source.facts.max_positions else ""
+    )
     reach = [f"at most {max(r.context or 0 for r in rows)} tokens of context{limit}"] if request.min_context else []
     reach += [f"at least {format_bytes(min(r.memory['used'] for r in rows))} of memory"] if request.max_memory else []
-    reach += ["no format with a measured KL"] if request.quality is not None and all(r.format.kl is None for r in rows) else []
-    return f"no configuration meets {' '.join(asked)} ({', '.join(reach) or 'the rows miss it'}); nearest: {nearest.short()}"
+    reach += (
+        ["no format with a measured KL"]
+        if request.quality is not None and all(r.format.kl is None for r in rows)
+        else []
+    )
+    return (
+        f"no configuration meets {' '.join(asked)} ({', '.join(reach) or 'the rows miss it'}); nearest: "
+        f"{nearest.short()}"
+    )

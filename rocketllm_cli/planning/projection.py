@@ -1,7 +1,8 @@
 """A `rocketllm plan` row's memory per tier and projection, from the knobs' own terms and the cost model.
 
 Memory: max_context's room (memory available less the reserve, the resident weights, the streaming buffers, the
-runtime where the knobs count it, and on a CPU the host tier's page cache) holds the row's KV as kv_cache_bytes sizes it.
+runtime where the knobs count it, and on a CPU the host tier's page cache) holds the row's KV as kv_cache_bytes sizes
+it.
 Projection: `cost.project` of the bytes per tier `cost.plan_tier_bytes` gives (what `doctor --model` prints), computing
 in the row's dtype, written as a formula whose value is the row's tokens per second.
 """
@@ -19,11 +20,17 @@ from ..profiles.knobs.resolve import Knobs
 def speculation_note(mode: str, measured: dict | None = None) -> str:
     """What a speculating row's projection assumes of its tokens per pass: MEASURED (probe/acceptance.py) or one."""
     if measured:
-        return (f"speculation {mode}: {measured['tokens_per_pass']:.2f} tokens a pass, as bench measured this set here "
-                f"({measured['tokens']} tokens in {measured['passes']} passes, {measured['measured_at']}); a pass is costed "
-                "as one token's bytes and compute (its drafted tokens' compute is not in it)")
-    return (f"speculation {mode}: projected at one token a pass, a floor: how many drafts are accepted is a property of the "
-            "model and the text, not yet measured for this set here (`rocketllm bench` measures it)")
+        return (
+            f"speculation {mode}: {measured['tokens_per_pass']:.2f} tokens a pass, as bench measured this set here "
+            f"({measured['tokens']} tokens in {measured['passes']} passes, {measured['measured_at']}); a pass is "
+            f"costed "
+            "as one token's bytes and compute (its drafted tokens' compute is not in it)"
+        )
+    return (
+        f"speculation {mode}: projected at one token a pass, a floor: how many drafts are accepted is a property "
+        f"of the "
+        "model and the text, not yet measured for this set here (`rocketllm bench` measures it)"
+    )
 
 
 def tokens_per_pass(speculate: str, measured: dict) -> float:
@@ -47,35 +54,56 @@ def row_memory(profile: HardwareProfile, facts, knobs: Knobs, tokens: int | None
     device = min(int(values["device_cache_bytes"] or 0), total)
     host = min(int(values["host_cache_bytes"] or 0), total - device)
     if capacity is None:  # no KV facts: weights alone
-        return {"device": {"weights": device, "kv": 0, "buffers": 0, "runtime": 0, "total": device}, "host": {"weights": host, "total": host},
-                "storage": {"set": total}, "reserve": values["reserve_bytes"], "budget": {}, "used": device + host, "tokens": tokens}
+        return {
+            "device": {"weights": device, "kv": 0, "buffers": 0, "runtime": 0, "total": device},
+            "host": {"weights": host, "total": host},
+            "storage": {"set": total},
+            "reserve": values["reserve_bytes"],
+            "budget": {},
+            "used": device + host,
+            "tokens": tokens,
+        }
     need = tokens if tokens is not None else capacity
     if need < 1:
         return None
     inputs = derived.inputs
     left = evaluate(formulas._context_terms(inputs)[0], inputs)
     budget = inputs["memory_available"] - inputs["reserve_bytes"]
-    charged = min(int(values["device_cache_bytes"] or 0), total) + (min(int(values["host_cache_bytes"] or 0), total) if c.unified else 0)
-    runtime = int(values.get("runtime_bytes") or 0) if "runtime_bytes" in inputs else 0  # the Python runtime beside the model
+    charged = min(int(values["device_cache_bytes"] or 0), total) + (
+        min(int(values["host_cache_bytes"] or 0), total) if c.unified else 0
+    )
+    # the Python runtime beside the model
+    runtime = int(values.get("runtime_bytes") or 0) if "runtime_bytes" in inputs else 0
     buffers = max(0, budget - left - charged - runtime)
     sized = context_of(profile, facts, knobs, max_context=need)
     kv_derivation = formulas.kv_cache_bytes(sized)
     kv = int(evaluate(kv_derivation.formula, kv_derivation.inputs))
     on_device = device + kv + buffers + runtime
-    memory = {"device": {"weights": device, "kv": kv, "buffers": buffers, "runtime": runtime, "total": on_device}, "host": {"weights": host, "total": host},
-              "storage": {"set": total}, "reserve": values["reserve_bytes"], "used": on_device + host, "tokens": need}
+    memory = {
+        "device": {"weights": device, "kv": kv, "buffers": buffers, "runtime": runtime, "total": on_device},
+        "host": {"weights": host, "total": host},
+        "storage": {"set": total},
+        "reserve": values["reserve_bytes"],
+        "used": on_device + host,
+        "tokens": need,
+    }
     if c.unified:
         memory["budget"] = {"memory": budget}
         fits = on_device + host <= budget
     else:
-        room = knobs["host_cache_bytes"].derived_value if knobs["host_cache_bytes"].overridden else values["host_cache_bytes"]
+        room = (
+            knobs["host_cache_bytes"].derived_value
+            if knobs["host_cache_bytes"].overridden
+            else values["host_cache_bytes"]
+        )
         memory["budget"] = {"device": budget, "host": profile.ram_available - values["reserve_bytes"]}
         fits = on_device <= budget and host <= max(0, int(room or 0))
     return memory if fits else None
 
 
-def projection(profile: HardwareProfile, facts, tiers: dict[str, int], compute_dtype: str, batch: int,
-               per_pass: float = 1.0) -> tuple[float | None, str, dict, str]:
+def projection(
+    profile: HardwareProfile, facts, tiers: dict[str, int], compute_dtype: str, batch: int, per_pass: float = 1.0
+) -> tuple[float | None, str, dict, str]:
     """(tokens/s, formula, inputs, note): the cost model's overlapped seconds per pass for TIERS, computing in
     COMPUTE_DTYPE, as a formula whose value (evaluate) is the tokens per second of BATCH sequences making PER_PASS
     tokens each a pass (speculation: tokens_per_pass)."""
@@ -93,7 +121,8 @@ def projection(profile: HardwareProfile, facts, tiers: dict[str, int], compute_d
         if cost.bytes:
             inputs[f"{tier}_bytes"], inputs[f"{tier}_bps"] = cost.bytes, cost.bandwidth_bps
             io.append(f"{tier}_bytes / {tier}_bps")
-    if facts.decode_compute or facts.kernel_rates or facts.layer_overhead:  # measured: the decode, the kernels, other sets
+    # measured: the decode, the kernels, other sets
+    if facts.decode_compute or facts.kernel_rates or facts.layer_overhead:
         inputs["compute_s"], compute = p.compute_seconds, "compute_s"
     else:
         inputs["compute_bytes"] = sum(t.bytes for t in p.tiers.values())

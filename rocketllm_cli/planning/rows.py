@@ -32,8 +32,18 @@ class Row:
     rank: int = 0
 
     def key(self) -> tuple:
-        return (self.format.name, self.compute_dtype, self.kv_dtype, self.memory["device"]["weights"], self.memory["host"]["weights"],
-                self.context, self.batch, self.speculate, self.hosts, self.stages)
+        return (
+            self.format.name,
+            self.compute_dtype,
+            self.kv_dtype,
+            self.memory["device"]["weights"],
+            self.memory["host"]["weights"],
+            self.context,
+            self.batch,
+            self.speculate,
+            self.hosts,
+            self.stages,
+        )
 
     def residency_text(self) -> str:
         if self.stages:
@@ -42,19 +52,54 @@ class Row:
         device, host = m["device"]["weights"], m["host"]["weights"]
         if device >= total:
             return "all resident"
-        parts = [f"{name} {format_bytes(b)}" for name, b in (("device", device), ("host", host), ("storage", total - device - host)) if b]
-        return "all in host tier" if host >= total else "all from storage" if not device and not host else " + ".join(parts)
+        parts = [
+            f"{name} {format_bytes(b)}"
+            for name, b in (("device", device), ("host", host), ("storage", total - device - host))
+            if b
+        ]
+        return (
+            "all in host tier"
+            if host >= total
+            else "all from storage"
+            if not device and not host
+            else " + ".join(parts)
+        )
 
     def short(self) -> str:
         speed = f"{self.tokens_per_s:.3g} tokens/s" if self.tokens_per_s else "speed unavailable"
-        return (f"#{self.rank} {speed}: {self.format.label}, compute {self.compute_dtype}, KV {self.kv_dtype}, "
-                f"{self.context if self.context is not None else '?'} tokens, {self.residency_text()}, {format_bytes(self.memory['used'])} memory")
+        return (
+            f"#{self.rank} {speed}: {self.format.label}, compute {self.compute_dtype}, KV {self.kv_dtype}, "
+            f"{self.context if self.context is not None else '?'} tokens, {self.residency_text()}, "
+            f"{format_bytes(self.memory['used'])} memory"
+        )
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "default": self.default, "why_defaults_differ": self.why or None, "tokens_per_s": self.tokens_per_s,
-                "format": {"name": self.format.name, "quantize": self.format.quantize, "label": self.format.label,
-                           "total_bytes": self.format.facts.total_bytes, "kl": self.format.kl, "kl_note": self.format.kl_note},
-                "compute_dtype": self.compute_dtype, "kv_cache_dtype": self.kv_dtype, "residency": self.residency,
-                "residency_text": self.residency_text(), "context": self.context, "batch": self.batch, "speculate": self.speculate,
-                "hosts": self.hosts, "stages": self.stages or None, "flags": self.flags, "formula": self.formula, "inputs": self.inputs,
-                "memory": self.memory, "bytes_per_pass": self.tiers, "notes": self.notes}
+        return {
+            "rank": self.rank,
+            "default": self.default,
+            "why_defaults_differ": self.why or None,
+            "tokens_per_s": self.tokens_per_s,
+            "format": {
+                "name": self.format.name,
+                "quantize": self.format.quantize,
+                "label": self.format.label,
+                "total_bytes": self.format.facts.total_bytes,
+                "kl": self.format.kl,
+                "kl_note": self.format.kl_note,
+            },
+            "compute_dtype": self.compute_dtype,
+            "kv_cache_dtype": self.kv_dtype,
+            "residency": self.residency,
+            "residency_text": self.residency_text(),
+            "context": self.context,
+            "batch": self.batch,
+            "speculate": self.speculate,
+            "hosts": self.hosts,
+            "stages": self.stages or None,
+            "flags": self.flags,
+            "formula": self.formula,
+            "inputs": self.inputs,
+            "memory": self.memory,
+            "bytes_per_pass": self.tiers,
+            "notes": self.notes,
+        }

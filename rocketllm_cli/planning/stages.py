@@ -14,8 +14,16 @@ from ..profiles.knobs.resolve import resolve_knobs
 from .formats import ModelSource, WeightFormat
 
 
-def stage_row(profile: HardwareProfile, source: ModelSource, fmt: WeightFormat, dtype: str | None, kv: str, context: int,
-              request, hosts: int):
+def stage_row(
+    profile: HardwareProfile,
+    source: ModelSource,
+    fmt: WeightFormat,
+    dtype: str | None,
+    kv: str,
+    context: int,
+    request,
+    hosts: int,
+):
     """The row of FMT over HOSTS hosts like PROFILE, each holding CONTEXT tokens a sequence; a string why not."""
     from ..distributed.plan import RankFacts, plan_stages
     from .projection import (
@@ -31,7 +39,11 @@ def stage_row(profile: HardwareProfile, source: ModelSource, fmt: WeightFormat, 
     if hosts > facts.num_layers:
         return f"more hosts than the model's {facts.num_layers} layers"
     tokens = context * request.batch
-    flags = {"max_context": tokens, **({"compute_dtype": dtype} if dtype else {}), **({"kv_cache_dtype": kv} if kv != "auto" else {})}
+    flags = {
+        "max_context": tokens,
+        **({"compute_dtype": dtype} if dtype else {}),
+        **({"kv_cache_dtype": kv} if kv != "auto" else {}),
+    }
     knobs = resolve_knobs(profile, facts, flags=flags, env={})
     memory = row_memory(profile, facts, knobs, tokens)
     if memory is None:
@@ -39,9 +51,22 @@ def stage_row(profile: HardwareProfile, source: ModelSource, fmt: WeightFormat, 
     compute = engine_dtype(profile, facts, knobs)
     compute_bps = profile.matvec_bps(compute) or profile.device_memory_bps
     device_budget, host_budget = int(knobs.value("device_cache_bytes")), int(knobs.value("host_cache_bytes"))
-    ranks = [RankFacts(r, f"host{r}", device_budget, host_budget, compute_bps, tier_bandwidth(profile, "host")[0],
-                       tier_bandwidth(profile, "storage")[0], f"decode-shaped matvec in {compute}, measured",
-                       request.link_latency_s, request.link_bps, profile.compute_device) for r in range(hosts)]
+    ranks = [
+        RankFacts(
+            r,
+            f"host{r}",
+            device_budget,
+            host_budget,
+            compute_bps,
+            tier_bandwidth(profile, "host")[0],
+            tier_bandwidth(profile, "storage")[0],
+            f"decode-shaped matvec in {compute}, measured",
+            request.link_latency_s,
+            request.link_bps,
+            profile.compute_device,
+        )
+        for r in range(hosts)
+    ]
     n = max(1, facts.num_layers)
     layer = (facts.total_bytes - facts.non_layer_bytes) // n
     share = facts.bytes_per_token / facts.total_bytes if facts.total_bytes else 1.0
@@ -57,29 +82,75 @@ def stage_row(profile: HardwareProfile, source: ModelSource, fmt: WeightFormat, 
         on_device = device + kv * (b - a) // n + buffers
         if on_device + (host if "memory" in memory["budget"] else 0) > budget:
             return "a stage does not fit its host's memory"
-        per_host.append({"layers": [a, b], "device": on_device, "host": host, "storage": held - device - host,
-                         "kv": kv * (b - a) // n, "weights_device": device})
+        per_host.append(
+            {
+                "layers": [a, b],
+                "device": on_device,
+                "host": host,
+                "storage": held - device - host,
+                "kv": kv * (b - a) // n,
+                "weights_device": device,
+            }
+        )
     busiest = max(per_host, key=lambda h: h["device"] + h["host"])
     tiers = {t: sum(s.get(t, 0) for s in plan.stage_bytes) for t in ("device", "host", "storage")}
     speculate = str(knobs.value("speculate"))
-    inputs = {"batch": request.batch, **{f"stage_{r}_s": s for r, s in enumerate(plan.stage_seconds)}, "links_s": plan.link_seconds}
+    inputs = {
+        "batch": request.batch,
+        **{f"stage_{r}_s": s for r, s in enumerate(plan.stage_seconds)},
+        "links_s": plan.link_seconds,
+    }
     if any(s is None for s in plan.stage_seconds):
         tps, formula, inputs = None, "unavailable", {}
     else:
         per_pass = tokens_per_pass(speculate, fmt.speculation)
         if per_pass != 1.0:
             inputs["tokens_per_pass"] = round(per_pass, 3)
-        formula = ("batch * tokens_per_pass" if per_pass != 1.0 else "batch") + " / (" + \
-            " + ".join(f"stage_{r}_s" for r in range(hosts)) + " + links_s)"
+        formula = (
+            ("batch * tokens_per_pass" if per_pass != 1.0 else "batch")
+            + " / ("
+            + " + ".join(f"stage_{r}_s" for r in range(hosts))
+            + " + links_s)"
+        )
         tps = evaluate(formula, inputs)
-    stage_memory = {"device": {"weights": busiest["weights_device"], "kv": busiest["kv"], "buffers": memory["device"]["buffers"],
-                               "runtime": memory["device"]["runtime"], "total": busiest["device"]},
-                    "host": {"weights": busiest["host"], "total": busiest["host"]}, "storage": {"set": facts.total_bytes},
-                    "reserve": memory["reserve"], "budget": memory["budget"], "used": busiest["device"] + busiest["host"],
-                    "tokens": tokens, "per_host": per_host}
-    notes = [f"stages: {plan.formula}", f"links: {hosts} hops of {request.link_latency_s * 1e6:.0f} us + {hidden_bytes} bytes at "
-             f"{request.link_bps / 1e9:.2f} GB/s (--link-bw); memory shown is the busiest host's"]
+    stage_memory = {
+        "device": {
+            "weights": busiest["weights_device"],
+            "kv": busiest["kv"],
+            "buffers": memory["device"]["buffers"],
+            "runtime": memory["device"]["runtime"],
+            "total": busiest["device"],
+        },
+        "host": {"weights": busiest["host"], "total": busiest["host"]},
+        "storage": {"set": facts.total_bytes},
+        "reserve": memory["reserve"],
+        "budget": memory["budget"],
+        "used": busiest["device"] + busiest["host"],
+        "tokens": tokens,
+        "per_host": per_host,
+    }
+    notes = [
+        f"stages: {plan.formula}",
+        f"links: {hosts} hops of {request.link_latency_s * 1e6:.0f} us + {hidden_bytes} bytes at "
+        f"{request.link_bps / 1e9:.2f} GB/s (--link-bw); memory shown is the busiest host's",
+    ]
     if speculate != "off":
         notes.append(speculation_note(speculate, fmt.speculation.get(speculate)))
-    return Row(fmt, compute, kv_dtype_of(profile, facts, knobs), "stages", context, request.batch, speculate,
-               hosts, {**flags, "stages": plan.counts()}, tps, formula, inputs, stage_memory, tiers, stages=plan.counts(), notes=notes)
+    return Row(
+        fmt,
+        compute,
+        kv_dtype_of(profile, facts, knobs),
+        "stages",
+        context,
+        request.batch,
+        speculate,
+        hosts,
+        {**flags, "stages": plan.counts()},
+        tps,
+        formula,
+        inputs,
+        stage_memory,
+        tiers,
+        stages=plan.counts(),
+        notes=notes,
+    )

@@ -9,10 +9,20 @@ from __future__ import annotations
 import importlib
 
 _HOMES = {
-    "ModelFacts": "..checkpoint.modelfacts", "model_facts_from_path": "..checkpoint.modelfacts", "parse_param_count": "..checkpoint.modelfacts",
-    "cache_dir": "..cachehome", "Projection": ".cost", "TierCost": ".cost", "plan_tier_bytes": ".cost", "project": ".cost",
-    "HardwareProfile": ".hardware", "Knob": ".knobs.resolve", "Knobs": ".knobs.resolve", "resolve_knobs": ".knobs.resolve",
-    "Capability": ".records", "Measurement": ".records",
+    "ModelFacts": "..checkpoint.modelfacts",
+    "model_facts_from_path": "..checkpoint.modelfacts",
+    "parse_param_count": "..checkpoint.modelfacts",
+    "cache_dir": "..cachehome",
+    "Projection": ".cost",
+    "TierCost": ".cost",
+    "plan_tier_bytes": ".cost",
+    "project": ".cost",
+    "HardwareProfile": ".hardware",
+    "Knob": ".knobs.resolve",
+    "Knobs": ".knobs.resolve",
+    "resolve_knobs": ".knobs.resolve",
+    "Capability": ".records",
+    "Measurement": ".records",
 }
 __all__ = sorted(_HOMES)
 

@@ -83,7 +83,11 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
         how = f"decode-shaped matvec in {profile.compute_dtype}, measured ({rate / 1e9:.2f} GB/s of weights)"
     else:
         rate = profile.device_memory_bps
-        how = f"device memory copy speed ({rate / 1e9:.2f} GB/s)" if rate else "unavailable: neither matvec nor device memory measured"
+        how = (
+            f"device memory copy speed ({rate / 1e9:.2f} GB/s)"
+            if rate
+            else ("unavailable: neither matvec nor device memory measured")
+        )
     compute = total / rate if rate else None
     kernels = model.kernel_rates
     if kernels and total and profile.is_cpu and not model.decode_compute:
@@ -91,16 +95,25 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
     overhead = model.layer_overhead
     if overhead and compute is not None and not model.decode_compute:
         compute += model.num_layers * float(overhead["seconds"])
-        of = f"{overhead['architecture']} sets" if overhead.get("architecture", "any") != "any" else "sets of any architecture"
-        how += (f"; plus {model.num_layers} layers x {1000 * float(overhead['seconds']):.3f} ms of per-layer work, the median of "
-                f"what bench measured beyond the products for {of} on this machine ({', '.join(overhead['sets'])})")
+        of = (
+            f"{overhead['architecture']} sets"
+            if overhead.get("architecture", "any") != "any"
+            else ("sets of any architecture")
+        )
+        how += (
+            f"; plus {model.num_layers} layers x {1000 * float(overhead['seconds']):.3f} ms of per-layer work, the "
+            f"median of "
+            f"what bench measured beyond the products for {of} on this machine ({', '.join(overhead['sets'])})"
+        )
     measured = model.decode_compute
     if measured and total:
         floor = f"; the matvec floor alone: {1000 * compute:.1f} ms" if compute else ""
         compute = float(measured["seconds"])
         threads = f", {measured['threads']} compute threads" if measured.get("threads") else ""
-        how = (f"this set's resident decode, measured by `rocketllm bench` ({measured.get('measured_at', '?')}{threads}): "
-               f"layers' own work and kernels included{floor}")
+        how = (
+            f"this set's resident decode, measured by `rocketllm bench` ({measured.get('measured_at', '?')}{threads}): "
+            f"layers' own work and kernels included{floor}"
+        )
     overlapped = max(io, compute) if io is not None and compute is not None else None
     reason = f"unmeasured tier(s): {', '.join(missing)}" if missing else ""
     return Projection(model.name, tiers, serial, io, compute, how, overlapped, reason)
@@ -112,7 +125,8 @@ def _on_kernels(model: ModelFacts, kernels: dict, total: int, rate: float | None
     kernel) at RATE, the dense matvec's. The floor still: a layer's own work beside its products is left out."""
     from .probe.kernelrates import block_shapes_of, describe, type_rates
 
-    share = total / model.bytes_per_token if model.bytes_per_token else 1.0  # the tiers' bytes: one token's, or a batch's
+    # the tiers' bytes: one token's, or a batch's
+    share = total / model.bytes_per_token if model.bytes_per_token else 1.0
     blocks = {t: {shape: int(b * share) for shape, b in shapes.items()} for t, shapes in block_shapes_of(model).items()}
     timed = type_rates(kernels, blocks)
     rest = max(0, total - sum(b for b, _ in timed.values()))
@@ -137,7 +151,11 @@ def tier_bandwidth(profile: HardwareProfile, tier: str) -> tuple[float | None, s
     m = profile.measurements
     if tier == "device":
         name = "device_memory"
-        what = "host memory copy (the CPU's device memory is RAM)" if profile.is_cpu else f"{profile.compute_device} memory copy"
+        what = (
+            "host memory copy (the CPU's device memory is RAM)"
+            if profile.is_cpu
+            else (f"{profile.compute_device} memory copy")
+        )
     elif tier == "host" and profile.is_cpu:
         name, what = "page_cache_read", "page-cache read() (a zero-copy mmap path pays about memory speed instead)"
     elif tier == "host":
@@ -146,7 +164,10 @@ def tier_bandwidth(profile: HardwareProfile, tier: str) -> tuple[float | None, s
         what = f"host-to-device copy, {'pinned' if name == 'h2d_pinned' else 'pageable'}"
     else:
         name = "storage_read_direct" if profile.capability("direct_io") else "storage_read"
-        what = f"cold {'O_DIRECT' if name.endswith('direct') else 'buffered'} read of {profile.storage.get('mount_point', '?')} ({profile.storage.get('kind', '?')})"
+        what = (
+            f"cold {'O_DIRECT' if name.endswith('direct') else 'buffered'} read of "
+            f"{profile.storage.get('mount_point', '?')} ({profile.storage.get('kind', '?')})"
+        )
     found = m.get(name)
     if found is None:
         return None, what, f"{name} was not measured"

@@ -60,7 +60,9 @@ class HardwareProfile:
     process_rss: int = 0  # live: this process's own resident memory, which ram_available already excludes
 
     @classmethod
-    def load(cls, storage_path: Path | None = None, refresh: bool = False, *, log: Log | None = None) -> "HardwareProfile":
+    def load(
+        cls, storage_path: Path | None = None, refresh: bool = False, *, log: Log | None = None
+    ) -> "HardwareProfile":
         """The cached profile for this machine and the filesystem of `storage_path` (default: the cache dir),
         measuring whatever part is missing, or everything when `refresh`."""
         return cls._load(storage_path, refresh, log, measure=True)
@@ -74,7 +76,9 @@ class HardwareProfile:
         """This profile with DTYPE as its compute dtype (REASON: why), for a projection of a run that computes in it."""
         from dataclasses import replace
 
-        return replace(self, capabilities={**self.capabilities, "compute_dtype": Capability("compute_dtype", dtype, None, reason)})
+        return replace(
+            self, capabilities={**self.capabilities, "compute_dtype": Capability("compute_dtype", dtype, None, reason)}
+        )
 
     @staticmethod
     def host_cached() -> bool:
@@ -83,7 +87,9 @@ class HardwareProfile:
         return host.get("measurements", {}).get("runtime_rss", {}).get("method") == RUNTIME_METHOD
 
     @classmethod
-    def _load(cls, storage_path: Path | None, refresh: bool, log: Log | None, measure: bool) -> "HardwareProfile | None":
+    def _load(
+        cls, storage_path: Path | None, refresh: bool, log: Log | None, measure: bool
+    ) -> "HardwareProfile | None":
         log = log or logging.getLogger("rocketllm").info
         fp = fingerprint(fingerprint_facts())
         fs = filesystem_of(Path(storage_path) if storage_path is not None else cache_dir())
@@ -100,7 +106,8 @@ class HardwareProfile:
         if host is None:
             host = _measure_host(log)
             unsaved += _save(where / "host.json", host)
-        elif measure and host.get("measurements", {}).get("runtime_rss", {}).get("method") != RUNTIME_METHOD:  # cached before it was measured so
+        # cached before it was measured so
+        elif measure and host.get("measurements", {}).get("runtime_rss", {}).get("method") != RUNTIME_METHOD:
             log("measuring the Python runtime's memory once (cached afterwards)")
             host = {**host, "measurements": {**host["measurements"], "runtime_rss": measure_runtime().to_dict()}}
             unsaved += _save(where / "host.json", host)
@@ -109,8 +116,12 @@ class HardwareProfile:
             if disk.pop("cacheable"):
                 unsaved += _save(where / f"{fs.key}.json", disk)
         if unsaved:
-            log(redact(f"warning: the profile was measured but not cached: cannot write {where} ({unsaved[0]}); every "
-                       "command will measure again: set ROCKETLLM_CACHE to a writable directory"))
+            log(
+                redact(
+                    f"warning: the profile was measured but not cached: cannot write {where} ({unsaved[0]}); every "
+                    "command will measure again: set ROCKETLLM_CACHE to a writable directory"
+                )
+            )
         elif not from_cache:
             log(redact(f"profile cached in {where} (--refresh re-measures)"))
         ram_total, ram_available, ram_bound = memory_bound()
@@ -127,11 +138,19 @@ class HardwareProfile:
             vram_total=vram_total if vram_total is not None else host.get("vram_total"),
             vram_free=vram_free,
             facts={**host["facts"], "device_reason": host["device_reason"], "accelerators": host["accelerators"]},
-            measurements={k: Measurement.from_dict(v) for k, v in {**host["measurements"], **disk["measurements"]}.items()},
-            capabilities={k: Capability.from_dict(v) for k, v in {**host["capabilities"], **disk["capabilities"]}.items()},
+            measurements={
+                k: Measurement.from_dict(v) for k, v in {**host["measurements"], **disk["measurements"]}.items()
+            },
+            capabilities={
+                k: Capability.from_dict(v) for k, v in {**host["capabilities"], **disk["capabilities"]}.items()
+            },
             storage={**disk["filesystem"], "directory": str(fs.directory)},
-            measured_at={"host": host["measured_at"], "storage": disk["measured_at"],
-                         "host_others_cpu_share": host.get("others_cpu_share"), "storage_others_cpu_share": disk.get("others_cpu_share")},
+            measured_at={
+                "host": host["measured_at"],
+                "storage": disk["measured_at"],
+                "host_others_cpu_share": host.get("others_cpu_share"),
+                "storage_others_cpu_share": disk.get("others_cpu_share"),
+            },
             from_cache=from_cache,
         )
 
@@ -191,21 +210,34 @@ class HardwareProfile:
     def tier_meaning(self) -> str:
         """What the three tiers are on this machine, in one line."""
         if self.is_cpu:
-            return ("CPU device: 'device' = weights resident in process RAM; 'host' = the OS page cache holding shard files, "
-                    "served zero-copy through mmap (the same RAM); 'storage' = cold reads from disk")
-        return (f"{self.compute_device}: 'device' = weights resident in device memory; 'host' = host RAM "
-                f"({'pinned' if self.capability('pin_memory') else 'pageable'}), copied to the device when a layer runs; 'storage' = cold reads from disk")
+            return (
+                "CPU device: 'device' = weights resident in process RAM; 'host' = the OS page cache holding shard "
+                "files, served zero-copy through mmap (the same RAM); 'storage' = cold reads from disk"
+            )
+        return (
+            f"{self.compute_device}: 'device' = weights resident in device memory; 'host' = host RAM "
+            f"({'pinned' if self.capability('pin_memory') else 'pageable'}), copied to the device when a layer "
+            f"runs; 'storage' = cold reads from disk"
+        )
 
     # -- serialisation -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
-            "fingerprint": self.fingerprint, "compute_device": self.compute_device, "cpu_cores": self.cpu_cores,
-            "ram_total": self.ram_total, "ram_available": self.ram_available, "ram_bound": self.ram_bound,
+            "fingerprint": self.fingerprint,
+            "compute_device": self.compute_device,
+            "cpu_cores": self.cpu_cores,
+            "ram_total": self.ram_total,
+            "ram_available": self.ram_available,
+            "ram_bound": self.ram_bound,
             "process_rss": self.process_rss,
-            "vram_total": self.vram_total, "vram_free": self.vram_free, "facts": self.facts,
+            "vram_total": self.vram_total,
+            "vram_free": self.vram_free,
+            "facts": self.facts,
             "measurements": {k: m.to_dict() for k, m in self.measurements.items()},
             "capabilities": {k: c.to_dict() for k, c in self.capabilities.items()},
-            "storage": self.storage, "measured_at": self.measured_at, "from_cache": self.from_cache,
+            "storage": self.storage,
+            "measured_at": self.measured_at,
+            "from_cache": self.from_cache,
         }
 
     @classmethod
@@ -233,25 +265,35 @@ def _measure_host(log: Log) -> dict:
     # Two buffers of at most an eighth of the free memory each: measuring inside a small memory limit (a first run
     # under a 1.2 GiB cgroup, after sharding) must not be what exceeds it.
     free = memory_bound()[1]
-    found: dict[str, Measurement] = {"host_memory": measure.host_memory(max(measure.MIN_COPY_BYTES, min(measure.COPY_BYTES, free // 8)))}
+    found: dict[str, Measurement] = {
+        "host_memory": measure.host_memory(max(measure.MIN_COPY_BYTES, min(measure.COPY_BYTES, free // 8)))
+    }
     found["device_memory"] = measure.device_memory(device, found["host_memory"])
     found.update(measure.host_to_device(device))
     found.update(measure.compute(device))
     found["runtime_rss"] = measure_runtime()
-    decided = {"compute_dtype": _guarded(lambda: caps.compute_dtype(device, facts["cpu"]["isa"], found),
-                                         lambda why: Capability("compute_dtype", "fp32", "fp32", f"dtype query failed ({why})"))}
+    decided = {
+        "compute_dtype": _guarded(
+            lambda: caps.compute_dtype(device, facts["cpu"]["isa"], found),
+            lambda why: Capability("compute_dtype", "fp32", "fp32", f"dtype query failed ({why})"),
+        )
+    }
     decided["pin_memory"] = caps.pin_memory(device, found)
     decided["non_blocking"] = caps.non_blocking(device, decided["pin_memory"])
     decided["sdpa"] = caps.sdpa(device)
     log(f"compute device: {device} ({device_reason})")
     _log_decisions(decided, log)
     return {
-        "facts": facts, "compute_device": device, "device_reason": device_reason,
+        "facts": facts,
+        "compute_device": device,
+        "device_reason": device_reason,
         "accelerators": _guarded(lambda: torch_accelerators(device), lambda why: [{"name": f"unavailable: {why}"}]),
         "vram_total": _guarded(lambda: device_memory(device)[0], lambda why: None),
         "measurements": {k: m.to_dict() for k, m in found.items()},
         "capabilities": {k: c.to_dict() for k, c in decided.items()},
-        "measured_at": _now(), "seconds": round(time.perf_counter() - start, 3), "others_cpu_share": _contention(busy, log),
+        "measured_at": _now(),
+        "seconds": round(time.perf_counter() - start, 3),
+        "others_cpu_share": _contention(busy, log),
     }
 
 
@@ -259,7 +301,10 @@ def _contention(before, log: Log) -> float | None:
     """Other processes' share of the CPUs while measuring: a busy machine measures low, and the figure is cached."""
     share = others_cpu_share(before, cpu_snapshot())
     if share is not None and share >= BUSY_SHARE:
-        log(f"warning: other processes used {share:.0%} of the CPUs while measuring; figures may be low (--refresh when idle)")
+        log(
+            f"warning: other processes used {share:.0%} of the CPUs while measuring; figures may be low (--refresh "
+            f"when idle)"
+        )
     return share
 
 
@@ -281,10 +326,18 @@ def _measure_filesystem(fs, log: Log) -> dict:
     found, decided, cacheable = measure_storage(fs, probe_bytes(), lambda message: log(redact(message)), directories)
     _log_decisions(decided, log)
     return {
-        "filesystem": {"mount_point": fs.mount_point, "fstype": fs.fstype, "source": fs.source, "kind": fs.kind, "key": fs.key},
+        "filesystem": {
+            "mount_point": fs.mount_point,
+            "fstype": fs.fstype,
+            "source": fs.source,
+            "kind": fs.kind,
+            "key": fs.key,
+        },
         "measurements": {k: m.to_dict() for k, m in found.items()},
         "capabilities": {k: c.to_dict() for k, c in decided.items()},
-        "measured_at": _now(), "seconds": round(time.perf_counter() - start, 3), "cacheable": cacheable,
+        "measured_at": _now(),
+        "seconds": round(time.perf_counter() - start, 3),
+        "cacheable": cacheable,
         "others_cpu_share": _contention(busy, log),
     }
 

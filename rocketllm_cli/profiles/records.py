@@ -37,7 +37,8 @@ class Measurement:
 
 @dataclass(frozen=True)
 class Capability:
-    """A decision about what this machine can do; `fallback_taken` names the second choice when the first was refused."""
+    """A decision about what this machine can do; `fallback_taken` names the second choice when the first was
+    refused."""
 
     name: str
     value: object

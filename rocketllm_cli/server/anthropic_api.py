@@ -32,26 +32,63 @@ from .prompts import PromptError
 from .refusals import APIError, bad, check_context
 from .structured import Structure, plan, relaxed_header
 
-FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k", "tools",
-                    "tool_choice", "thinking", "output_config", "output_format"})
-REFUSED = {"container": "this server runs no code containers", "mcp_servers": "this server connects to no MCP servers",
-           "context_management": "this server edits no context"}
+FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "output_config",
+        "output_format",
+    }
+)
+REFUSED = {
+    "container": "this server runs no code containers",
+    "mcp_servers": "this server connects to no MCP servers",
+    "context_management": "this server edits no context",
+}
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
 
 
 def error_body(err: APIError) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error"),
-                                       "message": err.message}}
+    return {
+        "type": "error",
+        "error": {
+            "type": ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error"),
+            "message": err.message,
+        },
+    }
 
 
 def models(state) -> dict:
     from datetime import datetime, timezone
 
     created = datetime.fromtimestamp(state.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    card = {"type": "model", "id": state.model_id, "display_name": state.model_id, "created_at": created,
-            "max_input_tokens": state.max_context, "max_tokens": state.max_context}
+    card = {
+        "type": "model",
+        "id": state.model_id,
+        "display_name": state.model_id,
+        "created_at": created,
+        "max_input_tokens": state.max_context,
+        "max_tokens": state.max_context,
+    }
     return {"data": [card], "has_more": False, "first_id": state.model_id, "last_id": state.model_id}
 
 
@@ -70,7 +107,11 @@ def _text_of(value: object, where: str, state) -> str:
         if kind == "text":
             texts.append(string(block, "text", f"{where}[{j}].", needed=True))
         elif kind in ("image", "document"):
-            only = "images go in a user message's content" if state.multimodal and kind == "image" else f"{state.model_id} takes text only"
+            only = (
+                "images go in a user message's content"
+                if state.multimodal and kind == "image"
+                else f"{state.model_id} takes text only"
+            )
             raise bad(f"'{where}[{j}]' is an {kind} block, but {only}", where)
         else:
             raise bad(f"'{where}[{j}].type' must be 'text' here (got {kind!r})", where)
@@ -85,7 +126,10 @@ def _messages(raw: list, state) -> list[dict]:
             raise bad(f"'{where}' must be an object with 'role' and 'content'", "messages")
         role = string(m, "role", f"{where}.", needed=True)
         if role not in ("user", "assistant"):
-            raise bad(f"'{where}.role' must be user or assistant (got {role!r}); put a system prompt in 'system'", f"{where}.role")
+            raise bad(
+                f"'{where}.role' must be user or assistant (got {role!r}); put a system prompt in 'system'",
+                f"{where}.role",
+            )
         content = required(m, "content", f"{where}.")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
@@ -93,7 +137,10 @@ def _messages(raw: list, state) -> list[dict]:
         if not isinstance(content, list):
             raise bad(f"'{where}.content' must be a string or a list of content blocks", f"{where}.content")
         if not content and role == "user":
-            raise bad(f"'{where}.content' is an empty list; a user message needs at least one content block", f"{where}.content")
+            raise bad(
+                f"'{where}.content' is an empty list; a user message needs at least one content block",
+                f"{where}.content",
+            )
         texts, calls, parts = [], [], []  # parts: the text and image parts in order, used when there are pictures
         for j, block in enumerate(content):
             bw = f"{where}.content[{j}]"
@@ -110,17 +157,25 @@ def _messages(raw: list, state) -> list[dict]:
                 args = block.get("input") or {}
                 if not isinstance(args, dict):
                     raise bad(f"'{bw}.input' must be an object", f"{bw}.input")
-                calls.append({"id": block.get("id") or "", "type": "function", "function": {"name": name, "arguments": args}})
+                calls.append(
+                    {"id": block.get("id") or "", "type": "function", "function": {"name": name, "arguments": args}}
+                )
             elif kind == "tool_result" and role == "user":
                 result = block.get("content", "")
                 text = _text_of(result, f"{bw}.content", state) if result is not None else ""
                 if block.get("is_error"):
                     text = f"error: {text}"
-                out.append({"role": "tool", "content": text, "tool_call_id": string(block, "tool_use_id", f"{bw}.") or ""})
+                out.append(
+                    {"role": "tool", "content": text, "tool_call_id": string(block, "tool_use_id", f"{bw}.") or ""}
+                )
             elif kind in ("thinking", "redacted_thinking"):
                 continue
             elif kind in ("image", "document"):
-                only = "images go in user messages" if state.multimodal and kind == "image" else f"{state.model_id} takes text only"
+                only = (
+                    "images go in user messages"
+                    if state.multimodal and kind == "image"
+                    else (f"{state.model_id} takes text only")
+                )
                 raise bad(f"'{bw}' is an {kind} block, but {only}", f"{where}.content")
             else:
                 raise bad(f"'{bw}.type' {kind!r} is not supported in a {role} message", f"{where}.content")
@@ -140,9 +195,15 @@ def _tool(i: int, t: object) -> dict:
     if not isinstance(t, dict):
         raise bad(f"'tools[{i}]' must be an object", f"tools[{i}]")
     if t.get("type") not in (None, "custom"):
-        raise bad(f"'tools[{i}]' is a {t.get('type')} tool; only custom tools (name, input_schema) are supported", f"tools[{i}]")
-    return function_tool(string(t, "name", f"tools[{i}].", needed=True), string(t, "description", f"tools[{i}]."),
-                         tool_schema(required(t, "input_schema", f"tools[{i}]."), f"tools[{i}].input_schema"))
+        raise bad(
+            f"'tools[{i}]' is a {t.get('type')} tool; only custom tools (name, input_schema) are supported",
+            f"tools[{i}]",
+        )
+    return function_tool(
+        string(t, "name", f"tools[{i}].", needed=True),
+        string(t, "description", f"tools[{i}]."),
+        tool_schema(required(t, "input_schema", f"tools[{i}]."), f"tools[{i}].input_schema"),
+    )
 
 
 def _tool_choice(value: object, tools: list[dict]) -> tuple[object, bool]:
@@ -165,7 +226,11 @@ def _output_format(body: dict):
     fmt, where = None, "output_config"
     if config is not None:
         if not isinstance(config, dict):
-            raise bad("'output_config' must be an object such as {\"format\": {\"type\": \"json_schema\", \"schema\": {...}}}", where)
+            raise bad(
+                "'output_config' must be an object such as {\"format\": {\"type\": \"json_schema\", \"schema\": "
+                "{...}}}",
+                where,
+            )
         unknown = sorted(set(config) - {"format"})
         if unknown:
             raise bad(f"'output_config.{unknown[0]}' is not supported here (only 'format' is)", where)
@@ -188,7 +253,8 @@ def _system(value: object, state) -> str:
 
 
 def _prompt(body: dict, state) -> tuple[list[int], bool, Structure, dict | None]:
-    """(prompt ids, whether to parse tool calls, the structure enforced, the processor's tensors for pictures) for a Messages request."""
+    """(prompt ids, whether to parse tool calls, the structure enforced, the processor's tensors for pictures) for a
+    Messages request."""
     check_model(body, state)
     check_fields(body, FIELDS, REFUSED)
     raw = required(body, "messages")
@@ -204,15 +270,22 @@ def _prompt(body: dict, state) -> tuple[list[int], bool, Structure, dict | None]
     choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     thinking = body.get("thinking")
     if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
-        raise bad("extended thinking is not supported; send thinking {\"type\": \"disabled\"} or leave it out", "thinking")
+        raise bad(
+            "extended thinking is not supported; send thinking {\"type\": \"disabled\"} or leave it out", "thinking"
+        )
     answer, answer_param = _output_format(body)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
-    # Anthropic's structured outputs promise adherence: a schema the engine cannot enforce whole is a 400; tools only when marked strict
+    # Anthropic's structured outputs promise adherence: a schema the engine cannot enforce whole is a 400; tools only
+    # when marked strict
     strict = answer is not None or any(isinstance(t, dict) and t.get("strict") is True for t in body.get("tools") or [])
     structure = plan(state, tools, choice, parallel, answer, answer_param, strict)
     if prefill and (structure.prefill or structure.constraint is not None):
-        raise bad("the last message is an assistant prefill, which the reply would continue, but "
-                  f"{'tool_choice' if tools and choice != 'none' else answer_param} constrains the whole reply; drop one", "messages")
+        raise bad(
+            "the last message is an assistant prefill, which the reply would continue, but "
+            f"{'tool_choice' if tools and choice != 'none' else answer_param} constrains the whole reply; drop "
+            f"one",
+            "messages",
+        )
     try:
         ids, inputs = state.builder.chat_inputs(messages, tools, choice, continue_final=prefill)
     except PromptError as exc:
@@ -223,7 +296,9 @@ def _prompt(body: dict, state) -> tuple[list[int], bool, Structure, dict | None]
 def prepare_messages(body: dict, state) -> Prepared:
     max_tokens = number(body, "max_tokens", 1, integer=True, needed=True)
     ids, use_tools, structure, inputs = _prompt(body, state)
-    max_tokens = check_context(len(ids), max_tokens, state.max_context, "max_tokens", state.context_why, state.context_int4)
+    max_tokens = check_context(
+        len(ids), max_tokens, state.max_context, "max_tokens", state.context_why, state.context_int4
+    )
     params = sampling(body, max_tokens, 1.0)
     stop = stop_strings(body.get("stop_sequences"), "stop_sequences")
     request = GenerationRequest(ids, params, stop, model_inputs=inputs, constraint=structure.constraint)
@@ -247,8 +322,12 @@ def _stop_reason(outcome, calls) -> str:
 
 
 def usage(outcome) -> dict:
-    return {"input_tokens": outcome.prompt_tokens - outcome.reused_tokens, "output_tokens": outcome.new_tokens,
-            "cache_read_input_tokens": outcome.reused_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": outcome.prompt_tokens - outcome.reused_tokens,
+        "output_tokens": outcome.new_tokens,
+        "cache_read_input_tokens": outcome.reused_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _tool_id(call) -> str:
@@ -263,15 +342,28 @@ def message_response(outcomes: list, prepared: Prepared, state) -> dict:
     content: list[dict] = [{"type": "text", "text": text}] if text or not calls else []
     content += [{"type": "tool_use", "id": _tool_id(c), "name": c.name, "input": c.arguments} for c in calls]
     return {
-        "id": new_id("msg_"), "type": "message", "role": "assistant", "model": state.model_id, "content": content,
-        "stop_reason": _stop_reason(outcome, calls), "stop_sequence": outcome.stop_sequence, "usage": usage(outcome),
+        "id": new_id("msg_"),
+        "type": "message",
+        "role": "assistant",
+        "model": state.model_id,
+        "content": content,
+        "stop_reason": _stop_reason(outcome, calls),
+        "stop_sequence": outcome.stop_sequence,
+        "usage": usage(outcome),
     }
 
 
 async def message_stream(job, prepared: Prepared, state):
-    message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": state.model_id, "content": [],
-               "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": len(prepared.request.prompt_ids), "output_tokens": 0}}
+    message = {
+        "id": new_id("msg_"),
+        "type": "message",
+        "role": "assistant",
+        "model": state.model_id,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": len(prepared.request.prompt_ids), "output_tokens": 0},
+    }
     yield sse({"type": "message_start", "message": message}, "message_start")
     splitter = prepared.splitter(state.builder.parser)
     index = -1
@@ -281,10 +373,16 @@ async def message_stream(job, prepared: Prepared, state):
         nonlocal index, text_open
         index += 1
         text_open = True
-        return sse({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}, "content_block_start")
+        return sse(
+            {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
+            "content_block_start",
+        )
 
     def text_delta(text: str) -> str:
-        return sse({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}, "content_block_delta")
+        return sse(
+            {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}},
+            "content_block_delta",
+        )
 
     def close_text() -> str:
         nonlocal text_open
@@ -303,7 +401,9 @@ async def message_stream(job, prepared: Prepared, state):
                     yield open_text()
                 yield text_delta(text)
         elif kind == "failed":
-            yield sse({"type": "error", "error": {"type": "api_error", "message": f"generation failed: {payload}"}}, "error")
+            yield sse(
+                {"type": "error", "error": {"type": "api_error", "message": f"generation failed: {payload}"}}, "error"
+            )
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             calls = []
             if splitter:
@@ -319,11 +419,27 @@ async def message_stream(job, prepared: Prepared, state):
             for call in calls:
                 index += 1
                 block = {"type": "tool_use", "id": _tool_id(call), "name": call.name, "input": {}}
-                yield sse({"type": "content_block_start", "index": index, "content_block": block}, "content_block_start")
-                yield sse({"type": "content_block_delta", "index": index,
-                           "delta": {"type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}},
-                          "content_block_delta")
+                yield sse(
+                    {"type": "content_block_start", "index": index, "content_block": block}, "content_block_start"
+                )
+                yield sse(
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {
+                            "type": "input_json_delta",
+                            "partial_json": json.dumps(call.arguments, ensure_ascii=False),
+                        },
+                    },
+                    "content_block_delta",
+                )
                 yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
-            yield sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(payload, calls), "stop_sequence": payload.stop_sequence},
-                       "usage": usage(payload)}, "message_delta")
+            yield sse(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": _stop_reason(payload, calls), "stop_sequence": payload.stop_sequence},
+                    "usage": usage(payload),
+                },
+                "message_delta",
+            )
             yield sse({"type": "message_stop"}, "message_stop")

@@ -32,8 +32,18 @@ from .worker import SHUTTING_DOWN, Job, QueueFull
 QUEUE_HEADER = "x-rocketllm-queue-position"
 JOB_HEADER = "x-rocketllm-job"  # the job's number in arrival order, as logs and /health's history name it
 DISCONNECT_POLL_S = 0.2  # how often a waiting non-streaming request checks that its client is still there
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
-          "/metrics", "/tokenize", "/detokenize", "/tokenizer_info")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/models",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+)
 OPEN = ("/health",)  # served without the key: a liveness probe carries no secret
 
 
@@ -83,10 +93,14 @@ class KeyCheck:
         api = _api_of(scope["path"], headers)
         what = "wrong" if given else "missing"
         if api == "anthropic":
-            err = APIError(401, f"{what} API key: send the server's key in the x-api-key header", None, "invalid_api_key")
+            err = APIError(
+                401, f"{what} API key: send the server's key in the x-api-key header", None, "invalid_api_key"
+            )
             extra = {}
         else:
-            err = APIError(401, f"{what} API key: send the server's key as 'Authorization: Bearer <key>'", None, "invalid_api_key")
+            err = APIError(
+                401, f"{what} API key: send the server's key as 'Authorization: Bearer <key>'", None, "invalid_api_key"
+            )
             extra = {"www-authenticate": "Bearer"}
         self.state.metrics.request(_endpoint_label(scope["path"]), 401)
         await _error(api, err, extra)(scope, receive, send)
@@ -113,7 +127,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
         chunks.append(chunk)
     if over:
         shown = int(declared) if declared is not None and declared.strip().isdigit() else f"over {limit}"
-        raise APIError(413, f"the request body is {shown} bytes; this server takes at most {limit} (a context's worth of prompt)")
+        raise APIError(
+            413, f"the request body is {shown} bytes; this server takes at most {limit} (a context's worth of prompt)"
+        )
     return b"".join(chunks)
 
 
@@ -139,9 +155,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException):
         api = _api_of(request.url.path)
         if exc.status_code == 404:
-            err = APIError(404, f"no route {request.method} {request.url.path}; this server has /v1/chat/completions, "
-                                "/v1/completions, /v1/responses, /v1/messages, /v1/models, /tokenize, /detokenize, /tokenizer_info, "
-                                "/health and /metrics")
+            err = APIError(
+                404,
+                f"no route {request.method} {request.url.path}; this server has /v1/chat/completions, "
+                "/v1/completions, /v1/responses, /v1/messages, /v1/models, /tokenize, /detokenize, "
+                "/tokenizer_info, "
+                "/health and /metrics",
+            )
         elif exc.status_code == 405:
             err = APIError(405, f"{request.method} is not allowed on {request.url.path}")
         else:
@@ -153,7 +173,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(_api_of(request.url.path), APIError(400, f"{where or 'request'}: {first.get('msg', 'invalid request')}", where or None))
+        return _error(
+            _api_of(request.url.path),
+            APIError(400, f"{where or 'request'}: {first.get('msg', 'invalid request')}", where or None),
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
@@ -161,13 +184,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     def internal(request: Request, exc: Exception) -> JSONResponse:
         # The exception's type and where, not its message: that may quote the request (and so the prompt).
-        state.log(f"error: {request.method} {_endpoint_label(request.url.path)}: internal error ({type(exc).__name__}); the server goes on serving")
+        state.log(
+            f"error: {request.method} {_endpoint_label(request.url.path)}: internal error "
+            f"({type(exc).__name__}); the server goes on serving"
+        )
         state.metrics.request(_endpoint_label(request.url.path), 500)
-        return _error(_api_of(request.url.path, request.headers), APIError(500, f"internal error ({type(exc).__name__})"))
+        return _error(
+            _api_of(request.url.path, request.headers), APIError(500, f"internal error ({type(exc).__name__})")
+        )
 
     def guarded(route):
         """A route whose unexpected exception is a 500 in its API's shape and one log line (the app-wide handler
         answers too, but Starlette then raises again, and uvicorn logs a traceback)."""
+
         async def handler(request: Request):
             try:
                 return await route(request)
@@ -202,7 +231,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def get_model(model_id: str, request: Request):
         if model_id != state.model_id:
             state.metrics.request("/v1/models", 404)
-            return _error("anthropic" if "anthropic-version" in request.headers else "openai", unknown_model(model_id, state))
+            return _error(
+                "anthropic" if "anthropic-version" in request.headers else "openai", unknown_model(model_id, state)
+            )
         state.metrics.request("/v1/models", 200)
         if "anthropic-version" in request.headers:
             return anthropic_api.models(state)["data"][0]
@@ -212,20 +243,38 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     @guarded
     async def chat_completions(request: Request):
-        return await _generate(request, "/v1/chat/completions", "openai", openai_api.prepare_chat,
-                               openai_api.chat_response, openai_api.chat_stream)
+        return await _generate(
+            request,
+            "/v1/chat/completions",
+            "openai",
+            openai_api.prepare_chat,
+            openai_api.chat_response,
+            openai_api.chat_stream,
+        )
 
     @app.post("/v1/completions")
     @guarded
     async def completions(request: Request):
-        return await _generate(request, "/v1/completions", "openai", openai_api.prepare_completion,
-                               openai_api.completion_response, openai_api.completion_stream)
+        return await _generate(
+            request,
+            "/v1/completions",
+            "openai",
+            openai_api.prepare_completion,
+            openai_api.completion_response,
+            openai_api.completion_stream,
+        )
 
     @app.post("/v1/responses")
     @guarded
     async def responses(request: Request):
-        return await _generate(request, "/v1/responses", "openai", responses_api.prepare_response,
-                               responses_api.response_body, responses_api.response_stream)
+        return await _generate(
+            request,
+            "/v1/responses",
+            "openai",
+            responses_api.prepare_response,
+            responses_api.response_body,
+            responses_api.response_stream,
+        )
 
     # -- the tokenizer (llama-server's and vLLM's shapes: lm-evaluation-harness's remote tokenizer uses them) ---------
     async def _tokenizer_route(request: Request, endpoint: str, answer):
@@ -255,8 +304,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/messages")
     @guarded
     async def messages(request: Request):
-        return await _generate(request, "/v1/messages", "anthropic", anthropic_api.prepare_messages,
-                               anthropic_api.message_response, anthropic_api.message_stream)
+        return await _generate(
+            request,
+            "/v1/messages",
+            "anthropic",
+            anthropic_api.prepare_messages,
+            anthropic_api.message_response,
+            anthropic_api.message_stream,
+        )
 
     @app.post("/v1/messages/count_tokens")
     @guarded
@@ -287,7 +342,8 @@ def create_app(state: ServerState) -> FastAPI:
         if down is not None:
             return down
         full = state.worker.full()
-        if full is not None:  # refused before its prompt is rendered: a full server spends nothing on what it turns away
+        # refused before its prompt is rendered: a full server spends nothing on what it turns away
+        if full is not None:
             return queue_full(api, endpoint, full)
         try:
             prepared = await prepared_body(request, prepare)
@@ -307,8 +363,11 @@ def create_app(state: ServerState) -> FastAPI:
             return _error(api, APIError(503, str(exc)))
         headers = {**prepared.headers, QUEUE_HEADER: str(position), JOB_HEADER: str(job.id)}
         if prepared.stream:
-            return StreamingResponse(_streamed(job, stream(job, prepared, state), endpoint), media_type="text/event-stream",
-                                     headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
+            return StreamingResponse(
+                _streamed(job, stream(job, prepared, state), endpoint),
+                media_type="text/event-stream",
+                headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+            )
         kind, payload = await _wait(job, request)
         if state.stopping and kind in ("cancelled", "stopping"):
             state.metrics.request(endpoint, 503)
@@ -325,7 +384,8 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(respond(outcomes_of(job, payload), prepared, state), headers=headers)
 
     async def _wait(job: Job, request: Request):
-        """The job's final event, or "stopping" (the server stops); a client that disconnects meanwhile has its job cancelled."""
+        """The job's final event, or "stopping" (the server stops); a client that disconnects meanwhile has its job
+        cancelled."""
         while True:
             try:
                 kind, payload = await job.next_event(DISCONNECT_POLL_S)
@@ -338,7 +398,8 @@ def create_app(state: ServerState) -> FastAPI:
                 return kind, payload
 
     async def _streamed(job: Job, events, endpoint: str):
-        """Pass the stream through; however it ends (finished, client gone, server stopping), the job is not left running."""
+        """Pass the stream through; however it ends (finished, client gone, server stopping), the job is not left
+        running."""
         status = 200
         try:
             async for item in events:

@@ -47,16 +47,32 @@ def served_model(url: str, api_key: str | None = None) -> str:
     return str(models[0]["id"])
 
 
-def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, system: str | None, params,
-                    on_text: Callable[[str], None] | None, json_schema: str | None = None, api_key: str | None = None,
-                    keep_alive_s: float | None = None) -> dict:
+def remote_generate(
+    url: str,
+    model_id: str,
+    prompt: str,
+    *,
+    chat: bool | None,
+    system: str | None,
+    params,
+    on_text: Callable[[str], None] | None,
+    json_schema: str | None = None,
+    api_key: str | None = None,
+    keep_alive_s: float | None = None,
+) -> dict:
     """Generate through the server; {text, prompt_tokens, new_tokens, finish_reason, stats} with the client's timings.
 
     chat None: the chat endpoint, which applies the model's template when it has one (as a local run does).
     json_schema: a JSON Schema as JSON text the reply must follow (response_format json_schema; chat only).
     api_key: the server's key (`serve --api-key`), sent as OpenAI clients send it."""
-    body: dict = {"model": model_id, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
-                  "top_p": params.top_p, "stream": True, "stream_options": {"include_usage": True}}
+    body: dict = {
+        "model": model_id,
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if params.top_k:
         body["top_k"] = params.top_k
     if params.seed is not None:
@@ -67,9 +83,14 @@ def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, 
         path, body["prompt"] = "/v1/completions", prompt
     else:
         path = "/v1/chat/completions"
-        body["messages"] = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
+        body["messages"] = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": prompt}
+        ]
         if json_schema is not None:
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": json.loads(json_schema)}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": json.loads(json_schema)},
+            }
     started = time.perf_counter()
     first = None
     pieces: list[str] = []
@@ -92,13 +113,19 @@ def remote_generate(url: str, model_id: str, prompt: str, *, chat: bool | None, 
     new = int(usage.get("completion_tokens") or 0)
     decode = (new - 1) / (total - first) if first is not None and new > 1 and total > first else None
     return {
-        "text": "".join(pieces), "prompt_tokens": int(usage.get("prompt_tokens") or 0), "new_tokens": new,
+        "text": "".join(pieces),
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+        "new_tokens": new,
         "finish_reason": finish,
         # the engine's figures first, then what this client measured (time to first token and total include the socket)
-        "stats": {**engine, "server": url, "time_to_first_token_s": round(first, 3) if first is not None else None,
-                  "total_s": round(total, 3),
-                  "decode_tokens_per_s": engine.get("decode_tokens_per_s") or (round(decode, 2) if decode else None),
-                  "cached_prompt_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")},
+        "stats": {
+            **engine,
+            "server": url,
+            "time_to_first_token_s": round(first, 3) if first is not None else None,
+            "total_s": round(total, 3),
+            "decode_tokens_per_s": engine.get("decode_tokens_per_s") or (round(decode, 2) if decode else None),
+            "cached_prompt_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        },
     }
 
 
@@ -110,14 +137,21 @@ STATS_HEADER = "x-rocketllm-stats"
 KEEP_ALIVE_HEADER = "x-rocketllm-keep-alive"
 
 
-def _request(url: str, path: str, body: dict | None, api_key: str | None = None,
-             keep_alive_s: float | None = None) -> urllib.request.Request:
+def _request(
+    url: str, path: str, body: dict | None, api_key: str | None = None, keep_alive_s: float | None = None
+) -> urllib.request.Request:
     data = None if body is None else json.dumps(body).encode()
-    headers = {"content-type": "application/json", "accept": "text/event-stream" if body and body.get("stream") else "application/json",
-               STATS_HEADER: "1", **({KEEP_ALIVE_HEADER: f"{keep_alive_s:g}"} if keep_alive_s is not None else {})}
+    headers = {
+        "content-type": "application/json",
+        "accept": "text/event-stream" if body and body.get("stream") else "application/json",
+        STATS_HEADER: "1",
+        **({KEEP_ALIVE_HEADER: f"{keep_alive_s:g}"} if keep_alive_s is not None else {}),
+    }
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
-    return urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers, method="GET" if body is None else "POST")
+    return urllib.request.Request(
+        url.rstrip("/") + path, data=data, headers=headers, method="GET" if body is None else "POST"
+    )
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -142,7 +176,9 @@ def _open_unix(url: str, path: str, body: dict | None, api_key: str | None, keep
         connection.request(request.get_method(), path, body=request.data, headers=dict(request.header_items()))
         response = connection.getresponse()
     except OSError as exc:
-        raise RocketError(f"the warm server at {url} does not answer ({exc}); `rocketllm stop` it and run again") from None
+        raise RocketError(
+            f"the warm server at {url} does not answer ({exc}); `rocketllm stop` it and run again"
+        ) from None
     if response.status >= 400:
         try:
             detail = f"{_message(json.loads(response.read()))} (HTTP {response.status})"
@@ -162,10 +198,14 @@ def _open(url: str, path: str, body: dict | None, api_key: str | None = None, ke
         raise RocketError(f"the server at {url} refused the request: {_error_text(exc)}{hint}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise RocketError(f"no server answers at {url} ({reason}); start one with `rocketllm serve MODEL`, "
-                          "or drop --server to load the model here") from None
+        raise RocketError(
+            f"no server answers at {url} ({reason}); start one with `rocketllm serve MODEL`, "
+            "or drop --server to load the model here"
+        ) from None
     except ValueError as exc:  # a URL urllib cannot parse
-        raise RocketError(f"--server {url!r} is not an http(s) URL ({exc}); e.g. --server http://127.0.0.1:8000") from None
+        raise RocketError(
+            f"--server {url!r} is not an http(s) URL ({exc}); e.g. --server http://127.0.0.1:8000"
+        ) from None
 
 
 def _call(url: str, path: str, body: dict | None, api_key: str | None = None) -> dict:

@@ -63,4 +63,6 @@ def outcomes_of(job, outcome) -> list:
 def _nothing_more(job) -> GenerationOutcome:
     """The outcome a stream reports when the job never ran, or the server stopped before its step ended:
     the prompt, and no generated tokens counted (the text already streamed stands)."""
-    return GenerationOutcome(text="", token_ids=[], prompt_tokens=len(job.request.prompt_ids), finish_reason="cancelled")
+    return GenerationOutcome(
+        text="", token_ids=[], prompt_tokens=len(job.request.prompt_ids), finish_reason="cancelled"
+    )

@@ -68,12 +68,15 @@ def _check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise bad("the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff) in a string; send valid Unicode") from None
+        raise bad(
+            "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff) in a string; send valid Unicode"
+        ) from None
 
 
 def _kind(value: object) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__
+    )
 
 
 JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
@@ -109,8 +112,11 @@ def tool_schema(value: object, where: str) -> dict:
             return bad(f"'{where}' is not JSON Schema: '{at}.{key}' must be {what}", where)
 
         kind = node.get("type")
-        if kind is not None and not (kind in JSON_TYPES if isinstance(kind, str) else
-                                     isinstance(kind, list) and kind and all(isinstance(k, str) and k in JSON_TYPES for k in kind)):
+        if kind is not None and not (
+            kind in JSON_TYPES
+            if isinstance(kind, str)
+            else isinstance(kind, list) and kind and all(isinstance(k, str) and k in JSON_TYPES for k in kind)
+        ):
             raise wrong("type", "one of " + ", ".join(JSON_TYPES) + " (or a list of them)")
         for key in ("description", "title"):
             if key in node and not isinstance(node[key], str):
@@ -155,8 +161,12 @@ def check_fields(body: dict, takes: frozenset[str], refused: dict[str, str] | No
             if value is None or value is False:
                 continue
             raise bad(f"'{name}' is not supported: {refused[name]}", name)
-        raise bad(f"unknown field '{name}'; this endpoint takes {', '.join(sorted(takes))} (and {', '.join(sorted(INFORMATIONAL))}, "
-                  "which do not change the reply)", name)
+        raise bad(
+            f"unknown field '{name}'; this endpoint takes {', '.join(sorted(takes))} (and "
+            f"{', '.join(sorted(INFORMATIONAL))}, "
+            "which do not change the reply)",
+            name,
+        )
 
 
 def required(body: dict, name: str, where: str = "") -> object:
@@ -174,8 +184,17 @@ def string(body: dict, name: str, where: str = "", *, needed: bool = False, defa
     return value
 
 
-def number(body: dict, name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
-           integer: bool = False, needed: bool = False, default: float | int | None = None):
+def number(
+    body: dict,
+    name: str,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    integer: bool = False,
+    needed: bool = False,
+    default: float | int | None = None,
+):
     value = required(body, name) if needed else body.get(name)
     if value is None:
         return default
@@ -185,7 +204,12 @@ def number(body: dict, name: str, low: float | None = None, high: float | None =
         raise bad(f"'{name}' must be an integer (got {value})", name)
     value = int(value) if integer else float(value)
     if low is not None and (value <= low if low_open else value < low):
-        raise bad(f"'{name}' must be {'>' if low_open else '>='} {_plain(low)}" + (f" and <= {_plain(high)}" if high is not None else "") + f" (got {_plain(value)})", name)
+        raise bad(
+            f"'{name}' must be {'>' if low_open else '>='} {_plain(low)}"
+            + (f" and <= {_plain(high)}" if high is not None else "")
+            + f" (got {_plain(value)})",
+            name,
+        )
     if high is not None and value > high:
         raise bad(f"'{name}' must be <= {_plain(high)} (got {_plain(value)})", name)
     return value
@@ -214,7 +238,9 @@ def stop_strings(value: object, name: str) -> tuple[str, ...]:
     return tuple(s for s in value if s)
 
 
-def sampling(body: dict, max_tokens: int, temperature_max: float, temperature_default: float = 1.0, logit_bias: tuple = ()) -> SamplingParams:
+def sampling(
+    body: dict, max_tokens: int, temperature_max: float, temperature_default: float = 1.0, logit_bias: tuple = ()
+) -> SamplingParams:
     """Sampling settings from a request body (after max_tokens is known). Temperature 0 is greedy."""
     top_k = number(body, "top_k", -1, integer=True, default=0)
     settings = dict(
@@ -230,5 +256,6 @@ def sampling(body: dict, max_tokens: int, temperature_max: float, temperature_de
     )
     try:
         return SamplingParams(**settings)
-    except ParameterError as exc:  # the fields are checked above; a check of the library's own still reads in the API's terms
+    # the fields are checked above; a check of the library's own still reads in the API's terms
+    except ParameterError as exc:
         raise refused(exc) from None

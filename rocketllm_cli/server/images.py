@@ -37,7 +37,12 @@ def anthropic_image(block: dict, where: str, param: str, state) -> dict:
         raise bad(f"'{where}.source' must be an object with 'type' base64 (media_type, data) or url", param)
     try:
         if source.get("type") == "base64":
-            return {"type": "image", "image": decode_image(decode_base64(source.get("data"), f"{where}.source.data"), f"{where}.source.data")}
+            return {
+                "type": "image",
+                "image": decode_image(
+                    decode_base64(source.get("data"), f"{where}.source.data"), f"{where}.source.data"
+                ),
+            }
         if source.get("type") == "url":
             return {"type": "image", "image": image_from_url(source.get("url"), f"{where}.source.url")}
     except ImageError as exc:

@@ -39,7 +39,8 @@ class Metrics:
         self.prefill_latency = _Summary()
         self.bytes_served: collections.Counter = collections.Counter()  # tier -> bytes, every pass
         self.bytes_per_token: dict[str, int] = {}  # tier -> bytes per decode token, latest generation
-        self.speculation: collections.Counter = collections.Counter()  # proposed | accepted | passes | tokens, speculative generations
+        # proposed | accepted | passes | tokens, speculative generations
+        self.speculation: collections.Counter = collections.Counter()
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -81,38 +82,95 @@ class Metrics:
                 out.append(f"{name}{_labels(labels)} {_number(value)}")
 
         with self._lock:
-            metric("rocketllm_requests_total", "counter", "HTTP requests by endpoint and status code.",
-                   [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
-            metric("rocketllm_tokens_total", "counter", "Tokens processed: prompt, generated, and prompt tokens reused from the prefix cache.",
-                   [({"kind": k}, self.tokens.get(k, 0)) for k in ("prompt", "generated", "reused")])
-            metric("rocketllm_generations_cancelled_total", "counter", "Generations stopped because the client went away.",
-                   [({}, self.cancelled)])
-            metric("rocketllm_queue_full_total", "counter", "Requests refused with 429 because the queue was full.",
-                   [({}, self.refused_full)])
+            metric(
+                "rocketllm_requests_total",
+                "counter",
+                "HTTP requests by endpoint and status code.",
+                [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())],
+            )
+            metric(
+                "rocketllm_tokens_total",
+                "counter",
+                "Tokens processed: prompt, generated, and prompt tokens reused from the prefix cache.",
+                [({"kind": k}, self.tokens.get(k, 0)) for k in ("prompt", "generated", "reused")],
+            )
+            metric(
+                "rocketllm_generations_cancelled_total",
+                "counter",
+                "Generations stopped because the client went away.",
+                [({}, self.cancelled)],
+            )
+            metric(
+                "rocketllm_queue_full_total",
+                "counter",
+                "Requests refused with 429 because the queue was full.",
+                [({}, self.refused_full)],
+            )
             for name, summary, help_text in (
                 ("rocketllm_token_latency_seconds", self.token_latency, "Time between successive generated tokens."),
-                ("rocketllm_prefill_seconds", self.prefill_latency, "Time from a job's start to its first generated token."),
+                (
+                    "rocketllm_prefill_seconds",
+                    self.prefill_latency,
+                    "Time from a job's start to its first generated token.",
+                ),
             ):
-                samples = [({"quantile": str(q)}, summary.quantile(q)) for q in QUANTILES if summary.quantile(q) is not None]
+                samples = [
+                    ({"quantile": str(q)}, summary.quantile(q)) for q in QUANTILES if summary.quantile(q) is not None
+                ]
                 metric(name, "summary", help_text + f" Quantiles over the latest {WINDOW}.", samples)
                 out.append(f"{name}_sum {_number(summary.sum)}")
                 out.append(f"{name}_count {summary.count}")
-            metric("rocketllm_bytes_served_total", "counter", "Weight bytes served by each tier over every forward pass.",
-                   [({"tier": t}, self.bytes_served.get(t, 0)) for t in ("device", "host", "storage")])
-            metric("rocketllm_bytes_per_token", "gauge", "Weight bytes each tier served per decode token in the latest generation.",
-                   [({"tier": t}, self.bytes_per_token.get(t, 0)) for t in ("device", "host", "storage")])
-            metric("rocketllm_speculative_tokens_total", "counter", "Speculative decoding: drafted tokens proposed to the model and "
-                   "accepted by it.", [({"kind": k}, self.speculation.get(k, 0)) for k in ("proposed", "accepted")])
-            metric("rocketllm_speculative_passes_total", "counter", "Forward passes of speculative generations.",
-                   [({}, self.speculation.get("passes", 0))])
+            metric(
+                "rocketllm_bytes_served_total",
+                "counter",
+                "Weight bytes served by each tier over every forward pass.",
+                [({"tier": t}, self.bytes_served.get(t, 0)) for t in ("device", "host", "storage")],
+            )
+            metric(
+                "rocketllm_bytes_per_token",
+                "gauge",
+                "Weight bytes each tier served per decode token in the latest generation.",
+                [({"tier": t}, self.bytes_per_token.get(t, 0)) for t in ("device", "host", "storage")],
+            )
+            metric(
+                "rocketllm_speculative_tokens_total",
+                "counter",
+                "Speculative decoding: drafted tokens proposed to the model and accepted by it.",
+                [({"kind": k}, self.speculation.get(k, 0)) for k in ("proposed", "accepted")],
+            )
+            metric(
+                "rocketllm_speculative_passes_total",
+                "counter",
+                "Forward passes of speculative generations.",
+                [({}, self.speculation.get("passes", 0))],
+            )
             passes = self.speculation.get("passes", 0)
-            metric("rocketllm_tokens_per_pass", "gauge", "Tokens made per forward pass over the speculative generations (1 without "
-                   "speculation).", [({}, round(self.speculation["tokens"] / passes, 4) if passes else 1.0)])
-        metric("rocketllm_queue_length", "gauge", "Requests waiting for the model (not counting the one running).", [({}, queue_length)])
+            metric(
+                "rocketllm_tokens_per_pass",
+                "gauge",
+                "Tokens made per forward pass over the speculative generations (1 without speculation).",
+                [({}, round(self.speculation["tokens"] / passes, 4) if passes else 1.0)],
+            )
+        metric(
+            "rocketllm_queue_length",
+            "gauge",
+            "Requests waiting for the model (not counting the one running).",
+            [({}, queue_length)],
+        )
         metric("rocketllm_busy", "gauge", "1 while a generation runs.", [({}, int(busy))])
         if prefix is not None:
-            metric("rocketllm_prefix_cache_hits_total", "counter", "Prompts that reused a cached prefix.", [({}, prefix["hits"])])
-            metric("rocketllm_prefix_cache_lookups_total", "counter", "Prompts looked up in the prefix cache.", [({}, prefix["lookups"])])
+            metric(
+                "rocketllm_prefix_cache_hits_total",
+                "counter",
+                "Prompts that reused a cached prefix.",
+                [({}, prefix["hits"])],
+            )
+            metric(
+                "rocketllm_prefix_cache_lookups_total",
+                "counter",
+                "Prompts looked up in the prefix cache.",
+                [({}, prefix["lookups"])],
+            )
             metric("rocketllm_prefix_cache_bytes", "gauge", "Bytes of KV checkpoints held.", [({}, prefix["bytes"])])
         metric("rocketllm_model_info", "gauge", "The served model.", [({"model": model}, 1)])
         return "\n".join(out) + "\n"

@@ -28,16 +28,45 @@ from .refusals import APIError, bad, check_context
 from .structured import plan, relaxed_header
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
-SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream", "stream_options", "stop",
-                      "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty"})
-CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-                          "response_format", "store", "modalities"}
+SAMPLING = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "n",
+        "stream",
+        "stream_options",
+        "stop",
+        "logprobs",
+        "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    }
+)
+CHAT_FIELDS = SAMPLING | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "store",
+    "modalities",
+}
 COMPLETION_FIELDS = SAMPLING | {"prompt", "echo", "suffix", "best_of"}
 REFUSED = {  # OpenAI fields with an effect this server does not have
     "audio": "this server replies in text only",
-    "prediction": "predicted outputs are not implemented", "web_search_options": "this server has no web search",
-    "functions": "the legacy functions API is not implemented; send 'tools'", "function_call": "send 'tool_choice' with 'tools'",
-    "reasoning_effort": "the model has no reasoning effort setting", "verbosity": "the model has no verbosity setting",
+    "prediction": "predicted outputs are not implemented",
+    "web_search_options": "this server has no web search",
+    "functions": "the legacy functions API is not implemented; send 'tools'",
+    "function_call": "send 'tool_choice' with 'tools'",
+    "reasoning_effort": "the model has no reasoning effort setting",
+    "verbosity": "the model has no verbosity setting",
 }
 
 
@@ -50,8 +79,14 @@ def error_body(err: APIError) -> dict:
 
 
 def model_card(state) -> dict:
-    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "rocketllm",
-            "multimodal": state.multimodal, "max_context": state.max_context}
+    return {
+        "id": state.model_id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "rocketllm",
+        "multimodal": state.multimodal,
+        "max_context": state.max_context,
+    }
 
 
 def models(state) -> dict:
@@ -76,10 +111,17 @@ def _content(value: object, where: str, state) -> str | list | None:
         elif kind == "image_url":
             parts.append(openai_image(part, f"{where}content[{j}]", f"{where}content", state))
         elif kind in ("input_image", "input_audio", "file"):
-            raise bad(f"'{where}content[{j}]' is {kind}, but {state.model_id} takes text{' and image_url parts' if state.multimodal else ''} only",
-                      f"{where}content")
+            raise bad(
+                f"'{where}content[{j}]' is {kind}, but {state.model_id} takes "
+                f"text{' and image_url parts' if state.multimodal else ''} only",
+                f"{where}content",
+            )
         else:
-            raise bad(f"'{where}content[{j}].type' must be 'text'{' or image_url' if state.multimodal else ''} (got {kind!r})", f"{where}content")
+            raise bad(
+                f"'{where}content[{j}].type' must be 'text'{' or image_url' if state.multimodal else ''} (got "
+                f"{kind!r})",
+                f"{where}content",
+            )
     return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
@@ -104,7 +146,9 @@ def _message(m: object, i: int, state) -> dict:
                 raise bad(f"'{cw}function' must be an object with 'name' and 'arguments'", f"{cw}function")
             name = string(c["function"], "name", f"{cw}function.", needed=True)
             args = c["function"].get("arguments", "{}")
-            out["tool_calls"].append({"id": c.get("id") or "", "type": "function", "function": {"name": name, "arguments": args}})
+            out["tool_calls"].append(
+                {"id": c.get("id") or "", "type": "function", "function": {"name": name, "arguments": args}}
+            )
     elif content is None:
         raise bad(f"missing required field '{where}content'", f"{where}content")
     if role == "tool":
@@ -122,8 +166,12 @@ def _tool(i: int, t: object) -> dict:
         raise bad(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", f"tools[{i}]")
     fn = t["function"]
     params = fn.get("parameters")
-    params = {"type": "object", "properties": {}} if params is None else tool_schema(params, f"{where}function.parameters")
-    return function_tool(string(fn, "name", f"{where}function.", needed=True), string(fn, "description", f"{where}function."), params)
+    params = (
+        {"type": "object", "properties": {}} if params is None else tool_schema(params, f"{where}function.parameters")
+    )
+    return function_tool(
+        string(fn, "name", f"{where}function.", needed=True), string(fn, "description", f"{where}function."), params
+    )
 
 
 def tool_choice(value: object, tools: list[dict], param: str = "tool_choice") -> object:
@@ -134,7 +182,11 @@ def tool_choice(value: object, tools: list[dict], param: str = "tool_choice") ->
         fn = value.get("function") if isinstance(value.get("function"), dict) else value
         name = fn.get("name")
         if not isinstance(name, str):
-            raise bad(f"'{param}' must be none, auto, required or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", param)
+            raise bad(
+                f"'{param}' must be none, auto, required or {{\"type\": \"function\", \"function\": {{\"name\": "
+                f"...}}}}",
+                param,
+            )
         value = {"name": name}
     elif value not in ("none", "auto", "required"):
         raise bad(f"'{param}' must be none, auto, required or a named function (got {value!r})", param)
@@ -153,8 +205,12 @@ def _common(body: dict, state, headers: dict, takes: frozenset[str]) -> None:
     if body.get("store") is True:
         raise bad("'store' is not supported: this server keeps no completions to retrieve later", "store")
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}):
-        raise bad("'stream_options' must be an object with 'include_usage' (and 'include_obfuscation')", "stream_options")
+    if options is not None and (
+        not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}
+    ):
+        raise bad(
+            "'stream_options' must be an object with 'include_usage' (and 'include_obfuscation')", "stream_options"
+        )
 
 
 MAX_N = 64  # choices per request at most; the context check bounds it further by memory
@@ -164,8 +220,12 @@ def _choices(body: dict, prompt_tokens: int, max_tokens: int, state) -> int:
     """n: choices generated as rows of one batch, each holding its own KV cache, so all of them must fit the context."""
     n = number(body, "n", 1, MAX_N, integer=True, default=1)
     if n > 1 and n * (prompt_tokens + max_tokens) > state.max_context:
-        raise bad(f"n={n} choices of {prompt_tokens} prompt tokens and {max_tokens} new ones need {n * (prompt_tokens + max_tokens)} tokens "
-                  f"of KV cache, but the memory holds {state.max_context}; lower n or max_tokens", "n")
+        raise bad(
+            f"n={n} choices of {prompt_tokens} prompt tokens and {max_tokens} new ones need "
+            f"{n * (prompt_tokens + max_tokens)} tokens "
+            f"of KV cache, but the memory holds {state.max_context}; lower n or max_tokens",
+            "n",
+        )
     return n
 
 
@@ -213,13 +273,18 @@ def prepare_chat(body: dict, state) -> Prepared:
     except PromptError as exc:
         raise bad(str(exc), "messages") from None
     ids = ids + state.builder.prefill_ids(structure.prefill)
-    max_tokens = check_context(len(ids), max_tokens, state.max_context, param, state.context_why, state.context_int4,
-                               state.default_max_tokens)
+    max_tokens = check_context(
+        len(ids), max_tokens, state.max_context, param, state.context_why, state.context_int4, state.default_max_tokens
+    )
     n = _choices(body, len(ids), max_tokens, state)
     params = sampling(body, max_tokens, 2.0, logit_bias=logit_bias(body.get("logit_bias"), state))
     use_tools = bool(tools) and choice != "none"
-    request = GenerationRequest(ids, params, stop, model_inputs=inputs, constraint=structure.constraint, logprobs=_chat_logprobs(body))
-    return Prepared(request, stream, use_tools, include_usage, {**headers, **relaxed_header(structure)}, structure=structure, n=n)
+    request = GenerationRequest(
+        ids, params, stop, model_inputs=inputs, constraint=structure.constraint, logprobs=_chat_logprobs(body)
+    )
+    return Prepared(
+        request, stream, use_tools, include_usage, {**headers, **relaxed_header(structure)}, structure=structure, n=n
+    )
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -233,8 +298,10 @@ def _chat_logprobs(body: dict) -> int | None:
 
 def strict_tools(tools: object) -> bool:
     """Whether any function tool asks for strict adherence to its schema (function.strict: true)."""
-    return isinstance(tools, list) and any(isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
-                                           for t in tools)
+    return isinstance(tools, list) and any(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
+        for t in tools
+    )
 
 
 def response_format(value: object) -> tuple:
@@ -286,17 +353,26 @@ def prepare_completion(body: dict, state) -> Prepared:
     echo = boolean(body, "echo")
     top = number(body, "logprobs", 0, 5, integer=True)
     # max_tokens 0 with echo: score the prompt, generate nothing (lm-evaluation-harness's loglikelihood asks so)
-    max_tokens = number(body, "max_tokens", 0 if echo else 1, integer=True, default=16)  # the completions API's own default
+    # the completions API's own default
+    max_tokens = number(body, "max_tokens", 0 if echo else 1, integer=True, default=16)
     ids = state.builder.completion(prompt)
     vocab = int(getattr(state.model.config, "vocab_size", 0) or 0)
     if vocab and any(not 0 <= t < vocab for t in ids):
         raise bad(f"'prompt' has token ids outside the vocabulary (0..{vocab - 1})", "prompt")
-    max_tokens = check_context(len(ids), max_tokens, state.max_context, "max_tokens", state.context_why, state.context_int4)
+    max_tokens = check_context(
+        len(ids), max_tokens, state.max_context, "max_tokens", state.context_why, state.context_int4
+    )
     n = _choices(body, len(ids), max_tokens, state)
     params = sampling(body, max(1, max_tokens), 2.0, logit_bias=logit_bias(body.get("logit_bias"), state))
     text = (prompt if isinstance(prompt, str) else state.builder.decode(ids)) if echo else ""
-    request = GenerationRequest(ids, params, stop_strings(body.get("stop"), "stop"), logprobs=top,
-                                prompt_logprobs=top if echo and top is not None else None, score_only=max_tokens == 0)
+    request = GenerationRequest(
+        ids,
+        params,
+        stop_strings(body.get("stop"), "stop"),
+        logprobs=top,
+        prompt_logprobs=top if echo and top is not None else None,
+        score_only=max_tokens == 0,
+    )
     return Prepared(request, stream, False, include_usage, headers, echo=text, n=n, echo_ids=ids if echo else None)
 
 
@@ -308,15 +384,25 @@ def engine_stats(outcomes: list, prepared: Prepared, state) -> dict:
     if not prepared.stats or not outcomes or outcomes[0].stats is None:
         return {}
     model = state.model
-    return {"x_rocketllm_stats": {**outcomes[0].stats.to_dict(), "residency": state.residency, "device": str(model.device),
-                                  "compute_dtype": str(model.dtype).replace("torch.", "")}}
+    return {
+        "x_rocketllm_stats": {
+            **outcomes[0].stats.to_dict(),
+            "residency": state.residency,
+            "device": str(model.device),
+            "compute_dtype": str(model.dtype).replace("torch.", ""),
+        }
+    }
 
 
 def usage(outcomes: list) -> dict:
     first = outcomes[0]
     generated = sum(o.new_tokens for o in outcomes)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": generated, "total_tokens": first.prompt_tokens + generated,
-            "prompt_tokens_details": {"cached_tokens": first.reused_tokens}}
+    return {
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": first.prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": first.reused_tokens},
+    }
 
 
 def _tool_call(call, index: int | None = None) -> dict:
@@ -338,31 +424,64 @@ def chat_response(outcomes: list, prepared: Prepared, state) -> dict:
     choices = []
     for index, outcome in enumerate(outcomes):
         message, finish = _reply_message(outcome, prepared, state)
-        choices.append({"index": index, "message": message, "finish_reason": finish,
-                        "logprobs": chat_logprobs(outcome.logprobs, state.token_text)})
-    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": now(), "model": state.model_id, "choices": choices,
-            "usage": usage(outcomes), "system_fingerprint": None}
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": chat_logprobs(outcome.logprobs, state.token_text),
+            }
+        )
+    return {
+        "id": new_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": now(),
+        "model": state.model_id,
+        "choices": choices,
+        "usage": usage(outcomes),
+        "system_fingerprint": None,
+    }
 
 
 def _completion_logprobs(outcome, prepared: Prepared, state) -> dict | None:
     if outcome.logprobs is None:
         return None
-    entries = (echoed(prepared.echo_ids, outcome.prompt_logprobs) if prepared.echo_ids is not None else []) + list(outcome.logprobs)
+    entries = (echoed(prepared.echo_ids, outcome.prompt_logprobs) if prepared.echo_ids is not None else []) + list(
+        outcome.logprobs
+    )
     return completion_logprobs(entries, state.token_text)
 
 
 def completion_response(outcomes: list, prepared: Prepared, state) -> dict:
-    choices = [{"index": index, "text": prepared.echo + outcome.text, "logprobs": _completion_logprobs(outcome, prepared, state),
-                "finish_reason": FINISH[outcome.finish_reason]} for index, outcome in enumerate(outcomes)]
-    return {"id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": state.model_id, "choices": choices,
-            "usage": usage(outcomes)}
+    choices = [
+        {
+            "index": index,
+            "text": prepared.echo + outcome.text,
+            "logprobs": _completion_logprobs(outcome, prepared, state),
+            "finish_reason": FINISH[outcome.finish_reason],
+        }
+        for index, outcome in enumerate(outcomes)
+    ]
+    return {
+        "id": new_id("cmpl-"),
+        "object": "text_completion",
+        "created": now(),
+        "model": state.model_id,
+        "choices": choices,
+        "usage": usage(outcomes),
+    }
 
 
 async def chat_stream(job, prepared: Prepared, state):
     """chat.completion.chunk events: each choice's role, content pieces (with the log-probabilities of the tokens they
     carry), tool calls whole at the end, finish_reason; then usage and [DONE]."""
-    base = {"id": new_id("chatcmpl-"), "object": "chat.completion.chunk", "created": now(), "model": state.model_id,
-            "system_fingerprint": None}
+    base = {
+        "id": new_id("chatcmpl-"),
+        "object": "chat.completion.chunk",
+        "created": now(),
+        "model": state.model_id,
+        "system_fingerprint": None,
+    }
     n = prepared.n
     splitters = [prepared.splitter(state.builder.parser) for _ in range(n)]
     pending: list[list] = [[] for _ in range(n)]  # log-probabilities of tokens whose text has not gone out yet
@@ -370,8 +489,18 @@ async def chat_stream(job, prepared: Prepared, state):
 
     def chunk(index: int, delta: dict, finish: str | None = None, **extra) -> str:
         entries, pending[index] = pending[index], []
-        logprobs = {"content": chat_content(entries, state.token_text), "refusal": None} if wants and (entries or finish) else None
-        return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra})
+        logprobs = (
+            {"content": chat_content(entries, state.token_text), "refusal": None}
+            if wants and (entries or finish)
+            else None
+        )
+        return sse(
+            {
+                **base,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                **extra,
+            }
+        )
 
     for index in range(n):
         yield chunk(index, {"role": "assistant", "content": ""})
@@ -386,7 +515,16 @@ async def chat_stream(job, prepared: Prepared, state):
             if text:
                 yield chunk(index, {"content": text})
         elif kind == "failed":
-            yield sse({"error": {"message": f"generation failed: {payload}", "type": "server_error", "param": None, "code": None}})
+            yield sse(
+                {
+                    "error": {
+                        "message": f"generation failed: {payload}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+            )
             yield sse("[DONE]")
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             outcomes = outcomes_of(job, payload)
@@ -423,7 +561,13 @@ async def completion_stream(job, prepared: Prepared, state):
         if wants and entries:
             logprobs = completion_logprobs(entries, state.token_text, offsets[index])
             offsets[index] += sum(len(t or "") for t in logprobs["tokens"])
-        return sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}], **extra})
+        return sse(
+            {
+                **base,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                **extra,
+            }
+        )
 
     if prepared.echo and not whole:
         for index in range(n):
@@ -436,15 +580,34 @@ async def completion_stream(job, prepared: Prepared, state):
         elif kind == "text" and not whole:
             yield chunk(*payload)
         elif kind == "failed":
-            yield sse({"error": {"message": f"generation failed: {payload}", "type": "server_error", "param": None, "code": None}})
+            yield sse(
+                {
+                    "error": {
+                        "message": f"generation failed: {payload}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+            )
             yield sse("[DONE]")
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             outcomes = outcomes_of(job, payload)
             for index, outcome in enumerate(outcomes):
                 if whole:
-                    echo = completion_logprobs(echoed(prepared.echo_ids, outcome.prompt_logprobs), state.token_text) \
-                        if outcome.prompt_logprobs else None
-                    yield sse({**base, "choices": [{"index": index, "text": prepared.echo, "logprobs": echo, "finish_reason": None}]})
+                    echo = (
+                        completion_logprobs(echoed(prepared.echo_ids, outcome.prompt_logprobs), state.token_text)
+                        if outcome.prompt_logprobs
+                        else None
+                    )
+                    yield sse(
+                        {
+                            **base,
+                            "choices": [
+                                {"index": index, "text": prepared.echo, "logprobs": echo, "finish_reason": None}
+                            ],
+                        }
+                    )
                     pending[index] = list(outcome.logprobs or [])
                     if outcome.text or pending[index]:
                         yield chunk(index, outcome.text)

@@ -39,13 +39,15 @@ class Prepared:
         return self.structure.closing if outcome.finish_reason == "stop" and outcome.stop_sequence is None else ""
 
     def finish(self, splitter, outcome) -> tuple[str, list]:
-        """What a streamed reply's splitter still holds once OUTCOME ended, its closing written: (content not sent, calls)."""
+        """What a streamed reply's splitter still holds once OUTCOME ended, its closing written: (content not sent,
+        calls)."""
         held = splitter.feed(self.closing(outcome))
         rest, calls = splitter.finish()
         return held + rest, calls
 
     def splitter(self, parser):
-        """A StreamSplitter for this reply's tool calls, holding the prefill already (None when tools are not parsed)."""
+        """A StreamSplitter for this reply's tool calls, holding the prefill already (None when tools are not
+        parsed)."""
         if not self.tools:
             return None
         from .tools import StreamSplitter

@@ -18,8 +18,14 @@ import json
 
 from .tools import ToolParser, parser_for
 
-PROBE_TOOL = {"type": "function", "function": {"name": "rocketllm_probe_tool", "description": "probe",
-                                               "parameters": {"type": "object", "properties": {}}}}
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "rocketllm_probe_tool",
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
 class PromptError(Exception):
@@ -38,12 +44,22 @@ class PromptBuilder:
         self.native_tools = self._probe() if self.has_template else False
 
     # -- public ---------------------------------------------------------------------------------
-    def chat(self, messages: list[dict], tools: list[dict] | None = None, tool_choice: object = "auto",
-             continue_final: bool = False) -> list[int]:
+    def chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        tool_choice: object = "auto",
+        continue_final: bool = False,
+    ) -> list[int]:
         return self._render(*self._prepare(messages, tools, tool_choice, continue_final))
 
-    def chat_inputs(self, messages: list[dict], tools: list[dict] | None = None, tool_choice: object = "auto",
-                    continue_final: bool = False) -> tuple[list[int], dict | None]:
+    def chat_inputs(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        tool_choice: object = "auto",
+        continue_final: bool = False,
+    ) -> tuple[list[int], dict | None]:
         """chat(), and for messages with image parts the processor's other tensors (pixel_values ...); None without."""
         from ..errors import ImageError
         from ..text.images import check_count, count_images, processor_inputs
@@ -60,10 +76,15 @@ class PromptBuilder:
         except ImageError as exc:
             raise PromptError(str(exc)) from None
 
-    def _prepare(self, messages: list[dict], tools: list[dict] | None, tool_choice: object, continue_final: bool) -> tuple[list[dict], dict]:
-        """The messages and template arguments to render: tools offered natively or described, a bias, the generation prompt."""
+    def _prepare(
+        self, messages: list[dict], tools: list[dict] | None, tool_choice: object, continue_final: bool
+    ) -> tuple[list[dict], dict]:
+        """The messages and template arguments to render: tools offered natively or described, a bias, the generation
+        prompt."""
         if not self.has_template:
-            raise PromptError("this model's tokenizer has no chat template; send a plain prompt to /v1/completions instead")
+            raise PromptError(
+                "this model's tokenizer has no chat template; send a plain prompt to /v1/completions instead"
+            )
         messages = [dict(m) for m in messages]
         offered = self._offered(tools, tool_choice)
         bias = self._bias(tool_choice) if offered else ""
@@ -98,8 +119,9 @@ class PromptBuilder:
     def _probe(self) -> bool:
         """Does the template render tools at all? (Render a probe tool and look for its name.)"""
         try:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[PROBE_TOOL],
-                                                      add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=[PROBE_TOOL], add_generation_prompt=True, tokenize=False
+            )
         except Exception:  # noqa: BLE001 - any template failure means: not usable with tools
             return False
         return "rocketllm_probe_tool" in str(text)
@@ -125,8 +147,12 @@ class PromptBuilder:
         out = []
         for m in messages:
             if m.get("role") == "assistant" and m.get("tool_calls"):
-                calls = "\n".join(self.parser.render_call({"name": c["function"]["name"], "arguments": _args(c["function"].get("arguments"))})
-                                  for c in m["tool_calls"])
+                calls = "\n".join(
+                    self.parser.render_call(
+                        {"name": c["function"]["name"], "arguments": _args(c["function"].get("arguments"))}
+                    )
+                    for c in m["tool_calls"]
+                )
                 text = (m.get("content") or "").strip()
                 out.append({"role": "assistant", "content": f"{text}\n{calls}".strip()})
             elif m.get("role") == "tool":
@@ -139,7 +165,9 @@ class PromptBuilder:
         try:
             result = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, raise_exception(), a bad message shape
-            raise PromptError(f"the model's chat template refused these messages: {' '.join(str(exc).split())}") from None
+            raise PromptError(
+                f"the model's chat template refused these messages: {' '.join(str(exc).split())}"
+            ) from None
         ids = result["input_ids"]
         if ids and isinstance(ids[0], list):
             ids = ids[0]
@@ -163,9 +191,14 @@ def _for_template(message: dict) -> dict:
     m = {k: v for k, v in message.items() if v is not None}
     m.setdefault("content", "")
     if m.get("tool_calls"):
-        m["tool_calls"] = [{"id": c.get("id", ""), "type": "function",
-                            "function": {"name": c["function"]["name"], "arguments": _args(c["function"].get("arguments"))}}
-                           for c in m["tool_calls"]]
+        m["tool_calls"] = [
+            {
+                "id": c.get("id", ""),
+                "type": "function",
+                "function": {"name": c["function"]["name"], "arguments": _args(c["function"].get("arguments"))},
+            }
+            for c in m["tool_calls"]
+        ]
     return m
 
 

@@ -20,8 +20,12 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 
 
 def unknown_model(name: str, state) -> APIError:
-    return APIError(404, f"model '{name}' does not exist; this server serves '{state.model_id}' (see GET /v1/models)",
-                    "model", "model_not_found")
+    return APIError(
+        404,
+        f"model '{name}' does not exist; this server serves '{state.model_id}' (see GET /v1/models)",
+        "model",
+        "model_not_found",
+    )
 
 
 API_FIELDS = {"max_new_tokens": "max_tokens"}  # library keyword -> request field, where they differ
@@ -36,8 +40,15 @@ def refused(exc: ParameterError) -> APIError:
     return bad(exc.spelled(lambda name: f"'{api_field(name)}'"), api_field(exc.params[0]) if exc.params else None)
 
 
-def check_context(prompt_tokens: int, max_tokens: int | None, max_context: int, param: str, why: str = "",
-                  int4: int | None = None, default: int | None = None) -> int:
+def check_context(
+    prompt_tokens: int,
+    max_tokens: int | None,
+    max_context: int,
+    param: str,
+    why: str = "",
+    int4: int | None = None,
+    default: int | None = None,
+) -> int:
     """The library's context check (stream/context.py) as a 400 naming the request's fields: max_tokens, or when it
     is not given `default` within what the context leaves. `param`: the request's name for the reply's length."""
     names = {"max_new_tokens": param, "prompt": "messages", "kv_cache_dtype": "a server started with --kv-cache-dtype"}

@@ -60,8 +60,13 @@ def make_server(state: ServerState, access_log: bool, grace_s: float = GRACE_S) 
     /health behind the worker by tens of milliseconds under load. 1 ms keeps it answering in a few."""
     if sys.getswitchinterval() > SWITCH_INTERVAL_S:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-    config = uvicorn.Config(create_app(state), log_level="warning", access_log=access_log, log_config=log_config(),
-                            timeout_graceful_shutdown=grace_s)
+    config = uvicorn.Config(
+        create_app(state),
+        log_level="warning",
+        access_log=access_log,
+        log_config=log_config(),
+        timeout_graceful_shutdown=grace_s,
+    )
     if access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     return StoppingServer(config, state)

@@ -1,4 +1,5 @@
-"""Everything the server holds for its one model: the generator and its worker, prompts, tool family, prefix cache, metrics."""
+"""Everything the server holds for its one model: the generator and its worker, prompts, tool family, prefix cache,
+metrics."""
 
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ BODY_BYTES_PER_TOKEN = 64  # a context's worth of prompt as JSON text, tools and
 API_KEY_ENV = "ROCKETLLM_API_KEY"
 
 
-PIPELINE_PREFIX = ("off: the model runs as pipeline stages, each rank keeping the KV cache of its own layers; a stored prefix "
-                   "would live on rank 0 only")
+PIPELINE_PREFIX = (
+    "off: the model runs as pipeline stages, each rank keeping the KV cache of its own layers; a stored prefix would "
+    "live on rank 0 only"
+)
 
 
 def derive_max_queue() -> tuple[int, str]:
-    """The queue limit and its formula: a waiting request holds a connection, so the open-file limit bounds the queue."""
+    """The queue limit and its formula: a waiting request holds a connection, so the open-file limit bounds the
+    queue."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     nofile = 1 << 20 if soft == resource.RLIM_INFINITY else int(soft)
     value = max(1, min(QUEUE_CAP, nofile // FDS_PER_WAITING))
@@ -72,8 +76,17 @@ def one_line(text: str, limit: int = 300) -> str:
 
 
 class ServerState:
-    def __init__(self, model, model_id: str, tool_parser: str | None = None, log: Callable[[str], None] = lambda m: None, *,
-                 api_key: str | None = None, max_queue: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        model,
+        model_id: str,
+        tool_parser: str | None = None,
+        log: Callable[[str], None] = lambda m: None,
+        *,
+        api_key: str | None = None,
+        max_queue: int | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.model = model
         self.model_id = model_id
         self.log = log
@@ -81,23 +94,36 @@ class ServerState:
         if model.tokenizer is None:
             from ..errors import RocketError
 
-            raise RocketError("this model has no tokenizer in its shard directory; re-shard from a model directory that includes one")
+            raise RocketError(
+                "this model has no tokenizer in its shard directory; re-shard from a model directory that includes one"
+            )
         self.family, self.family_reason = choose(model.tokenizer, tool_parser)
         self.image_refusal = image_refusal(model)  # None: the model takes pictures (its tower and processor are here)
-        self.builder = PromptBuilder(model.tokenizer, self.family, getattr(model, "processor", None) if self.image_refusal is None else None)
+        self.builder = PromptBuilder(
+            model.tokenizer, self.family, getattr(model, "processor", None) if self.image_refusal is None else None
+        )
         self.lark_literal = lark_literal(model.tokenizer)  # the family's markers in grammars (server/structured.py)
         self.token_text = TokenText(self.builder.tokenizer)  # each token's text, for log-probabilities
         knobs = model.knobs
         # 0 is a real answer (the memory holds no context: every request is refused with the numbers), None is none
-        self.max_context = int(knobs.value("max_context")) if knobs is not None and knobs.value("max_context") is not None else \
-            int(getattr(model.config, "max_position_embeddings", 0) or MIN_CONTEXT)
+        self.max_context = (
+            int(knobs.value("max_context"))
+            if knobs is not None and knobs.value("max_context") is not None
+            else int(getattr(model.config, "max_position_embeddings", 0) or MIN_CONTEXT)
+        )
         self.context_why = context_reason(knobs)
         # the reply length of a request that sets none: what the projected speed fits in a minute (the knob's formula)
         knob = knobs["default_max_tokens"] if knobs is not None else None
-        self.default_max_tokens = int(knob.value) if knob is not None and knob.value is not None else DEFAULT_REPLY_TOKENS
-        self.default_max_tokens_why = (f"from {knob.source}" if knob.overridden else f"= {knob.formula} with {_inputs(knob.inputs)}") \
-            if knob is not None else "generate's default"
-        self.context_int4 = int4_context(knobs, getattr(model, "config", None))  # what an int4 KV cache would admit instead
+        self.default_max_tokens = (
+            int(knob.value) if knob is not None and knob.value is not None else DEFAULT_REPLY_TOKENS
+        )
+        self.default_max_tokens_why = (
+            (f"from {knob.source}" if knob.overridden else f"= {knob.formula} with {_inputs(knob.inputs)}")
+            if knob is not None
+            else "generate's default"
+        )
+        # what an int4 KV cache would admit instead
+        self.context_int4 = int4_context(knobs, getattr(model, "config", None))
         setting = str(knobs.value("prefix_cache")) if knobs is not None else "auto"
         self.prefix_on, self.prefix_reason = decide(setting, model.plan, model.manifest)
         self.stage = getattr(model, "stage", None)  # under torchrun: the pipeline this server's model is rank 0 of
@@ -121,8 +147,10 @@ class ServerState:
         self.host = host
         self.warnings: list[str] = []
         if not is_loopback(host) and self._key_digest is None:
-            self.warnings.append(f"listening on {host} without an API key: anyone who can reach this machine can use the model; "
-                                 f"pass --api-key or set {API_KEY_ENV}")
+            self.warnings.append(
+                f"listening on {host} without an API key: anyone who can reach this machine can use the model; pass "
+                f"--api-key or set {API_KEY_ENV}"
+            )
         if max_queue is None:
             self.max_queue, self.max_queue_formula = derive_max_queue()
         else:
@@ -197,25 +225,45 @@ class ServerState:
         return True
 
     def startup_lines(self, url: str | None = None) -> list[str]:
-        tool_note = "rendered by the chat template" if self.builder.native_tools else \
-            "described in a system message (the chat template does not render tools)"
+        tool_note = (
+            "rendered by the chat template"
+            if self.builder.native_tools
+            else "described in a system message (the chat template does not render tools)"
+        )
         layers = self.stage.plan.inputs["layers"] if self.stage is not None else len(self.model.manifest.layers)
         lines = [
             f"model: {self.model_id} ({self.model.manifest.model_type}, {layers} layers, "
             f"{self.model.manifest.dtype}), context {self.max_context} tokens",
-            *([self.stage.describe(), f"rank 0's share: {self.residency}"] if self.stage is not None else [self.residency]),
+            *(
+                [self.stage.describe(), f"rank 0's share: {self.residency}"]
+                if self.stage is not None
+                else [self.residency]
+            ),
             f"tool parser: {self.family} ({self.family_reason}); tools {tool_note}",
             f"prefix cache: {self.prefix_reason}",
             f"speculative decoding: {self.generator.speculation.reason}",
-            f"default max_tokens: {self.default_max_tokens} ({self.default_max_tokens_why}); a request's max_tokens wins",
-            (f"queue: at most {self.max_queue} requests waiting (= {self.max_queue_formula}); more get 429 with retry-after; "
-             f"request bodies up to {self.max_body} bytes (= {self.max_body_formula}), larger get 413"),
-            "api key: " + ("required (OpenAI: Authorization: Bearer, Anthropic: x-api-key; every endpoint but /health)"
-                           if self.auth_required else "none (every client is served)"),
+            f"default max_tokens: {self.default_max_tokens} ({self.default_max_tokens_why}); a request's max_tokens "
+            f"wins",
+            (
+                f"queue: at most {self.max_queue} requests waiting (= {self.max_queue_formula}); more get 429 with "
+                f"retry-after; request bodies up to {self.max_body} bytes (= {self.max_body_formula}), larger get 413"
+            ),
+            "api key: "
+            + (
+                "required (OpenAI: Authorization: Bearer, Anthropic: x-api-key; every endpoint but /health)"
+                if self.auth_required
+                else "none (every client is served)"
+            ),
         ]
         if self.multimodal or self.model.manifest.vision:
-            lines.append("images: " + ("accepted (data: URLs and paths this machine can read; prefix cache off for prompts with images)"
-                                       if self.multimodal else f"refused, the model {self.image_refusal}"))
+            lines.append(
+                "images: "
+                + (
+                    "accepted (data: URLs and paths this machine can read; prefix cache off for prompts with images)"
+                    if self.multimodal
+                    else f"refused, the model {self.image_refusal}"
+                )
+            )
         if url:
             lines.append(f"listening on {url} (OpenAI: {url}/v1, Anthropic: {url}); Ctrl-C stops")
         return lines
@@ -240,7 +288,11 @@ class ServerState:
         down = self.pipeline_failure
         return {
             "status": "failed" if down else "degraded" if failing else "ok",
-            **({"stages": self.stage.plan.to_dict(), "stages_plan": self.stage.describe()} if self.stage is not None else {}),
+            **(
+                {"stages": self.stage.plan.to_dict(), "stages_plan": self.stage.describe()}
+                if self.stage is not None
+                else {}
+            ),
             **({"pipeline_error": down} if down else {}),
             "model": self.model_id,
             "residency": self.residency,
@@ -262,13 +314,21 @@ class ServerState:
             "keep_alive_s": self.idle_s,
             "expires_in_s": self.expires_in(),
             "speculation": {"mode": self.generator.speculation.mode, "reason": self.generator.speculation.reason},
-            "prefix_cache": {"enabled": self.prefix_on, "reason": self.prefix_reason, "mode": self.prefix_mode,
-                             **(self.prefix_cache.to_dict() if self.prefix_cache is not None else {})},
+            "prefix_cache": {
+                "enabled": self.prefix_on,
+                "reason": self.prefix_reason,
+                "mode": self.prefix_mode,
+                **(self.prefix_cache.to_dict() if self.prefix_cache is not None else {}),
+            },
         }
 
     def metrics_text(self) -> str:
-        return self.metrics.render(self.worker.queue_length, self.worker.busy, self.model_id,
-                                   self.prefix_cache.to_dict() if self.prefix_cache is not None else None)
+        return self.metrics.render(
+            self.worker.queue_length,
+            self.worker.busy,
+            self.model_id,
+            self.prefix_cache.to_dict() if self.prefix_cache is not None else None,
+        )
 
     @property
     def stopping(self) -> bool:
@@ -291,8 +351,12 @@ class ServerState:
             self.metrics.generation(job.outcome, sum(o.new_tokens for o in job.outcomes[1:]))
         if job.error is not None:
             message = one_line(f"{type(job.error).__name__}: {job.error}")
-            self.last_error = {"message": f"the latest generation failed: {message}", "endpoint": job.endpoint,
-                               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "current": True}
+            self.last_error = {
+                "message": f"the latest generation failed: {message}",
+                "endpoint": job.endpoint,
+                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "current": True,
+            }
             self.log(f"error: generation failed ({message}); the server goes on serving")
         elif job.state == "done" and self.last_error is not None:
             self.last_error["current"] = False  # a generation succeeded since: kept in /health as history

@@ -1,5 +1,6 @@
 """/tokenize, /detokenize and /tokenizer_info, in llama-server's and vLLM's shapes at once (lm-evaluation-harness's
-remote tokenizer reads vLLM's; llama.cpp's clients read llama-server's): the model's own tokenizer, nothing generated."""
+remote tokenizer reads vLLM's; llama.cpp's clients read llama-server's): the model's own tokenizer, nothing
+generated."""
 
 from __future__ import annotations
 
@@ -9,9 +10,23 @@ from .refusals import bad
 
 def tokenize(body: dict, state) -> dict:
     """{"content": text} (llama-server: add_special, default false; with_pieces) or {"prompt": text} (vLLM:
-    add_special_tokens, default true) or {"messages": [...]} (through the chat template) -> {"tokens": [...], "count", ...}."""
-    check_fields(body, frozenset({"content", "prompt", "messages", "add_special", "add_special_tokens", "with_pieces", "model",
-                                  "add_generation_prompt"}))
+    add_special_tokens, default true) or {"messages": [...]} (through the chat template) -> {"tokens": [...], "count",
+    ...}."""
+    check_fields(
+        body,
+        frozenset(
+            {
+                "content",
+                "prompt",
+                "messages",
+                "add_special",
+                "add_special_tokens",
+                "with_pieces",
+                "model",
+                "add_generation_prompt",
+            }
+        ),
+    )
     if body.get("model") is not None and body["model"] != state.model_id:
         from .refusals import unknown_model
 
@@ -34,7 +49,9 @@ def tokenize(body: dict, state) -> dict:
         text = body.get(key)
         if not isinstance(text, str):
             raise bad("give the text to tokenize as 'content' (or 'prompt'), a string", key)
-        special = boolean(body, "add_special") if key == "content" else boolean(body, "add_special_tokens", default=True)
+        special = (
+            boolean(body, "add_special") if key == "content" else boolean(body, "add_special_tokens", default=True)
+        )
         ids = list(tokenizer(text, add_special_tokens=special).input_ids)
     out: dict = {"tokens": ids, "count": len(ids), "max_model_len": state.max_context}
     if boolean(body, "with_pieces"):
@@ -47,7 +64,9 @@ def detokenize(body: dict, state) -> dict:
     check_fields(body, frozenset({"tokens", "model"}))
     ids = body.get("tokens")
     vocab = int(getattr(state.model.config, "vocab_size", 0) or 0)
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and (vocab == 0 or 0 <= t < vocab) for t in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and (vocab == 0 or 0 <= t < vocab) for t in ids
+    ):
         raise bad(f"'tokens' must be a list of token ids of this model (0..{vocab - 1})", "tokens")
     text = state.builder.tokenizer.decode(ids)
     return {"content": text, "prompt": text}
@@ -56,6 +75,12 @@ def detokenize(body: dict, state) -> dict:
 def tokenizer_info(state) -> dict:
     tokenizer = state.builder.tokenizer
     template = getattr(tokenizer, "chat_template", None)
-    return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": state.max_context, "vocab_size": len(tokenizer),
-            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
-            "chat_template": template if isinstance(template, str) else None}
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        "model_max_length": state.max_context,
+        "vocab_size": len(tokenizer),
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "pad_token": tokenizer.pad_token,
+        "chat_template": template if isinstance(template, str) else None,
+    }

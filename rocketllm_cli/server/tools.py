@@ -112,7 +112,8 @@ class ToolParser:
         raise NotImplementedError
 
     def render_call(self, call: dict) -> str:
-        """An earlier assistant call ({"name", "arguments"}) as this family writes it, for templates without tool support."""
+        """An earlier assistant call ({"name", "arguments"}) as this family writes it, for templates without tool
+        support."""
         raise NotImplementedError
 
     def render_result(self, content: str) -> str:
@@ -160,12 +161,14 @@ class HermesParser(ToolParser):
         return (
             "You can call functions to help answer the user. The functions are listed, one JSON signature per line, "
             f"between <tools> and </tools>:\n<tools>\n{_tool_lines(tools)}\n</tools>\n\n"
-            "To call a function, answer with a JSON object holding its name and arguments between <tool_call> and </tool_call>:\n"
+            "To call a function, answer with a JSON object holding its name and arguments between <tool_call> and "
+            "</tool_call>:\n"
             '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as a JSON object>}}\n</tool_call>'
         )
 
     def render_call(self, call: dict) -> str:
-        return f"{self.OPEN}\n{json.dumps({'name': call['name'], 'arguments': call['arguments']}, ensure_ascii=False)}\n{self.CLOSE_TAG}"
+        body = json.dumps({'name': call['name'], 'arguments': call['arguments']}, ensure_ascii=False)
+        return f"{self.OPEN}\n{body}\n{self.CLOSE_TAG}"
 
     def render_result(self, content: str) -> str:
         return f"<tool_response>\n{content}\n</tool_response>"
@@ -197,7 +200,8 @@ class Llama3JsonParser(ToolParser):
 
     def system_prompt(self, tools: list[dict]) -> str:
         return (
-            "You can call functions to help answer the user. To call one, reply with nothing but a JSON object in the form "
+            "You can call functions to help answer the user. To call one, reply with nothing but a JSON object in the "
+            "form "
             '{"name": "<function name>", "parameters": {<arguments as a JSON object>}}.\n\n'
             f"The functions, one JSON signature per line:\n{_tool_lines(tools)}"
         )
@@ -236,13 +240,16 @@ class MistralParser(ToolParser):
 
     def system_prompt(self, tools: list[dict]) -> str:
         return (
-            "You can call functions to help answer the user. To call them, reply with [TOOL_CALLS] followed by a JSON list "
+            "You can call functions to help answer the user. To call them, reply with [TOOL_CALLS] followed by a JSON "
+            "list "
             'of calls: [TOOL_CALLS] [{"name": "<function name>", "arguments": {<arguments as a JSON object>}}].\n\n'
             f"The functions, one JSON signature per line:\n{_tool_lines(tools)}"
         )
 
     def render_call(self, call: dict) -> str:
-        return self.MARK + " " + json.dumps([{"name": call["name"], "arguments": call["arguments"]}], ensure_ascii=False)
+        return (
+            self.MARK + " " + json.dumps([{"name": call["name"], "arguments": call["arguments"]}], ensure_ascii=False)
+        )
 
 
 FAMILIES: dict[str, type[ToolParser]] = {cls.family: cls for cls in (HermesParser, Llama3JsonParser, MistralParser)}

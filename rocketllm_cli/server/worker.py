@@ -84,13 +84,20 @@ class Job:
     def record(self) -> dict:
         o = self.outcome
         return {
-            "id": self.id, "endpoint": self.endpoint, "state": self.state, "position": self.position,
-            "prompt_tokens": len(self.request.prompt_ids), "generated_tokens": sum(x.new_tokens for x in self.outcomes),
-            "reused_tokens": o.reused_tokens if o else 0, "finish_reason": o.finish_reason if o else None,
+            "id": self.id,
+            "endpoint": self.endpoint,
+            "state": self.state,
+            "position": self.position,
+            "prompt_tokens": len(self.request.prompt_ids),
+            "generated_tokens": sum(x.new_tokens for x in self.outcomes),
+            "reused_tokens": o.reused_tokens if o else 0,
+            "finish_reason": o.finish_reason if o else None,
             "max_new_tokens": self.request.params.max_new_tokens,
             "waited_s": round((self.started_at or self.finished_at or time.monotonic()) - self.enqueued_at, 4),
             "ran_s": round(self.finished_at - self.started_at, 4) if self.started_at and self.finished_at else None,
-            "enqueued_at": self.enqueued_at, "started_at": self.started_at, "finished_at": self.finished_at,
+            "enqueued_at": self.enqueued_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
         }
 
     def _emit(self, kind: str, payload: object) -> None:

@@ -155,14 +155,22 @@ def _describe(root: Path, name: str, pieces: list[Path]) -> CachedSet:
     final = root / name
     guess = _DEFAULT_NAME.match(name)
     shown = final if final in pieces else next((p for p in pieces if p.name.endswith(".partial")), pieces[0])
-    entry = CachedSet(name=name, path=shown, bytes=sum(disk_bytes(p) for p in pieces), last_used=_last_used(final, pieces),
-                      model=guess and guess["model"], dtype=guess and guess["dtype"], leftovers=[p.name for p in pieces if p != final])
+    entry = CachedSet(
+        name=name,
+        path=shown,
+        bytes=sum(disk_bytes(p) for p in pieces),
+        last_used=_last_used(final, pieces),
+        model=guess and guess["model"],
+        dtype=guess and guess["dtype"],
+        leftovers=[p.name for p in pieces if p != final],
+    )
     if final in pieces:
         _read_manifest(entry, final)
     elif beside(root / name, "partial") in pieces:
         files = [f.name for f in beside(root / name, "partial").iterdir()]
         entry.state = "partial"
-        entry.units = sum(f.endswith(".safetensors") for f in files)  # finished units: a unit being written ends in .tmp
+        # finished units: a unit being written ends in .tmp
+        entry.units = sum(f.endswith(".safetensors") for f in files)
         entry.layers = sum(_LAYER_FILE.match(f) is not None for f in files)
     else:
         entry.state = "leftover"
@@ -219,7 +227,9 @@ def _locked(root: Path, names: list[str]):
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise ShardError(f"{name} is being sharded by another process; nothing removed, try again when it finishes") from None
+                raise ShardError(
+                    f"{name} is being sharded by another process; nothing removed, try again when it finishes"
+                ) from None
         yield
 
 

@@ -19,8 +19,11 @@ def check_space(directory: Path, need: int) -> None:
     """Refuse up front when NEED bytes plus HEADROOM do not fit on DIRECTORY's disk."""
     free = free_bytes(directory)
     if free < need + HEADROOM:
-        raise ShardError(f"not enough disk space for shards: need {format_bytes(need)} plus {format_bytes(HEADROOM)} headroom, "
-                         f"{format_bytes(free)} free at {directory}; free space, or put the shards on another disk (`rocketllm shard --out DIR`, or ROCKETLLM_CACHE=DIR for every command)")
+        raise ShardError(
+            f"not enough disk space for shards: need {format_bytes(need)} plus {format_bytes(HEADROOM)} headroom, "
+            f"{format_bytes(free)} free at {directory}; free space, or put the shards on another disk (`rocketllm "
+            f"shard --out DIR`, or ROCKETLLM_CACHE=DIR for every command)"
+        )
 
 
 def free_bytes(directory: Path) -> int:

@@ -58,7 +58,8 @@ def build_meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc) or "does not recognize this architecture" in str(exc):
             raise ModelError(
-                f"unsupported architecture {getattr(config, 'model_type', '?')!r}: transformers {transformers.__version__} "
+                f"unsupported architecture {getattr(config, 'model_type', '?')!r}: transformers "
+                f"{transformers.__version__} "
                 "has no causal-LM class for it; upgrade transformers or use a supported model"
             ) from None
         raise
@@ -68,7 +69,8 @@ def build_meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
 
 
 def _image_text_to_text(config, dtype):
-    """The model AutoModelForImageTextToText builds for CONFIG; ValueError (as the causal-LM class gave) if none takes it."""
+    """The model AutoModelForImageTextToText builds for CONFIG; ValueError (as the causal-LM class gave) if none takes
+    it."""
     try:
         from transformers import AutoModelForImageTextToText
     except ImportError:  # transformers before 4.50 has no such class
@@ -115,7 +117,9 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     if listed is not None:
         aliases.update({t: s for t, s in listed.items() if t in params and s in params and t != s})
     else:
-        aliases.update({t: s for t, s in _tied_head(model).items() if t not in aliases and params[t].shape == params[s].shape})
+        aliases.update(
+            {t: s for t, s in _tied_head(model).items() if t not in aliases and params[t].shape == params[s].shape}
+        )
     for alias in aliases:
         while aliases[alias] in aliases:
             aliases[alias] = aliases[aliases[alias]]
@@ -137,11 +141,13 @@ def _tied_head(model: nn.Module) -> dict[str, str]:
 
 
 def discover(model: nn.Module) -> Layout:
-    """Split MODEL (a meta-device skeleton is enough) into units: embed, each layer of the stack, norm, lm_head, root, extras
+    """Split MODEL (a meta-device skeleton is enough) into units: embed, each layer of the stack, norm, lm_head, root,
+    extras
     and vision units.
 
     Found from the module tree alone, so any causal LM transformers builds works without a class for its architecture;
-    every persistent tensor lands in exactly one unit, tied ones become aliases. ModelError if there is no decoder stack."""
+    every persistent tensor lands in exactly one unit, tied ones become aliases. ModelError if there is no decoder
+    stack."""
     modules = dict(model.named_modules())
     names = {id(m): n for n, m in modules.items()}
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -193,7 +199,10 @@ def discover(model: nn.Module) -> Layout:
     if head is not None:
         claim(head)
     if not any(u.kind == "layer" for u in units):
-        raise ModelError("could not find a repeated decoder stack in this model's module tree; architecture not supported for streaming")
+        raise ModelError(
+            "could not find a repeated decoder stack in this model's module tree; architecture not "
+            "supported for streaming"
+        )
     return Layout(stack, units, aliases)
 
 
@@ -213,7 +222,10 @@ def _find_stack(modules: dict[str, nn.Module], embeddings: str | None = None) ->
         if best_key is None or key < best_key:
             best, best_key = name, key
     if best is None:
-        raise ModelError("could not find a repeated decoder stack in this model's module tree; architecture not supported for streaming")
+        raise ModelError(
+            "could not find a repeated decoder stack in this model's module tree; architecture not "
+            "supported for streaming"
+        )
     return best
 
 

@@ -46,8 +46,12 @@ def find_containers(model: nn.Module, stack: str) -> list[Container]:
     for i, layer in enumerate(model.get_submodule(stack)):
         for name, module in layer.named_modules():
             path = f"{stack}.{i}.{name}" if name else f"{stack}.{i}"
-            if isinstance(module, nn.ModuleList) and len(module) == count and len({type(m) for m in module}) == 1 \
-                    and any(True for _ in module.parameters()):
+            if (
+                isinstance(module, nn.ModuleList)
+                and len(module) == count
+                and len({type(m) for m in module}) == 1
+                and any(True for _ in module.parameters())
+            ):
                 found.append(Container(path, "list", i, count))
                 continue
             own = list(module.named_parameters(recurse=False))
@@ -118,9 +122,15 @@ def converter_slot(name: str, renamings: list, converters: list) -> FusedSlot | 
     if conv is None or "*" not in pattern:  # sources not indexed by expert: a conversion of other weights (names.py)
         return None
     ops = [type(op).__name__ for op in conv.operations]
-    if ops not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]) or getattr(conv.operations[0], "dim", 0) != 0:
-        raise ModelError(f"{name}: transformers fuses these experts with {', '.join(ops)}, which expert streaming does not "
-                         "reassemble yet; use a per-expert checkpoint with a transformers 4.x install, or a dense model")
+    if (
+        ops not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"])
+        or getattr(conv.operations[0], "dim", 0) != 0
+    ):
+        raise ModelError(
+            f"{name}: transformers fuses these experts with {', '.join(ops)}, which expert streaming does "
+            f"not "
+            "reassemble yet; use a per-expert checkpoint with a transformers 4.x install, or a dense model"
+        )
     # transformers' patterns are regular expressions in which `*` stands for the expert index (`\.experts.*.w1.weight`)
     regex = pattern.lstrip("^").rstrip("$").replace("*.", r"(\d+)\.").replace("*", r"(\d+)")
     match = re.search(regex, renamed)
@@ -133,8 +143,16 @@ def converter_slot(name: str, renamings: list, converters: list) -> FusedSlot | 
 _INDEXED = re.compile(r"^(.*)\.(\d+)\.([^.]+)$")
 
 
-def plan_expert_pieces(model: nn.Module, containers: list[Container], source_shapes: dict, resolve, candidates, renamings: list,
-                       converters: list, made: dict[str, str] | None = None) -> ExpertShardPlan:
+def plan_expert_pieces(
+    model: nn.Module,
+    containers: list[Container],
+    source_shapes: dict,
+    resolve,
+    candidates,
+    renamings: list,
+    converters: list,
+    made: dict[str, str] | None = None,
+) -> ExpertShardPlan:
     """Per (layer, expert): the source tensors that make it. `resolve(param)` -> the source name of a module-tree
     parameter (candidates and renamings applied) or None; `candidates(name)` -> the names it may carry in the tree;
     `made`: fused parameters a conversion of fused sources makes -> one of those sources."""
@@ -152,7 +170,7 @@ def plan_expert_pieces(model: nn.Module, containers: list[Container], source_sha
         owned = [p for p in params if p.startswith(prefix)]
         if c.layout == "list":
             for p in owned:
-                expert = int(p[len(prefix):].split(".", 1)[0])
+                expert = int(p[len(prefix) :].split(".", 1)[0])
                 src = resolve(p)
                 if src is None:
                     raise ModelError(f"checkpoint lacks expert tensor {p} (the config does not match the weights)")
@@ -163,7 +181,7 @@ def plan_expert_pieces(model: nn.Module, containers: list[Container], source_sha
             shape = tuple(params[p].shape)
             src = resolve(p)
             if (src is not None and tuple(source_shapes[src][0]) == shape) or p in made:  # stored fused: slice it
-                leaf = p[len(prefix):]
+                leaf = p[len(prefix) :]
                 for e in range(c.num_experts):
                     piece = Piece(f"{c.path}.{e}.{leaf}", src or made[p], e, sliced=True, made="" if src else p)
                     plan.units.setdefault((c.layer, e), []).append(piece)
@@ -175,7 +193,8 @@ def plan_expert_pieces(model: nn.Module, containers: list[Container], source_sha
             if have != want:
                 e, k = min(want - have) if want - have else min(have - want)
                 raise ModelError(
-                    f"checkpoint lacks expert {e} of {p} (part {k + 1}; found {len(have)} of {len(want)} expert tensors); "
+                    f"checkpoint lacks expert {e} of {p} (part {k + 1}; found {len(have)} of {len(want)} expert "
+                    f"tensors); "
                     "the config does not match the weights, or this expert layout is not supported"
                 )
             for src, slot in sorted(parts, key=lambda item: (item[1].expert, item[1].part)):
@@ -225,9 +244,15 @@ def resolve_pieces(model: nn.Module, pieces: dict[str, tuple[int, ...]], candida
         m = _INDEXED.match(name)
         if m:
             fused = next((c for c in candidates(f"{m.group(1)}.{m.group(3)}") if c in params), None)
-            if fused is not None and tuple(params[fused].shape[1:]) == tuple(shape) and int(m.group(2)) < params[fused].shape[0]:
+            if (
+                fused is not None
+                and tuple(params[fused].shape[1:]) == tuple(shape)
+                and int(m.group(2)) < params[fused].shape[0]
+            ):
                 path, _, attr = fused.rpartition(".")
-                out[name] = Fused(model.get_submodule(path), attr, path, int(m.group(2)), 0, 0, shape[0] if shape else 0)
+                out[name] = Fused(
+                    model.get_submodule(path), attr, path, int(m.group(2)), 0, 0, shape[0] if shape else 0
+                )
                 continue
         slot = converter_slot(name, renamings, converters)
         target = _in_tree(slot.target, params, candidates) if slot else None
@@ -247,8 +272,11 @@ def resolve_pieces(model: nn.Module, pieces: dict[str, tuple[int, ...]], candida
             offset += size
         want = params[target].shape[1 + group[0][2].dim]
         if offset != want:
-            raise ModelError(f"experts of {target}: pieces add up to {offset} along dim {group[0][2].dim}, the model has {want}; "
-                             "shard the source model again with this version into a new --out")
+            raise ModelError(
+                f"experts of {target}: pieces add up to {offset} along dim {group[0][2].dim}, the model "
+                f"has {want}; "
+                "shard the source model again with this version into a new --out"
+            )
     return out
 
 

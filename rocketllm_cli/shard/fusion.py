@@ -70,9 +70,12 @@ def shared_input_groups(config, stack: str, dtype: torch.dtype | None = None) ->
             for index, layer in enumerate(layers):
                 build = _build_of(layer)
                 if build not in traced:  # a layer built like one already traced runs the same calls (~40 ms a trace)
-                    traced[build] = (index, _layer_groups(layer, f"{stack}.{index}", captured["args"], captured["kwargs"]))
+                    traced[build] = (
+                        index,
+                        _layer_groups(layer, f"{stack}.{index}", captured["args"], captured["kwargs"]),
+                    )
                 first, found = traced[build]
-                groups += [tuple(f"{stack}.{index}.{m[len(f'{stack}.{first}.'):]}" for m in group) for group in found]
+                groups += [tuple(f"{stack}.{index}.{m[len(f'{stack}.{first}.') :]}" for m in group) for group in found]
     except Exception as exc:  # noqa: BLE001 - the trace is an optimisation: a model it cannot run keeps every weight apart
         return [], f"the fake-tensor trace failed ({_short(exc)})"
     finally:
@@ -85,9 +88,15 @@ def _build_of(layer: nn.Module) -> tuple:
     window, an is-sliding flag, a shared-KV flag), the layer's own index left out."""
     parts = []
     for name, module in layer.named_modules():
-        settings = tuple(sorted((k, v) for k, v in vars(module).items()
-                                if isinstance(v, (bool, int, float, str, type(None))) and not k.startswith("_")
-                                and k not in ("layer_idx", "layer_id", "layer_number", "idx")))
+        settings = tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(module).items()
+                if isinstance(v, (bool, int, float, str, type(None)))
+                and not k.startswith("_")
+                and k not in ("layer_idx", "layer_id", "layer_number", "idx")
+            )
+        )
         parts.append((name, type(module).__qualname__, settings))
     return tuple(parts)
 
@@ -97,8 +106,11 @@ def _layer_groups(layer: nn.Module, prefix: str, args, kwargs) -> list[tuple[str
     handles = []
     for name, module in layer.named_modules():
         if isinstance(module, nn.Linear):
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a, name=name: calls.setdefault(name, []).append(a[0] if a else None)))
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, name=name: calls.setdefault(name, []).append(a[0] if a else None)
+                )
+            )
     try:
         layer(*args, **kwargs)
     except Exception:  # noqa: BLE001 - a data-dependent step (a router's top-k): what ran before it still counts
@@ -167,7 +179,12 @@ def plan_fusion(config, layout, packs, dtype: str) -> FusionPlan:
         members = member_weights(group)
         units = {owner[m].name if m in owner else None for m in members}
         unit = owner.get(members[0])
-        if len(units) != 1 or unit is None or unit.kind != "layer" or any(m not in packs.params or m in tied for m in members):
+        if (
+            len(units) != 1
+            or unit is None
+            or unit.kind != "layer"
+            or any(m not in packs.params or m in tied for m in members)
+        ):
             continue
         plan.groups.setdefault(unit.name, []).append(members)
     if not plan.groups:
@@ -188,14 +205,29 @@ def fuse(packed: list) -> object | None:
     first = packed[0].format
     for p in packed[1:]:
         f = p.format
-        if (f.kind, f.shape[1], f.group, f.scale_dtype, f.gguf_type, f.block_bytes, f.layout) != \
-                (first.kind, first.shape[1], first.group, first.scale_dtype, first.gguf_type, first.block_bytes, first.layout):
+        if (f.kind, f.shape[1], f.group, f.scale_dtype, f.gguf_type, f.block_bytes, f.layout) != (
+            first.kind,
+            first.shape[1],
+            first.group,
+            first.scale_dtype,
+            first.gguf_type,
+            first.block_bytes,
+            first.layout,
+        ):
             return None
     block = BLOCK.get(first.layout, 1) if first.kind == "int4" else 1
     if any(p.format.shape[0] % block for p in packed[:-1]):
         return None  # a partial code block inside the fused weight would be laid out as the last one is
     n = sum(p.format.shape[0] for p in packed)
-    fmt = PackedFormat(first.kind, (n, first.shape[1]), first.group, first.scale_dtype, first.gguf_type, first.block_bytes, first.layout)
+    fmt = PackedFormat(
+        first.kind,
+        (n, first.shape[1]),
+        first.group,
+        first.scale_dtype,
+        first.gguf_type,
+        first.block_bytes,
+        first.layout,
+    )
     parts = {}
     for name, (shape, _) in fmt.parts().items():
         dim = 1 if name == "sz" else 0  # a kernel order's scales and zeros are [groups, 2N]

@@ -31,8 +31,9 @@ class _ArrayParts(Sequence):
     """The parts gguf's reader lists for an array value, made on access: [key length, key, value type, element type,
     count] then each element's parts (a string: its length and its bytes; a number: one element)."""
 
-    def __init__(self, head: list, plain: np.ndarray, starts: np.ndarray | None, first: int, count: int,
-                 dtype: np.dtype | None) -> None:
+    def __init__(
+        self, head: list, plain: np.ndarray, starts: np.ndarray | None, first: int, count: int, dtype: np.dtype | None
+    ) -> None:
         self._head, self._plain, self._starts = head, plain, starts
         self._first, self._count, self._dtype = first, count, dtype
         self._per = 2 if starts is not None else 1
@@ -135,8 +136,13 @@ class FastReader(GGUFReader):
         if keep_vocabulary and tokens is not None and _maps_vocab_size(arch):
             # what transformers would count from the vocabulary (262,144 strings parsed one by one: 1.5 s for Gemma 3),
             # given as the field it reads first
-            counted = ReaderField(tokens.offset, f"{arch}.vocab_size", [np.array([len(tokens.data)], dtype=np.uint32)], [0],
-                                  [GGUFValueType.UINT32])
+            counted = ReaderField(
+                tokens.offset,
+                f"{arch}.vocab_size",
+                [np.array([len(tokens.data)], dtype=np.uint32)],
+                [0],
+                [GGUFValueType.UINT32],
+            )
             keep_vocabulary = False
         out: OrderedDict[str, ReaderField] = OrderedDict()
         for key, field in self.fields.items():

@@ -57,7 +57,9 @@ class LazyGGUF:
             self._release(tensor)
             return out.reshape(shape)
         weights = dequantize(tensor.data, tensor.tensor_type)
-        result = self.processor.process(weights=weights, name=tensor.name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
+        result = self.processor.process(
+            weights=weights, name=tensor.name, tensor_key_mapping={}, parsed_parameters={"tensors": {}}
+        )
         out = torch.from_numpy(np.array(result.weights))  # a copy: a float tensor may be a view of the mapping
         self._release(tensor)
         return out.reshape(shape) if tuple(out.shape) != tuple(shape) else out
@@ -74,10 +76,13 @@ class LazyGGUF:
         types: checkpoint/ggufheader.py blocks_set_dtype, which `doctor` sizes the set with too)."""
         from ..checkpoint.ggufheader import blocks_set_dtype
 
-        return blocks_set_dtype({t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape)) for t in self._tensors.values()})
+        return blocks_set_dtype(
+            {t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape)) for t in self._tensors.values()}
+        )
 
     def packable(self, name: str, shape: tuple[int, int], int4_rows: int) -> bool:
-        """Whether `name` can be stored packed: a kept type, rows = N of `shape`, only rows reordered by the processor."""
+        """Whether `name` can be stored packed: a kept type, rows = N of `shape`, only rows reordered by the
+        processor."""
         from ..shard.packing import KEPT
 
         tensor = self._tensors[self.mapping[name]]
@@ -95,7 +100,9 @@ class LazyGGUF:
 
         tensor = self._tensors[self.mapping[name]]
         block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
-        return PackedFormat("gguf", self.shapes[name][0], block, gguf_type=tensor.tensor_type.name, block_bytes=block_bytes)
+        return PackedFormat(
+            "gguf", self.shapes[name][0], block, gguf_type=tensor.tensor_type.name, block_bytes=block_bytes
+        )
 
     def read_packed(self, name: str):
         """The tensor's blocks in the portable packed layout (exact), rows in transformers' order."""
@@ -153,7 +160,9 @@ class LazyGGUF:
         rows = int(tensor.data.shape[0])
         probe = np.arange(rows, dtype=np.float32).reshape(rows, 1)
         try:
-            result = self.processor.process(weights=probe.copy(), name=tensor.name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
+            result = self.processor.process(
+                weights=probe.copy(), name=tensor.name, tensor_key_mapping={}, parsed_parameters={"tensors": {}}
+            )
         except Exception:  # noqa: BLE001 - it needs the real tensor: not a pure reordering
             return False
         got = np.asarray(result.weights)
@@ -172,7 +181,9 @@ class LazyGGUF:
 
         probe = np.broadcast_to(np.zeros((), dtype=np.float32), (rows, int(tensor.n_elements) // rows))
         try:
-            result = self.processor.process(weights=probe, name=tensor.name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
+            result = self.processor.process(
+                weights=probe, name=tensor.name, tensor_key_mapping={}, parsed_parameters={"tensors": {}}
+            )
         except Exception:  # noqa: BLE001 - it wanted to change the tensor: take the whole-tensor path
             return False
         return result.weights is probe and result.name == tensor.name
@@ -245,7 +256,11 @@ def open_lazy(path: Path, config, meta_model) -> LazyGGUF | None:
     takes_processor = "processor" in inspect.signature(get_gguf_hf_weights_map).parameters
     try:
         with _one_name_map():
-            gguf_to_hf = get_gguf_hf_weights_map(meta_model, processor) if takes_processor else get_gguf_hf_weights_map(meta_model)
+            gguf_to_hf = (
+                get_gguf_hf_weights_map(meta_model, processor)
+                if takes_processor
+                else get_gguf_hf_weights_map(meta_model)
+            )
     except (NotImplementedError, ValueError, KeyError):
         return None
     params = dict(meta_model.named_parameters(remove_duplicate=False))

@@ -26,7 +26,9 @@ def known_fingerprint(path: Path) -> str | None:
         st = path.stat()
     except OSError:
         return None
-    found = ((read_json(cache_dir() / MEMO) or {}).get("files") or {}).get(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}")
+    found = ((read_json(cache_dir() / MEMO) or {}).get("files") or {}).get(
+        f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    )
     return str(found) if found else None
 
 

@@ -25,7 +25,8 @@ def append(partial: Path, fingerprint: str, dtype: str, record: UnitRecord) -> N
 
 
 def resumable(partial: Path, fingerprint: str, dtype: str) -> dict[str, UnitRecord]:
-    """`dtype`: the set's key (its dtype and packing, Manifest.key). Units an interrupted run finished, whose files are intact: from its journal, or from its manifest when it
+    """`dtype`: the set's key (its dtype and packing, Manifest.key). Units an interrupted run finished, whose files are
+    intact: from its journal, or from its manifest when it
     stopped between writing that and the rename."""
     if not partial.is_dir():
         return {}

@@ -27,7 +27,8 @@ from .source import Source
 
 
 def candidate_names(name: str, prefix: str) -> list[str]:
-    """The names a tensor may carry in a checkpoint or a module tree: with and without the base-model prefix, legacy gamma/beta."""
+    """The names a tensor may carry in a checkpoint or a module tree: with and without the base-model prefix, legacy
+    gamma/beta."""
     out = [name]
     if prefix and name.startswith(prefix + "."):
         out.append(name[len(prefix) + 1 :])
@@ -61,11 +62,17 @@ def map_names(source: Source, model: torch.nn.Module, layout: Layout) -> tuple[d
             found = renamed[found]
             got, stored = source.shapes[found]
             if want is not None and want != got:
-                raise ModelError(f"tensor {found} has shape {list(got)} but the config expects {list(want)} (config and weights disagree)")
+                raise ModelError(
+                    f"tensor {found} has shape {list(got)} but the config expects {list(want)} (config "
+                    f"and weights disagree)"
+                )
             if want is not None and meta[name].is_floating_point() and not stored.is_floating_point:
                 # Converting integers to weights would shard "successfully" and generate garbage.
-                raise ModelError(f"tensor {found} is stored as {str(stored).removeprefix('torch.')} but the model needs floating-point weights "
-                                 "(a quantized or corrupt checkpoint; use an unquantized one)")
+                raise ModelError(
+                    f"tensor {found} is stored as {str(stored).removeprefix('torch.')} but the model "
+                    f"needs floating-point weights "
+                    "(a quantized or corrupt checkpoint; use an unquantized one)"
+                )
             mapping[name] = found
     converted = find_conversions(source, model, set(missing))
     for name, conv in converted.items():
@@ -95,7 +102,8 @@ class Conversion:
 
     def run(self, read) -> dict[str, torch.Tensor]:
         """The converter's output by its own keys, from read(source tensor name)."""
-        conv = copy.deepcopy(self.converter)  # a converter collects tensors: one fresh copy per run, as transformers does
+        # a converter collects tensors: one fresh copy per run, as transformers does
+        conv = copy.deepcopy(self.converter)
         for src, pattern in self.members:
             conv.add_tensor(self.first, src, pattern, read(src))
         out = conv.convert(self.first, model=self.model, config=self.model.config)
@@ -138,14 +146,18 @@ def find_conversions(source: Source, model: torch.nn.Module, wanted: set[str]) -
             if param is None:
                 continue
             if tuple(tensor.shape) != tuple(params[param].shape):
-                raise ModelError(f"{conv.describe()} makes {param} of shape {list(tensor.shape)} but the config expects "
-                                 f"{list(params[param].shape)} (config and weights disagree)")
+                raise ModelError(
+                    f"{conv.describe()} makes {param} of shape {list(tensor.shape)} but the config expects "
+                    f"{list(params[param].shape)} (config and weights disagree)"
+                )
             conv.targets[param], conv.shapes[param] = key, tuple(tensor.shape)
             found[param] = conv
     return found
 
 
-def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str], dict[str, int], dict[str, Conversion]]:
+def split_experts(
+    source: Source, model, layout: Layout
+) -> tuple[dict[str, str], dict[str, int], dict[str, Conversion]]:
     """Give every expert of every layer a unit of its own, after its layer's unit (which keeps attention,
     norms, router and shared experts). Returns {piece: source tensor}, {piece: expert} for pieces sliced
     from a fused source tensor, and {piece: Conversion} for pieces sliced from what a conversion makes."""
@@ -161,10 +173,20 @@ def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str]
         return renamed[found] if found is not None else None
 
     renamings, converters = conversion_rules(model)
-    fused = {p for c in containers if c.layout == "fused" for p in meta if p.startswith(c.path + ".") and resolve(p) is None}
+    fused = {
+        p for c in containers if c.layout == "fused" for p in meta if p.startswith(c.path + ".") and resolve(p) is None
+    }
     conversions = find_conversions(source, model, fused)
-    plan = plan_expert_pieces(model, containers, source.shapes, resolve, lambda n: candidate_names(n, prefix), renamings, converters,
-                              {p: conv.members[0][0] for p, conv in conversions.items()})
+    plan = plan_expert_pieces(
+        model,
+        containers,
+        source.shapes,
+        resolve,
+        lambda n: candidate_names(n, prefix),
+        renamings,
+        converters,
+        {p: conv.members[0][0] for p, conv in conversions.items()},
+    )
     units: list[UnitPlan] = []
     for unit in layout.units:
         unit.params = [p for p in unit.params if p not in plan.claimed]
@@ -181,8 +203,11 @@ def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str]
         for p in pieces:
             got = source.shapes[p.source]
             if not got[1].is_floating_point:
-                raise ModelError(f"tensor {p.source} is stored as {str(got[1]).removeprefix('torch.')} but experts need floating-point "
-                                 "weights (a quantized or corrupt checkpoint; use an unquantized one)")
+                raise ModelError(
+                    f"tensor {p.source} is stored as {str(got[1]).removeprefix('torch.')} but experts "
+                    f"need floating-point "
+                    "weights (a quantized or corrupt checkpoint; use an unquantized one)"
+                )
     converted: dict[str, Conversion] = {}
     for p in (p for pieces in plan.units.values() for p in pieces if p.made):
         conv = converted[p.name] = conversions[p.made]
@@ -191,14 +216,18 @@ def split_experts(source: Source, model, layout: Layout) -> tuple[dict[str, str]
 
 
 class SourceMap(dict):
-    """{name in the shard set: source tensor}; `sliced` names those that are one expert's slice [e] of a fused source tensor,
+    """{name in the shard set: source tensor}; `sliced` names those that are one expert's slice [e] of a fused source
+    tensor,
     `converted` those transformers' converter computes from several source tensors."""
 
-    def __init__(self, mapping: dict[str, str], sliced: dict[str, int], converted: dict[str, Conversion] | None = None) -> None:
+    def __init__(
+        self, mapping: dict[str, str], sliced: dict[str, int], converted: dict[str, Conversion] | None = None
+    ) -> None:
         super().__init__(mapping)
         self.sliced = sliced
         self.converted = converted or {}
-        self._last: tuple[str, torch.Tensor] | None = None  # the fused tensor read last: its experts come one unit at a time
+        # the fused tensor read last: its experts come one unit at a time
+        self._last: tuple[str, torch.Tensor] | None = None
         self._made: tuple[Conversion, dict] | None = None  # the conversion run last: its parameters share a unit
 
     def read(self, source: Source, name: str) -> torch.Tensor:
@@ -254,7 +283,11 @@ def _renamed_by_transformers(model, names: list[str], meta: dict) -> dict[str, s
     except ImportError:  # transformers 4.x: checkpoints already use the module names
         return out
     try:
-        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming) and not isinstance(t, WeightConverter)]
+        renamings = [
+            t
+            for t in get_model_conversion_mapping(model)
+            if isinstance(t, WeightRenaming) and not isinstance(t, WeightConverter)
+        ]
     except Exception:  # noqa: BLE001 - no mapping for this model: names are used as they are
         return out
     if not renamings:

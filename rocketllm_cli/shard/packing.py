@@ -1,6 +1,7 @@
 """Which weights a shard set stores packed (low-bit), and their packed form.
 
-A packed weight is stored as one byte tensor holding its parts (checkpoint/packedformat.py), with the format in the manifest.
+A packed weight is stored as one byte tensor holding its parts (checkpoint/packedformat.py), with the format in the
+manifest.
 Only weights a low-bit kernel can compute on are packed: the weight of an `nn.Linear` (or an embedding table tied
 to one, the output head), [N out, K in] as the module holds it. Everything else stays in the set's float dtype.
 
@@ -105,7 +106,9 @@ def check_packing(packing: str) -> str:
     return packing
 
 
-def plan_packing(source, model: nn.Module, mapping, aliases: dict[str, str], packing: str = "auto", dtype: str = "fp32") -> PackPlan:
+def plan_packing(
+    source, model: nn.Module, mapping, aliases: dict[str, str], packing: str = "auto", dtype: str = "fp32"
+) -> PackPlan:
     """The weights to store packed, decided from the module each belongs to and what the source holds."""
     mode = predicted_mode(source, packing)
     if not mode:
@@ -124,7 +127,11 @@ def plan_packing(source, model: nn.Module, mapping, aliases: dict[str, str], pac
             note = note(mapping[name], shape, INT4_ROWS) if note is not None else None
             if note:
                 noted[note] = noted.get(note, 0) + 1
-        elif shape[1] % RTN_GROUP == 0 and (packing == "int8" or shape[0] % INT4_ROWS == 0) and not _tied_table(name, aliases):
+        elif (
+            shape[1] % RTN_GROUP == 0
+            and (packing == "int8" or shape[0] % INT4_ROWS == 0)
+            and not _tied_table(name, aliases)
+        ):
             params[name] = "rtn"
     notes = [f"{count} quantized weight{'s' if count > 1 else ''}: {note}" for note, count in noted.items()]
     return PackPlan(mode, params, layout_here(), dtype, notes)
@@ -141,7 +148,9 @@ def read_packed(source, mapping, name: str, plan: PackPlan):
     else:
         weight = mapping.read(source, name)
         bits = 4 if plan.mode == "int4" else 8
-        packed = quantize_rtn(weight, bits=bits, group=RTN_GROUP if bits == 4 else None, scale_dtype=_scale_dtype(weight))
+        packed = quantize_rtn(
+            weight, bits=bits, group=RTN_GROUP if bits == 4 else None, scale_dtype=_scale_dtype(weight)
+        )
     if packed.format.kind == "int4" and plan.layout != packed.format.layout:
         from ..packed.kernelform import to_kernel_form
 
@@ -191,9 +200,15 @@ def _per_row_int8(packed):
     n, k = packed.format.shape
     codes, scales = [], []
     for start in range(0, n, REQUANT_ROWS):
-        block = PackedTensor(PackedFormat("int8", (min(REQUANT_ROWS, n - start), k), packed.format.group, scale_dtype=packed.format.scale_dtype),
-                             {name: part[start : start + REQUANT_ROWS] for name, part in packed.parts.items()})
+        block = PackedTensor(
+            PackedFormat(
+                "int8", (min(REQUANT_ROWS, n - start), k), packed.format.group, scale_dtype=packed.format.scale_dtype
+            ),
+            {name: part[start : start + REQUANT_ROWS] for name, part in packed.parts.items()},
+        )
         again = quantize_rtn(dequantize(block), bits=8, group=None, scale_dtype="fp32")
         codes.append(again.parts["codes"])
         scales.append(again.parts["scale"])
-    return PackedTensor(PackedFormat("int8", (n, k), k, scale_dtype="fp32"), {"codes": torch.cat(codes), "scale": torch.cat(scales)})
+    return PackedTensor(
+        PackedFormat("int8", (n, k), k, scale_dtype="fp32"), {"codes": torch.cat(codes), "scale": torch.cat(scales)}
+    )

@@ -67,7 +67,8 @@ class Scheme:
 
     method: str  # compressed-tensors | gptq | awq | bitsandbytes
     bits: int
-    group: int | None  # columns per scale; None: one group a row (channel, tensor, GPTQ's -1); bitsandbytes 4-bit: blocksize
+    # columns per scale; None: one group a row (channel, tensor, GPTQ's -1); bitsandbytes 4-bit: blocksize
+    group: int | None
     symmetric: bool
     layout: str = ""  # compressed-tensors: pack-quantized | naive-quantized; gptq: gptq | gptq_v2; awq: gemm;
     # bitsandbytes: int8 | nf4 | fp4
@@ -107,8 +108,10 @@ def quantizes_activations(config: dict) -> bool:
 def _method(path: Path, config: dict) -> str:
     method = str(config.get("quant_method", "")).lower()
     if method not in METHODS:
-        raise ModelError(f"{Path(path).name}: quantization method {config.get('quant_method')!r} is not supported "
-                         f"(supported: {', '.join(METHODS)}); {ADVICE}")
+        raise ModelError(
+            f"{Path(path).name}: quantization method {config.get('quant_method')!r} is not supported "
+            f"(supported: {', '.join(METHODS)}); {ADVICE}"
+        )
     return method
 
 
@@ -168,13 +171,23 @@ def _bnb_modules(scheme: Scheme, stored: dict, read_stored) -> dict[str, Quantiz
         for module in sorted(n.removesuffix(".SCB") for n in stored if n.endswith(".SCB")):
             names = {"weight": f"{module}.weight", "scale": f"{module}.SCB"}
             weight = stored.get(names["weight"])
-            if weight is None or weight[1].is_floating_point or len(weight[0]) != 2 or math.prod(stored[names["scale"]][0]) != weight[0][0]:
-                raise ModelError(f"{module}: SCB {list(stored[names['scale']][0])} without an int8 weight of as many rows "
-                                 f"(a damaged bitsandbytes checkpoint); {ADVICE}")
+            if (
+                weight is None
+                or weight[1].is_floating_point
+                or len(weight[0]) != 2
+                or math.prod(stored[names["scale"]][0]) != weight[0][0]
+            ):
+                raise ModelError(
+                    f"{module}: SCB {list(stored[names['scale']][0])} without an int8 weight of as many rows (a "
+                    f"damaged bitsandbytes checkpoint); {ADVICE}"
+                )
             if f"{module}.weight_format" in stored:
                 layout = int(read_stored(f"{module}.weight_format").reshape(-1)[0])
                 if layout != 0:
-                    raise _refuse(f"bitsandbytes int8 module {module}: weight_format {layout}", "weights stored as rows (0) are read")
+                    raise _refuse(
+                        f"bitsandbytes int8 module {module}: weight_format {layout}",
+                        "weights stored as rows (0) are read",
+                    )
                 names["format"] = f"{module}.weight_format"
             modules[names["weight"]] = QuantizedModule(scheme, tuple(weight[0]), names, model_dtype)
         return modules
@@ -189,15 +202,28 @@ def _bnb_modules(scheme: Scheme, stored: dict, read_stored) -> dict[str, Quantiz
                 names[role] = f"{base}.{suffix}"
         missing = [n for role, n in names.items() if n not in stored]
         if missing:
-            raise ModelError(f"{module}: has a 4-bit quant_state but no {missing[0].removeprefix(base + '.')} (a damaged "
-                             f"bitsandbytes checkpoint); {ADVICE}")
+            raise ModelError(
+                f"{module}: has a 4-bit quant_state but no {missing[0].removeprefix(base + '.')} (a damaged "
+                f"bitsandbytes checkpoint); {ADVICE}"
+            )
         state = _bnb_state(read_stored(name), module)
         shape, blocksize = state.get("shape"), state.get("blocksize")
-        if str(state.get("quant_type", kind)) != kind or not (isinstance(shape, list) and len(shape) == 2) or not isinstance(blocksize, int):
-            raise ModelError(f"{module}: its quant_state {json.dumps(state)[:120]} is not a 2-D {kind} weight's; {ADVICE}")
+        if (
+            str(state.get("quant_type", kind)) != kind
+            or not (isinstance(shape, list) and len(shape) == 2)
+            or not isinstance(blocksize, int)
+        ):
+            raise ModelError(
+                f"{module}: its quant_state {json.dumps(state)[:120]} is not a 2-D {kind} weight's; {ADVICE}"
+            )
         dtype = str(state.get("dtype", "float32"))
-        modules[base] = QuantizedModule(Scheme("bitsandbytes", 4, blocksize, True, kind), (int(shape[0]), int(shape[1])), names,
-                                        dtype if dtype.startswith(("float", "bfloat")) else "float32", state)
+        modules[base] = QuantizedModule(
+            Scheme("bitsandbytes", 4, blocksize, True, kind),
+            (int(shape[0]), int(shape[1])),
+            names,
+            dtype if dtype.startswith(("float", "bfloat")) else "float32",
+            state,
+        )
     return modules
 
 
@@ -207,15 +233,25 @@ def _bnb_state(tensor, module: str) -> dict:
     except (UnicodeDecodeError, ValueError):
         found = None
     if not isinstance(found, dict):
-        raise ModelError(f"{module}: its 4-bit quant_state is not the JSON bitsandbytes writes (a damaged checkpoint); {ADVICE}")
+        raise ModelError(
+            f"{module}: its 4-bit quant_state is not the JSON bitsandbytes writes (a damaged checkpoint); {ADVICE}"
+        )
     return found
 
 
 def _gptq_module(module: str, scheme: Scheme, stored: dict) -> QuantizedModule:
-    names = {"packed": f"{module}.qweight", "zero": f"{module}.qzeros", "scale": f"{module}.scales", "g_idx": f"{module}.g_idx"}
+    names = {
+        "packed": f"{module}.qweight",
+        "zero": f"{module}.qzeros",
+        "scale": f"{module}.scales",
+        "g_idx": f"{module}.g_idx",
+    }
     missing = [n for role, n in names.items() if role != "g_idx" and n not in stored]
     if missing:
-        raise ModelError(f"{module}: has qweight but no {missing[0].rsplit('.', 1)[1]} (a damaged {scheme.method.upper()} checkpoint); {ADVICE}")
+        raise ModelError(
+            f"{module}: has qweight but no {missing[0].rsplit('.', 1)[1]} (a damaged "
+            f"{scheme.method.upper()} checkpoint); {ADVICE}"
+        )
     if names["g_idx"] not in stored or scheme.method == "awq":
         del names["g_idx"]
     rows, cols = stored[names["packed"]][0]
@@ -224,14 +260,22 @@ def _gptq_module(module: str, scheme: Scheme, stored: dict) -> QuantizedModule:
     groups = stored[names["scale"]][0][0]
     group = scheme.group or k
     if k % group or groups != k // group or stored[names["scale"]][0][1] != n:
-        raise ModelError(f"{module}: scales {list(stored[names['scale']][0])} do not fit a [{n}, {k}] weight at group_size "
-                         f"{scheme.group or -1} (config and weights disagree); {ADVICE}")
-    return QuantizedModule(Scheme(scheme.method, scheme.bits, scheme.group if scheme.group != k else None, scheme.symmetric,
-                                  scheme.layout), (n, k), names)
+        raise ModelError(
+            f"{module}: scales {list(stored[names['scale']][0])} do not fit a [{n}, {k}] weight at group_size "
+            f"{scheme.group or -1} (config and weights disagree); {ADVICE}"
+        )
+    return QuantizedModule(
+        Scheme(
+            scheme.method, scheme.bits, scheme.group if scheme.group != k else None, scheme.symmetric, scheme.layout
+        ),
+        (n, k),
+        names,
+    )
 
 
 def _ct_modules(stored: dict) -> list[str]:
-    """Modules with compressed-tensors' quantized tensors: a weight_packed, or an integer weight beside a weight_scale."""
+    """Modules with compressed-tensors' quantized tensors: a weight_packed, or an integer weight beside a
+    weight_scale."""
     found = set()
     for name in stored:
         if name.endswith(".weight_packed"):
@@ -260,8 +304,10 @@ def _ct_module(module: str, config: dict, stored: dict, read_stored) -> Quantize
         rows, cols = stored[tensors["packed"]][0]
         k = int(read_stored(tensors["shape"])[-1]) if "shape" in tensors else cols * 32 // bits
         if math.ceil(k * bits / 32) != cols:
-            raise ModelError(f"{where}: weight_packed [{rows}, {cols}] does not hold {k} columns of {bits} bits "
-                             f"(config and weights disagree); {ADVICE}")
+            raise ModelError(
+                f"{where}: weight_packed [{rows}, {cols}] does not hold {k} columns of {bits} bits "
+                f"(config and weights disagree); {ADVICE}"
+            )
     else:
         tensors["weight"] = f"{module}.weight"
         rows, k = stored[tensors["weight"]][0]
@@ -271,8 +317,13 @@ def _ct_module(module: str, config: dict, stored: dict, read_stored) -> Quantize
     if group is not None and (group < 1 or k % group):
         raise ModelError(f"{where}: group_size {group} does not divide its {k} columns; {ADVICE}")
     tensors.pop("shape", None)
-    scheme = Scheme("compressed-tensors", bits, group if group != k else None, "zero" not in tensors,
-                    "pack-quantized" if "packed" in tensors else "naive-quantized")
+    scheme = Scheme(
+        "compressed-tensors",
+        bits,
+        group if group != k else None,
+        "zero" not in tensors,
+        "pack-quantized" if "packed" in tensors else "naive-quantized",
+    )
     return QuantizedModule(scheme, (int(rows), int(k)), tensors)
 
 
@@ -312,6 +363,8 @@ def _ct_scheme_of(module: str, config: dict) -> tuple[dict, str]:
             elif target[:1].isupper():  # a module class: only Linear layers are stored quantized here
                 ranked.append((2, group))
     if not ranked:
-        raise ModelError(f"compressed-tensors module {module}: no config group targets it (config and weights disagree); {ADVICE}")
+        raise ModelError(
+            f"compressed-tensors module {module}: no config group targets it (config and weights disagree); {ADVICE}"
+        )
     group = min(ranked, key=lambda r: r[0])[1]
     return group, _ct_format(group, config)

@@ -51,7 +51,12 @@ class QuantizedSafetensors:
             from ..packed import frombnb
 
             if module.scheme.bits == 8:
-                return self._checked(name, lambda: frombnb.int8_dequantize(*map(self._read_stored, (module.tensors["weight"], module.tensors["scale"]))))
+                return self._checked(
+                    name,
+                    lambda: frombnb.int8_dequantize(
+                        *map(self._read_stored, (module.tensors["weight"], module.tensors["scale"]))
+                    ),
+                )
             return self._bnb4(name).dequantize()
         return self._int_weight(name).dequantize()
 
@@ -79,22 +84,40 @@ class QuantizedSafetensors:
             from ..packed.frombnb import REPACK_GROUP
 
             if n % int4_rows or k % REPACK_GROUP:
-                return False, (f"bitsandbytes {scheme.layout} with rows not a multiple of {int4_rows} or columns not of {REPACK_GROUP} "
-                               "(no int4 kernel takes them): stored dequantized, exactly")
-            return True, (f"bitsandbytes {scheme.layout} re-quantized to int4 group {REPACK_GROUP}, round-to-nearest from its exact "
-                          "dequantization (lossy; --quantize none stores it exactly, as floats)")
+                return False, (
+                    f"bitsandbytes {scheme.layout} with rows not a multiple of {int4_rows} or columns not "
+                    f"of {REPACK_GROUP} "
+                    "(no int4 kernel takes them): stored dequantized, exactly"
+                )
+            return True, (
+                f"bitsandbytes {scheme.layout} re-quantized to int4 group {REPACK_GROUP}, round-to-nearest "
+                f"from its exact "
+                "dequantization (lossy; --quantize none stores it exactly, as floats)"
+            )
         if not _keeps(scheme):
-            return False, "int8 with zero points or several groups a row (the int8 kernel takes one scale per row): stored dequantized"
+            return False, (
+                "int8 with zero points or several groups a row (the int8 kernel takes one scale per row): "
+                "stored dequantized"
+            )
         if not self._groups_contiguous(name):
-            return False, "act-order (g_idx): groups that are not runs of columns, which no packed format holds; stored dequantized in the set's dtype"
+            return False, (
+                "act-order (g_idx): groups that are not runs of columns, which no packed format holds; "
+                "stored dequantized in the set's dtype"
+            )
         if scheme.bits == 8:
             return True, None
         group = kernel_group(scheme.group or k, k)[0]
         if n % int4_rows or group % 2:
-            return False, f"int4 with rows not a multiple of {int4_rows} or an odd group (no int4 kernel takes them): stored dequantized"
+            return False, (
+                f"int4 with rows not a multiple of {int4_rows} or an odd group (no int4 kernel takes them): "
+                f"stored dequantized"
+            )
         if group not in _kernel_groups():
-            return True, (f"int4 at group {group}, which the int4 kernel does not take ({', '.join(map(str, _kernel_groups()))}): "
-                          "stored packed, dequantized on each use (slower)")
+            return True, (
+                f"int4 at group {group}, which the int4 kernel does not take "
+                f"({', '.join(map(str, _kernel_groups()))}): "
+                "stored packed, dequantized on each use (slower)"
+            )
         return True, None
 
     def packed_format(self, name: str):
@@ -113,8 +136,12 @@ class QuantizedSafetensors:
             return PackedFormat("int4", (n, k), REPACK_GROUP, scale_dtype=stored)
         if module.scheme.bits == 8:
             return PackedFormat("int8", (n, k), k, scale_dtype=stored)
-        return PackedFormat("int4", (n, k), kernel_group(module.scheme.group or k, k)[0],
-                            scale_dtype=stored if module.scheme.symmetric else "fp32")
+        return PackedFormat(
+            "int4",
+            (n, k),
+            kernel_group(module.scheme.group or k, k)[0],
+            scale_dtype=stored if module.scheme.symmetric else "fp32",
+        )
 
     def read_packed(self, name: str):
         module = self.modules[name]
@@ -131,20 +158,26 @@ class QuantizedSafetensors:
         try:
             return self._int_weight(name).to_packed()
         except ValueError as exc:  # the data contradicts the config (an int8 "symmetric" weight with zero points ...)
-            raise ModelError(f"{self.modules[name].tensors.get('packed', name)}: {exc}; shard with --quantize none") from None
+            raise ModelError(
+                f"{self.modules[name].tensors.get('packed', name)}: {exc}; shard with --quantize none"
+            ) from None
 
     def written_notes(self) -> list[str]:
         """What the shard output says once the set is written: the measured error of weights re-quantized lossily."""
-        return [f"{count} bitsandbytes {kind} weight{'s' if count > 1 else ''} re-quantized to int4: relative RMS error "
-                f"{(error / total) ** 0.5 if total else 0.0:.1e} against their exact {kind} values"
-                for kind, (count, error, total) in self._requantized.items()]
+        return [
+            f"{count} bitsandbytes {kind} weight{'s' if count > 1 else ''} re-quantized to int4: relative RMS error "
+            f"{(error / total) ** 0.5 if total else 0.0:.1e} against their exact {kind} values"
+            for kind, (count, error, total) in self._requantized.items()
+        ]
 
     # -- reading -------------------------------------------------------------------------
     def _checked(self, name: str, read):
         try:
             return read()
         except ValueError as exc:
-            raise ModelError(f"{name.removesuffix('.weight')}: {exc} (a damaged or foreign checkpoint); {ADVICE}") from None
+            raise ModelError(
+                f"{name.removesuffix('.weight')}: {exc} (a damaged or foreign checkpoint); {ADVICE}"
+            ) from None
 
     def _bnb4(self, name: str):
         from ..packed import frombnb
@@ -152,8 +185,18 @@ class QuantizedSafetensors:
         module = self.modules[name]
         t, read = module.tensors, self._read_stored
         nested = {role: read(t[role]) if role in t else None for role in ("nested_scale", "nested_map")}
-        return self._checked(name, lambda: frombnb.from_4bit(read(t["packed"]), read(t["scale"]), read(t["map"]), module.state,
-                                                              nested["nested_scale"], nested["nested_map"]))
+        return self._checked(
+            name,
+            lambda: frombnb.from_4bit(
+                read(t["packed"]),
+                read(t["scale"]),
+                read(t["map"]),
+                module.state,
+                nested["nested_scale"],
+                nested["nested_map"],
+            ),
+        )
+
     def _groups_contiguous(self, name: str) -> bool:
         if name not in self._contiguous:
             module = self.modules[name]
@@ -164,7 +207,9 @@ class QuantizedSafetensors:
             else:
                 import torch
 
-                self._contiguous[name] = torch.equal(self._read_stored(g_idx).to(torch.int64), torch.arange(module.shape[1]) // group)
+                self._contiguous[name] = torch.equal(
+                    self._read_stored(g_idx).to(torch.int64), torch.arange(module.shape[1]) // group
+                )
         return self._contiguous[name]
 
     def _int_weight(self, name: str):
@@ -180,14 +225,25 @@ class QuantizedSafetensors:
             if scheme.method == "awq":
                 return fromint.from_awq(read(t["packed"]), read(t["zero"]), read(t["scale"]))
             if scheme.method == "gptq":
-                return fromint.from_gptq(read(t["packed"]), read(t["zero"]), read(t["scale"]), optional["g_idx"], scheme.bits,
-                                         v1=scheme.layout == "gptq")
+                return fromint.from_gptq(
+                    read(t["packed"]),
+                    read(t["zero"]),
+                    read(t["scale"]),
+                    optional["g_idx"],
+                    scheme.bits,
+                    v1=scheme.layout == "gptq",
+                )
             if "packed" in t:
-                return fromint.from_compressed(read(t["packed"]), read(t["scale"]), optional["zero"], module.shape, scheme.bits,
-                                               optional["g_idx"])
-            return fromint.from_naive(read(t["weight"]), read(t["scale"]), optional["zero"], scheme.bits, optional["g_idx"])
+                return fromint.from_compressed(
+                    read(t["packed"]), read(t["scale"]), optional["zero"], module.shape, scheme.bits, optional["g_idx"]
+                )
+            return fromint.from_naive(
+                read(t["weight"]), read(t["scale"]), optional["zero"], scheme.bits, optional["g_idx"]
+            )
         except ValueError as exc:
-            raise ModelError(f"{name.removesuffix('.weight')}: {exc} (a damaged or foreign checkpoint); {ADVICE}") from None
+            raise ModelError(
+                f"{name.removesuffix('.weight')}: {exc} (a damaged or foreign checkpoint); {ADVICE}"
+            ) from None
 
 
 def _kernel_groups() -> tuple[int, ...]:
@@ -210,14 +266,23 @@ def open_quantized(path: Path, config: dict, stored: dict, read_stored) -> Quant
     hidden |= {n for n in stored if n.endswith(".weight_shape") and n.removesuffix("_shape") in modules}
     shapes = {n: v for n, v in stored.items() if n not in hidden}
     for name, module in modules.items():
-        shapes[name] = (module.shape, dtypes.torch_dtype(dtypes.short_name(module.dtype) or "fp32") if module.dtype
-                        else stored[module.tensors["scale"]][1])
+        shapes[name] = (
+            module.shape,
+            dtypes.torch_dtype(dtypes.short_name(module.dtype) or "fp32")
+            if module.dtype
+            else stored[module.tensors["scale"]][1],
+        )
     reader = QuantizedSafetensors(modules, shapes, read_stored)
     if method == "bitsandbytes" and any(m.scheme.bits == 8 for m in modules.values()):
-        reader.notes.append(f"LLM.int8 weights are read exactly; its outlier threshold ({config.get('llm_int8_threshold', 6.0)}) "
-                            "splits activations in bitsandbytes' own matmul, which is not done here: activations are "
-                            "computed in the compute dtype, unquantized")
+        reader.notes.append(
+            f"LLM.int8 weights are read exactly; its outlier threshold "
+            f"({config.get('llm_int8_threshold', 6.0)}) "
+            "splits activations in bitsandbytes' own matmul, which is not done here: activations are "
+            "computed in the compute dtype, unquantized"
+        )
     if method == "compressed-tensors" and quantizes_activations(config):
-        reader.notes.append("the checkpoint also quantizes activations; they are computed here in the compute dtype, unquantized "
-                            "(weights are exact; outputs differ slightly from an engine that quantizes activations)")
+        reader.notes.append(
+            "the checkpoint also quantizes activations; they are computed here in the compute dtype, unquantized "
+            "(weights are exact; outputs differ slightly from an engine that quantizes activations)"
+        )
     return reader

@@ -56,8 +56,16 @@ from .target import default_out, exclusive, find_existing, partial_of, reusable,
 NOTHING_KEPT = "interrupted before the first unit was written: nothing to resume"
 
 
-def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto", progress=None, log=print,
-          rebuild: bool = False, packing: str = "auto", fuse: bool = True) -> tuple[Manifest, Path, dict]:
+def shard(
+    model: str | os.PathLike,
+    out: Path | None = None,
+    dtype: str = "auto",
+    progress=None,
+    log=print,
+    rebuild: bool = False,
+    packing: str = "auto",
+    fuse: bool = True,
+) -> tuple[Manifest, Path, dict]:
     """Shard MODEL (or reuse a complete shard set). Returns (manifest, directory, summary).
 
     rebuild: write the set again even if one of this source exists (after `--verify` found changed bytes).
@@ -93,8 +101,17 @@ def shard(model: str | os.PathLike, out: Path | None = None, dtype: str = "auto"
         source.close()
 
 
-def _shard(source: Source, out: Path | None, dtype: str, progress, log, started: float, rebuild: bool = False,
-           packing: str = "auto", fuse: bool = True) -> tuple[Manifest, Path, dict]:
+def _shard(
+    source: Source,
+    out: Path | None,
+    dtype: str,
+    progress,
+    log,
+    started: float,
+    rebuild: bool = False,
+    packing: str = "auto",
+    fuse: bool = True,
+) -> tuple[Manifest, Path, dict]:
     dtype = resolve_dtype(source, dtype, predicted_mode(source, packing) == "blocks")
     lazy = getattr(source, "_lazy", None)
     if lazy is not None and hasattr(lazy, "float_dtype"):
@@ -109,7 +126,8 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     if existing is not None:
         return existing, final, {"reused": True, **summarize(existing, 0.0)}
     # Everything that can refuse the input does so before anything is written, the disk space check included.
-    model = source._meta if source._meta is not None else build_meta_model(source.config)  # built once (~0.7 s for Gemma 3)
+    # built once (~0.7 s for Gemma 3)
+    model = source._meta if source._meta is not None else build_meta_model(source.config)
     layout = discover(model)
     pieces, sliced, made = split_experts(source, model, layout)
     names, converted = map_names(source, model, layout)
@@ -123,8 +141,11 @@ def _shard(source: Source, out: Path | None, dtype: str, progress, log, started:
     partial = partial_of(final)
     why = unwritable(final.parent)
     if why is not None:
-        raise ShardError(f"cannot write shards in {final.parent} ({why}): put them on a writable disk (`rocketllm shard --out DIR`, "
-                         "or ROCKETLLM_CACHE=DIR for every command)")
+        raise ShardError(
+            f"cannot write shards in {final.parent} ({why}): put them on a writable disk (`rocketllm "
+            f"shard --out DIR`, "
+            "or ROCKETLLM_CACHE=DIR for every command)"
+        )
     check_space(final.parent, need - sum(r.tensor_bytes for r in journal.resumable(partial, fingerprint, key).values()))
     final.parent.mkdir(parents=True, exist_ok=True)
     with exclusive(final, log):
@@ -159,17 +180,33 @@ def resolve_dtype(source: Source, dtype: str, blocks: bool = False) -> str:
     return short_name(stored) or "bf16"
 
 
-def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mapping: dict[str, str], progress, log,
-           started: float, packs: PackPlan, fusion: FusionPlan) -> tuple[Manifest, Path, dict]:
+def _write(
+    source: Source,
+    final: Path,
+    dtype: str,
+    model,
+    layout: Layout,
+    mapping: dict[str, str],
+    progress,
+    log,
+    started: float,
+    packs: PackPlan,
+    fusion: FusionPlan,
+) -> tuple[Manifest, Path, dict]:
     need = _bytes_needed(source, mapping, dtype, packs)
     partial = partial_of(final)
     try:
-        return _write_units(source, final, partial, dtype, model, layout, mapping, need, progress, log, started, packs, fusion)
+        return _write_units(
+            source, final, partial, dtype, model, layout, mapping, need, progress, log, started, packs, fusion
+        )
     except KeyboardInterrupt:
         kept = len(journal.resumable(partial, source.fingerprint(), packs.key(dtype)))
         if kept:
-            raise Interrupted(f"interrupted: {kept} of {len(layout.units)} units are written and kept; run the same command "
-                              "again to resume") from None
+            raise Interrupted(
+                f"interrupted: {kept} of {len(layout.units)} units are written and kept; run the same "
+                f"command "
+                "again to resume"
+            ) from None
         raise Interrupted(NOTHING_KEPT) from None
     except OSError as exc:
         if exc.errno not in DISK_FULL:
@@ -177,13 +214,27 @@ def _write(source: Source, final: Path, dtype: str, model, layout: Layout, mappi
         done = sum(r.tensor_bytes for r in journal.resumable(partial, source.fingerprint(), packs.key(dtype)).values())
         raise ShardError(
             f"cannot write shards ({os.strerror(exc.errno)}): need {format_bytes(max(0, need - done))} more, "
-            f"{format_bytes(free_bytes(final.parent))} free at {final.parent}; free space, or put the shards on another disk (`rocketllm shard --out DIR`, or ROCKETLLM_CACHE=DIR for every command), "
+            f"{format_bytes(free_bytes(final.parent))} free at {final.parent}; free space, or put the shards on "
+            f"another disk (`rocketllm shard --out DIR`, or ROCKETLLM_CACHE=DIR for every command), "
             "then re-run `rocketllm shard` to resume (finished units are kept)"
         ) from None
 
 
-def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, layout: Layout, mapping: dict[str, str], need: int,
-                 progress, log, started: float, packs: PackPlan, fusion: FusionPlan) -> tuple[Manifest, Path, dict]:
+def _write_units(
+    source: Source,
+    final: Path,
+    partial: Path,
+    dtype: str,
+    model,
+    layout: Layout,
+    mapping: dict[str, str],
+    need: int,
+    progress,
+    log,
+    started: float,
+    packs: PackPlan,
+    fusion: FusionPlan,
+) -> tuple[Manifest, Path, dict]:
     fingerprint = source.fingerprint()
     key = packs.key(dtype)
     target = torch_dtype(dtype)
@@ -192,7 +243,9 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
 
     done = journal.resumable(partial, fingerprint, key)
     files = [f"{index:04d}-{plan.name}.safetensors" for index, plan in enumerate(layout.units)]
-    kept = sum(1 for plan, file in zip(layout.units, files) if (r := done.get(plan.name)) is not None and r.file == file)
+    kept = sum(
+        1 for plan, file in zip(layout.units, files) if (r := done.get(plan.name)) is not None and r.file == file
+    )
     if kept:
         log(f"resuming: {kept} of {len(layout.units)} units already written (in {partial})")
     units: list[UnitRecord] = []
@@ -222,7 +275,10 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
     float_written = sum(t.nbytes for u in units for t in u.tensors if t.packed is None)
     float_need = _bytes_needed(source, mapping, dtype, packs, packed=False)
     if written != len(mapping) or float_written != float_need:
-        raise ShardError(f"shard set incomplete: wrote {written} tensors / {float_written} bytes, source has {len(mapping)} / {float_need}; not marked complete")
+        raise ShardError(
+            f"shard set incomplete: wrote {written} tensors / {float_written} bytes, source has "
+            f"{len(mapping)} / {float_need}; not marked complete"
+        )
     manifest = Manifest(
         source={"kind": source.kind, "name": source.name, "fingerprint": fingerprint},
         model_type=source.config.model_type,
@@ -234,7 +290,11 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
         seconds=round(time.perf_counter() - started, 3),
         packing=packs.mode,
         int4_layout=packs.int4_layout,
-        format_version=FUSED_VERSION if any(t.fused for u in units for t in u.tensors) else PACKED_VERSION if packs.params else FORMAT_VERSION,
+        format_version=FUSED_VERSION
+        if any(t.fused for u in units for t in u.tensors)
+        else PACKED_VERSION
+        if packs.params
+        else FORMAT_VERSION,
         fusion=fusion.describe(units) if packs.params else "",  # a float set's manifest stays as before
     )
     with (progress or no_progress)(f"saving the config and tokenizer of {source.name}", after=BLINK_S):
@@ -245,12 +305,22 @@ def _write_units(source: Source, final: Path, partial: Path, dtype: str, model, 
     swap_in(partial, final)
     for note in getattr(source._lazy, "written_notes", list)():
         log(note)
-    log(f"sharded {source.name}: {len(units)} units, {format_bytes(written_bytes)} in {manifest.seconds:.1f} s -> {final}")
+    log(
+        f"sharded {source.name}: {len(units)} units, {format_bytes(written_bytes)} in {manifest.seconds:.1f} s -> "
+        f"{final}"
+    )
     return manifest, final, {"reused": False, **summarize(manifest, manifest.seconds)}
 
 
-def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tensor], mapping: SourceMap,
-                formats: dict[str, dict] | None = None, fused: dict[str, list] | None = None) -> UnitRecord:
+def _write_unit(
+    directory: Path,
+    file: str,
+    plan,
+    tensors: dict[str, torch.Tensor],
+    mapping: SourceMap,
+    formats: dict[str, dict] | None = None,
+    fused: dict[str, list] | None = None,
+) -> UnitRecord:
     header, spans = stfile.layout(tensors, {"format": "pt", "unit": plan.name})
     digest = hashlib.sha256(header)
     tmp = directory / (file + ".tmp")
@@ -269,16 +339,25 @@ def _write_unit(directory: Path, file: str, plan, tensors: dict[str, torch.Tenso
     os.replace(tmp, directory / file)
     fused = fused or {}
     records = [
-        TensorRecord(name, " + ".join(mapping.source_name(m) for m, _ in fused[name]) if name in fused else mapping.source_name(name),
-                     stfile.NAMES[tensors[name].dtype], list(tensors[name].shape), len(header) + offset, nbytes,
-                     (formats or {}).get(name), fused.get(name))
+        TensorRecord(
+            name,
+            " + ".join(mapping.source_name(m) for m, _ in fused[name]) if name in fused else mapping.source_name(name),
+            stfile.NAMES[tensors[name].dtype],
+            list(tensors[name].shape),
+            len(header) + offset,
+            nbytes,
+            (formats or {}).get(name),
+            fused.get(name),
+        )
         for name, offset, nbytes in spans
     ]
     size = len(header) + sum(n for _, _, n in spans)
     return UnitRecord(plan.name, plan.kind, plan.module, file, size, digest.hexdigest(), records, plan.index)
 
 
-def _bytes_needed(source: Source, mapping: SourceMap, dtype: str, packs: PackPlan | None = None, packed: bool = True) -> int:
+def _bytes_needed(
+    source: Source, mapping: SourceMap, dtype: str, packs: PackPlan | None = None, packed: bool = True
+) -> int:
     """Tensor bytes of the whole shard set (headers and the manifest are small next to them); packed=False: of its
     float tensors only."""
     target = torch_dtype(dtype)
@@ -312,7 +391,9 @@ def summarize(manifest: Manifest, seconds: float) -> dict:
         "mb_per_s": round(total / seconds / 1e6, 1) if seconds > 0 else None,
         "dtype": manifest.dtype,
         "packing": manifest.packing,
-        "packed_tensors": sum(len(t.fused or ()) or 1 for u in manifest.units for t in u.tensors if t.packed is not None),
+        "packed_tensors": sum(
+            len(t.fused or ()) or 1 for u in manifest.units for t in u.tensors if t.packed is not None
+        ),
         "fused_tensors": sum(1 for u in manifest.units for t in u.tensors if t.fused),
         "fusion": manifest.fusion,
     }

@@ -24,10 +24,20 @@ if TYPE_CHECKING:  # torch is imported where tensors are read, so locating a mod
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
     # a vision-language model's processor: what turns a picture into the tensors its tower takes
-    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 
 
@@ -120,11 +130,15 @@ def resolve(model: str | os.PathLike) -> Path:
     if path.exists():
         return path
     if not _looks_like_hub_id(text):
-        raise ModelError(f"model path not found: {text} (give a model directory, a .gguf file or a hub id like org/name)")
+        raise ModelError(
+            f"model path not found: {text} (give a model directory, a .gguf file or a hub id like org/name)"
+        )
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.bin"]))
+        return Path(
+            snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.bin"])
+        )
     except Exception as exc:  # noqa: BLE001 - any hub failure is one line for the user
         offline = os.environ.get("HF_HUB_OFFLINE") or "connect" in str(exc).lower() or "resolve" in str(exc).lower()
         why = "the hub is not reachable (offline?)" if offline else f"{type(exc).__name__}"
@@ -163,7 +177,9 @@ def locate(model: str | os.PathLike) -> Located:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return Located("gguf", ggufs[0], (ggufs[0],))
-        raise ModelError(f"{path}: no config.json, so not a Hugging Face model directory (pass the model directory or a .gguf file)")
+        raise ModelError(
+            f"{path}: no config.json, so not a Hugging Face model directory (pass the model directory or a .gguf file)"
+        )
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -191,7 +207,9 @@ def _refuse_incomplete_shards(path: Path) -> None:
     except ShardError:
         is_unit = False
     if is_unit:
-        raise ShardError(f"{path}: unit files without {MANIFEST}: an interrupted or damaged shard set, not a model; {RESHARD}")
+        raise ShardError(
+            f"{path}: unit files without {MANIFEST}: an interrupted or damaged shard set, not a model; {RESHARD}"
+        )
 
 
 def open_source(located: Located) -> Source:
@@ -232,9 +250,11 @@ def _load_config(path: Path):
                 f"{path}/config.json ({model_type!r}) was written by transformers {written}, which this transformers "
                 f"{transformers.__version__} cannot read; upgrade transformers to {written} or later"
             ) from None
-        if "does not recognize this architecture" in str(exc):  # transformers' advice is a paragraph: name the type instead
+        # transformers' advice is a paragraph: name the type instead
+        if "does not recognize this architecture" in str(exc):
             raise ModelError(
-                f"unsupported architecture {model_type!r}: transformers {transformers.__version__} does not know this model_type; "
+                f"unsupported architecture {model_type!r}: transformers {transformers.__version__} does not know this "
+                f"model_type; "
                 "upgrade transformers or use a supported model"
             ) from None
         raise ModelError(f"{path}/config.json: cannot be used ({' '.join(str(exc).split())[:200]})") from None
@@ -315,7 +335,9 @@ def _open_gguf_shared(path: Path, AutoConfig, reader) -> Source:
     meta = build_meta_model(config)
     lazy = open_lazy(path, config, meta)
     if lazy is not None:
-        return Source("gguf", path, path.stem, config, shapes=dict(lazy.shapes), _lazy=lazy, _tokenizer=tokenizer, _meta=meta)
+        return Source(
+            "gguf", path, path.stem, config, shapes=dict(lazy.shapes), _lazy=lazy, _tokenizer=tokenizer, _meta=meta
+        )
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -350,8 +372,11 @@ def gguf_special_token_flags(path: Path) -> dict[str, bool]:
         meta, _ = read_gguf(path)
     except (ModelError, OSError):  # unreadable here: the tokenizer as transformers made it
         return {}
-    return {flag: bool(meta[f"tokenizer.ggml.{flag}"]) for flag in ("add_bos_token", "add_eos_token")
-            if f"tokenizer.ggml.{flag}" in meta}
+    return {
+        flag: bool(meta[f"tokenizer.ggml.{flag}"])
+        for flag in ("add_bos_token", "add_eos_token")
+        if f"tokenizer.ggml.{flag}" in meta
+    }
 
 
 def _portable_tokenizer_class(dest: Path) -> None:

@@ -39,9 +39,11 @@ def default_out(located: Located, dtype: str) -> Path:
     return shards_root() / f"{safe}-{located.fingerprint()}-{dtype}"
 
 
-EARLIER_GGUF_SET = ("a set of {name} made by an earlier version is at {path} (Q4 blocks converted to int4, Q8_0 "
-                    "re-scaled per row, Q5_0, Q6_K and others stored as floats); this version keeps every block type as "
-                    "the file stores it, so it shards again (`rocketllm cache rm` removes the old set)")
+EARLIER_GGUF_SET = (
+    "a set of {name} made by an earlier version is at {path} (Q4 blocks converted to int4, Q8_0 re-scaled per row, "
+    "Q5_0, Q6_K and others stored as floats); this version keeps every block type as the file stores it, so it shards "
+    "again (`rocketllm cache rm` removes the old set)"
+)
 
 
 def find_existing(located: Located, dtype: str, packing: str = "auto", log=None) -> tuple[Manifest, Path] | None:
@@ -55,7 +57,9 @@ def find_existing(located: Located, dtype: str, packing: str = "auto", log=None)
     dtypes = list(DTYPES) if dtype == "auto" else [dtype]
     if packing == "auto":
         # a GGUF's "packed" sets are an earlier version's (Q4 as int4, Q8_0 re-scaled per row): found to be said so
-        modes = ["blocks", "packed"] if located.kind == "gguf" else ["packed"] if declares_packed(located.path) else [""]
+        modes = (
+            ["blocks", "packed"] if located.kind == "gguf" else ["packed"] if declares_packed(located.path) else [""]
+        )
     else:
         modes = ["" if packing == "none" else packing]
     legacy = located.legacy_fingerprint()
@@ -67,7 +71,11 @@ def find_existing(located: Located, dtype: str, packing: str = "auto", log=None)
                 except ShardError:
                     continue  # damaged: shard() says so and writes it again
                 recorded = manifest.source.get("fingerprint")
-                if located.kind == "gguf" and manifest.packing == "packed" and recorded in (located.fingerprint(), legacy):
+                if (
+                    located.kind == "gguf"
+                    and manifest.packing == "packed"
+                    and recorded in (located.fingerprint(), legacy)
+                ):
                     if log is not None:  # packed the older way: made again, once, in the content-named place
                         log("note: " + EARLIER_GGUF_SET.format(name=located.path.name, path=final))
                     continue
@@ -84,7 +92,9 @@ def _candidates(located: Located, key: str) -> list[Path]:
     found = [own]
     if located.kind == "gguf":
         found += sorted(p for p in shards_root().glob(f"*-{located.fingerprint()}-{key}") if p != own)
-        found.append(shards_root() / own.name.replace(f"-{located.fingerprint()}-", f"-{located.legacy_fingerprint()}-"))
+        found.append(
+            shards_root() / own.name.replace(f"-{located.fingerprint()}-", f"-{located.legacy_fingerprint()}-")
+        )
     return found
 
 
@@ -172,14 +182,16 @@ def beside(final: Path, role: str) -> Path:
 
 
 def _drop_replaced(final: Path) -> None:
-    """Remove what is left of a set this one replaced, when a run stopped before deleting it (it can be as big as the set)."""
+    """Remove what is left of a set this one replaced, when a run stopped before deleting it (it can be as big as the
+    set)."""
     old = beside(final, "old")
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
 
 
 def _only_shard_files(directory: Path) -> bool:
-    """A shard set that lost its manifest: unit files (by their own headers) and the files sharding copies, nothing else."""
+    """A shard set that lost its manifest: unit files (by their own headers) and the files sharding copies, nothing
+    else."""
     known = {"config.json", MANIFEST, MANIFEST + ".tmp", JOURNAL, *TOKENIZER_FILES}
     units = 0
     for f in directory.iterdir():

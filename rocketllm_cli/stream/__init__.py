@@ -1,1 +1,2 @@
-"""Running shard sets: the residency plan, the weight store, the streaming model, routed experts, the ledger, AutoModel."""
+"""Running shard sets: the residency plan, the weight store, the streaming model, routed experts, the ledger,
+AutoModel."""

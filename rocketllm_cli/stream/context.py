@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ..errors import ParameterError
 
-RUN_MARGIN_TOKENS = 16  # past a one-shot run's last token: the speculative draft verified beyond it (10 by default) and slack
+# past a one-shot run's last token: the speculative draft verified beyond it (10 by default) and slack
+RUN_MARGIN_TOKENS = 16
 
 
 def run_tokens(prompt_lengths: list[int], max_new_tokens: int) -> int:
@@ -17,8 +18,14 @@ def run_tokens(prompt_lengths: list[int], max_new_tokens: int) -> int:
     return len(prompt_lengths) * (max(prompt_lengths) + max_new_tokens + RUN_MARGIN_TOKENS)
 
 
-def check_context(prompt_tokens: int, max_new_tokens: int | None, max_context: int, why: str = "", int4: int | None = None,
-                  default: int | None = None) -> int:
+def check_context(
+    prompt_tokens: int,
+    max_new_tokens: int | None,
+    max_context: int,
+    why: str = "",
+    int4: int | None = None,
+    default: int | None = None,
+) -> int:
     """A prompt and its new tokens must fit the context the model (or the max_context knob) allows; returns the new
     tokens to run: max_new_tokens, or where that is None `default` within what the context leaves after the prompt
     (all of it without a default). `why`: how max_context was reached (context_reason), said in the refusal with what
@@ -34,13 +41,21 @@ def check_context(prompt_tokens: int, max_new_tokens: int | None, max_context: i
     first = ("prompt",) if max_new_tokens is None else ("max_new_tokens",)
     more, params = "", first
     if int4 is not None and int4 >= needed:
-        more, params = f"; {{kv_cache_dtype}} int4 would admit {int4} tokens in the same memory", (*first, "kv_cache_dtype")
+        more, params = (
+            f"; {{kv_cache_dtype}} int4 would admit {int4} tokens in the same memory",
+            (*first, "kv_cache_dtype"),
+        )
     if max_new_tokens is None:
-        raise ParameterError(f"prompt is {prompt_tokens} tokens, but the context allows {max_context}{reason}; shorten the prompt"
-                             + more, *params)
+        raise ParameterError(
+            f"prompt is {prompt_tokens} tokens, but the context allows {max_context}{reason}; shorten "
+            f"the prompt" + more,
+            *params,
+        )
     raise ParameterError(
-        f"prompt is {prompt_tokens} tokens and {{max_new_tokens}} {max_new_tokens}, but the context allows {max_context}{reason}; "
-        "shorten the prompt or lower {max_new_tokens}" + more, *params,
+        f"prompt is {prompt_tokens} tokens and {{max_new_tokens}} {max_new_tokens}, but the context allows "
+        f"{max_context}{reason}; "
+        "shorten the prompt or lower {max_new_tokens}" + more,
+        *params,
     )
 
 
@@ -64,7 +79,12 @@ def int4_context(knobs, config) -> int | None:
     if knobs is None or config is None:
         return None
     knob = knobs["max_context"]
-    if knob.overridden or knob.value is None or "kv_value_bytes" not in knob.inputs or str(knobs.value("kv_cache_dtype")) == "int4":
+    if (
+        knob.overridden
+        or knob.value is None
+        or "kv_value_bytes" not in knob.inputs
+        or str(knobs.value("kv_cache_dtype")) == "int4"
+    ):
         return None
     from ..profiles.knobs.formulas import int4_max_context
     from .kvcache import head_dim, refusal

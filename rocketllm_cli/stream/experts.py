@@ -33,7 +33,8 @@ from .store import WeightStore, _aligned_buffer, _round_up
 class ExpertCache:
     """Experts kept in memory, up to `capacity` bytes: unit -> its tensors.
 
-    policy "lfu" (the knob's default): keep the experts routed most often so far; a newcomer is admitted only by evicting
+    policy "lfu" (the knob's default): keep the experts routed most often so far; a newcomer is admitted only by
+    evicting
     experts used less often than it. A decode pass walks every layer in order, so recency is a poor guide:
     with room for fewer experts than one pass routes, LRU evicts each expert just before its layer comes
     round again and never hits, while frequency keeps a stable set. policy "lru": least recently used out.
@@ -86,8 +87,18 @@ class ExpertCache:
 
 
 class ExpertStreamer:
-    def __init__(self, model: nn.Module, manifest: Manifest, plan: ResidencyPlan, store: WeightStore, ledger: Ledger, *,
-                 io_workers: int, candidates, cache_policy: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        manifest: Manifest,
+        plan: ResidencyPlan,
+        store: WeightStore,
+        ledger: Ledger,
+        *,
+        io_workers: int,
+        candidates,
+        cache_policy: str,
+    ) -> None:
         self.store, self.ledger, self.plan = store, ledger, plan
         self.device, self.dtype = store.device, store.dtype
         self.units = {u.name: u for u in manifest.experts}
@@ -130,7 +141,9 @@ class ExpertStreamer:
             resident = all(self.plan.tier[u] == "device" for u in experts.values())
             if resident:
                 self._bind_fused_resident(module, experts)
-            self._hooks.append(module.register_forward_pre_hook(self._fused_pre(module, experts, resident), with_kwargs=True))
+            self._hooks.append(
+                module.register_forward_pre_hook(self._fused_pre(module, experts, resident), with_kwargs=True)
+            )
             if not resident:
                 self._hooks.append(module.register_forward_hook(self._fused_post(module)))
         routers: dict[int, tuple[nn.Module, dict[int, str]]] = {}
@@ -145,7 +158,9 @@ class ExpertStreamer:
         for block, experts in routers.values():
             router = _router_of(block, len(experts))
             if router is not None:
-                self._hooks.append(router.register_forward_hook(self._router_hook(experts, getattr(block, "top_k", None) or self._k)))
+                self._hooks.append(
+                    router.register_forward_hook(self._router_hook(experts, getattr(block, "top_k", None) or self._k))
+                )
 
     # -- fetching one expert ----------------------------------------------------------------
     def _fetch(self, unit: str) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -219,7 +234,9 @@ class ExpertStreamer:
             self._arenas[key] = arena
         return arena
 
-    def _place(self, unit: str, module: nn.Module, tensors: dict[str, torch.Tensor], arenas: dict[str, torch.Tensor]) -> None:
+    def _place(
+        self, unit: str, module: nn.Module, tensors: dict[str, torch.Tensor], arenas: dict[str, torch.Tensor]
+    ) -> None:
         """Copy UNIT's pieces that belong to MODULE into its slices of ARENAS (one expert may span several batched
         modules: JetMoE's MLP experts and attention experts)."""
         for name, t in self.targets[unit]:
@@ -227,7 +244,9 @@ class ExpertStreamer:
                 arenas[t.attr][t.expert].narrow(t.dim, t.offset, t.size).copy_(tensors[name])
 
     def _bind_fused_resident(self, module: nn.Module, experts: dict[int, str]) -> None:
-        attrs = {t.attr for u in experts.values() for _, t in self.targets[u] if isinstance(t, Fused) and t.module is module}
+        attrs = {
+            t.attr for u in experts.values() for _, t in self.targets[u] if isinstance(t, Fused) and t.module is module
+        }
         full = {a: torch.empty(module._parameters[a].shape, dtype=self.dtype, device=self.device) for a in attrs}
         for unit in experts.values():
             self._place(unit, module, self.store.resident(unit), full)
@@ -333,7 +352,8 @@ class ExpertStreamer:
 
 
 def _expert_module_path(model: nn.Module, path: str, stack: str) -> str:
-    """The per-expert module a parameter's module sits in: the entry of a ModuleList (not the decoder stack) on its path."""
+    """The per-expert module a parameter's module sits in: the entry of a ModuleList (not the decoder stack) on its
+    path."""
     parts = path.split(".")
     for i in range(len(parts) - 1, 0, -1):
         parent = ".".join(parts[:i])

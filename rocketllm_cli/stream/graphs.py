@@ -117,8 +117,9 @@ def graphed(streamed, kwargs: dict, input_ids: torch.Tensor):
         GuardedCompile(streamed)
     for hook in streamed.pass_hooks:
         hook.remove()
-    kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []),
-                                                      PassClock(streamed, int(input_ids.shape[0]))])
+    kwargs["logits_processor"] = LogitsProcessorList(
+        [*(kwargs.get("logits_processor") or []), PassClock(streamed, int(input_ids.shape[0]))]
+    )
     streamed.begin_pass(int(input_ids.numel()))
     try:
         yield

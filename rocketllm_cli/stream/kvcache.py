@@ -49,10 +49,15 @@ def refusal(config, kv_dtype: str) -> str:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = set(getattr(text, "layer_types", None) or ())
     if types - FULL_ATTENTION:
-        return (f"an {kv_dtype} KV cache needs every layer to be full attention, and this model has "
-                f"{', '.join(sorted(types - FULL_ATTENTION))} layers; use {{kv_cache_dtype}} auto")
+        return (
+            f"an {kv_dtype} KV cache needs every layer to be full attention, and this model has "
+            f"{', '.join(sorted(types - FULL_ATTENTION))} layers; use {{kv_cache_dtype}} auto"
+        )
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) is not False and not types:
-        return f"a {kv_dtype} KV cache does not apply a sliding window, which this model's config sets; use {{kv_cache_dtype}} auto"
+        return (
+            f"a {kv_dtype} KV cache does not apply a sliding window, which this model's config sets; use "
+            f"{{kv_cache_dtype}} auto"
+        )
     if kv_dtype == "int4" and _head_dim(text) % 2:
         return "an int4 KV cache packs two codes a byte and needs an even head dimension; use {kv_cache_dtype} auto"
     return ""
@@ -76,7 +81,11 @@ def cache_bytes(cache) -> int:
     """Bytes a cache holds (every tensor of every layer; an int4 layer's codes, scales and window)."""
     total = 0
     for layer in getattr(cache, "layers", ()):
-        tensors = layer.tensors() if hasattr(layer, "tensors") else (getattr(layer, "keys", None), getattr(layer, "values", None))
+        tensors = (
+            layer.tensors()
+            if hasattr(layer, "tensors")
+            else (getattr(layer, "keys", None), getattr(layer, "values", None))
+        )
         total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return total
 
@@ -109,7 +118,8 @@ class QuantizedKVCache(Cache):
     def __init__(self, layers: list) -> None:
         super().__init__(layers=layers)
 
-    def activate_past_recording(self, **kwargs) -> None:  # transformers 4.x has no such call; 5.x's loops over the layers too
+    # transformers 4.x has no such call; 5.x's loops over the layers too
+    def activate_past_recording(self, **kwargs) -> None:
         # 5.25 and later pass recurrent_states_to_keep (for layers that keep a recurrent state): taken and passed on
         for layer in self.layers:
             if hasattr(layer, "activate_past_recording"):
@@ -121,7 +131,8 @@ class QuantizedKVCache(Cache):
 
     @property
     def exact(self) -> bool:
-        """Every layer holds what a cache fed only this far holds (False once a crop put int4 values back in a window)."""
+        """Every layer holds what a cache fed only this far holds (False once a crop put int4 values back in a
+        window)."""
         return all(getattr(layer, "exact", True) for layer in self.layers)
 
     def snapshot(self) -> QuantizedKVCache:
@@ -140,7 +151,8 @@ class QuantizedKVCache(Cache):
 
 
 class CastLayer(DynamicLayer):
-    """Keys and values stored in another float dtype (bf16 beside fp32 compute), handed to attention in the compute dtype."""
+    """Keys and values stored in another float dtype (bf16 beside fp32 compute), handed to attention in the compute
+    dtype."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
@@ -190,8 +202,21 @@ class Int4Layer(DynamicLayer):
 
     def tensors(self) -> list[torch.Tensor]:
         shadow = list(self.shadow) if self.shadow is not None else []
-        return [t for t in (self.keys, self.values, self.k_codes, self.k_scale, self.k_min, self.v_codes, self.v_scale,
-                            self.v_min, *shadow) if t is not None]
+        return [
+            t
+            for t in (
+                self.keys,
+                self.values,
+                self.k_codes,
+                self.k_scale,
+                self.k_min,
+                self.v_codes,
+                self.v_scale,
+                self.v_min,
+                *shadow,
+            )
+            if t is not None
+        ]
 
     def lazy_initialization(self, key_states, value_states=None) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -200,7 +225,9 @@ class Int4Layer(DynamicLayer):
         if d % self.value_group:
             self.value_group = d
         self.keys = key_states.new_empty((b, h, 0, d))
-        self.values = value_states.new_empty((b, h, 0, value_states.shape[-1])) if value_states is not None else self.keys
+        self.values = (
+            value_states.new_empty((b, h, 0, value_states.shape[-1])) if value_states is not None else self.keys
+        )
         codes = torch.empty((b, h, 0, d // 2), dtype=torch.uint8, device=self.device)
         self.k_codes, self.v_codes = codes, codes.clone()
         self.k_scale = torch.empty((b, h, 0, d), dtype=SCALE_DTYPE, device=self.device)
@@ -278,7 +305,7 @@ class Int4Layer(DynamicLayer):
         self.k_scale, self.k_min = torch.cat([self.k_scale, k_scale], dim=-2), torch.cat([self.k_min, k_min], dim=-2)
         self.v_codes = torch.cat([self.v_codes, v_codes], dim=-2)
         self.v_scale, self.v_min = torch.cat([self.v_scale, v_scale], dim=-2), torch.cat([self.v_min, v_min], dim=-2)
-        self.shadow = (k[..., -self.group:, :].clone(), v[..., -self.group:, :].clone()) if self.record_past else None
+        self.shadow = (k[..., -self.group :, :].clone(), v[..., -self.group :, :].clone()) if self.record_past else None
         self.keys, self.values = self.keys[..., take:, :].clone(), self.values[..., take:, :].clone()
         self.quantized += take
 
@@ -291,7 +318,13 @@ class Int4Layer(DynamicLayer):
             k = self.keys.new_empty((*self.keys.shape[:2], g, self.keys.shape[-1]))
             v = self.values.new_empty((*self.values.shape[:2], g, self.values.shape[-1]))
             _dequantize_keys(k, self.k_codes[..., start:, :], self.k_scale[..., -1:, :], self.k_min[..., -1:, :], g)
-            _dequantize_values(v, self.v_codes[..., start:, :], self.v_scale[..., start:, :], self.v_min[..., start:, :], self.value_group)
+            _dequantize_values(
+                v,
+                self.v_codes[..., start:, :],
+                self.v_scale[..., start:, :],
+                self.v_min[..., start:, :],
+                self.value_group,
+            )
         self.shadow = None
         self.keys, self.values = torch.cat([k, self.keys], dim=-2), torch.cat([v, self.values], dim=-2)
         self.k_codes, self.v_codes = self.k_codes[..., :start, :], self.v_codes[..., :start, :]

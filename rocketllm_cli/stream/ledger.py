@@ -27,7 +27,8 @@ class Step:
     seconds: float = 0.0
     served: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     witnessed_storage: int | None = None  # read_bytes delta over the pass (prefetch for the next pass included)
-    phases: dict[str, float] = field(default_factory=dict)  # seconds: read (IO threads), wait (compute thread blocked on IO)
+    # seconds: read (IO threads), wait (compute thread blocked on IO)
+    phases: dict[str, float] = field(default_factory=dict)
     experts: int = 0  # expert uses (one per routed expert per layer, all tokens of the pass together)
     expert_lookups: int = 0  # uses that asked the expert cache (experts not resident for good)
     expert_hits: int = 0  # of those, served from the cache
@@ -42,7 +43,8 @@ class Ledger:
     def __init__(self, resident_bytes: int) -> None:
         self.resident_bytes = resident_bytes  # served from the device tier every pass
         self.steps: list[Step] = []
-        self.reads: dict[str, int] = {}  # unit -> whole-unit reads from its file in this process (loads included; reset keeps them)
+        # unit -> whole-unit reads from its file in this process (loads included; reset keeps them)
+        self.reads: dict[str, int] = {}
         self._t0 = 0.0
         self._io0: int | None = None
         self._lock = threading.Lock()
@@ -124,7 +126,11 @@ class Ledger:
                 lookups = sum(s.expert_lookups for s in decode)
                 hits = sum(s.expert_hits for s in decode)
                 out["per_token_experts"] = sum(s.experts for s in decode) / n
-                out["expert_cache"] = {"lookups": lookups, "hits": hits, "hit_rate": round(hits / lookups, 4) if lookups else None}
+                out["expert_cache"] = {
+                    "lookups": lookups,
+                    "hits": hits,
+                    "hit_rate": round(hits / lookups, 4) if lookups else None,
+                }
             names = sorted({p for s in decode for p in s.phases})
             out["per_token_phase_seconds"] = {p: sum(s.phases.get(p, 0.0) for s in decode) / n for p in names}
         return out

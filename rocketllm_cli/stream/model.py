@@ -56,7 +56,8 @@ class EngineConfig:
     pin_memory: bool = False
     expert_cache_policy: str = DEFAULT_EXPERT_CACHE_POLICY
     packed_dtype: str = ""  # activations of packed Linears: "" the compute dtype, "fastest" the kernel's measured best
-    kv_cache_dtype: str = "auto"  # what the KV cache stores: auto (the compute dtype), a float dtype or int4 (stream/kvcache.py)
+    # what the KV cache stores: auto (the compute dtype), a float dtype or int4 (stream/kvcache.py)
+    kv_cache_dtype: str = "auto"
     kv_residual_tokens: int = KV_INT4_GROUP  # int4: the most recent tokens kept in the compute dtype
     decode_graphs: str = "off"  # "on": a resident decode on a CUDA GPU runs as CUDA graphs where it can (graphs.py)
     native_mode: str = "exact"  # GGUF blocks on the native kernels: fp32 activations, or "int8" (packed/compute.py)
@@ -83,11 +84,34 @@ class Binding:
     that buffer (WeightStore keeps the views per buffer): its Parameter is kept per buffer, costing no memory.
     """
 
-    __slots__ = ("module", "attr", "tensor", "is_buffer", "placeholder", "persistent", "_source", "_param", "_by_buffer")
+    __slots__ = (
+        "module",
+        "attr",
+        "tensor",
+        "is_buffer",
+        "placeholder",
+        "persistent",
+        "_source",
+        "_param",
+        "_by_buffer",
+    )
 
-    def __init__(self, module: nn.Module, attr: str, tensor: str, is_buffer: bool, placeholder: torch.Tensor | None,
-                 persistent: bool = False) -> None:
-        self.module, self.attr, self.tensor, self.is_buffer, self.placeholder = module, attr, tensor, is_buffer, placeholder
+    def __init__(
+        self,
+        module: nn.Module,
+        attr: str,
+        tensor: str,
+        is_buffer: bool,
+        placeholder: torch.Tensor | None,
+        persistent: bool = False,
+    ) -> None:
+        self.module, self.attr, self.tensor, self.is_buffer, self.placeholder = (
+            module,
+            attr,
+            tensor,
+            is_buffer,
+            placeholder,
+        )
         self.persistent = persistent
         self._source: torch.Tensor | None = None
         self._param: nn.Parameter | None = None
@@ -118,7 +142,8 @@ class StreamingModel:
     """A causal LM streamed from a shard directory. Attribute access falls through to the transformers model.
 
     Holds the residency plan (`plan`), the weight store (`store`), the byte ledger (`ledger`) and the tokenizer; close()
-    (or a with block) stops its IO threads and unmaps its files. AutoModel.from_pretrained builds one from resolved knobs.
+    (or a with block) stops its IO threads and unmaps its files. AutoModel.from_pretrained builds one from resolved
+    knobs.
     """
 
     # generate()'s json_schema/grammar: adds the grammar's logits processor to generate's keywords. The grammar engine
@@ -145,16 +170,32 @@ class StreamingModel:
             if why:
                 raise ParameterError(why, "kv_cache_dtype")  # before any weight is read
         model = build_meta_model(hf_config, self.dtype)
-        self.plan: ResidencyPlan = make_plan(self.manifest, config.device_cache_bytes, config.host_cache_bytes,
-                                             device=self.device.type, compute_itemsize=self.dtype.itemsize)
+        self.plan: ResidencyPlan = make_plan(
+            self.manifest,
+            config.device_cache_bytes,
+            config.host_cache_bytes,
+            device=self.device.type,
+            compute_itemsize=self.dtype.itemsize,
+        )
         # Resident experts are counted when routed, like every expert, and a vision tower runs once per request, not per
         # pass: the rest of the device tier serves every pass.
-        resident = sum(u.tensor_bytes for u in self.manifest.units
-                       if self.plan.tier[u.name] == "device" and u.kind not in ("expert", "vision"))
+        resident = sum(
+            u.tensor_bytes
+            for u in self.manifest.units
+            if self.plan.tier[u.name] == "device" and u.kind not in ("expert", "vision")
+        )
         self.ledger = Ledger(resident)
         self.store = WeightStore(
-            self.directory, self.manifest, self.plan, self.ledger, device=self.device, compute_dtype=self.dtype,
-            prefetch_depth=config.prefetch_depth, io_workers=config.io_workers, direct_io=config.direct_io, pin_memory=config.pin_memory,
+            self.directory,
+            self.manifest,
+            self.plan,
+            self.ledger,
+            device=self.device,
+            compute_dtype=self.dtype,
+            prefetch_depth=config.prefetch_depth,
+            io_workers=config.io_workers,
+            direct_io=config.direct_io,
+            pin_memory=config.pin_memory,
         )
         self._hooks: list = []
         self.pass_hooks: list = []  # the root module's pass hooks (begin_pass, _end_pass)
@@ -168,8 +209,16 @@ class StreamingModel:
             from .experts import ExpertStreamer
 
             prefix = getattr(model, "base_model_prefix", "") or ""
-            self.experts = ExpertStreamer(model, self.manifest, self.plan, self.store, self.ledger, io_workers=config.io_workers,
-                                          candidates=lambda n: candidate_names(n, prefix), cache_policy=config.expert_cache_policy)
+            self.experts = ExpertStreamer(
+                model,
+                self.manifest,
+                self.plan,
+                self.store,
+                self.ledger,
+                io_workers=config.io_workers,
+                candidates=lambda n: candidate_names(n, prefix),
+                cache_policy=config.expert_cache_policy,
+            )
         _move_buffers(model, self.device)
         load_generation_config(model, self.directory)
         self.model = model
@@ -177,9 +226,12 @@ class StreamingModel:
         # A vision-language model's processor turns pictures into the tensors its tower takes (text/images.py)
         self.processor, self.processor_error = load_processor(self.directory) if self.manifest.vision else (None, None)
         self.knobs = self.profile = self.facts = None  # filled in by AutoModel.from_pretrained
-        self.draft = None  # the resident draft model speculative decoding drafts with (AutoModel loads it); closed with this one
-        self.stage = None  # under torchrun: this rank's place in the pipeline (distributed/stages.py); None in one process
-        COMPUTE_THREADS.poll()  # the first sample: the first pass half a second on sets the thread count by the free cores
+        # the resident draft model speculative decoding drafts with (AutoModel loads it); closed with this one
+        self.draft = None
+        # under torchrun: this rank's place in the pipeline (distributed/stages.py); None in one process
+        self.stage = None
+        # the first sample: the first pass half a second on sets the thread count by the free cores
+        COMPUTE_THREADS.poll()
 
     # -- wiring -----------------------------------------------------------------------
     def _bind(self, model: nn.Module) -> None:
@@ -201,13 +253,16 @@ class StreamingModel:
             is_buffer = attr in module._buffers
             table = module._buffers if is_buffer else module._parameters
             hook = _called_site(model, hook_of[unit] if name == key else module_path, module_path)
-            # Buffers are real (initial values) and parameters may be tied placeholders: each gets its own, naming its site.
+            # Buffers are real (initial values) and parameters may be tied placeholders: each gets its own, naming its
+            # site.
             where = f"{hook or 'the model'} (unit {unit})"
             placeholder = table[attr] = Unbound(name, table[attr], self.device, where)
             persistent = self.plan.tier[unit] == "host" and self.device.type == "cpu"  # views of the persistent mapping
             fmt = records[key].packed
             if fmt is not None:
-                binding = self._packed_binding(module, name, key, unit, PackedFormat.from_dict(fmt), placeholder, where, persistent)
+                binding = self._packed_binding(
+                    module, name, key, unit, PackedFormat.from_dict(fmt), placeholder, where, persistent
+                )
                 if binding is None:
                     continue  # a table read by rows: its placeholder answers lookups
             else:
@@ -240,10 +295,16 @@ class StreamingModel:
     def register_pass_hooks(self, model: nn.Module | None = None) -> list:
         """The hooks that open and close each forward pass in the ledger, on the root module."""
         model = self.model if model is None else model
-        return [model.register_forward_pre_hook(self._begin_pass, with_kwargs=True), model.register_forward_hook(self._end_pass)]
+        return [
+            model.register_forward_pre_hook(self._begin_pass, with_kwargs=True),
+            model.register_forward_hook(self._end_pass),
+        ]
 
-    def _fused_binding(self, model: nn.Module, record, unit: str, unit_module: str, persistent: bool) -> tuple[str, PackedBinding]:
-        """(the module whose forward binds it, the binding) of a fused record: its members compute through one FusedGroup."""
+    def _fused_binding(
+        self, model: nn.Module, record, unit: str, unit_module: str, persistent: bool
+    ) -> tuple[str, PackedBinding]:
+        """(the module whose forward binds it, the binding) of a fused record: its members compute through one
+        FusedGroup."""
         members = [m for m, _ in record.fused]
         parent = members[0].rsplit(".", 2)[0]
         hook = _called_site(model, unit_module, parent)
@@ -258,8 +319,17 @@ class StreamingModel:
         fmt = PackedFormat.from_dict(record.packed)
         group = make_fused(modules, members, [int(n) for _, n in record.fused], fmt, where)
         dtype = self._packed_dtype(fmt)
-        return hook, PackedBinding(modules[0], record.name, fmt, self.device, dtype, None, persistent, group=group,
-                                   mode=self.config_engine.native_mode)
+        return hook, PackedBinding(
+            modules[0],
+            record.name,
+            fmt,
+            self.device,
+            dtype,
+            None,
+            persistent,
+            group=group,
+            mode=self.config_engine.native_mode,
+        )
 
     def _packed_dtype(self, fmt: PackedFormat) -> torch.dtype:
         """The activation dtype a packed Linear computes in: the compute dtype, the kernel's fastest, or the knob's."""
@@ -271,19 +341,42 @@ class StreamingModel:
             return torch_dtype(self.config_engine.packed_dtype)
         return self.dtype
 
-    def _packed_binding(self, module: nn.Module, name: str, key: str, unit: str, fmt: PackedFormat, placeholder, where: str,
-                        persistent: bool) -> PackedBinding | None:
+    def _packed_binding(
+        self,
+        module: nn.Module,
+        name: str,
+        key: str,
+        unit: str,
+        fmt: PackedFormat,
+        placeholder,
+        where: str,
+        persistent: bool,
+    ) -> PackedBinding | None:
         """A Linear computes on its packed weight; an embedding table's placeholder dequantizes the rows looked up."""
         if isinstance(module, nn.Linear) and name.endswith(".weight"):
             make_packed(module, name, where)
-            return PackedBinding(module, key, fmt, self.device, self._packed_dtype(fmt), placeholder, persistent,
-                                 mode=self.config_engine.native_mode)
-        if isinstance(module, nn.Embedding) and name.endswith(".weight") and (
-                fmt.kind == "gguf" or (fmt.kind == "int8" and fmt.group == fmt.shape[1])):
+            return PackedBinding(
+                module,
+                key,
+                fmt,
+                self.device,
+                self._packed_dtype(fmt),
+                placeholder,
+                persistent,
+                mode=self.config_engine.native_mode,
+            )
+        if (
+            isinstance(module, nn.Embedding)
+            and name.endswith(".weight")
+            and (fmt.kind == "gguf" or (fmt.kind == "int8" and fmt.group == fmt.shape[1]))
+        ):
             store = self.store
             placeholder.rows = lambda ids: store.gather_packed_rows(unit, key, fmt, ids)
             return None
-        raise ShardError(f"{name} is stored packed ({fmt.kind}) but its module is a {type(module).__name__}, which cannot compute on it; {RESHARD}")
+        raise ShardError(
+            f"{name} is stored packed ({fmt.kind}) but its module is a {type(module).__name__}, which "
+            f"cannot compute on it; {RESHARD}"
+        )
 
     def _pre_hook(self, unit: str, group: list[Binding]):
         store = self.store
@@ -344,11 +437,16 @@ class StreamingModel:
         tokens (text/grammar.py); the model's tokenizer must be a fast one."""
         from .context import check_generate_call
 
-        check_generate_call(self.__dict__.get("knobs"), args, kwargs, getattr(self.model, "generation_config", None), self.model.config)
+        check_generate_call(
+            self.__dict__.get("knobs"), args, kwargs, getattr(self.model, "generation_config", None), self.model.config
+        )
         if json_schema is not None or grammar is not None:
             if self.constrain is None:
-                raise ParameterError("{json_schema} and {grammar} need the grammar engine: open the model with "
-                                     "AutoModel.from_pretrained", "json_schema" if json_schema is not None else "grammar")
+                raise ParameterError(
+                    "{json_schema} and {grammar} need the grammar engine: open the model with "
+                    "AutoModel.from_pretrained",
+                    "json_schema" if json_schema is not None else "grammar",
+                )
             self.constrain(self, args, kwargs, json_schema, grammar)
         if not any(kwargs.get(name) is not None for name in ("cache", "past_key_values")):
             from .kvcache import generate_cache_kwarg
@@ -413,7 +511,9 @@ class StreamingModel:
 def _graphs_excluded(kwargs: dict) -> bool:
     """A generate call the graphed decode leaves eager: speculation (its passes vary in length) and a caller that keeps
     the output's cache (a prefix cache stores it; a static cache is reset by the next request)."""
-    return bool(kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") or kwargs.get("return_dict_in_generate"))
+    return bool(
+        kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") or kwargs.get("return_dict_in_generate")
+    )
 
 
 def _kv_dtype(config: EngineConfig) -> str:
@@ -430,13 +530,15 @@ def _called_site(model: nn.Module, hook: str, module_path: str) -> str:
     """Where a tensor of MODULE_PATH is bound: HOOK, or the member on its path if HOOK is a container (a ModuleList's
     forward never runs; the model calls its members directly, so each member binds its own tensors)."""
     while isinstance(model.get_submodule(hook), (nn.ModuleList, nn.ModuleDict)) and module_path.startswith(hook + "."):
-        hook = f"{hook}.{module_path[len(hook) + 1:].split('.', 1)[0]}"
+        hook = f"{hook}.{module_path[len(hook) + 1 :].split('.', 1)[0]}"
     return hook
 
 
 def _is_lookup(module: nn.Module, group: list[Binding]) -> bool:
     """An embedding table bound alone: what reads it are lookups, by its forward or its model (F.embedding, w[ids])."""
-    return isinstance(module, nn.Embedding) and len(group) == 1 and group[0].attr == "weight" and group[0].module is module
+    return (
+        isinstance(module, nn.Embedding) and len(group) == 1 and group[0].attr == "weight" and group[0].module is module
+    )
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

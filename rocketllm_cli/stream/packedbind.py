@@ -34,8 +34,16 @@ class _PackedForward:
         # nn.Module.__call__ checks for hooks and tracing on every call (a fifth of a small matvec's time): a call
         # with none of them goes straight to forward, any other through nn.Module as before.
         d = self.__dict__
-        if args or kwargs or d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_hooks"] or \
-                d["_backward_pre_hooks"] or _hooked() or d.get("_compiled_call_impl") is not None:
+        if (
+            args
+            or kwargs
+            or d["_forward_pre_hooks"]
+            or d["_forward_hooks"]
+            or d["_backward_hooks"]
+            or d["_backward_pre_hooks"]
+            or _hooked()
+            or d.get("_compiled_call_impl") is not None
+        ):
             return nn.Module.__call__(self, x, *args, **kwargs)
         return self.forward(x)
 
@@ -44,8 +52,14 @@ class _PackedForward:
         if bound is None:
             raise UnboundWeightError(f"{self.packed_where} was used while its unit is not bound")
         fast = bound.fast
-        if fast is not None and not self.packed_bias and x.dtype == bound.dtype and x.shape[-1] == bound.format.shape[1] \
-                and x.is_contiguous() and 0 < x.numel() < bound.fast_numel:
+        if (
+            fast is not None
+            and not self.packed_bias
+            and x.dtype == bound.dtype
+            and x.shape[-1] == bound.format.shape[1]
+            and x.is_contiguous()
+            and 0 < x.numel() < bound.fast_numel
+        ):
             return fast(x)
         return compute.linear(x, bound, self.bias)  # per call: no import machinery (the package's names are lazy)
 
@@ -91,8 +105,13 @@ class FusedGroup:
         if bound is None:
             raise UnboundWeightError(f"{self.where} was used while its unit is not bound")
         fast = bound.fast
-        if fast is not None and x.dtype == bound.dtype and x.shape[-1] == bound.format.shape[1] and x.is_contiguous() \
-                and 0 < x.numel() < bound.fast_numel:
+        if (
+            fast is not None
+            and x.dtype == bound.dtype
+            and x.shape[-1] == bound.format.shape[1]
+            and x.is_contiguous()
+            and 0 < x.numel() < bound.fast_numel
+        ):
             y = fast(x)
         else:
             y = compute.linear(x, bound, None)
@@ -117,8 +136,14 @@ def _version(x: torch.Tensor):
 def _hooked() -> bool:
     """A global module hook, a backward hook, or a tracer is active: nn.Module.__call__ must run them."""
     m = _module
-    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_pre_hooks or m._global_backward_hooks
-                or m._global_forward_hooks_always_called or torch._C._get_tracing_state())
+    return bool(
+        m._global_forward_pre_hooks
+        or m._global_forward_hooks
+        or m._global_backward_pre_hooks
+        or m._global_backward_hooks
+        or m._global_forward_hooks_always_called
+        or torch._C._get_tracing_state()
+    )
 
 
 def make_packed(module: nn.Linear, name: str, where: str) -> None:
@@ -135,19 +160,27 @@ def make_packed(module: nn.Linear, name: str, where: str) -> None:
     module.packed_bias = module._parameters.get("bias") is not None
 
 
-def make_fused(modules: list[nn.Linear], members: list[str], rows: list[int], fmt: PackedFormat, where: str) -> FusedGroup:
+def make_fused(
+    modules: list[nn.Linear], members: list[str], rows: list[int], fmt: PackedFormat, where: str
+) -> FusedGroup:
     """Turn MODULES (the Linears whose weights MEMBERS are stored fused in FMT, ROWS each) into members of one
     FusedGroup, in place."""
     for module, member, n in zip(modules, members, rows):
         shape = tuple(module.weight.shape)
         if shape != (n, fmt.shape[1]) or not isinstance(module, nn.Linear):
-            raise ShardError(f"fused weight member {member} is {[n, fmt.shape[1]]}, the model's is {list(shape)}; {RESHARD}")
-    group = FusedGroup(modules, rows, f"{' + '.join(members)} (packed, fused) is bound only inside the forward of {where}, and")
+            raise ShardError(
+                f"fused weight member {member} is {[n, fmt.shape[1]]}, the model's is {list(shape)}; {RESHARD}"
+            )
+    group = FusedGroup(
+        modules, rows, f"{' + '.join(members)} (packed, fused) is bound only inside the forward of {where}, and"
+    )
     for index, module in enumerate(modules):
         cls = type(module)
         fused_cls = _FUSED_CLASSES.get(cls)
         if fused_cls is None:
-            fused_cls = _FUSED_CLASSES[cls] = type(f"Fused{cls.__name__}", (_FusedForward, cls), {"__module__": __name__})
+            fused_cls = _FUSED_CLASSES[cls] = type(
+                f"Fused{cls.__name__}", (_FusedForward, cls), {"__module__": __name__}
+            )
         module.__class__ = fused_cls
         module.fused_group, module.fused_index = group, index
         module.packed_where = group.where
@@ -165,11 +198,36 @@ class PackedBinding:
     scales are converted) and dropped on unbind. With `group` (a FusedGroup), the weight is several Linears' stored
     as one, and the group computes with it."""
 
-    __slots__ = ("module", "attr", "tensor", "format", "device", "dtype", "persistent", "is_buffer", "placeholder", "_source", "_bound",
-                 "_direct", "_by_buffer", "group", "mode")
+    __slots__ = (
+        "module",
+        "attr",
+        "tensor",
+        "format",
+        "device",
+        "dtype",
+        "persistent",
+        "is_buffer",
+        "placeholder",
+        "_source",
+        "_bound",
+        "_direct",
+        "_by_buffer",
+        "group",
+        "mode",
+    )
 
-    def __init__(self, module: nn.Linear, tensor: str, fmt: PackedFormat, device: torch.device, dtype: torch.dtype, placeholder,
-                 persistent: bool = False, group: FusedGroup | None = None, mode: str = "exact") -> None:
+    def __init__(
+        self,
+        module: nn.Linear,
+        tensor: str,
+        fmt: PackedFormat,
+        device: torch.device,
+        dtype: torch.dtype,
+        placeholder,
+        persistent: bool = False,
+        group: FusedGroup | None = None,
+        mode: str = "exact",
+    ) -> None:
         self.mode = mode  # the native kernels' mode (packed/bound.py NATIVE_MODES)
         shape = tuple(module.weight.shape) if group is None else fmt.shape
         if shape != fmt.shape:
@@ -195,7 +253,9 @@ class PackedBinding:
                 if self._by_buffer is not None:
                     self._by_buffer.put(data, self._bound)  # views only: holds no memory
             else:
-                self._bound = compute.bind(PackedTensor.from_bytes(self.format, data), self.device, self.dtype, mode=self.mode)
+                self._bound = compute.bind(
+                    PackedTensor.from_bytes(self.format, data), self.device, self.dtype, mode=self.mode
+                )
             self._source = data
         if self.group is not None:
             self.group.bound = self._bound
@@ -267,7 +327,11 @@ def _direct_int4(fmt: PackedFormat, device: torch.device, dtype: torch.dtype):
 
     def bound(data: torch.Tensor):
         sz = data[sz_at:sz_end].view(stored).view(fmt.groups, n, 2)
-        kernel = {"weight": data[codes_at:codes_end].view(n, k // 2), "scales_and_zeros": sz if stored == dtype else sz.to(dtype), "tiles": tiles}
+        kernel = {
+            "weight": data[codes_at:codes_end].view(n, k // 2),
+            "scales_and_zeros": sz if stored == dtype else sz.to(dtype),
+            "tiles": tiles,
+        }
         return BoundWeight(fmt, dtype, device, "int4", kernel=kernel, dense_rows=dense_rows, dense_dtype=dense_dtype)
 
     return bound

@@ -23,12 +23,12 @@ from ..tiers import RESIDENT_KINDS, TIERS
 _FLOAT_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors names of the float dtypes a unit may hold
 
 
-
 @dataclass
 class ResidencyPlan:
     """Which tier serves each unit (device, host or storage), with the formula and inputs that placed them.
 
-    What make_plan decided from the two cache budgets; the weight store loads by it and `--stats` prints it (describe)."""
+    What make_plan decided from the two cache budgets; the weight store loads by it and `--stats` prints it
+    (describe)."""
 
     tier: dict[str, str]  # unit name -> device | host | storage
     formula: str
@@ -55,12 +55,19 @@ class ResidencyPlan:
         moe = ""
         if experts:
             by = {t: sum(1 for e in experts if self.tier[e] == t) for t in TIERS}
-            moe = (f"; experts: {by['device']} device, {by['host']} host, {by['storage']} storage of {len(experts)}, "
-                   f"expert cache {format_bytes(self.expert_cache_bytes)}")
+            moe = (
+                f"; experts: {by['device']} device, {by['host']} host, {by['storage']} storage of {len(experts)}, "
+                f"expert cache {format_bytes(self.expert_cache_bytes)}"
+            )
         return f"residency: {counts}; layers [{strip}] (D device, H host cache, S storage){moe}; {self.formula}"
 
     def to_dict(self) -> dict:
-        return {"tier": self.tier, "formula": self.formula, "inputs": self.inputs, "expert_cache_bytes": self.expert_cache_bytes}
+        return {
+            "tier": self.tier,
+            "formula": self.formula,
+            "inputs": self.inputs,
+            "expert_cache_bytes": self.expert_cache_bytes,
+        }
 
 
 def spaced(n: int, k: int) -> list[int]:
@@ -77,18 +84,28 @@ def row_tables(manifest: Manifest, device: str) -> set[str]:
 
 
 def resident_bytes(unit, compute_itemsize: int | None) -> int:
-    """What UNIT holds once resident: its float tensors in the compute dtype (of COMPUTE_ITEMSIZE bytes; None: as stored)."""
+    """What UNIT holds once resident: its float tensors in the compute dtype (of COMPUTE_ITEMSIZE bytes; None: as
+    stored)."""
     if not compute_itemsize:
         return unit.tensor_bytes
-    return sum(t.nbytes * compute_itemsize // _FLOAT_ITEMSIZE[t.dtype] if t.dtype in _FLOAT_ITEMSIZE else t.nbytes
-               for t in unit.tensors)
+    return sum(
+        t.nbytes * compute_itemsize // _FLOAT_ITEMSIZE[t.dtype] if t.dtype in _FLOAT_ITEMSIZE else t.nbytes
+        for t in unit.tensors
+    )
 
 
-def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int, *, device: str = "",
-              compute_itemsize: int | None = None) -> ResidencyPlan:
+def make_plan(
+    manifest: Manifest,
+    device_cache_bytes: int,
+    host_cache_bytes: int,
+    *,
+    device: str = "",
+    compute_itemsize: int | None = None,
+) -> ResidencyPlan:
     """Place every unit of MANIFEST within the device and host budgets (bytes); what fits neither streams from storage.
 
-    Units hooked on the whole model and vision towers always on the device, then the other non-layer units, then as many layers as fit,
+    Units hooked on the whole model and vision towers always on the device, then the other non-layer units, then as many
+    layers as fit,
     the streamed ones spread evenly through the stack; a MoE model's experts last: all on the device if they fit,
     else the device budget left over is their cache (expert_cache_bytes). DEVICE "cpu": an embedding table looked up
     by rows goes after the layers (row_tables). COMPUTE_ITEMSIZE: the compute dtype's bytes, which a unit's float
@@ -119,8 +136,10 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
         if u.kind in RESIDENT_KINDS:
             tier[u.name] = "device"
             budget["device"] -= resident_bytes(u, compute_itemsize)
-    for u in sorted((u for u in manifest.units if u.kind not in ("layer", "expert", *RESIDENT_KINDS) and u.name not in by_rows),
-                    key=lambda u: u.tensor_bytes):
+    for u in sorted(
+        (u for u in manifest.units if u.kind not in ("layer", "expert", *RESIDENT_KINDS) and u.name not in by_rows),
+        key=lambda u: u.tensor_bytes,
+    ):
         place(u.name)
     layers = manifest.layers
     n = len(layers)
@@ -128,12 +147,17 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
     layer_bytes = max(sizes, default=0)
     # The most layers that fit by their own sizes (a GGUF mixes block types, so its layers differ): a set whose
     # layers sum to the budget stays whole on the device even where the largest layer times N would not fit.
-    fit_device = next(k for k in range(n, -1, -1) if _kept_bytes(sizes, set(spaced(n, n - k))) <= max(0, budget["device"]))
+    fit_device = next(
+        k for k in range(n, -1, -1) if _kept_bytes(sizes, set(spaced(n, n - k))) <= max(0, budget["device"])
+    )
     streamed = set(spaced(n, n - fit_device))
     streamed_sorted = sorted(streamed)
     host_sizes = [u.tensor_bytes for u in layers]  # the host tier holds the files as stored
-    fit_host = next(k for k in range(len(streamed_sorted), -1, -1)
-                    if sum(host_sizes[streamed_sorted[i]] for i in spaced(len(streamed_sorted), k)) <= max(0, budget["host"]))
+    fit_host = next(
+        k
+        for k in range(len(streamed_sorted), -1, -1)
+        if sum(host_sizes[streamed_sorted[i]] for i in spaced(len(streamed_sorted), k)) <= max(0, budget["host"])
+    )
     host_idx = {streamed_sorted[i] for i in spaced(len(streamed_sorted), fit_host)}
     for i, u in enumerate(layers):
         tier[u.name] = "host" if i in host_idx else "storage" if i in streamed else "device"
@@ -147,14 +171,19 @@ def make_plan(manifest: Manifest, device_cache_bytes: int, host_cache_bytes: int
         f"streamed every ~N/(N-k) = {n / max(1, n - fit_device):.1f} layers; host layers = {fit_host} of the streamed"
     )
     inputs = {
-        "N": n, "layer_bytes": layer_bytes, "device_cache_bytes": device_cache_bytes, "host_cache_bytes": host_cache_bytes,
+        "N": n,
+        "layer_bytes": layer_bytes,
+        "device_cache_bytes": device_cache_bytes,
+        "host_cache_bytes": host_cache_bytes,
         "k": fit_device,
     }
     if by_rows:
         formula += f"; {', '.join(sorted(by_rows))} (looked up by rows) after the layers"
     if manifest.experts:
-        formula += ("; experts (after every layer's dense part): all on the device if they fit, else the device budget left "
-                    "is an expert cache and the host budget left holds experts spread evenly")
+        formula += (
+            "; experts (after every layer's dense part): all on the device if they fit, else the device budget left is "
+            "an expert cache and the host budget left holds experts spread evenly"
+        )
     return ResidencyPlan(tier, formula, inputs, cache)
 
 
@@ -164,7 +193,8 @@ def _kept_bytes(sizes: list[int], streamed: set[int]) -> int:
 
 
 def _place_experts(manifest: Manifest, tier: dict[str, str], budget: dict[str, int]) -> int:
-    """Experts go after the dense parts (every token needs those, an expert only when routed). Returns the cache bytes."""
+    """Experts go after the dense parts (every token needs those, an expert only when routed). Returns the cache
+    bytes."""
     experts = manifest.experts
     if not experts:
         return 0
@@ -199,21 +229,37 @@ def check_floor(profile, floor, reserve_given: bool = False) -> None:
     reserve, resident = inputs["reserve_bytes"], inputs["resident_bytes"]
     buffers = 2 * inputs["layer_bytes"] + max(0, inputs["largest_unit_bytes"] - inputs["layer_bytes"])
     context = need - runtime - reserve - resident - buffers
-    what = f"a context of {min(inputs['floor_tokens'], inputs['max_positions'])} tokens" if "floor_tokens" in inputs else "the KV cache"
-    parts = [f"runtime {format_bytes(runtime)}" if "runtime_bytes" in inputs else "", f"streaming buffers {format_bytes(buffers)}",
-             f"{what} {format_bytes(context)}", f"resident units {format_bytes(resident)}" if resident else "",
-             f"reserve {format_bytes(reserve)}"]
+    what = (
+        f"a context of {min(inputs['floor_tokens'], inputs['max_positions'])} tokens"
+        if "floor_tokens" in inputs
+        else "the KV cache"
+    )
+    parts = [
+        f"runtime {format_bytes(runtime)}" if "runtime_bytes" in inputs else "",
+        f"streaming buffers {format_bytes(buffers)}",
+        f"{what} {format_bytes(context)}",
+        f"resident units {format_bytes(resident)}" if resident else "",
+        f"reserve {format_bytes(reserve)}",
+    ]
     needs = f"need at least {format_bytes(need)} ({', '.join(p for p in parts if p)})"
     if profile.compute_device == "cpu" and profile.ram_bound == "cgroup":
         # In the limit's terms: raising it by L frees L more, and takes a tenth of L more into the reserve (unless it
         # is given). The process's own figures count the pages it maps, which the group may not be charged for.
         fraction = 0.0 if reserve_given else CGROUP_RESERVE_FRACTION
         limit = format_bytes(profile.ram_total + ceil((need - have) / (1 - fraction)))
-        message = (f"not enough memory to run this model: it needs a memory limit of at least {limit}, this one is "
-                   f"{format_bytes(profile.ram_total)}: the process would {needs} and {format_bytes(have)} is free to it; "
-                   f"raise the limit to {limit} or more, or lower {{reserve_bytes}}")
+        message = (
+            f"not enough memory to run this model: it needs a memory limit of at least {limit}, this one is "
+            f"{format_bytes(profile.ram_total)}: the process would {needs} and {format_bytes(have)} is free to it; "
+            f"raise the limit to {limit} or more, or lower {{reserve_bytes}}"
+        )
     else:
-        where, todo = ("free", "free memory or run it on a machine with more") if profile.compute_device == "cpu" else (
-            f"free on {profile.compute_device}", "free device memory or use a larger device")
-        message = f"not enough memory to run this model: {needs}, have {format_bytes(have)} {where}; {todo}, or lower {{reserve_bytes}}"
+        where, todo = (
+            ("free", "free memory or run it on a machine with more")
+            if profile.compute_device == "cpu"
+            else (f"free on {profile.compute_device}", "free device memory or use a larger device")
+        )
+        message = (
+            f"not enough memory to run this model: {needs}, have {format_bytes(have)} {where}; {todo}, or lower "
+            f"{{reserve_bytes}}"
+        )
     raise ParameterError(message, "reserve_bytes")

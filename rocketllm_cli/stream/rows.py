@@ -27,7 +27,12 @@ class RowGathers:
     def can_gather_rows(self, name: str) -> bool:
         """Rows of a streamed unit can be served alone on a CPU, where the lookup reads them in place."""
         unit = self.units[name]
-        return not self.cuda and self.plan.tier[name] != "device" and len(unit.tensors) == 1 and len(unit.tensors[0].shape) == 2
+        return (
+            not self.cuda
+            and self.plan.tier[name] != "device"
+            and len(unit.tensors) == 1
+            and len(unit.tensors[0].shape) == 2
+        )
 
     def gather_rows(self, name: str, key: str, ids: torch.Tensor) -> torch.Tensor:
         """A full-shaped table in which the rows `ids` name hold their values: the lookup reads nothing else.
@@ -66,11 +71,16 @@ class RowGathers:
         rows = torch.unique(ids.reshape(-1)).tolist()
         n, k = fmt.shape
         if rows and not (0 <= rows[0] and rows[-1] < n):
-            raise IndexError(f"token id {rows[-1] if rows[-1] >= n else rows[0]} outside the embedding table of {n} rows")
+            raise IndexError(
+                f"token id {rows[-1] if rows[-1] >= n else rows[0]} outside the embedding table of {n} rows"
+            )
         offsets, _ = fmt.offsets()
         # bytes of one row in each part: int8 codes and their scale, or one row of blocks
-        widths = ({"blocks": fmt.groups * fmt.block_bytes} if fmt.kind == "gguf" else
-                  {"codes": k, "scale": fmt.parts()["scale"][0][1] * dtypes.ITEMSIZE[fmt.scale_dtype]})
+        widths = (
+            {"blocks": fmt.groups * fmt.block_bytes}
+            if fmt.kind == "gguf"
+            else {"codes": k, "scale": fmt.parts()["scale"][0][1] * dtypes.ITEMSIZE[fmt.scale_dtype]}
+        )
         tier = self.plan.tier[name]
         if tier != "device":  # a resident unit is counted once per pass already
             self.ledger.serve(tier, len(rows) * sum(widths.values()))
@@ -90,7 +100,9 @@ class RowGathers:
             values = dequantize_blocks(picked["blocks"], fmt.gguf_type).to(self.dtype)
         else:
             values = (picked["codes"].float() * picked["scale"].float()).to(self.dtype)
-        table = self._sparse_table(f"{name}:{key}:{self.dtype}", n * k * self.dtype.itemsize).view(self.dtype).view(n, k)
+        table = (
+            self._sparse_table(f"{name}:{key}:{self.dtype}", n * k * self.dtype.itemsize).view(self.dtype).view(n, k)
+        )
         if table.device != values.device:
             values = values.to(table.device)
         table.index_copy_(0, torch.tensor(rows, dtype=torch.long), values)
@@ -106,7 +118,12 @@ class RowGathers:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             for i, row in enumerate(rows):
                 for part, width in widths.items():
-                    if pread(fd, memoryview(out[part][i].numpy()), record.offset + offsets[part] + row * width, unit.file) != width:
+                    if (
+                        pread(
+                            fd, memoryview(out[part][i].numpy()), record.offset + offsets[part] + row * width, unit.file
+                        )
+                        != width
+                    ):
                         raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:

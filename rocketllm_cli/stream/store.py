@@ -46,11 +46,24 @@ class WeightStore(RowGathers):
     """Every unit's bytes in its tier: device units loaded once, host units kept in RAM (mapped page cache on a CPU),
     storage units read on each use.
 
-    The streaming model asks for a unit's tensors just before its module runs (acquire) and gives them back after (release);
+    The streaming model asks for a unit's tensors just before its module runs (acquire) and gives them back after
+    (release);
     meanwhile IO workers read the next units of the schedule learned from the last pass, `prefetch_depth` ahead."""
 
-    def __init__(self, directory: Path, manifest: Manifest, plan: ResidencyPlan, ledger: Ledger, *, device: torch.device,
-                 compute_dtype: torch.dtype, prefetch_depth: int, io_workers: int, direct_io: bool, pin_memory: bool) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        manifest: Manifest,
+        plan: ResidencyPlan,
+        ledger: Ledger,
+        *,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        prefetch_depth: int,
+        io_workers: int,
+        direct_io: bool,
+        pin_memory: bool,
+    ) -> None:
         self.directory = directory
         self.units = {u.name: u for u in manifest.units}
         self.sizes = {u.name: u.tensor_bytes for u in manifest.units}
@@ -72,7 +85,8 @@ class WeightStore(RowGathers):
         # Buffers fit the units they hold (experts have staging buffers of their own, expertstream.py): a pool of
         # prefetch_depth + 1 sized for the largest streamed layer, and one more for the units larger than that (a tied
         # embedding and head of 27 MiB beside SmolLM2's 2.1 MiB layers), so the depth a layer needs costs layers' bytes.
-        self._per_use = [u for u in streamed if u.kind != "expert" and (plan.tier[u.name] == "storage" or self.cuda)]  # a CPU maps its host tier
+        # a CPU maps its host tier
+        self._per_use = [u for u in streamed if u.kind != "expert" and (plan.tier[u.name] == "storage" or self.cuda)]
         self.slot_bytes = self.large_bytes = 0
         self._size_buffers()
         self._slots: list[Slot] = []
@@ -82,20 +96,35 @@ class WeightStore(RowGathers):
         self._max_large = 1
         self._pending: dict[str, Future] = {}
         # Units with a float tensor stored in another dtype than the compute dtype: converted copies on each read.
-        self._converted = {u.name for u in manifest.units
-                           if any(DTYPES[t.dtype].is_floating_point and DTYPES[t.dtype] != compute_dtype for t in u.tensors)}
+        self._converted = {
+            u.name
+            for u in manifest.units
+            if any(DTYPES[t.dtype].is_floating_point and DTYPES[t.dtype] != compute_dtype for t in u.tensors)
+        }
         self._held: dict[str, tuple[Slot | None, int, dict[str, torch.Tensor]]] = {}
         # Host-tier units on a CPU are served through their mapping: only units read per use need IO threads.
         reads = [u for u in streamed if plan.tier[u.name] == "storage" or self.cuda]
-        self._pool = ThreadPoolExecutor(max(1, io_workers), thread_name_prefix="rocketllm-io") if prefetch_depth > 0 and reads else None
+        self._pool = (
+            ThreadPoolExecutor(max(1, io_workers), thread_name_prefix="rocketllm-io")
+            if prefetch_depth > 0 and reads
+            else None
+        )
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.schedule: list[str] = [u.name for u in streamed if u.kind != "expert"]  # experts go by routing, not order
         self._order: list[str] = []
         self._pos = -1
         # Read now: the device tier, and the host tier on CUDA (a CPU maps its host tier: nothing to read).
-        loads = {u.name: u.bytes for u in manifest.units if plan.tier[u.name] == "device" or (plan.tier[u.name] == "host" and self.cuda)}
-        with (LOAD_PROGRESS.get() or no_progress)(f"loading {manifest.source.get('name') or directory.name}",
-                                                  sum(loads.values()), units=len(loads), after=BLINK_S) as bar:
+        loads = {
+            u.name: u.bytes
+            for u in manifest.units
+            if plan.tier[u.name] == "device" or (plan.tier[u.name] == "host" and self.cuda)
+        }
+        with (LOAD_PROGRESS.get() or no_progress)(
+            f"loading {manifest.source.get('name') or directory.name}",
+            sum(loads.values()),
+            units=len(loads),
+            after=BLINK_S,
+        ) as bar:
             for u in manifest.units:
                 if plan.tier[u.name] == "device":
                     self._resident[u.name] = self._load_resident(u)
@@ -256,10 +285,16 @@ class WeightStore(RowGathers):
         sizes = self.buffers()
         if not sizes:
             return "streaming buffers: none (nothing is read per use)"
-        pools = [f"{count} x {format_bytes(size)}" + (" (layers)" if i == 0 and len(sizes) > 1 else " (larger units)" if i else "")
-                 for i, (size, count) in enumerate(sizes)]
+        pools = [
+            f"{count} x {format_bytes(size)}"
+            + (" (layers)" if i == 0 and len(sizes) > 1 else " (larger units)" if i else "")
+            for i, (size, count) in enumerate(sizes)
+        ]
         workers = self._pool._max_workers if self._pool is not None else 0
-        return f"streaming buffers: {' + '.join(pools)}; read-ahead {self.depth} units, {workers} IO worker{'s' if workers != 1 else ''}"
+        return (
+            f"streaming buffers: {' + '.join(pools)}; read-ahead {self.depth} units, {workers} IO "
+            f"worker{'s' if workers != 1 else ''}"
+        )
 
     def _take_slot(self, name: str, block: bool = True) -> Slot | None:
         large = self._large(name)

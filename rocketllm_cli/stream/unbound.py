@@ -22,11 +22,39 @@ class UnboundWeightError(ModelError):
 
 
 # Queries that read a tensor's metadata, never its values: an unbound placeholder answers them.
-_METADATA = frozenset({
-    "shape", "dtype", "device", "size", "dim", "ndim", "ndimension", "numel", "nelement", "is_floating_point", "is_complex",
-    "element_size", "itemsize", "nbytes", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested",
-    "requires_grad", "requires_grad_", "grad", "grad_fn", "is_leaf", "__len__", "stride", "is_contiguous",
-})
+_METADATA = frozenset(
+    {
+        "shape",
+        "dtype",
+        "device",
+        "size",
+        "dim",
+        "ndim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "is_floating_point",
+        "is_complex",
+        "element_size",
+        "itemsize",
+        "nbytes",
+        "layout",
+        "is_cuda",
+        "is_cpu",
+        "is_meta",
+        "is_sparse",
+        "is_quantized",
+        "is_nested",
+        "requires_grad",
+        "requires_grad_",
+        "grad",
+        "grad_fn",
+        "is_leaf",
+        "__len__",
+        "stride",
+        "is_contiguous",
+    }
+)
 _LOOKUPS = (F.embedding, torch.embedding)  # (ids, table, ...)
 
 

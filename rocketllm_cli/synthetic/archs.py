@@ -72,11 +72,17 @@ ARCHS: dict[str, ArchSpec] = {  # short name -> row
         hidden_scale=0.1,
         experts_key="num_experts",
     ),
-    "qwen2_moe": ArchSpec(  # shared expert beside the routed ones, and one dense layer (mlp_only_layers) in the tiny shape
+    # shared expert beside the routed ones, and one dense layer (mlp_only_layers) in the tiny shape
+    "qwen2_moe": ArchSpec(
         "qwen2_moe",
         names={"intermediate": "moe_intermediate_size"},
-        tiny={"num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 96, "intermediate_size": 96,
-              "mlp_only_layers": [1]},
+        tiny={
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_expert_intermediate_size": 96,
+            "intermediate_size": 96,
+            "mlp_only_layers": [1],
+        },
         sized={"num_experts": 60, "num_experts_per_tok": 4},
         mlp_ratio=0.375,
         hidden_scale=0.1,
@@ -89,8 +95,15 @@ TINY_SHAPE = {"hidden": 64, "intermediate": 128, "layers": 4, "heads": 4, "kv_he
 TINY_VOCAB = 320
 SIZED_VOCAB = 32_000
 # (largest target in params, hidden, head_dim): shapes in the range of published models of that size
-_HIDDEN_LADDER = ((0.25e9, 576, 64), (0.7e9, 1024, 64), (2.5e9, 2048, 64), (5e9, 3072, 128),
-                  (11e9, 4096, 128), (24e9, 5120, 128), (float("inf"), 8192, 128))
+_HIDDEN_LADDER = (
+    (0.25e9, 576, 64),
+    (0.7e9, 1024, 64),
+    (2.5e9, 2048, 64),
+    (5e9, 3072, 128),
+    (11e9, 4096, 128),
+    (24e9, 5120, 128),
+    (float("inf"), 8192, 128),
+)
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmbt])\s*$", re.IGNORECASE)
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
@@ -150,7 +163,10 @@ def _fit(spec: ArchSpec, target: int) -> dict:
     inter = _round(spec.mlp_ratio * hidden, 64)
 
     def params(layers: int, intermediate: int) -> int:
-        kwargs = {**_shape_kwargs(spec, {**shape, "layers": layers, "intermediate": intermediate}), "vocab_size": SIZED_VOCAB}
+        kwargs = {
+            **_shape_kwargs(spec, {**shape, "layers": layers, "intermediate": intermediate}),
+            "vocab_size": SIZED_VOCAB,
+        }
         return count_params(_build(spec, {**kwargs, **spec.sized, **SPECIAL_IDS}))
 
     one, two, wider = params(1, inter), params(2, inter), params(1, inter + 256)

@@ -1,6 +1,7 @@
 """A random-weight Llama GGUF of any size and low-bit type, written with the `gguf` package's own writer.
 
-    write_llama_gguf(path, like=real.gguf, hidden=3072, layers=26, intermediate=8192, heads=24, kv_heads=8, qtype="Q4_0")
+    write_llama_gguf(path, like=real.gguf, hidden=3072, layers=26, intermediate=8192, heads=24, kv_heads=8,
+    qtype="Q4_0")
 
 The output head is tied to the embedding unless `output_type` names a type for a head of its own (`output.weight`).
 
@@ -23,9 +24,21 @@ TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "IQ2_XXS", "TQ2_0", "MX
 SKIPPED_KEYS = ("GGUF.", "general.architecture", "llama.")  # the writer's own, and the sizes written here
 
 
-def write_llama_gguf(path: Path, like: Path, *, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
-                     qtype: str = "Q4_0", embed_type: str = "Q8_0", output_type: str | None = None, seed: int = 0,
-                     context: int = 2048) -> Path:
+def write_llama_gguf(
+    path: Path,
+    like: Path,
+    *,
+    hidden: int,
+    layers: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    qtype: str = "Q4_0",
+    embed_type: str = "Q8_0",
+    output_type: str | None = None,
+    seed: int = 0,
+    context: int = 2048,
+) -> Path:
     """Write the GGUF at `path` (atomically: a partial file never has the name) and return it."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 

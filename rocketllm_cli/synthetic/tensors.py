@@ -50,7 +50,7 @@ def saved_tensors(config) -> list[TensorSpec]:
 
     placed = []
     for index, (name, tensor) in enumerate(saved.items()):
-        layer = int(name[len(stack):].split(".", 1)[0]) if name.startswith(stack) else None
+        layer = int(name[len(stack) :].split(".", 1)[0]) if name.startswith(stack) else None
         # Non-layer tensors keep their side of the stack; renamed ones (none so far) go after it.
         group = 1 if layer is not None else 0 if module_order.get(name, first_layer + 1) < first_layer else 2
         kind = "embedding" if name == embedding else "matrix" if tensor.dim() > 1 else "norm"
@@ -61,7 +61,8 @@ def saved_tensors(config) -> list[TensorSpec]:
 
 
 def _stack_prefix(model, config) -> str:
-    # The repeated decoder stack is the ModuleList with one entry per hidden layer: "model.layers.", "transformer.h." ...
+    # The repeated decoder stack is the ModuleList with one entry per hidden layer: "model.layers.", "transformer.h."
+    # ...
     num_layers = getattr(config, "num_hidden_layers", None)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers and name:
@@ -103,7 +104,13 @@ def chunk_count(spec: TensorSpec) -> int:
 
 
 def make_chunk(
-    spec: TensorSpec, index: int, *, dtype: torch.dtype, seed: int, std: float, norm_value: float,
+    spec: TensorSpec,
+    index: int,
+    *,
+    dtype: torch.dtype,
+    seed: int,
+    std: float,
+    norm_value: float,
     embedding_std: float | None = None,
 ) -> torch.Tensor:
     """Chunk `index` of the flattened tensor: at most CHUNK_ELEMENTS values, each chunk seeded on its own

@@ -10,10 +10,64 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>")
 SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}  # config kwargs
 # Each piece is a merge of two earlier tokens; 6 + 256 + 58 = 320.
 PIECES = (
-    " t", " a", "he", "in", "re", "on", " s", "er", " w", "at", "en", "nd", " o", " c", "es", "is", "it", "or",
-    " b", "ou", "ed", " f", "an", " p", "ar", "al", " m", " d", " h", "le", "as", " i", "ic", " l", " n", "ro",
-    " e", "st", "ly", " g", "ll", "om", "ce", "ch", " u", "ve", "ur", "ing", "ion", "ent", " the", " in", " and",
-    " of", " to", " is", " re", " th",
+    " t",
+    " a",
+    "he",
+    "in",
+    "re",
+    "on",
+    " s",
+    "er",
+    " w",
+    "at",
+    "en",
+    "nd",
+    " o",
+    " c",
+    "es",
+    "is",
+    "it",
+    "or",
+    " b",
+    "ou",
+    "ed",
+    " f",
+    "an",
+    " p",
+    "ar",
+    "al",
+    " m",
+    " d",
+    " h",
+    "le",
+    "as",
+    " i",
+    "ic",
+    " l",
+    " n",
+    "ro",
+    " e",
+    "st",
+    "ly",
+    " g",
+    "ll",
+    "om",
+    "ce",
+    "ch",
+    " u",
+    "ve",
+    "ur",
+    "ing",
+    "ion",
+    "ent",
+    " the",
+    " in",
+    " and",
+    " of",
+    " to",
+    " is",
+    " re",
+    " th",
 )
 VOCAB_SIZE = len(SPECIAL_TOKENS) + 256 + len(PIECES)
 CHAT_TEMPLATE = (
@@ -65,7 +119,7 @@ def _apply_merges(token: str, merges: list[tuple[str, str]]) -> list[str]:
         best, at = min((rank.get(pair, len(rank)), i) for i, pair in enumerate(zip(parts, parts[1:])))
         if best == len(rank):
             break
-        parts[at:at + 2] = [parts[at] + parts[at + 1]]
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
     return parts
 
 

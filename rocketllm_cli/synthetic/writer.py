@@ -143,8 +143,11 @@ def plan_files(
 
 def _deal_cut_layers(specs: list[TensorSpec], groups: list[int]) -> None:
     # The decoder layer at each cut between groups g and g+1 gets its tensors dealt g, g+1, g, ...
-    cuts = [(groups[i - 1], groups[i], specs[i].layer if specs[i].layer is not None else specs[i - 1].layer)
-            for i in range(1, len(specs)) if groups[i] != groups[i - 1]]
+    cuts = [
+        (groups[i - 1], groups[i], specs[i].layer if specs[i].layer is not None else specs[i - 1].layer)
+        for i in range(1, len(specs))
+        if groups[i] != groups[i - 1]
+    ]
     for low, high, layer in cuts:
         members = [j for j, spec in enumerate(specs) if layer is not None and spec.layer == layer]
         for k, j in enumerate(members if len(members) > 1 else []):
@@ -162,7 +165,11 @@ def write_safetensors(path: Path, specs: list[TensorSpec], values: dict) -> None
     offset = 0
     for spec in specs:
         size = spec.numel * itemsize
-        header[spec.name] = {"dtype": _ST_DTYPES[dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + size]}
+        header[spec.name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it

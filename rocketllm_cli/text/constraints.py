@@ -71,7 +71,12 @@ class Constraint:
         raise GrammarError(f"unknown constraint kind {self.kind!r}")
 
     def describe(self) -> str:
-        return {"json_schema": "a JSON Schema", "json_object": "a JSON object", "lark": "a Lark grammar", "regex": "a regular expression"}[self.kind]
+        return {
+            "json_schema": "a JSON Schema",
+            "json_object": "a JSON object",
+            "lark": "a Lark grammar",
+            "regex": "a regular expression",
+        }[self.kind]
 
 
 # Keywords whose values are one subschema, or a map or list of them, that for_generation() walks into.
@@ -86,8 +91,14 @@ def engine_schema(schema, lenient: bool = False):
     exclude each other, as a discriminated union's do), and with `lenient` unimplemented keywords left unenforced."""
     schema = for_generation(schema)
     if isinstance(schema, dict) and "x-guidance" not in schema:
-        schema = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE, "coerce_one_of": True, **({"lenient": True} if lenient else {})},
-                  **schema}
+        schema = {
+            "x-guidance": {
+                "whitespace_pattern": JSON_WHITESPACE,
+                "coerce_one_of": True,
+                **({"lenient": True} if lenient else {}),
+            },
+            **schema,
+        }
     return schema
 
 
@@ -105,7 +116,9 @@ def for_generation(schema):
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if "properties" in out and not any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+    if "properties" in out and not any(
+        k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    ):
         out["additionalProperties"] = False
     kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
     if "integer" in kinds or "number" in kinds:
@@ -141,7 +154,9 @@ def from_flags(json_schema: str | None, grammar: str | None) -> Constraint | Non
     try:
         return Constraint.lark(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
-        raise GrammarError(f"--grammar {grammar} is not UTF-8 text (byte {exc.start}); give a file of Lark rules") from None
+        raise GrammarError(
+            f"--grammar {grammar} is not UTF-8 text (byte {exc.start}); give a file of Lark rules"
+        ) from None
 
 
 def json_schema_of(text_or_path: str) -> dict:
@@ -152,12 +167,17 @@ def json_schema_of(text_or_path: str) -> dict:
     if not text_or_path.lstrip().startswith(("{", "true")):
         path = Path(text_or_path).expanduser()
         if not path.is_file():
-            raise GrammarError(f"--json-schema {text_or_path}: neither inline JSON nor a file; give a schema as JSON or a file holding one")
+            raise GrammarError(
+                f"--json-schema {text_or_path}: neither inline JSON nor a file; give a schema as JSON "
+                f"or a file holding one"
+            )
         text = path.read_text(encoding="utf-8")
     try:
         schema = json.loads(text)
     except ValueError as exc:
-        raise GrammarError(f"the JSON Schema is not valid JSON ({exc}); fix it or give a file holding valid JSON") from None
+        raise GrammarError(
+            f"the JSON Schema is not valid JSON ({exc}); fix it or give a file holding valid JSON"
+        ) from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("the JSON Schema must be a JSON object")
     return schema

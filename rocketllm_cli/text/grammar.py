@@ -59,7 +59,8 @@ class Grammars:
         return int(self.engine_tokenizer.vocab_size)
 
     def compile(self, constraint: Constraint):
-        """A matcher for CONSTRAINT at its start, compiled once and kept; raises GrammarError with the engine's reason."""
+        """A matcher for CONSTRAINT at its start, compiled once and kept; raises GrammarError with the engine's
+        reason."""
         import llguidance
 
         tokenizer = self.engine_tokenizer
@@ -124,8 +125,11 @@ def _engine_tokenizer(tokenizer, eos_ids: list[int]):
         raise EngineUnavailable("constrained decoding needs the llguidance package: pip install llguidance") from None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        raise EngineUnavailable(f"constrained decoding needs a fast (Rust) tokenizer, and this model's is {type(tokenizer).__name__}; "
-                           "save the model with its tokenizer.json")
+        raise EngineUnavailable(
+            f"constrained decoding needs a fast (Rust) tokenizer, and this model's is "
+            f"{type(tokenizer).__name__}; "
+            "save the model with its tokenizer.json"
+        )
     try:
         return llguidance.hf.from_tokenizer(tokenizer, eos_token=list(eos_ids) or None)
     except Exception as exc:  # noqa: BLE001 - the engine's own reasons (an unusual pre-tokenizer, a byte map it cannot read)
@@ -178,7 +182,9 @@ class _Row:
             ok = self.matcher.validate_tokens(new) if not self.matcher.is_stopped() else 0
             if ok:
                 if not self.matcher.consume_tokens(new[:ok]):
-                    raise GrammarError(f"the grammar engine refused tokens it had validated: {self.matcher.get_error()}")
+                    raise GrammarError(
+                        f"the grammar engine refused tokens it had validated: {self.matcher.get_error()}"
+                    )
                 self.consumed.extend(new[:ok])
             self.off = ok < len(new)
 
@@ -252,8 +258,11 @@ class GrammarMask(LogitsProcessor):
 
     def figures(self) -> dict:
         """What Record.grammar reports: rows constrained, masks applied, the generating thread's time on them."""
-        return {"rows": sum(r is not None for r in self.rows), "masks": self.mask_calls,
-                "blocking_ms_per_mask": round(1000 * self.blocking_s / self.mask_calls, 4) if self.mask_calls else None}
+        return {
+            "rows": sum(r is not None for r in self.rows),
+            "masks": self.mask_calls,
+            "blocking_ms_per_mask": round(1000 * self.blocking_s / self.mask_calls, 4) if self.mask_calls else None,
+        }
 
     def _only_eos(self, scores: torch.Tensor) -> None:
         keep = scores[self.eos_ids].clone()

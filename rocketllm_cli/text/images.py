@@ -19,7 +19,10 @@ MAX_IMAGES = 8  # per prompt: each picture is a prefill of hundreds of placehold
 MAX_IMAGE_BYTES = 20 << 20
 MAX_PIXELS = 8192 * 8192  # a decoded picture larger than this is refused before its pixels are decoded
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
-NEEDS_PILLOW = "images need the Pillow package: pip install -e '.[vision]' in the rocketllm source directory (or pip install pillow)"
+NEEDS_PILLOW = (
+    "images need the Pillow package: pip install -e '.[vision]' in the rocketllm source directory (or pip "
+    "install pillow)"
+)
 
 
 def accepted() -> str:
@@ -34,7 +37,9 @@ def decode_image(data: bytes, where: str):
     except ImportError:
         raise ImageError(NEEDS_PILLOW) from None
     if len(data) > MAX_IMAGE_BYTES:
-        raise ImageError(f"{where} is {len(data) >> 20} MiB; images of at most {MAX_IMAGE_BYTES >> 20} MiB are accepted")
+        raise ImageError(
+            f"{where} is {len(data) >> 20} MiB; images of at most {MAX_IMAGE_BYTES >> 20} MiB are accepted"
+        )
     try:
         image = Image.open(io.BytesIO(data))
     except Exception:  # noqa: BLE001 - Pillow raises several kinds for bytes that are no image it knows
@@ -48,7 +53,9 @@ def decode_image(data: bytes, where: str):
         image.load()
         return image.convert("RGB")
     except Exception as exc:  # noqa: BLE001 - truncated or corrupt data behind a valid header
-        raise ImageError(f"{where} does not decode as an image: {' '.join(str(exc).split()) or type(exc).__name__}") from None
+        raise ImageError(
+            f"{where} does not decode as an image: {' '.join(str(exc).split()) or type(exc).__name__}"
+        ) from None
 
 
 def read_image(path: str | Path, where: str | None = None):
@@ -72,17 +79,22 @@ def image_from_url(url: str, where: str):
         raise ImageError(f"{where} must be a non-empty string (a data: URL, or a path the server can read)")
     scheme = url.split(":", 1)[0].lower() if ":" in url[:12] else ""
     if scheme in ("http", "https"):
-        raise ImageError(f"{where} is an {scheme} URL, which this server does not fetch (it would request addresses chosen by "
-                         "whoever sends the request); send the image inline, base64-encoded, instead")
+        raise ImageError(
+            f"{where} is an {scheme} URL, which this server does not fetch (it would request addresses "
+            f"chosen by "
+            "whoever sends the request); send the image inline, base64-encoded, instead"
+        )
     if scheme == "data":
         match = _DATA_URL.match(url)
         if match is None:
             raise ImageError(f"{where} is a data: URL that is not base64 (expected data:image/png;base64,...)")
         return decode_image(decode_base64(match.group("data"), where), where)
     if scheme == "file":
-        url = url[len("file://"):] if url.startswith("file://") else url[len("file:"):]
+        url = url[len("file://") :] if url.startswith("file://") else url[len("file:") :]
     elif scheme:
-        raise ImageError(f"{where} has the URL scheme {scheme!r}; send a data: URL (base64) or a path the server can read")
+        raise ImageError(
+            f"{where} has the URL scheme {scheme!r}; send a data: URL (base64) or a path the server can read"
+        )
     return read_image(url, where)
 
 
@@ -123,7 +135,8 @@ def user_content(text: str, images: list) -> list[dict]:
 
 
 def processor_inputs(processor, messages: list[dict], **template_kwargs) -> tuple[list[int], dict]:
-    """Token ids and the other tensors (pixel_values, image_grid_thw, token_type_ids ...) the processor makes of MESSAGES,
+    """Token ids and the other tensors (pixel_values, image_grid_thw, token_type_ids ...) the processor makes of
+    MESSAGES,
     whose content parts may carry PIL images; through the processor's own apply_chat_template, as transformers does."""
     kwargs = {"add_generation_prompt": True, **template_kwargs}
     try:
@@ -138,5 +151,10 @@ def processor_inputs(processor, messages: list[dict], **template_kwargs) -> tupl
 
 
 def count_images(messages: list[dict]) -> int:
-    return sum(1 for m in messages if isinstance(m.get("content"), list) for part in m["content"]
-               if isinstance(part, dict) and part.get("type") == "image")
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    )

@@ -40,13 +40,17 @@ class GenerationRequest:
     on_text: Callable[[str], None] | None = None  # called on the generating thread with each safe piece of text
     use_prefix_cache: bool = True
     keep_prefix: bool = True  # store this generation's KV for later prompts (bench times repeats without it)
-    # The processor's tensors beside the ids (pixel_values, image_grid_thw ...: text/images.py) for a prompt with pictures.
+    # The processor's tensors beside the ids (pixel_values, image_grid_thw ...: text/images.py) for a prompt with
+    # pictures.
     # Such a prompt runs alone and never touches the prefix cache: two pictures' placeholder tokens are the same ids.
     model_inputs: dict | None = None
     constraint: Constraint | None = None  # what the output must be (text/grammar.py): a JSON Schema, a grammar ...
-    logprobs: int | None = None  # record each generated token's log-probability, with this many most likely (text/logprobs.py)
-    prompt_logprobs: int | None = None  # also each prompt token's, given those before it (an echo), with this many most likely
-    on_logprobs: Callable[[list], None] | None = None  # called on the generating thread with each new token's TokenLogprob
+    # record each generated token's log-probability, with this many most likely (text/logprobs.py)
+    logprobs: int | None = None
+    # also each prompt token's, given those before it (an echo), with this many most likely
+    prompt_logprobs: int | None = None
+    # called on the generating thread with each new token's TokenLogprob
+    on_logprobs: Callable[[list], None] | None = None
     score_only: bool = False  # generate nothing: only the prompt's log-probabilities (an echo with max_tokens 0)
 
     @property
@@ -84,8 +88,15 @@ class Generator:
     resident) and draft_tokens default to the model's knobs (AutoModel loads the knob's draft model); see speculate.py.
     """
 
-    def __init__(self, model, prefix_cache=None, tokenizer=None, speculate: str | None = None, draft_model=None,
-                 draft_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        prefix_cache=None,
+        tokenizer=None,
+        speculate: str | None = None,
+        draft_model=None,
+        draft_tokens: int | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self.prefix_cache = prefix_cache
@@ -124,22 +135,42 @@ class Generator:
         if len(requests) > 1 and any(r.has_images for r in requests):
             raise ValueError("a prompt with images runs alone, not in a batch")
         if params.min_new_tokens and any(r.constraint is not None for r in requests):
-            raise ValueError("min_new_tokens holds end-of-sequence off, which a grammar may need: give one or the other")
+            raise ValueError(
+                "min_new_tokens holds end-of-sequence off, which a grammar may need: give one or the other"
+            )
         if all(r.cancel.is_set() for r in requests):
             return [GenerationOutcome("", [], len(r.prompt_ids), "cancelled") for r in requests]
         if all(r.score_only for r in requests):
-            return [GenerationOutcome("", [], len(r.prompt_ids), "length", logprobs=[],
-                                      prompt_logprobs=self.score(r.prompt_ids, r.prompt_logprobs or 0)) for r in requests]
+            return [
+                GenerationOutcome(
+                    "",
+                    [],
+                    len(r.prompt_ids),
+                    "length",
+                    logprobs=[],
+                    prompt_logprobs=self.score(r.prompt_ids, r.prompt_logprobs or 0),
+                )
+                for r in requests
+            ]
         single = requests[0] if len(requests) == 1 else None
         record = Record(start=time.perf_counter())  # the prefill time includes restoring a cached prefix
-        spec = self.speculation if single is not None else self.speculation.off(
-            "off: a batch of several prompts (transformers verifies the drafts of one sequence at a time)")
+        spec = (
+            self.speculation
+            if single is not None
+            else self.speculation.off(
+                "off: a batch of several prompts (transformers verifies the drafts of one sequence at a time)"
+            )
+        )
         if single is not None and single.has_images and spec.on:
-            spec = spec.off("off: the prompt carries images (a draft cannot see them, and their placeholder tokens "
-                            "of two different pictures are identical)")
+            spec = spec.off(
+                "off: the prompt carries images (a draft cannot see them, and their placeholder tokens "
+                "of two different pictures are identical)"
+            )
         if spec.on and any(r.logprobs is not None for r in requests):
             spec = spec.off("off: log-probabilities are read from each plain step's scores")
-        scored = [self.score(r.prompt_ids, r.prompt_logprobs) if r.prompt_logprobs is not None else None for r in requests]
+        scored = [
+            self.score(r.prompt_ids, r.prompt_logprobs) if r.prompt_logprobs is not None else None for r in requests
+        ]
         # transformers' assisted generation feeds its first pass the whole prompt even over a restored cache, so a
         # speculative run computes its prompt afresh (where layers stream, a prefill is one pass whatever its length).
         hit = self.prefix_cache.lookup(list(single.prompt_ids)) if self._caching(single) and not spec.on else None
@@ -151,26 +182,44 @@ class Generator:
         keep = self._caching(single) and single.keep_prefix
         if keep:
             extra["return_dict_in_generate"] = True  # the output then carries the cache to store
-        feed_from = hit.feed_from if hit is not None else 0  # a cache generate cannot count is given only the new tokens
+        # a cache generate cannot count is given only the new tokens
+        feed_from = hit.feed_from if hit is not None else 0
         ids, mask = self._left_padded([r.prompt_ids[feed_from:] for r in requests])
         rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel, r.on_logprobs) for r in requests]
         record.prompt_new = len(single.prompt_ids) - (hit.tokens if hit is not None else 0) if single is not None else 0
-        record.speculation = {"mode": spec.mode, "reason": spec.reason, **({"draft_tokens": spec.tokens} if spec.on else {})}
+        record.speculation = {
+            "mode": spec.mode,
+            "reason": spec.reason,
+            **({"draft_tokens": spec.tokens} if spec.on else {}),
+        }
         if spec.on and self._caching(single):
-            record.speculation["prefix_cache"] = "not looked up: a speculative run computes its whole prompt (kept for later runs)"
+            record.speculation["prefix_cache"] = (
+                "not looked up: a speculative run computes its whole prompt (kept for later runs)"
+            )
         ledger = getattr(self.model, "ledger", None)
-        inner = getattr(self.model, "model", self.model) if ledger is not None else self.model  # StreamingModel: its module
-        counting = inner.register_forward_pre_hook(_pass_counter(record), with_kwargs=True) if spec.on and \
-            isinstance(inner, torch.nn.Module) else None
-        # An int4 cache is kept as it stood at exactly its length: a copy once the prompt is in, before decoding goes on.
+        # StreamingModel: its module
+        inner = getattr(self.model, "model", self.model) if ledger is not None else self.model
+        counting = (
+            inner.register_forward_pre_hook(_pass_counter(record), with_kwargs=True)
+            if spec.on and isinstance(inner, torch.nn.Module)
+            else None
+        )
+        # An int4 cache is kept as it stood at exactly its length: a copy once the prompt is in, before decoding goes
+        # on.
         snapshots: list = []
-        taking = inner.register_forward_hook(_prompt_snapshot(len(single.prompt_ids), snapshots)) if keep and \
-            self.prefix_cache.takes_snapshots and isinstance(inner, torch.nn.Module) else None
+        taking = (
+            inner.register_forward_hook(_prompt_snapshot(len(single.prompt_ids), snapshots))
+            if keep and self.prefix_cache.takes_snapshots and isinstance(inner, torch.nn.Module)
+            else None
+        )
         try:
             out = self._generate(ids, mask, params, rows, record, ledger, spec, extra, requests)
             if out is None:  # the cache turned out not to crop back after the first pass: once more without speculation
-                self.speculation = spec = spec.off(f"off: {type(self.model).__name__}'s cache cannot be cropped back to before a "
-                                                   "rejected drafted token (found on its first pass)")
+                self.speculation = spec = spec.off(
+                    f"off: {type(self.model).__name__}'s cache cannot be cropped back "
+                    f"to before a "
+                    "rejected drafted token (found on its first pass)"
+                )
                 record.speculation = {"mode": "off", "reason": spec.reason}
                 rows = [Row(self.tokenizer, self.eos_ids, r.stop, r.on_text, r.cancel, r.on_logprobs) for r in requests]
                 out = self._generate(ids, mask, params, rows, record, ledger, spec, extra, requests)
@@ -194,20 +243,40 @@ class Generator:
         outcomes = []
         for i, (request, row) in enumerate(zip(requests, rows)):
             new = self._cut(sequences[i, width : row.ended_at].tolist())
-            if row.stop_at is not None:  # a pass of several tokens may go on past the one that completed the stop string
+            # a pass of several tokens may go on past the one that completed the stop string
+            if row.stop_at is not None:
                 new = new[: len(row.ids)]
-            outcomes.append(GenerationOutcome(
-                text=row.finish(new), token_ids=new, prompt_tokens=len(request.prompt_ids),
-                finish_reason=self._finish_reason(row, request, new), stop_sequence=row.stop_sequence,
-                reused_tokens=hit.tokens if hit is not None else 0, record=record, stats=stats,
-                logprobs=[e.trimmed(request.logprobs) for e in row.logprobs[: len(new)]] if request.logprobs is not None else None,
-                prompt_logprobs=scored[i],
-            ))
+            outcomes.append(
+                GenerationOutcome(
+                    text=row.finish(new),
+                    token_ids=new,
+                    prompt_tokens=len(request.prompt_ids),
+                    finish_reason=self._finish_reason(row, request, new),
+                    stop_sequence=row.stop_sequence,
+                    reused_tokens=hit.tokens if hit is not None else 0,
+                    record=record,
+                    stats=stats,
+                    logprobs=[e.trimmed(request.logprobs) for e in row.logprobs[: len(new)]]
+                    if request.logprobs is not None
+                    else None,
+                    prompt_logprobs=scored[i],
+                )
+            )
         del out
         return outcomes
 
-    def _generate(self, ids, mask, params: SamplingParams, rows: list[Row], record: Record, ledger, spec: Speculation, extra: dict,
-                  requests: list[GenerationRequest]):
+    def _generate(
+        self,
+        ids,
+        mask,
+        params: SamplingParams,
+        rows: list[Row],
+        record: Record,
+        ledger,
+        spec: Speculation,
+        extra: dict,
+        requests: list[GenerationRequest],
+    ):
         """One generate call (None: speculation found the cache cannot be cropped before any token was handed on)."""
         if params.seed is not None:
             torch.manual_seed(params.seed)
@@ -232,10 +301,15 @@ class Generator:
         try:
             with torch.inference_mode():
                 return self.model.generate(
-                    ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
+                    ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    max_new_tokens=params.max_new_tokens,
                     streamer=Streamer(rows, record, grammar.advance if grammar is not None else None, recorder),
-                    stopping_criteria=StoppingCriteriaList([StopWhen(rows)]), pad_token_id=self.pad_id,
-                    **params.generate_kwargs(), **spec.generate_kwargs(), **({"logits_processor": processors} if processors else {}),
+                    stopping_criteria=StoppingCriteriaList([StopWhen(rows)]),
+                    pad_token_id=self.pad_id,
+                    **params.generate_kwargs(),
+                    **spec.generate_kwargs(),
+                    **({"logits_processor": processors} if processors else {}),
                     **extra,
                 )
         except ValueError as exc:
@@ -259,15 +333,24 @@ class Generator:
         return self.grammars.mask([r.constraint for r in requests], width, self.grammars.vocab_size)
 
     def _caching(self, request: GenerationRequest | None) -> bool:
-        return request is not None and self.prefix_cache is not None and request.use_prefix_cache and not request.has_images
+        return (
+            request is not None
+            and self.prefix_cache is not None
+            and request.use_prefix_cache
+            and not request.has_images
+        )
 
     def _model_inputs(self, request: GenerationRequest | None) -> dict:
         """A prompt's processor tensors on the compute device, floating ones in the model's dtype (pixel values)."""
         if request is None or not request.model_inputs:
             return {}
         dtype = getattr(self.model, "dtype", None)
-        return {k: v.to(self.device, dtype=dtype if v.is_floating_point() and dtype is not None else v.dtype)
-                if isinstance(v, torch.Tensor) else v for k, v in request.model_inputs.items()}
+        return {
+            k: v.to(self.device, dtype=dtype if v.is_floating_point() and dtype is not None else v.dtype)
+            if isinstance(v, torch.Tensor)
+            else v
+            for k, v in request.model_inputs.items()
+        }
 
     def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -320,7 +403,9 @@ class Penalties(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         generated = input_ids[:, self.width :]
         if generated.shape[1]:
-            counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones(generated.shape, dtype=scores.dtype, device=scores.device))
+            counts = torch.zeros_like(scores).scatter_add_(
+                1, generated, torch.ones(generated.shape, dtype=scores.dtype, device=scores.device)
+            )
             scores = scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
         return scores
 
@@ -351,11 +436,14 @@ def _prompt_snapshot(prompt_tokens: int, taken: list):
 
 
 def _pass_counter(record: Record):
-    """A forward pre-hook on the target model: the positions each pass computes (the drafted tokens it verifies among them)."""
+    """A forward pre-hook on the target model: the positions each pass computes (the drafted tokens it verifies among
+    them)."""
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds") if ids is None else None
-        record.pass_tokens.append(int(ids.shape[-1]) if ids is not None else int(embeds.shape[1]) if embeds is not None else 0)
+        record.pass_tokens.append(
+            int(ids.shape[-1]) if ids is not None else int(embeds.shape[1]) if embeds is not None else 0
+        )
 
     return hook

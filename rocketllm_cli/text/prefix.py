@@ -48,12 +48,19 @@ def decide(setting: str, plan, manifest) -> tuple[bool, str]:
         return False, "off (prefix_cache knob)"
     if setting == "on":
         if streamed:
-            return True, (f"on (prefix_cache knob), though {len(streamed)} of {len(manifest.units)} units stream each pass, "
-                          "so a prefill costs about one streaming pass whatever is reused")
+            return True, (
+                f"on (prefix_cache knob), though {len(streamed)} of {len(manifest.units)} units stream each "
+                f"pass, "
+                "so a prefill costs about one streaming pass whatever is reused"
+            )
         return True, "on (prefix_cache knob)"
     if streamed:
-        return False, (f"off: auto, and {len(streamed)} of {len(manifest.units)} units stream from the host tier or storage; "
-                       "a prefill is one streaming pass whatever its length, so reuse does not pay (--prefix-cache on forces it)")
+        return False, (
+            f"off: auto, and {len(streamed)} of {len(manifest.units)} units stream from the host tier or "
+            f"storage; "
+            "a prefill is one streaming pass whatever its length, so reuse does not pay (--prefix-cache on "
+            "forces it)"
+        )
     return True, "on: auto, and every weight is resident, so a reused prefix skips its prefill compute"
 
 
@@ -106,8 +113,10 @@ def supported(cache) -> tuple[bool, str]:
     """Whether caches of this kind can be cropped back to a shorter prefix and restored."""
     if type(cache).__name__ == "QuantizedKVCache":
         if getattr(cache, "is_int4", False):
-            return False, ("an int4 KV cache's quantized blocks and full-precision window depend on its length, so it "
-                           "cannot be cropped to a shorter prefix: its entries are kept at exactly their length (mode exact)")
+            return False, (
+                "an int4 KV cache's quantized blocks and full-precision window depend on its length, so it cannot be "
+                "cropped to a shorter prefix: its entries are kept at exactly their length (mode exact)"
+            )
         return True, ""  # another float dtype: its layers crop as a DynamicCache's do
     if type(cache).__name__ != "DynamicCache":
         return False, f"the model's cache is a {type(cache).__name__}, not a DynamicCache"
@@ -163,7 +172,13 @@ def nbytes(cache) -> int:
     for owner in (*layers, cache):
         held = owner.tensors() if hasattr(owner, "tensors") else None  # an int4 layer: codes, scales, window
         for name, value in ({"tensors": held} if held is not None else vars(owner)).items():
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) and name != "layers" else (value,)
+            items = (
+                value.values()
+                if isinstance(value, dict)
+                else value
+                if isinstance(value, (list, tuple)) and name != "layers"
+                else (value,)
+            )
             for t in items:
                 if hasattr(t, "element_size") and id(t) not in seen:  # one tensor may be a layer's keys and its values
                     seen.add(id(t))
@@ -327,7 +342,8 @@ class PrefixCache:
         hold int4 values (a rollback deeper than the kept full-precision block)."""
         if not ids or seq_length(cache) != len(ids) or not getattr(cache, "exact", True):
             return 0
-        if hasattr(cache, "forget_past"):  # the full-precision block a rollback needs: a kept prefix is never rolled back
+        # the full-precision block a rollback needs: a kept prefix is never rolled back
+        if hasattr(cache, "forget_past"):
             cache.forget_past()
         return self._insert(ids, cache, 0)
 
@@ -350,8 +366,11 @@ class PrefixCache:
 
     def _lookup_extended(self, ids: list[int]) -> Hit | None:
         """The longest kept cache whose tokens `ids` starts with, leaving at least one token to compute."""
-        found = max(((n, e) for e in self._entries.items() if (n := len(e[1].ids)) < len(ids) and ids[:n] == e[1].ids),
-                    default=None, key=lambda pair: pair[0])
+        found = max(
+            ((n, e) for e in self._entries.items() if (n := len(e[1].ids)) < len(ids) and ids[:n] == e[1].ids),
+            default=None,
+            key=lambda pair: pair[0],
+        )
         if found is None:
             return None
         length, (entry_id, entry) = found
@@ -370,9 +389,19 @@ class PrefixCache:
         return self._insert(ids, cache, 0 if whole_prompt else len(ids))
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "entries": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes, "block_tokens": self.block_tokens,
-                "lookups": self.stats.lookups, "hits": self.stats.hits, "reused_tokens": self.stats.reused_tokens,
-                "stored": self.stats.stored, "evicted": self.stats.evicted, "disabled_reason": self.disabled_reason}
+        return {
+            "mode": self.mode,
+            "entries": len(self._entries),
+            "bytes": self.bytes,
+            "max_bytes": self.max_bytes,
+            "block_tokens": self.block_tokens,
+            "lookups": self.stats.lookups,
+            "hits": self.stats.hits,
+            "reused_tokens": self.stats.reused_tokens,
+            "stored": self.stats.stored,
+            "evicted": self.stats.evicted,
+            "disabled_reason": self.disabled_reason,
+        }
 
     def _evict(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)

@@ -2,7 +2,8 @@
 
 A KV layer (full attention, a sliding window still within its window, a layer that holds nothing) keeps one entry
 per token, so it can be cropped to any shorter prefix: mode "blocks". An int4 KV cache cannot (which tokens are int4
-depends on the length): mode "exact" keeps it as it stood at a length, for prompts that extend those tokens. A layer that keeps a recurrent or convolution
+depends on the length): mode "exact" keeps it as it stood at a length, for prompts that extend those tokens. A layer
+that keeps a recurrent or convolution
 state (Mamba, linear attention, LFM2's short convolutions ...) holds the state after every token it has seen, and no
 crop gives an earlier one back: such a cache is valid only for a prompt that extends what it holds exactly, which is
 what a conversation's next turn does (mode "extend"). That needs the model's forward to continue a kept state over
@@ -33,9 +34,11 @@ class Reuse:
     reason: str = ""  # why (for "extend" and None)
 
 
-EXACT_REASON = ("an int4 KV cache's int4 blocks and full-precision window depend on its length, so a prompt's cache is "
-                "kept as it stood once the prompt was in, and a reply's as the generation left it, never cropped; a prompt "
-                "reuses one only when it extends its tokens")
+EXACT_REASON = (
+    "an int4 KV cache's int4 blocks and full-precision window depend on its length, so a prompt's cache is kept as it "
+    "stood once the prompt was in, and a reply's as the generation left it, never cropped; a prompt reuses one only "
+    "when it extends its tokens"
+)
 
 
 def reuse_for(model) -> Reuse:
@@ -51,7 +54,10 @@ def reuse_for(model) -> Reuse:
     try:
         return _probe(model)
     except Exception as exc:  # noqa: BLE001 - whatever fails here makes reuse unsafe, not the server
-        return Reuse(None, f"continuing a kept cache fails on this model ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})")
+        return Reuse(
+            None,
+            f"continuing a kept cache fails on this model ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})",
+        )
 
 
 def _probe(model) -> Reuse:
@@ -67,8 +73,12 @@ def _probe(model) -> Reuse:
     if cache is None:
         return Reuse(None, "transformers' generate hands no cache back for this model, so there is none to keep")
     if kinds is None:
-        return Reuse(None, f"the model keeps its cache in a {type(cache).__name__}, not a transformers cache of layers, "
-                           "so it cannot be kept and restored")
+        return Reuse(
+            None,
+            f"the model keeps its cache in a {type(cache).__name__}, not a transformers cache of "
+            f"layers, "
+            "so it cannot be kept and restored",
+        )
     if kinds <= CROPPABLE and supported(cache)[0]:
         return Reuse("blocks")
     stateful = sorted(kinds - CROPPABLE)
@@ -77,16 +87,28 @@ def _probe(model) -> Reuse:
     scale = float(fresh.abs().max()) or 1.0
     change = float((extended - fresh).abs().max()) / scale
     limit = TOLERANCE.get(getattr(model, "dtype", None), HALF_TOLERANCE)
-    what = (f"the model's cache has {', '.join(stateful)} layers, whose state" if stateful else
-            f"the model's cache is a {type(cache).__name__}, which") + " cannot be cropped back to a shorter prefix"
+    what = (
+        f"the model's cache has {', '.join(stateful)} layers, whose state"
+        if stateful
+        else f"the model's cache is a {type(cache).__name__}, which"
+    ) + " cannot be cropped back to a shorter prefix"
     if not change <= limit:
-        return Reuse(None, f"{what}, and continuing a kept state over {PROBE_NEW} new tokens gives other logits than a fresh "
-                           f"prefill (by {change:.2g} of their scale)")
+        return Reuse(
+            None,
+            f"{what}, and continuing a kept state over {PROBE_NEW} new tokens gives other logits than a fresh prefill "
+            f"(by {change:.2g} of their scale)",
+        )
     for state in _states(cache):
         if torch.equal(_logits(model, ids, _perturbed(cache, state)), extended):
-            return Reuse(None, f"{what}, and the model's forward does not read its kept {state} when several new tokens "
-                               "follow them (it starts from a fresh state)")
-    return Reuse("extend", f"{what}: a prompt reuses a kept one only when it extends it exactly (a conversation's next turn)")
+            return Reuse(
+                None,
+                f"{what}, and the model's forward does not read its kept {state} when several new "
+                f"tokens "
+                "follow them (it starts from a fresh state)",
+            )
+    return Reuse(
+        "extend", f"{what}: a prompt reuses a kept one only when it extends it exactly (a conversation's next turn)"
+    )
 
 
 def _output(model, ids: torch.Tensor, cache=None):
@@ -100,8 +122,16 @@ def _output(model, ids: torch.Tensor, cache=None):
             ids = ids[:, PROBE_PREFIX:]
     device = getattr(model, "device", None) or torch.device("cpu")
     with torch.inference_mode():
-        return model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=1, do_sample=False,
-                              pad_token_id=pad_token_id(model), return_dict_in_generate=True, output_logits=True, **extra)
+        return model.generate(
+            ids.to(device),
+            attention_mask=torch.ones_like(ids).to(device),
+            max_new_tokens=1,
+            do_sample=False,
+            pad_token_id=pad_token_id(model),
+            return_dict_in_generate=True,
+            output_logits=True,
+            **extra,
+        )
 
 
 def _logits(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
@@ -123,7 +153,9 @@ def _tensors(holder) -> list[torch.Tensor]:
 def _perturbed(cache, state: str):
     """A copy of CACHE with every tensor of STATE moved away from its value."""
     changed = copy.deepcopy(cache)
-    holders = [getattr(layer, state, None) for layer in changed.layers] if state in STATES else [getattr(changed, state)]
+    holders = (
+        [getattr(layer, state, None) for layer in changed.layers] if state in STATES else [getattr(changed, state)]
+    )
     for holder in holders:
         for tensor in _tensors(holder):
             tensor.add_(1.0)

@@ -31,27 +31,43 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ParameterError(f"{{max_new_tokens}} must be at least 1 (got {self.max_new_tokens})", "max_new_tokens")
         if self.temperature < 0:
-            raise ParameterError(f"{{temperature}} must be >= 0 (got {self.temperature}); use 0 for greedy", "temperature")
+            raise ParameterError(
+                f"{{temperature}} must be >= 0 (got {self.temperature}); use 0 for greedy", "temperature"
+            )
         if not 0 < self.top_p <= 1:
             raise ParameterError(f"{{top_p}} must be in (0, 1] (got {self.top_p})", "top_p")
         if self.top_k < 0:
             raise ParameterError(f"{{top_k}} must be >= 0 (got {self.top_k}); 0 disables it", "top_k")
         if self.repetition_penalty <= 0:
-            raise ParameterError(f"{{repetition_penalty}} must be > 0 (got {self.repetition_penalty})", "repetition_penalty")
+            raise ParameterError(
+                f"{{repetition_penalty}} must be > 0 (got {self.repetition_penalty})", "repetition_penalty"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ParameterError(f"{{{name}}} must be between -2 and 2 (got {getattr(self, name)})", name)
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ParameterError(f"{{min_new_tokens}} must be between 0 and {{max_new_tokens}} ({self.max_new_tokens}) "
-                                 f"(got {self.min_new_tokens})", "min_new_tokens", "max_new_tokens")
+            raise ParameterError(
+                f"{{min_new_tokens}} must be between 0 and {{max_new_tokens}} ({self.max_new_tokens}) "
+                f"(got {self.min_new_tokens})",
+                "min_new_tokens",
+                "max_new_tokens",
+            )
 
     def generate_kwargs(self) -> dict:
         """The keywords transformers' generate takes for these settings (min_new_tokens and the presence and frequency
         penalties aside: the loop applies them, text/loop.py)."""
         if self.temperature == 0:
-            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None,
-                    "repetition_penalty": self.repetition_penalty}
+            return {
+                "do_sample": False,
+                "temperature": None,
+                "top_p": None,
+                "top_k": None,
+                "repetition_penalty": self.repetition_penalty,
+            }
         return {
-            "do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k or None, "repetition_penalty": self.repetition_penalty,
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k or None,
+            "repetition_penalty": self.repetition_penalty,
         }

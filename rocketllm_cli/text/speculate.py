@@ -30,7 +30,8 @@ class Speculation:
     mode: str = "off"  # off | prompt-lookup | draft
     reason: str = ""  # why it is on or off, in words
     tokens: int = DEFAULT_DRAFT_TOKENS  # drafted per pass
-    draft: object = field(default=None, repr=False)  # the draft model (a transformers model, every weight resident) for mode "draft"
+    # the draft model (a transformers model, every weight resident) for mode "draft"
+    draft: object = field(default=None, repr=False)
 
     @property
     def on(self) -> bool:
@@ -51,7 +52,9 @@ class Speculation:
         return {}
 
 
-def speculation_for(model, speculate: str | None = None, draft_model=None, draft_tokens: int | None = None) -> Speculation:
+def speculation_for(
+    model, speculate: str | None = None, draft_model=None, draft_tokens: int | None = None
+) -> Speculation:
     """The speculation a Generator runs MODEL with. Each argument left None comes from the model's knobs (a model
     AutoModel opened), else: off, the model's own draft (AutoModel loads --draft-model), DEFAULT_DRAFT_TOKENS."""
     knobs = getattr(model, "knobs", None)
@@ -62,12 +65,21 @@ def speculation_for(model, speculate: str | None = None, draft_model=None, draft
     else:  # a derived value is auto's decision; say so
         setting = str(knobs.value("speculate")) if knobs["speculate"].overridden else "auto"
     if setting not in SPECULATION_MODES:
-        raise ParameterError(f"{{speculate}} must be one of {', '.join(SPECULATION_MODES)} (got {setting!r})", "speculate")
-    tokens = draft_tokens if draft_tokens is not None else int(knobs.value("draft_tokens")) if knobs is not None else DEFAULT_DRAFT_TOKENS
+        raise ParameterError(
+            f"{{speculate}} must be one of {', '.join(SPECULATION_MODES)} (got {setting!r})", "speculate"
+        )
+    tokens = (
+        draft_tokens
+        if draft_tokens is not None
+        else int(knobs.value("draft_tokens"))
+        if knobs is not None
+        else DEFAULT_DRAFT_TOKENS
+    )
     if tokens < 1:
         raise ParameterError(f"{{draft_tokens}} must be at least 1 (got {tokens})", "draft_tokens")
     draft = draft_model if draft_model is not None else getattr(model, "draft", None)
-    draft = getattr(draft, "model", draft) if type(draft).__name__ == "StreamingModel" else draft  # its transformers model
+    # its transformers model
+    draft = getattr(draft, "model", draft) if type(draft).__name__ == "StreamingModel" else draft
     mode, reason = _mode(setting, knobs, draft, explicit=speculate is not None)
     if mode == "draft" and draft is None:
         raise ParameterError("{speculate} draft needs a draft model: give {draft_model}", "speculate", "draft_model")
@@ -86,7 +98,8 @@ def _mode(setting: str, knobs, draft, explicit: bool) -> tuple[str, str]:
         return setting, f"{'off' if setting == 'off' else 'on'} ({where}: {setting})"
     knob = knobs["speculate"] if knobs is not None else None
     derived = None if knob is None else (knob.derived_value if knob.overridden else knob.value)
-    if derived in (None, "auto"):  # no knobs (a plain transformers model), or no model facts: nothing says a pass streams
+    # no knobs (a plain transformers model), or no model facts: nothing says a pass streams
+    if derived in (None, "auto"):
         return "off", "off: auto, and nothing says this model streams its layers"
     if derived == "prompt-lookup" and draft is not None:
         derived = "draft"  # a draft given as a parameter rather than a knob
@@ -95,7 +108,9 @@ def _mode(setting: str, knobs, draft, explicit: bool) -> tuple[str, str]:
         from ..sizes import format_bytes
 
         total = inputs["total_bytes"]
-        streamed = max(0, total - inputs["device_cache_bytes"] - inputs["host_tier_is_memory"] * inputs["host_cache_bytes"])
+        streamed = max(
+            0, total - inputs["device_cache_bytes"] - inputs["host_tier_is_memory"] * inputs["host_cache_bytes"]
+        )
         where = f"{format_bytes(streamed)} of the model's {format_bytes(total)} stream each pass"
     else:
         where = knob.note.split(" = ", 1)[-1]  # an explicit auto: the derivation the override replaced
@@ -115,6 +130,9 @@ def cannot_roll_back(model) -> str:
     # generation gave other tokens than plain greedy decoding on Mamba, Mamba2 and Qwen3-Next.
     if stateful or (stateful is None and kinds):
         what = f"{', '.join(kinds)} layers" if kinds else "a recurrent state"
-        return (f"{type(inner).__name__} keeps {what} in its cache, a state after every token that cannot be rolled back to "
-                "before a rejected drafted token")
+        return (
+            f"{type(inner).__name__} keeps {what} in its cache, a state after every token that cannot be rolled "
+            f"back to "
+            "before a rejected drafted token"
+        )
     return ""

@@ -24,23 +24,28 @@ class Record:
     times: list[float] = field(default_factory=list)  # after each step's token; times[0] ends the prefill
     marks: list[int | None] = field(default_factory=list)  # read_bytes as the prompt went in, then after each step
     steps: list = field(default_factory=list)  # the ledger's Steps, [prefill, decode...]; empty for a model without one
-    counts: list[int] = field(default_factory=list)  # tokens each step made per sequence (1, or more for a speculative pass)
-    pass_tokens: list[int] = field(default_factory=list)  # positions each pass of the target computed (counted when speculating)
+    # tokens each step made per sequence (1, or more for a speculative pass)
+    counts: list[int] = field(default_factory=list)
+    # positions each pass of the target computed (counted when speculating)
+    pass_tokens: list[int] = field(default_factory=list)
     prompt_new: int = 0  # prompt tokens the first pass computed (those after a reused prefix)
     speculation: dict = field(default_factory=dict)  # mode and reason (text/speculate.py)
-    grammar: dict = field(default_factory=dict)  # constrained rows: masks applied, time the generating thread spent on them
+    # constrained rows: masks applied, time the generating thread spent on them
+    grammar: dict = field(default_factory=dict)
 
 
 @dataclass
 class GenerationStats:
-    """Figures of one generation. A decode step is one pass: one token per sequence, or several for a speculative pass."""
+    """Figures of one generation. A decode step is one pass: one token per sequence, or several for a speculative
+    pass."""
 
     ttft_s: float | None = None  # prompt in -> first token(s) out
     gaps_s: list[float] = field(default_factory=list)  # between successive steps, the warm-up steps left out
     step_tokens: list[int] = field(default_factory=list)  # tokens each of those steps made (per sequence)
     total_s: float = 0.0
     ledger: dict = field(default_factory=dict)  # Ledger.summary() over the prefill and the measured decode passes
-    read_bytes_per_step: int | None = None  # /proc/self/io over the measured steps (the witness a model without a ledger has)
+    # /proc/self/io over the measured steps (the witness a model without a ledger has)
+    read_bytes_per_step: int | None = None
     served_bytes: dict = field(default_factory=dict)  # tier -> bytes over every pass, warm-up included
     peak_rss_bytes: int | None = None
     speculation: dict = field(default_factory=dict)  # mode, reason; proposed, accepted, passes, tokens_per_pass when on
@@ -53,7 +58,8 @@ class GenerationStats:
 
     @property
     def token_gaps_s(self) -> list[float]:
-        """The time of each measured token: a step's gap shared among the tokens it made (the step gaps without speculation)."""
+        """The time of each measured token: a step's gap shared among the tokens it made (the step gaps without
+        speculation)."""
         if len(self.step_tokens) != len(self.gaps_s):
             return list(self.gaps_s)
         return [gap / n for gap, n in zip(self.gaps_s, self.step_tokens) for _ in range(n)]
@@ -128,19 +134,35 @@ def measure(record: Record, warmup: int = 0) -> GenerationStats:
             served[tier] = served.get(tier, 0) + n
     speculation = speculation_figures(record)
     if "passes" in speculation and gaps:  # the measured decode passes alone: what the decode rate is made of
-        speculation.update(decode_passes=len(gaps), decode_tokens=tokens, decode_tokens_per_pass=round(tokens / len(gaps), 3))
+        speculation.update(
+            decode_passes=len(gaps), decode_tokens=tokens, decode_tokens_per_pass=round(tokens / len(gaps), 3)
+        )
     return GenerationStats(
-        ttft_s=times[0] - record.start if times else None, gaps_s=gaps, total_s=record.end - record.start, ledger=ledger,
-        read_bytes_per_step=witnessed, served_bytes=served, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        step_tokens=counts, speculation=speculation, grammar=dict(record.grammar),
+        ttft_s=times[0] - record.start if times else None,
+        gaps_s=gaps,
+        total_s=record.end - record.start,
+        ledger=ledger,
+        read_bytes_per_step=witnessed,
+        served_bytes=served,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        step_tokens=counts,
+        speculation=speculation,
+        grammar=dict(record.grammar),
     )
 
 
-PER_PASS = ("per_token_served", "per_token_storage_witnessed", "per_token_seconds", "per_token_experts", "per_token_phase_seconds")
+PER_PASS = (
+    "per_token_served",
+    "per_token_storage_witnessed",
+    "per_token_seconds",
+    "per_token_experts",
+    "per_token_phase_seconds",
+)
 
 
 def per_token(summary: dict, passes: int, tokens: int) -> dict:
-    """The ledger's per-pass figures as per-token ones where passes made several tokens (the per-pass ones kept beside)."""
+    """The ledger's per-pass figures as per-token ones where passes made several tokens (the per-pass ones kept
+    beside)."""
     if not passes or tokens == passes:
         return summary
     out = dict(summary)
@@ -148,7 +170,9 @@ def per_token(summary: dict, passes: int, tokens: int) -> dict:
     for key in PER_PASS:
         value = summary.get(key)
         if isinstance(value, dict):
-            out[key] = {k: (v * passes // tokens if isinstance(v, int) else v * passes / tokens) for k, v in value.items()}
+            out[key] = {
+                k: (v * passes // tokens if isinstance(v, int) else v * passes / tokens) for k, v in value.items()
+            }
         elif isinstance(value, int):
             out[key] = value * passes // tokens
         elif isinstance(value, float):
@@ -160,7 +184,8 @@ def speculation_figures(record: Record) -> dict:
     """Mode and reason; when on, tokens proposed (drafted) and accepted, passes of the target, and tokens per pass.
 
     A pass computes the positions after what the cache holds: the first one the new prompt tokens, each later one the
-    last token made; every other position it computed was a drafted token. Each pass makes its accepted tokens plus one."""
+    last token made; every other position it computed was a drafted token. Each pass makes its accepted tokens plus
+    one."""
     info = dict(record.speculation)
     if info.get("mode", "off") == "off" or not record.pass_tokens or not record.counts:
         return info
@@ -168,6 +193,12 @@ def speculation_figures(record: Record) -> dict:
     proposed = max(0, record.pass_tokens[0] - record.prompt_new) + sum(max(0, n - 1) for n in record.pass_tokens[1:])
     made = sum(record.counts)
     accepted = made - len(record.counts)
-    info.update(proposed=proposed, accepted=accepted, acceptance=round(accepted / proposed, 4) if proposed else None, passes=passes,
-                tokens=made, tokens_per_pass=round(made / passes, 3))
+    info.update(
+        proposed=proposed,
+        accepted=accepted,
+        acceptance=round(accepted / proposed, 4) if proposed else None,
+        passes=passes,
+        tokens=made,
+        tokens_per_pass=round(made / passes, 3),
+    )
     return info

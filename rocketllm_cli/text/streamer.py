@@ -22,10 +22,18 @@ from .stats import Record
 
 
 class Row:
-    """One sequence's text as its tokens come. Decodes as it goes only when someone reads it (on_text or stop strings)."""
+    """One sequence's text as its tokens come. Decodes as it goes only when someone reads it (on_text or stop
+    strings)."""
 
-    def __init__(self, tokenizer, eos_ids: set[int], stop: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None, on_logprobs: Callable[[list], None] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        eos_ids: set[int],
+        stop: tuple[str, ...] = (),
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        on_logprobs: Callable[[list], None] | None = None,
+    ) -> None:
         self.tokenizer, self.eos_ids, self.on_text, self.on_logprobs = tokenizer, eos_ids, on_text, on_logprobs
         self.logprobs: list = []  # TokenLogprob of each of `ids`, when the loop records them (text/logprobs.py)
         self.stop = tuple(s for s in stop if s)
@@ -105,7 +113,9 @@ class Streamer:
     on_step(tokens), when given, hears each plain step's tokens (one a row) before the next forward pass begins: the
     grammar mask (text/grammar.py) computes the next mask meanwhile."""
 
-    def __init__(self, rows: list[Row], record: Record, on_step: Callable[[list[int]], None] | None = None, recorder=None) -> None:
+    def __init__(
+        self, rows: list[Row], record: Record, on_step: Callable[[list[int]], None] | None = None, recorder=None
+    ) -> None:
         self.rows, self.record, self.on_step = rows, record, on_step
         self.recorder = recorder  # a LogprobRecorder: each plain step's tokens get their log-probabilities from it
         self._prompt_seen = False

@@ -43,11 +43,15 @@ def warm_server(model: str, knob_flags: dict, keep_alive_s: float, log) -> tuple
         while others:
             fits, words = room_for(model)
             if fits:
-                log(f"note: {Path(name).name} loads beside {len(others)} warm model{'s' if len(others) > 1 else ''} "
-                    f"({', '.join(Path(o.model).name for o in others)}): {words}")
+                log(
+                    f"note: {Path(name).name} loads beside {len(others)} warm model{'s' if len(others) > 1 else ''} "
+                    f"({', '.join(Path(o.model).name for o in others)}): {words}"
+                )
                 break
             oldest = others.pop(0)
-            log(f"note: stopping the warm server of {oldest.model} (pid {oldest.pid}) to make room for {model}: {words}")
+            log(
+                f"note: stopping the warm server of {oldest.model} (pid {oldest.pid}) to make room for {model}: {words}"
+            )
             stop(oldest)
         return _start(key, model, knob_flags, keep_alive_s, log), True
 
@@ -58,7 +62,8 @@ KV_SHARE = 0.25  # room beside the weights for the KV cache, streaming buffers a
 def room_for(model: str) -> tuple[bool, str]:
     """Whether MODEL can load beside the warm servers running now: (fits, the figures in words). From the memory free
     now (what the running servers hold is already taken) against its weights on disk plus KV_SHARE plus the reserve
-    (the reserve knob's rule on a machine: profiles/knobs/formulas.py MACHINE_RESERVE); a size not known before loading does not fit."""
+    (the reserve knob's rule on a machine: profiles/knobs/formulas.py MACHINE_RESERVE); a size not known before loading
+    does not fit."""
     import psutil
 
     from ..profiles.knobs.expression import evaluate
@@ -71,8 +76,10 @@ def room_for(model: str) -> tuple[bool, str]:
         return False, "its size is not known before it loads"
     reserve = int(evaluate(MACHINE_RESERVE, machine_reserve_inputs(memory.total)))
     need = int(weights * (1 + KV_SHARE)) + reserve
-    words = (f"{format_bytes(memory.available)} free, {format_bytes(need)} needed ({format_bytes(weights)} of weights, "
-             f"+{KV_SHARE:.0%}, + {format_bytes(reserve)} reserve)")
+    words = (
+        f"{format_bytes(memory.available)} free, {format_bytes(need)} needed ({format_bytes(weights)} of weights, "
+        f"+{KV_SHARE:.0%}, + {format_bytes(reserve)} reserve)"
+    )
     return memory.available >= need, words
 
 
@@ -84,7 +91,9 @@ def model_bytes(model: str) -> int | None:
         return path.stat().st_size
     if not path.is_dir():
         return None
-    total = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.gguf") for f in path.glob(pattern) if f.is_file())
+    total = sum(
+        f.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.gguf") for f in path.glob(pattern) if f.is_file()
+    )
     return total or None
 
 
@@ -93,12 +102,26 @@ def _start(key: str, model: str, knob_flags: dict, keep_alive_s: float, log) -> 
     sock.unlink(missing_ok=True)
     log_path = sock.with_suffix(".log")
     flags = [arg for name, value in sorted(knob_flags.items()) for arg in ("--" + name.replace("_", "-"), str(value))]
-    command = [sys.executable, "-m", "rocketllm_cli", "serve", str(model), "--unix", str(sock), "--keep-alive", f"{keep_alive_s:g}",
-               "--warm-key", key, "--no-access-log", *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "rocketllm_cli",
+        "serve",
+        str(model),
+        "--unix",
+        str(sock),
+        "--keep-alive",
+        f"{keep_alive_s:g}",
+        "--warm-key",
+        key,
+        "--no-access-log",
+        *flags,
+    ]
     env = {k: v for k, v in os.environ.items() if k != "ROCKETLLM_API_KEY"}  # a user-only socket needs no key
     with open(log_path, "w") as err:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env,
-                                   start_new_session=True)  # not in the caller's process group: Ctrl-C there leaves it
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True
+        )  # not in the caller's process group: Ctrl-C there leaves it
     relayed = 0
     try:
         while True:
@@ -124,8 +147,20 @@ def _relay(log_path: Path, done: int, log) -> int:
     lines = text.splitlines()
     complete = lines if text.endswith("\n") else lines[:-1]  # a line still being written waits
     for line in complete[done:]:
-        if line.startswith(("note:", "warning:", "sharded", "resident modules:", "measuring", "reading ", "sharding ", "saving the ",
-                            "resuming:", "loading ")):
+        if line.startswith(
+            (
+                "note:",
+                "warning:",
+                "sharded",
+                "resident modules:",
+                "measuring",
+                "reading ",
+                "sharding ",
+                "saving the ",
+                "resuming:",
+                "loading ",
+            )
+        ):
             log(line)
     return max(done, len(complete))
 
@@ -139,7 +174,9 @@ def _failure(log_path: Path, code: int) -> str:
     errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
     if errors:
         return errors[-1]
-    return f"the background server exited ({code}) before it listened; its log is {log_path}" + (f": {lines[-1]}" if lines else "")
+    return f"the background server exited ({code}) before it listened; its log is {log_path}" + (
+        f": {lines[-1]}" if lines else ""
+    )
 
 
 def stop(entry: registry.Entry, timeout: float = STOP_WAIT_S) -> bool:

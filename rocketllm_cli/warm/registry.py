@@ -57,8 +57,10 @@ def run_dir() -> Path:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.chmod(0o700)
     except OSError as exc:
-        raise RocketError(f"cannot use {path} for warm models ({exc.strerror}); set ROCKETLLM_CACHE to a writable "
-                          "directory, or pass --keep-alive 0") from None
+        raise RocketError(
+            f"cannot use {path} for warm models ({exc.strerror}); set ROCKETLLM_CACHE to a writable "
+            "directory, or pass --keep-alive 0"
+        ) from None
     return path
 
 

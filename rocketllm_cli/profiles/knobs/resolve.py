@@ -107,7 +107,9 @@ def resolve_knobs(
         if name in overrides:
             value, source, raw = overrides[name]
             shown = Knob(name, derived, d.formula).display()
-            knobs[name] = Knob(name, value, f"{source} {raw}", {}, source, f"derived value would be {shown} = {d.formula}", derived)
+            knobs[name] = Knob(
+                name, value, f"{source} {raw}", {}, source, f"derived value would be {shown} = {d.formula}", derived
+            )
         else:
             values[name] = derived
             knobs[name] = Knob(name, derived, d.formula, d.inputs, d.source, d.note)

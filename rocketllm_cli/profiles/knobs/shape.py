@@ -80,6 +80,10 @@ def _gguf_shape(path: Path) -> PassShape | None:
         value = meta.get(f"{arch}.{key}")
         return max(value) if isinstance(value, list) and value else value  # per-layer arrays: the widest
 
-    config: Mapping = {"hidden_size": get("embedding_length"), "intermediate_size": get("feed_forward_length"),
-                       "moe_intermediate_size": get("expert_feed_forward_length"), "num_experts_per_tok": get("expert_used_count")}
+    config: Mapping = {
+        "hidden_size": get("embedding_length"),
+        "intermediate_size": get("feed_forward_length"),
+        "moe_intermediate_size": get("expert_feed_forward_length"),
+        "num_experts_per_tok": get("expert_used_count"),
+    }
     return pass_shape({k: int(v) for k, v in config.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})

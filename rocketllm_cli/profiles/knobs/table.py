@@ -16,7 +16,8 @@ from ...sizes import ACCEPTED as BYTES_ACCEPTED
 from ...sizes import parse_bytes
 
 EXPERT_CACHE_POLICIES = ("lfu", "lru")  # most often routed, most recently routed
-SPECULATION_MODES = ("auto", "off", "prompt-lookup", "draft")  # auto: on where a pass streams layers (formulas.speculate)
+# auto: on where a pass streams layers (formulas.speculate)
+SPECULATION_MODES = ("auto", "off", "prompt-lookup", "draft")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int4")  # auto: the dtype the model computes in
 KERNEL_PATHS = ("exact", "int8", "torch")  # packed Linears: exact, int8 activations (native), torch's fastest dtype
 _TRUE = {"1", "true", "yes", "on"}
@@ -91,42 +92,110 @@ class KnobSpec:
 
 
 KNOB_SPECS: tuple[KnobSpec, ...] = (
-    KnobSpec("reserve_bytes", "bytes", "Memory left untouched for the OS, other programs, the page cache of reads and the allocator's slack."),
-    KnobSpec("runtime_bytes", "bytes", "Memory the Python runtime (torch, transformers, the engine) will still take beside the model: "
-             "measured once per machine, less what this process holds already."),
+    KnobSpec(
+        "reserve_bytes",
+        "bytes",
+        "Memory left untouched for the OS, other programs, the page cache of reads and the allocator's slack.",
+    ),
+    KnobSpec(
+        "runtime_bytes",
+        "bytes",
+        "Memory the Python runtime (torch, transformers, the engine) will still take beside the model: measured once "
+        "per machine, less what this process holds already.",
+    ),
     KnobSpec("device_cache_bytes", "bytes", "Weights kept resident on the compute device (0 streams every layer)."),
-    KnobSpec("host_cache_bytes", "bytes", "Weights kept in host RAM / page cache between tokens (0 reads every streamed layer from storage)."),
+    KnobSpec(
+        "host_cache_bytes",
+        "bytes",
+        "Weights kept in host RAM / page cache between tokens (0 reads every streamed layer from storage).",
+    ),
     KnobSpec("io_workers", "int", "Threads reading shards from storage.", minimum=1),
-    KnobSpec("prefetch_depth", "int", "Streamed units read ahead of the one computing (0 disables prefetch).", minimum=0),
+    KnobSpec(
+        "prefetch_depth", "int", "Streamed units read ahead of the one computing (0 disables prefetch).", minimum=0
+    ),
     KnobSpec("compute_dtype", "choice", "Dtype the forward pass runs in.", choices=DTYPES, flags=("--dtype",)),
-    KnobSpec("kernel", "choice", "How packed (low-bit) Linears compute: exact, in the compute dtype (a GGUF type's own blocks "
-             "on the native kernels in fp32); int8, those kernels with activations quantized to 8 bits per block as llama.cpp "
-             "does (faster, ~1e-3 relative error per product); or torch, torch's int4 kernel in the activation dtype it runs "
-             "fastest in (bf16 on x86: on an fp32 forward each product is rounded to bf16).", choices=KERNEL_PATHS),
-    KnobSpec("kv_cache_dtype", "choice", "What the KV cache stores keys and values in: auto (the compute dtype), a float dtype, or int4 "
-             "(K per channel, V per token, 4 bits, with the most recent tokens kept in the compute dtype).", choices=KV_CACHE_DTYPES),
-    KnobSpec("kv_residual_tokens", "int", "int4 KV cache: the most recent tokens kept in full precision before they are quantized.",
-             minimum=0),
-    KnobSpec("kv_cache_bytes", "bytes", "Memory for the context: its KV cache and the activations of a pass over it (a prefill); "
-             "bounds the context length."),
+    KnobSpec(
+        "kernel",
+        "choice",
+        "How packed (low-bit) Linears compute: exact, in the compute dtype (a GGUF type's own blocks on the native "
+        "kernels in fp32); int8, those kernels with activations quantized to 8 bits per block as llama.cpp does "
+        "(faster, ~1e-3 relative error per product); or torch, torch's int4 kernel in the activation dtype it runs "
+        "fastest in (bf16 on x86: on an fp32 forward each product is rounded to bf16).",
+        choices=KERNEL_PATHS,
+    ),
+    KnobSpec(
+        "kv_cache_dtype",
+        "choice",
+        "What the KV cache stores keys and values in: auto (the compute dtype), a float dtype, or int4 (K per channel, "
+        "V per token, 4 bits, with the most recent tokens kept in the compute dtype).",
+        choices=KV_CACHE_DTYPES,
+    ),
+    KnobSpec(
+        "kv_residual_tokens",
+        "int",
+        "int4 KV cache: the most recent tokens kept in full precision before they are quantized.",
+        minimum=0,
+    ),
+    KnobSpec(
+        "kv_cache_bytes",
+        "bytes",
+        "Memory for the context: its KV cache and the activations of a pass over it (a prefill); bounds the context "
+        "length.",
+    ),
     KnobSpec("max_context", "int", "Longest prompt + generation in tokens.", minimum=1),
-    KnobSpec("direct_io", "bool", "Read streamed shards with O_DIRECT instead of buffered reads + page-cache eviction."),
+    KnobSpec(
+        "direct_io", "bool", "Read streamed shards with O_DIRECT instead of buffered reads + page-cache eviction."
+    ),
     KnobSpec("pin_memory", "bool", "Page-locked host buffers for faster host-to-device copies."),
-    KnobSpec("decode_graphs", "choice", "CUDA GPU, every unit resident: run each decode step as CUDA graphs (a static KV cache and "
-             "transformers' compiled step; the first request pays the compile). auto decides from the residency and the run.",
-             choices=("auto", "on", "off")),
-    KnobSpec("prefix_cache", "choice", "Reuse the KV cache of a repeated prompt prefix.", choices=("auto", "on", "off")),
-    KnobSpec("draft_model", "path", "A small model with the same tokenizer that drafts tokens for speculative decoding, kept resident."),
-    KnobSpec("speculate", "choice", "Speculative decoding: each pass verifies drafted tokens, from the prompt and text so far (prompt-lookup) "
-             "or from --draft-model (draft); auto turns it on where layers stream.", choices=SPECULATION_MODES),
+    KnobSpec(
+        "decode_graphs",
+        "choice",
+        "CUDA GPU, every unit resident: run each decode step as CUDA graphs (a static KV cache and transformers' "
+        "compiled step; the first request pays the compile). auto decides from the residency and the run.",
+        choices=("auto", "on", "off"),
+    ),
+    KnobSpec(
+        "prefix_cache", "choice", "Reuse the KV cache of a repeated prompt prefix.", choices=("auto", "on", "off")
+    ),
+    KnobSpec(
+        "draft_model",
+        "path",
+        "A small model with the same tokenizer that drafts tokens for speculative decoding, kept resident.",
+    ),
+    KnobSpec(
+        "speculate",
+        "choice",
+        "Speculative decoding: each pass verifies drafted tokens, from the prompt and text so far (prompt-lookup) or "
+        "from --draft-model (draft); auto turns it on where layers stream.",
+        choices=SPECULATION_MODES,
+    ),
     KnobSpec("draft_tokens", "int", "Tokens drafted for each pass to verify when speculating.", minimum=1),
-    KnobSpec("default_max_tokens", "int", "serve: the reply length of a request that sets no max_tokens (derived from the projected "
-             "speed: what fits in a minute).", minimum=1),
-    KnobSpec("stages", "stages", "Under torchrun: the layers each rank runs, in rank order; auto splits them by every rank's measured "
-             "budgets, bandwidths and links (docs/DISTRIBUTED.md)."),
-    KnobSpec("stage_timeout_s", "int", "Under torchrun: seconds without a heartbeat before a rank counts as failed (and the rendezvous "
-             "wait at start).", minimum=1),
-    KnobSpec("expert_cache_policy", "choice", "Which experts a mixture-of-experts model keeps in its expert cache: the most often routed "
-             "(lfu) or the most recently routed (lru).", choices=EXPERT_CACHE_POLICIES),
+    KnobSpec(
+        "default_max_tokens",
+        "int",
+        "serve: the reply length of a request that sets no max_tokens (derived from the projected speed: what fits in "
+        "a minute).",
+        minimum=1,
+    ),
+    KnobSpec(
+        "stages",
+        "stages",
+        "Under torchrun: the layers each rank runs, in rank order; auto splits them by every rank's measured budgets, "
+        "bandwidths and links (docs/DISTRIBUTED.md).",
+    ),
+    KnobSpec(
+        "stage_timeout_s",
+        "int",
+        "Under torchrun: seconds without a heartbeat before a rank counts as failed (and the rendezvous wait at "
+        "start).",
+        minimum=1,
+    ),
+    KnobSpec(
+        "expert_cache_policy",
+        "choice",
+        "Which experts a mixture-of-experts model keeps in its expert cache: the most often routed (lfu) or the most "
+        "recently routed (lru).",
+        choices=EXPERT_CACHE_POLICIES,
+    ),
 )
 KNOBS_BY_NAME = {spec.name: spec for spec in KNOB_SPECS}

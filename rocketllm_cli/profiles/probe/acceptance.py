@@ -35,14 +35,21 @@ def record(directory: Path, manifest, figures: dict) -> None:
     from ...cachehome import read_json, write_json
 
     mode = str(figures.get("mode") or "off")
-    passes, tokens = figures.get("decode_passes", figures.get("passes")), figures.get("decode_tokens", figures.get("tokens"))
+    passes, tokens = (
+        figures.get("decode_passes", figures.get("passes")),
+        figures.get("decode_tokens", figures.get("tokens")),
+    )
     if mode == "off" or not isinstance(passes, int) or not isinstance(tokens, int) or passes <= 0 or tokens <= 0:
         return
     where = _where()
     stored = read_json(where) or {}
     stored[_key(directory, manifest, mode)] = {
-        "mode": mode, "tokens_per_pass": tokens / passes, "tokens": tokens, "passes": passes,
-        "proposed": figures.get("proposed"), "accepted": figures.get("accepted"),
+        "mode": mode,
+        "tokens_per_pass": tokens / passes,
+        "tokens": tokens,
+        "passes": passes,
+        "proposed": figures.get("proposed"),
+        "accepted": figures.get("accepted"),
         "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()) + " UTC",
     }
     try:
@@ -59,6 +66,10 @@ def lookup(directory: Path, manifest, modes) -> dict[str, dict]:
     found = {}
     for mode in modes:
         entry = stored.get(_key(directory, manifest, mode))
-        if isinstance(entry, dict) and isinstance(entry.get("tokens_per_pass"), (int, float)) and entry["tokens_per_pass"] >= 1:
+        if (
+            isinstance(entry, dict)
+            and isinstance(entry.get("tokens_per_pass"), (int, float))
+            and entry["tokens_per_pass"] >= 1
+        ):
             found[mode] = entry
     return found

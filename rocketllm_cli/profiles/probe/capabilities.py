@@ -18,8 +18,11 @@ def compute_dtype(device: str, isa: list[str], measurements: dict[str, Measureme
         if native:
             return Capability("compute_dtype", "bf16", None, f"CPU has {native[0]}: native bf16 dot products ({rates})")
         return Capability(
-            "compute_dtype", "fp32", "fp32",
-            f"no avx512_bf16/amx_bf16 in the CPU's ISA, so bf16 would be emulated; fp16 on CPU has no fast matmul kernels ({rates})",
+            "compute_dtype",
+            "fp32",
+            "fp32",
+            f"no avx512_bf16/amx_bf16 in the CPU's ISA, so bf16 would be emulated; fp16 on CPU has no fast matmul "
+            f"kernels ({rates})",
         )
     import torch
 
@@ -40,10 +43,20 @@ def compute_dtype(device: str, isa: list[str], measurements: dict[str, Measureme
 
 def pin_memory(device: str, measurements: dict[str, Measurement]) -> Capability:
     if not device.startswith("cuda"):
-        return Capability("pin_memory", False, "pageable host memory", f"page-locked buffers only speed up copies to a CUDA device; the compute device is {device}")
+        return Capability(
+            "pin_memory",
+            False,
+            "pageable host memory",
+            f"page-locked buffers only speed up copies to a CUDA device; the compute device is {device}",
+        )
     pinned = measurements.get("h2d_pinned")
     if pinned is None or not pinned.available:
-        return Capability("pin_memory", False, "pageable host memory", f"pinned allocation failed: {pinned.reason if pinned else 'not measured'}")
+        return Capability(
+            "pin_memory",
+            False,
+            "pageable host memory",
+            f"pinned allocation failed: {pinned.reason if pinned else 'not measured'}",
+        )
     pageable = measurements.get("h2d_pageable")
     versus = f" vs pageable {pageable.value / 1e9:.2f} GB/s" if pageable and pageable.available else ""
     return Capability("pin_memory", True, None, f"pinned host-to-device {pinned.value / 1e9:.2f} GB/s{versus}")
@@ -51,7 +64,9 @@ def pin_memory(device: str, measurements: dict[str, Measurement]) -> Capability:
 
 def non_blocking(device: str, pin: Capability) -> Capability:
     if device.startswith("cuda") and pin.value:
-        return Capability("non_blocking", True, None, "copies from pinned memory run on a side CUDA stream while layers compute")
+        return Capability(
+            "non_blocking", True, None, "copies from pinned memory run on a side CUDA stream while layers compute"
+        )
     why = "no CUDA device" if not device.startswith("cuda") else "no pinned memory, so copies are synchronous"
     return Capability("non_blocking", False, "synchronous copies", why)
 
@@ -65,7 +80,9 @@ def sdpa(device: str) -> Capability:
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         return Capability("sdpa", True, None, f"torch.nn.functional.scaled_dot_product_attention ran on {device}")
     except Exception as exc:  # noqa: BLE001 - missing in old torch, or unsupported on the device
-        return Capability("sdpa", False, "eager attention", f"scaled_dot_product_attention unusable: {type(exc).__name__}")
+        return Capability(
+            "sdpa", False, "eager attention", f"scaled_dot_product_attention unusable: {type(exc).__name__}"
+        )
 
 
 def _rates(measurements: dict[str, Measurement]) -> str:

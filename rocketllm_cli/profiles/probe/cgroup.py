@@ -24,20 +24,25 @@ def memory_limit(root: str = "/") -> MemoryLimit | None:
     best: MemoryLimit | None = None
     for directory, v2 in _group_dirs("memory", root):
         # Reclaimable: the group's file pages that are neither mapped (a process's libraries, in use) nor waiting to be
-        # written; the active ones too (shards just written, a file read twice), as the machine's MemAvailable counts them.
+        # written; the active ones too (shards just written, a file read twice), as the machine's MemAvailable counts
+        # them.
         stat = os.path.join(directory, "memory.stat")
         if v2:
             limit = _int(_read(os.path.join(directory, "memory.max")))
             usage = _int(_read(os.path.join(directory, "memory.current")))
             clean = sum(_stat(stat, k) for k in ("active_file", "inactive_file")) - sum(
-                _stat(stat, k) for k in ("file_mapped", "file_dirty", "file_writeback"))
+                _stat(stat, k) for k in ("file_mapped", "file_dirty", "file_writeback")
+            )
             reclaimable = max(_stat(stat, "inactive_file") - _stat(stat, "file_dirty"), clean, 0)
         else:
             limit = _int(_read(os.path.join(directory, "memory.limit_in_bytes")))
             usage = _int(_read(os.path.join(directory, "memory.usage_in_bytes")))
             clean = sum(_stat(stat, f"total_{k}", k) for k in ("active_file", "inactive_file")) - sum(
-                _stat(stat, f"total_{k}", k) for k in ("mapped_file", "dirty", "writeback"))
-            reclaimable = max(_stat(stat, "total_inactive_file", "inactive_file") - _stat(stat, "total_dirty", "dirty"), clean, 0)
+                _stat(stat, f"total_{k}", k) for k in ("mapped_file", "dirty", "writeback")
+            )
+            reclaimable = max(
+                _stat(stat, "total_inactive_file", "inactive_file") - _stat(stat, "total_dirty", "dirty"), clean, 0
+            )
         if limit is None or limit >= NO_LIMIT:
             continue
         available = max(0, limit - (usage or 0) + reclaimable)
@@ -47,14 +52,18 @@ def memory_limit(root: str = "/") -> MemoryLimit | None:
 
 
 def cpu_quota(root: str = "/") -> int | None:
-    """CPUs the tightest CPU quota over this process's cgroup and its ancestors allows (rounded up); None if unlimited."""
+    """CPUs the tightest CPU quota over this process's cgroup and its ancestors allows (rounded up); None if
+    unlimited."""
     best = None
     for directory, v2 in _group_dirs("cpu", root):
         if v2:
             quota, _, period = _read(os.path.join(directory, "cpu.max")).partition(" ")
             q, p = _int(quota), _int(period)
         else:
-            q, p = _int(_read(os.path.join(directory, "cpu.cfs_quota_us"))), _int(_read(os.path.join(directory, "cpu.cfs_period_us")))
+            q, p = (
+                _int(_read(os.path.join(directory, "cpu.cfs_quota_us"))),
+                _int(_read(os.path.join(directory, "cpu.cfs_period_us"))),
+            )
         if q and q > 0 and p:
             cpus = -(-q // p)
             best = cpus if best is None else min(best, cpus)
@@ -79,10 +88,12 @@ def _group_dirs(controller: str, root: str) -> list[tuple[str, bool]]:
             continue
         point, mount_root = mount
         if mount_root != "/" and path.startswith(mount_root):
-            path = path[len(mount_root):] or "/"  # the mount shows a subtree: paths are relative to its root
+            path = path[len(mount_root) :] or "/"  # the mount shows a subtree: paths are relative to its root
         rel = path.strip("/")
         while True:
-            out.append((os.path.join(root, point.lstrip("/"), rel) if rel else os.path.join(root, point.lstrip("/")), v2))
+            out.append(
+                (os.path.join(root, point.lstrip("/"), rel) if rel else os.path.join(root, point.lstrip("/")), v2)
+            )
             if not rel:
                 break
             rel = rel.rpartition("/")[0]

@@ -21,8 +21,16 @@ def _key(directory: Path, manifest, compute_dtype: str) -> str:
     return f"{set_key(directory, manifest)}-{compute_dtype}"
 
 
-def record(profile, directory: Path, manifest, compute_dtype: str, ms: dict, threads: int | None, facts=None,
-           kernel: str = "exact") -> None:
+def record(
+    profile,
+    directory: Path,
+    manifest,
+    compute_dtype: str,
+    ms: dict,
+    threads: int | None,
+    facts=None,
+    kernel: str = "exact",
+) -> None:
     """Keep a resident decode measurement of the set (`ms`: bench's median/p10/p90 in milliseconds). With its FACTS,
     also what the cost model's floor (its products alone, on the kernels KERNEL picks) left out per layer, which
     projects the sets of this machine that bench has not measured (layer_overhead)."""
@@ -33,8 +41,12 @@ def record(profile, directory: Path, manifest, compute_dtype: str, ms: dict, thr
     stored = read_json(where) or {}
     stored.pop("cache_format", None)
     entry = {
-        "seconds": ms["median"] / 1000, "p10_seconds": ms["p10"] / 1000, "tokens": ms.get("n"), "threads": threads,
-        "compute_dtype": compute_dtype, "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()) + " UTC",
+        "seconds": ms["median"] / 1000,
+        "p10_seconds": ms["p10"] / 1000,
+        "tokens": ms.get("n"),
+        "threads": threads,
+        "compute_dtype": compute_dtype,
+        "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()) + " UTC",
     }
     floor = compute_floor(profile, facts, compute_dtype, kernel) if facts is not None and facts.num_layers else None
     if floor is not None:
@@ -69,7 +81,9 @@ def compute_floor(profile, facts, compute_dtype: str, kernel: str = "exact") -> 
     engine = engine_compute_dtype(compute_dtype, False, facts.dtype, profile.compute_device, facts.gguf_blocks)
     as_computed = profile.computing_in(engine, "the engine's")
     bare = replace(facts, decode_compute=None, layer_overhead=None)
-    return project(as_computed, with_kernel_rates(profile, bare, kernel), {"device": facts.bytes_per_token}).compute_seconds
+    return project(
+        as_computed, with_kernel_rates(profile, bare, kernel), {"device": facts.bytes_per_token}
+    ).compute_seconds
 
 
 def layer_overhead(profile, compute_dtype: str, architecture: str = "") -> dict | None:
@@ -82,16 +96,29 @@ def layer_overhead(profile, compute_dtype: str, architecture: str = "") -> dict 
 
     found = []
     for entry in (read_json(profile_dir(profile.fingerprint) / FILE) or {}).values():
-        if isinstance(entry, dict) and entry.get("compute_dtype") == compute_dtype and isinstance(entry.get("layers"), int) \
-                and entry["layers"] > 0 and isinstance(entry.get("floor_seconds"), (int, float)):
-            found.append((max(0.0, (float(entry["seconds"]) - entry["floor_seconds"]) / entry["layers"]), str(entry.get("name", "?")),
-                          str(entry.get("architecture") or "")))
+        if (
+            isinstance(entry, dict)
+            and entry.get("compute_dtype") == compute_dtype
+            and isinstance(entry.get("layers"), int)
+            and entry["layers"] > 0
+            and isinstance(entry.get("floor_seconds"), (int, float))
+        ):
+            found.append(
+                (
+                    max(0.0, (float(entry["seconds"]) - entry["floor_seconds"]) / entry["layers"]),
+                    str(entry.get("name", "?")),
+                    str(entry.get("architecture") or ""),
+                )
+            )
     same = [f for f in found if architecture and f[2] == architecture]
     found = sorted(same or found)
     if not found:
         return None
-    return {"seconds": found[len(found) // 2][0], "sets": list(dict.fromkeys(name for _, name, _ in found)),
-            "architecture": architecture if same else "any"}
+    return {
+        "seconds": found[len(found) // 2][0],
+        "sets": list(dict.fromkeys(name for _, name, _ in found)),
+        "architecture": architecture if same else "any",
+    }
 
 
 def with_layer_overhead(profile, facts, compute_dtype: str):

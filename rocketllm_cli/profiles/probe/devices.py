@@ -12,7 +12,9 @@ def choose_device() -> tuple[str, str]:
     import torch
 
     if torch.cuda.is_available():
-        backend = f"ROCm/HIP {torch.version.hip}" if getattr(torch.version, "hip", None) else f"CUDA {torch.version.cuda}"
+        backend = (
+            f"ROCm/HIP {torch.version.hip}" if getattr(torch.version, "hip", None) else f"CUDA {torch.version.cuda}"
+        )
         return "cuda:0", f"torch.cuda.is_available() with {backend}"
     xpu = getattr(torch, "xpu", None)
     if xpu is not None and _safe(xpu.is_available):
@@ -34,8 +36,15 @@ def torch_accelerators(device: str) -> list[dict]:
     if device.startswith("cuda"):
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            found.append({"index": i, "backend": "rocm" if getattr(torch.version, "hip", None) else "cuda",
-                          "name": props.name, "memory_total": int(props.total_memory), "compute_capability": f"{props.major}.{props.minor}"})
+            found.append(
+                {
+                    "index": i,
+                    "backend": "rocm" if getattr(torch.version, "hip", None) else "cuda",
+                    "name": props.name,
+                    "memory_total": int(props.total_memory),
+                    "compute_capability": f"{props.major}.{props.minor}",
+                }
+            )
     elif device.startswith("xpu"):
         props = torch.xpu.get_device_properties(0)
         found.append({"index": 0, "backend": "xpu", "name": props.name, "memory_total": int(props.total_memory)})

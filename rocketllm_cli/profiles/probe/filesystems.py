@@ -11,7 +11,23 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "beegfs", "9p", "virtiofs", "fuse.sshfs", "fuse.s3fs", "afs"}
+NETWORK_FS = {
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "ceph",
+    "glusterfs",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "9p",
+    "virtiofs",
+    "fuse.sshfs",
+    "fuse.s3fs",
+    "afs",
+}
 MEMORY_FS = {"tmpfs", "ramfs"}
 STORAGE_KINDS = ("nvme", "ssd", "rotational", "network", "tmpfs", "overlay", "unknown")
 
@@ -38,7 +54,9 @@ def filesystem_of(path: Path) -> Filesystem:
     st = os.stat(real)
     mount_point, fstype, source = _mount_of(real)
     kind, reason = _storage_kind(fstype, source, st.st_dev)
-    return Filesystem(directory, mount_point, fstype, source, f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}", kind, reason)
+    return Filesystem(
+        directory, mount_point, fstype, source, f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}", kind, reason
+    )
 
 
 def existing_directory(path: Path) -> Path:
@@ -114,7 +132,10 @@ def _block_kind(name: str, fstype: str) -> tuple[str, str]:
     if name.startswith("nvme"):
         return "nvme", f"{fstype} on NVMe device {name}"
     if name.startswith(("vd", "xvd")) or "virtio" in os.path.realpath(f"/sys/block/{name}/device/driver"):
-        return "unknown", f"{fstype} on virtual disk {name} (rotational={rotational or '?'} is the hypervisor's default, not the medium)"
+        return "unknown", (
+            f"{fstype} on virtual disk {name} (rotational={rotational or '?'} is the hypervisor's "
+            f"default, not the medium)"
+        )
     if name.startswith(("loop", "zram", "ram")):
         return "unknown", f"{fstype} on {name}: a virtual block device"
     if rotational == "0":

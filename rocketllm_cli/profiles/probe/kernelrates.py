@@ -10,7 +10,8 @@ the kernels do not cover (the IQ1-3, TQ and MXFP4 grids), or every type where th
 torch decoder the engine then runs (the blocks dequantized per use, multiplied in fp32): ten to a hundred times
 slower, which a projection must show. Measured the first time a set is planned, reported or benched here (tens of
 ms a shape, the library built once per machine), kept beside the profile in one small JSON file, written atomically;
-a read-only cache keeps the answer in this process only. The blocks are random bytes: a kernel's speed does not depend on their values.
+a read-only cache keeps the answer in this process only. The blocks are random bytes: a kernel's speed does not depend
+on their values.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import time
 from dataclasses import replace
 
 FILE = "kernel-rates.json"
-POOL_BYTES = 256 * 1024 * 1024  # at most this much weight per shape: more than most caches, less than a small machine's RAM
+# at most this much weight per shape: more than most caches, less than a small machine's RAM
+POOL_BYTES = 256 * 1024 * 1024
 REPEATS = 2  # timed sweeps after a warm-up one; the faster counts
 VERSION = 2  # of the method: a measurement made otherwise (one thread for a small product) is made again
-_memo: dict[str, dict] = {}  # the file as read or written in this process, per profile fingerprint (a read-only cache keeps only these)
+# the file as read or written in this process, per profile fingerprint (a read-only cache keeps only these)
+_memo: dict[str, dict] = {}
 
 
 def block_shapes_of(facts) -> dict[str, dict[str, int]]:
@@ -129,8 +132,11 @@ def _this_machine(profile) -> bool:
     return profile.fingerprint == fingerprint(fingerprint_facts())
 
 
-def measure_native(nk, products: list[tuple[str, str]], mode: str, threads: int, pool_bytes: int) -> dict[tuple[str, str], float]:
-    """B/s of each (type, "NxK") product on NK's kernels in MODE with THREADS: one activation row against weights of that
+def measure_native(
+    nk, products: list[tuple[str, str]], mode: str, threads: int, pool_bytes: int
+) -> dict[tuple[str, str], float]:
+    """B/s of each (type, "NxK") product on NK's kernels in MODE with THREADS: one activation row against weights of
+    that
     shape cut from POOL_BYTES of random bytes, the best of REPEATS sweeps over them after a warm-up sweep."""
     import torch
 
@@ -143,8 +149,11 @@ def measure_native(nk, products: list[tuple[str, str]], mode: str, threads: int,
         qk, block_bytes = SUPPORTED[name]
         size = n * (k // qk * block_bytes)
         if size > pool_bytes:  # one weight larger than the pool: its first rows (the speed per byte is the same)
-            n, size = max(1, pool_bytes // (k // qk * block_bytes)), pool_bytes // (k // qk * block_bytes) * (k // qk * block_bytes)
-        weights = [pool[i * size:(i + 1) * size].view(n, -1) for i in range(max(1, pool_bytes // size))]
+            n, size = (
+                max(1, pool_bytes // (k // qk * block_bytes)),
+                pool_bytes // (k // qk * block_bytes) * (k // qk * block_bytes),
+            )
+        weights = [pool[i * size : (i + 1) * size].view(n, -1) for i in range(max(1, pool_bytes // size))]
         x, out = torch.randn(1, k), torch.empty(1, n)
         best = float("inf")
         for sweep in range(REPEATS + 1):
@@ -198,8 +207,15 @@ def describe(kernel_rates: dict, blocks: dict[str, dict[str, int]]) -> str:
     """One line: each type's bytes, measured rate (over its shapes) and path, for a projection's `how`."""
     timed = type_rates(kernel_rates, blocks)
     paths = kernel_rates.get("paths") or {}
-    parts = [f"{t} {b / s / 1e9:.2f} GB/s over {b / 2**20:.1f} MiB" + (" (torch decoder)" if paths.get(t) == "torch decoder" else "")
-             for t, (b, s) in sorted(timed.items(), key=lambda i: -i[1][0])]
-    return (f"the blocks on the native kernels ({kernel_rates['isa']}, {kernel_rates['mode']}, up to {kernel_rates['threads']} "
-            f"thread{'s' if kernel_rates['threads'] != 1 else ''}) or where they have none the torch decoder, each type and "
-            "shape measured here: " + ", ".join(parts))
+    parts = [
+        f"{t} {b / s / 1e9:.2f} GB/s over {b / 2**20:.1f} MiB"
+        + (" (torch decoder)" if paths.get(t) == "torch decoder" else "")
+        for t, (b, s) in sorted(timed.items(), key=lambda i: -i[1][0])
+    ]
+    return (
+        f"the blocks on the native kernels ({kernel_rates['isa']}, {kernel_rates['mode']}, up to "
+        f"{kernel_rates['threads']} "
+        f"thread{'s' if kernel_rates['threads'] != 1 else ''}) or where they have none the torch decoder, each "
+        f"type and "
+        "shape measured here: " + ", ".join(parts)
+    )

@@ -18,8 +18,23 @@ from .nvml import driver_version, nvml_gpus
 
 # ISA flags that decide kernels and dtypes (x86 names as in /proc/cpuinfo; the last four are Arm's).
 RELEVANT_ISA = (
-    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-    "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16", "i8mm",
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "bf16",
+    "i8mm",
 )
 GIB = 1024**3
 
@@ -29,9 +44,14 @@ _AVX512 = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16")
 _AMX = ("amx_tile", "amx_bf16", "amx_int8")
 _ATEN_HIDES = {"default": ("avx", "avx2", "fma", *_AVX512, *_AMX), "avx2": (*_AVX512, *_AMX)}
 _ONEDNN_HIDES = {
-    "sse41": ("avx", "avx2", "fma", *_AVX512, *_AMX), "avx": ("avx2", *_AVX512, *_AMX), "avx2": (*_AVX512, *_AMX),
-    "avx2_vnni": (*_AVX512, *_AMX), "avx2_vnni_2": (*_AVX512, *_AMX), "avx512_core": ("avx512_bf16", "avx512_fp16", *_AMX),
-    "avx512_core_vnni": ("avx512_bf16", "avx512_fp16", *_AMX), "avx512_core_bf16": ("avx512_fp16", *_AMX),
+    "sse41": ("avx", "avx2", "fma", *_AVX512, *_AMX),
+    "avx": ("avx2", *_AVX512, *_AMX),
+    "avx2": (*_AVX512, *_AMX),
+    "avx2_vnni": (*_AVX512, *_AMX),
+    "avx2_vnni_2": (*_AVX512, *_AMX),
+    "avx512_core": ("avx512_bf16", "avx512_fp16", *_AMX),
+    "avx512_core_vnni": ("avx512_bf16", "avx512_fp16", *_AMX),
+    "avx512_core_bf16": ("avx512_fp16", *_AMX),
     "avx512_core_fp16": _AMX,
 }
 
@@ -71,7 +91,11 @@ def cpu_flags() -> tuple[list[str], str]:
                 flags.update(value.split())
                 break
         what = "missing" if isinstance(exc, ImportError) else f"failed ({type(exc).__name__})"
-        source = f"/proc/cpuinfo (py-cpuinfo {what})" if flags else f"unavailable: py-cpuinfo {what} and no /proc/cpuinfo flags"
+        source = (
+            f"/proc/cpuinfo (py-cpuinfo {what})"
+            if flags
+            else (f"unavailable: py-cpuinfo {what} and no /proc/cpuinfo flags")
+        )
     hidden, ceiling = isa_ceiling()
     if hidden & flags:
         source += f"; {', '.join(f for f in RELEVANT_ISA if f in hidden & flags)} left out by {ceiling}"
@@ -192,7 +216,11 @@ def cpu_snapshot() -> tuple[float, float, float] | None:
     ticks = [int(x) for x in fields[0].split()[1:]]
     busy = sum(ticks[:3]) + sum(ticks[5:8])  # user nice system + irq softirq steal (idle and iowait excluded)
     own = os.times()
-    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system + own.children_user + own.children_system, time.monotonic()
+    return (
+        busy / os.sysconf("SC_CLK_TCK"),
+        own.user + own.system + own.children_user + own.children_system,
+        time.monotonic(),
+    )
 
 
 def others_cpu_share(before: tuple | None, after: tuple | None) -> float | None:

@@ -25,15 +25,25 @@ def host_memory(size: int = COPY_BYTES) -> Measurement:
     src = torch.ones(size, dtype=torch.uint8)
     dst = torch.zeros(size, dtype=torch.uint8)  # both touched, so page faults are not timed
     seconds = _best(lambda: dst.copy_(src), "cpu", repeats=4)
-    method = f"torch copy_ of a {size // MiB} MiB host tensor, {torch.get_num_threads()} threads, best of 4; bytes copied per second"
+    method = (
+        f"torch copy_ of a {size // MiB} MiB host tensor, {torch.get_num_threads()} threads, best of 4; bytes "
+        f"copied per second"
+    )
     return Measurement("host_memory", size / seconds, method, size, seconds)
 
 
 def device_memory(device: str, host: Measurement, size: int = 512 * MiB) -> Measurement:
     """The compute device's memory bandwidth; on the CPU that memory IS host RAM, so it is host_memory."""
     if device == "cpu":
-        return Measurement("device_memory", host.value, f"CPU device: its memory is host RAM ({host.method})",
-                           host.bytes_moved, host.seconds, host.available, host.reason)
+        return Measurement(
+            "device_memory",
+            host.value,
+            f"CPU device: its memory is host RAM ({host.method})",
+            host.bytes_moved,
+            host.seconds,
+            host.available,
+            host.reason,
+        )
     import torch
 
     try:
@@ -42,14 +52,22 @@ def device_memory(device: str, host: Measurement, size: int = 512 * MiB) -> Meas
         seconds = _best(lambda: dst.copy_(src), device, repeats=4)
     except Exception as exc:  # noqa: BLE001 - out of memory, driver errors
         return Measurement.unavailable("device_memory", "device copy_", f"{type(exc).__name__}: {exc}")
-    return Measurement("device_memory", size / seconds, f"copy_ between two {size // MiB} MiB {device} tensors, best of 4; bytes copied per second", size, seconds)
+    return Measurement(
+        "device_memory",
+        size / seconds,
+        f"copy_ between two {size // MiB} MiB {device} tensors, best of 4; bytes copied per second",
+        size,
+        seconds,
+    )
 
 
 def host_to_device(device: str, size: int = 256 * MiB) -> dict[str, Measurement]:
     """h2d_pinned and h2d_pageable copy bandwidth; unavailable (with the reason) on the CPU."""
     if device == "cpu":
         why = "the compute device is the CPU: weights are used where they lie, nothing is copied to a device"
-        return {name: Measurement.unavailable(name, "host-to-device copy_", why) for name in ("h2d_pinned", "h2d_pageable")}
+        return {
+            name: Measurement.unavailable(name, "host-to-device copy_", why) for name in ("h2d_pinned", "h2d_pageable")
+        }
     import torch
 
     out = {}
@@ -57,10 +75,14 @@ def host_to_device(device: str, size: int = 256 * MiB) -> dict[str, Measurement]
         dst = torch.empty(size, dtype=torch.uint8, device=device)
     except Exception as exc:  # noqa: BLE001
         why = f"cannot allocate {size // MiB} MiB on {device}: {type(exc).__name__}"
-        return {name: Measurement.unavailable(name, "host-to-device copy_", why) for name in ("h2d_pinned", "h2d_pageable")}
+        return {
+            name: Measurement.unavailable(name, "host-to-device copy_", why) for name in ("h2d_pinned", "h2d_pageable")
+        }
     for name, pinned in (("h2d_pinned", True), ("h2d_pageable", False)):
         if pinned and not device.startswith("cuda"):
-            out[name] = Measurement.unavailable(name, "host-to-device copy_", f"pinned host memory is used only with CUDA devices, not {device}")
+            out[name] = Measurement.unavailable(
+                name, "host-to-device copy_", f"pinned host memory is used only with CUDA devices, not {device}"
+            )
             continue
         try:
             src = torch.ones(size, dtype=torch.uint8, pin_memory=pinned)
@@ -69,7 +91,13 @@ def host_to_device(device: str, size: int = 256 * MiB) -> dict[str, Measurement]
             out[name] = Measurement.unavailable(name, "host-to-device copy_", f"{type(exc).__name__}: {exc}")
             continue
         kind = "pinned (page-locked), non_blocking" if pinned else "pageable"
-        out[name] = Measurement(name, size / seconds, f"copy_ of a {size // MiB} MiB {kind} host tensor to {device}, best of 3", size, seconds)
+        out[name] = Measurement(
+            name,
+            size / seconds,
+            f"copy_ of a {size // MiB} MiB {kind} host tensor to {device}, best of 3",
+            size,
+            seconds,
+        )
     return out
 
 
@@ -86,12 +114,25 @@ def compute(device: str) -> dict[str, Measurement]:
         try:
             a = torch.ones(n, n, dtype=dtype, device=device)
             seconds = _best(lambda: a @ a, device, repeats=3, budget=0.15)
-            out[f"matmul_{short}"] = Measurement(f"matmul_{short}", 2 * n**3 / seconds, f"{n}x{n} @ {n}x{n} on {device}, best of up to 3", a.nbytes, seconds, unit="FLOP/s")
+            out[f"matmul_{short}"] = Measurement(
+                f"matmul_{short}",
+                2 * n**3 / seconds,
+                f"{n}x{n} @ {n}x{n} on {device}, best of up to 3",
+                a.nbytes,
+                seconds,
+                unit="FLOP/s",
+            )
             k = 4096
             w = torch.ones(weight_bytes // (k * a.element_size()), k, dtype=dtype, device=device)
             x = torch.ones(1, k, dtype=dtype, device=device)
             seconds = _best(lambda: x @ w.T, device, repeats=3, budget=0.15)
-            out[f"matvec_{short}"] = Measurement(f"matvec_{short}", w.nbytes / seconds, f"[1,{k}] @ [{k},{w.shape[0]}] ({w.nbytes // MiB} MiB of weights) on {device}, best of up to 3", w.nbytes, seconds)
+            out[f"matvec_{short}"] = Measurement(
+                f"matvec_{short}",
+                w.nbytes / seconds,
+                f"[1,{k}] @ [{k},{w.shape[0]}] ({w.nbytes // MiB} MiB of weights) on {device}, best of up to 3",
+                w.nbytes,
+                seconds,
+            )
         except Exception as exc:  # noqa: BLE001 - a dtype the device cannot run
             why = f"{short} on {device} failed: {type(exc).__name__}"
             out.setdefault(f"matmul_{short}", Measurement.unavailable(f"matmul_{short}", "matmul", why, unit="FLOP/s"))

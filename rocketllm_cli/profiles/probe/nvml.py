@@ -73,5 +73,3 @@ def _nvml(call):
         return call()
     except Exception:  # noqa: BLE001 - one unsupported query must not lose the others
         return None
-
-

@@ -22,7 +22,13 @@ import time
 
 from ..records import Measurement
 
-RUNTIME_IMPORTS = ("torch", "transformers", "transformers.LlamaForCausalLM", "rocketllm_cli.stream.model", "rocketllm_cli.text.loop")
+RUNTIME_IMPORTS = (
+    "torch",
+    "transformers",
+    "transformers.LlamaForCausalLM",
+    "rocketllm_cli.stream.model",
+    "rocketllm_cli.text.loop",
+)
 _SCRIPT = """
 import importlib, sys
 for name in sys.argv[1:]:
@@ -34,8 +40,11 @@ from rocketllm_cli.profiles.probe.runtime import process_memory
 print(process_memory())
 """
 TIMEOUT_S = 300
-METHOD = ("resident memory (RssAnon + RssFile + RssShmem) of a fresh Python after importing " + ", ".join(RUNTIME_IMPORTS) +
-          ": what a load holds before its tokenizer, model and weights")
+METHOD = (
+    "resident memory (RssAnon + RssFile + RssShmem) of a fresh Python after importing "
+    + ", ".join(RUNTIME_IMPORTS)
+    + ": what a load holds before its tokenizer, model and weights"
+)
 
 
 def process_memory(status: str = "/proc/self/status") -> int:
@@ -63,8 +72,13 @@ def start() -> None:
     if _started is not None:
         return
     try:
-        job = subprocess.Popen([sys.executable, "-c", _SCRIPT, *RUNTIME_IMPORTS], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        job = subprocess.Popen(
+            [sys.executable, "-c", _SCRIPT, *RUNTIME_IMPORTS],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
     except OSError:
         return  # measure_runtime() tries again and says why
     _started = (job, time.perf_counter())

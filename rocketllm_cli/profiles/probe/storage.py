@@ -62,23 +62,45 @@ def measure_storage(
         _remove(path)
 
 
-def _measure_file(path: Path, size: int, fs: Filesystem, caps: dict, log) -> tuple[dict[str, Measurement], dict[str, Capability]]:
+def _measure_file(
+    path: Path, size: int, fs: Filesystem, caps: dict, log
+) -> tuple[dict[str, Measurement], dict[str, Capability]]:
     log(f"measuring storage: {format_bytes(size)} probe file on {fs.mount_point} ({fs.fstype}, {fs.kind})")
     out: dict[str, Measurement] = {}
     warm = min((_buffered_read(path) for _ in range(2)), key=lambda r: r[1])
-    out["page_cache_read"] = Measurement("page_cache_read", size / warm[1], "read() of a just-written file into a reused 16 MiB buffer, best of 2", size, warm[1])
+    out["page_cache_read"] = Measurement(
+        "page_cache_read",
+        size / warm[1],
+        "read() of a just-written file into a reused 16 MiB buffer, best of 2",
+        size,
+        warm[1],
+    )
 
     evicted = evict_file(path)
     io_before = _io_read_bytes()
     n, seconds, cpu = _unit_reads(path, size, fs.kind, direct=False)
     delta = None if io_before is None else _io_read_bytes() - io_before
     cold_ok, witness = _cold_verdict(fs, size, delta, seconds, warm[1], evicted)
-    method = f"{unit_reads_method(fs.kind, False)} after posix_fadvise(DONTNEED), each unit evicted after its read; {witness}"
-    out["storage_read"] = Measurement("storage_read", n / seconds if cold_ok else None, method, n, seconds, cold_ok,
-                                      "" if cold_ok else witness, cpu_seconds=round(cpu, 4))
+    method = (
+        f"{unit_reads_method(fs.kind, False)} after posix_fadvise(DONTNEED), each unit evicted after its read; "
+        f"{witness}"
+    )
+    out["storage_read"] = Measurement(
+        "storage_read",
+        n / seconds if cold_ok else None,
+        method,
+        n,
+        seconds,
+        cold_ok,
+        "" if cold_ok else witness,
+        cpu_seconds=round(cpu, 4),
+    )
     can_evict = cold_ok and evicted is None and fs.kind != "tmpfs"
     caps["fadvise_dontneed"] = Capability(
-        "fadvise_dontneed", can_evict, None if can_evict else "none: streamed units stay in the page cache until the kernel evicts them", witness,
+        "fadvise_dontneed",
+        can_evict,
+        None if can_evict else "none: streamed units stay in the page cache until the kernel evicts them",
+        witness,
     )
 
     direct = _direct_read(path, size, fs.kind)
@@ -87,8 +109,11 @@ def _measure_file(path: Path, size: int, fs: Filesystem, caps: dict, log) -> tup
         buffered = out["storage_read"]
         faster = direct_io_wins(direct, buffered, cpu_shared=True)
         caps["direct_io"] = Capability(
-            "direct_io", faster, None if faster else "buffered reads + POSIX_FADV_DONTNEED",
-            f"O_DIRECT {direct.value / 1e9:.2f} GB/s using {direct.cpu_seconds / direct.seconds:.2f} cores vs buffered cold "
+            "direct_io",
+            faster,
+            None if faster else "buffered reads + POSIX_FADV_DONTNEED",
+            f"O_DIRECT {direct.value / 1e9:.2f} GB/s using {direct.cpu_seconds / direct.seconds:.2f} cores vs buffered "
+            f"cold "
             f"{buffered.value / 1e9:.2f} GB/s using {buffered.cpu_seconds / buffered.seconds:.2f} cores "
             "(cost per byte = 1/bandwidth + CPU seconds per byte, since reads share the cores with compute)",
         )
@@ -137,14 +162,20 @@ UNIT = 16 * 1024**2
 PARALLEL_READS = {"nvme": 4, "ssd": 2, "network": 4, "rotational": 1, "tmpfs": 1, "overlay": 2, "unknown": 2}
 # Unit reads in flight: the io_workers knob's formula, and the probe reads the same way.
 IN_FLIGHT = "max(1, min(parallel_reads, cpu_cores // (2 - direct_io)))"
-IN_FLIGHT_NOTE = ("buffered reads copy through the page cache and compete with compute: at most half the cores; "
-                  "O_DIRECT reads are DMA and cost almost no CPU")
+IN_FLIGHT_NOTE = (
+    "buffered reads copy through the page cache and compete with compute: at most half the cores; "
+    "O_DIRECT reads are DMA and cost almost no CPU"
+)
 
 
 def in_flight_inputs(kind: str, cpu_cores: int, direct: bool) -> dict:
     """The inputs of IN_FLIGHT for a storage kind (an unlisted kind counts as unknown)."""
-    return {"storage_kind": kind, "parallel_reads": PARALLEL_READS.get(kind, PARALLEL_READS["unknown"]),
-            "cpu_cores": cpu_cores, "direct_io": int(bool(direct))}
+    return {
+        "storage_kind": kind,
+        "parallel_reads": PARALLEL_READS.get(kind, PARALLEL_READS["unknown"]),
+        "cpu_cores": cpu_cores,
+        "direct_io": int(bool(direct)),
+    }
 
 
 def in_flight(kind: str, direct: bool) -> int:
@@ -156,8 +187,11 @@ def in_flight(kind: str, direct: bool) -> int:
 
 
 def unit_reads_method(kind: str, direct: bool) -> str:
-    return (f"{'O_DIRECT: ' if direct else ''}one open + one pread per 16 MiB unit, {in_flight(kind, direct)} in flight "
-            "(as the engine streams shard files with its IO workers)")
+    return (
+        f"{'O_DIRECT: ' if direct else ''}one open + one pread per 16 MiB unit, {in_flight(kind, direct)} in "
+        f"flight "
+        "(as the engine streams shard files with its IO workers)"
+    )
 
 
 def _unit_reads(path: Path, size: int, kind: str, direct: bool) -> tuple[int, float, float]:
@@ -198,7 +232,9 @@ def _direct_read(path: Path, size: int, kind: str) -> Measurement:
     return Measurement(name, n / seconds, unit_reads_method(kind, True), n, seconds, cpu_seconds=round(cpu, 4))
 
 
-def _cold_verdict(fs: Filesystem, size: int, delta: int | None, cold_s: float, warm_s: float, evict_error: str | None) -> tuple[bool, str]:
+def _cold_verdict(
+    fs: Filesystem, size: int, delta: int | None, cold_s: float, warm_s: float, evict_error: str | None
+) -> tuple[bool, str]:
     """(did the read reach the device, the witness in words)."""
     if fs.kind == "tmpfs":
         return True, "tmpfs keeps files in RAM: no eviction possible, this read is the storage speed"
@@ -206,9 +242,15 @@ def _cold_verdict(fs: Filesystem, size: int, delta: int | None, cold_s: float, w
         return False, f"posix_fadvise unusable ({evict_error}): a cold read cannot be forced"
     if delta is not None:
         verdict = delta >= 0.9 * size
-        return verdict, f"/proc/self/io read_bytes rose by {format_bytes(delta)} of {format_bytes(size)}: eviction {'verified' if verdict else 'did not work'}"
+        return verdict, (
+            f"/proc/self/io read_bytes rose by {format_bytes(delta)} of {format_bytes(size)}: eviction "
+            f"{'verified' if verdict else 'did not work'}"
+        )
     verdict = cold_s > warm_s / 0.7
-    return verdict, f"/proc/self/io unreadable; eviction judged by time (cold {cold_s:.3f}s vs warm {warm_s:.3f}s): {'evicted' if verdict else 'not evicted'}"
+    return verdict, (
+        f"/proc/self/io unreadable; eviction judged by time (cold {cold_s:.3f}s vs warm {warm_s:.3f}s): "
+        f"{'evicted' if verdict else 'not evicted'}"
+    )
 
 
 def evict_file(path: Path) -> str | None:
@@ -252,11 +294,16 @@ def _remove(path: Path) -> None:
 
 
 def _all_unavailable(why: str) -> dict[str, Measurement]:
-    return {name: Measurement.unavailable(name, "probe file", why) for name in ("page_cache_read", "storage_read", "storage_read_direct")}
+    return {
+        name: Measurement.unavailable(name, "probe file", why)
+        for name in ("page_cache_read", "storage_read", "storage_read_direct")
+    }
 
 
 def _io_caps_unknown(why: str) -> dict[str, Capability]:
     return {
         "direct_io": Capability("direct_io", False, "buffered reads + POSIX_FADV_DONTNEED", why),
-        "fadvise_dontneed": Capability("fadvise_dontneed", False, "none: streamed units stay in the page cache until the kernel evicts them", why),
+        "fadvise_dontneed": Capability(
+            "fadvise_dontneed", False, "none: streamed units stay in the page cache until the kernel evicts them", why
+        ),
     }

@@ -76,7 +76,9 @@ class UnitReads:
     def summary(self) -> str:
         from ...sizes import format_bytes
 
-        cells = ", ".join(f"{'O_DIRECT' if r.direct else 'buffered'} x{r.in_flight} {r.bps / 1e9:.2f} GB/s" for r in self.rows)
+        cells = ", ".join(
+            f"{'O_DIRECT' if r.direct else 'buffered'} x{r.in_flight} {r.bps / 1e9:.2f} GB/s" for r in self.rows
+        )
         return f"{self.units} units of ~{format_bytes(self.unit_bytes)} read cold: {cells}"
 
 
@@ -86,7 +88,9 @@ def sample_units(manifest) -> list:
     without layer units samples its other streamed kinds."""
     from ...tiers import RESIDENT_KINDS
 
-    return first_layers([u for u in manifest.units if u.kind not in RESIDENT_KINDS and u.kind != "expert"], SAMPLE_BYTES)
+    return first_layers(
+        [u for u in manifest.units if u.kind not in RESIDENT_KINDS and u.kind != "expert"], SAMPLE_BYTES
+    )
 
 
 def first_layers(units: list, budget: int) -> list:
@@ -100,7 +104,9 @@ def first_layers(units: list, budget: int) -> list:
     return picked
 
 
-def measure(directory: Path, units: list, cpu_shared: int, direct_ok: bool, in_flights: tuple[int, ...] = IN_FLIGHTS) -> UnitReads | None:
+def measure(
+    directory: Path, units: list, cpu_shared: int, direct_ok: bool, in_flights: tuple[int, ...] = IN_FLIGHTS
+) -> UnitReads | None:
     """Read `units` of the set in `directory` cold with each method and count in flight. None when fewer than two
     units stream or a read fails (the storage probe's figures stand then)."""
     if len(units) < 2:
@@ -155,7 +161,9 @@ def _read_all(paths: list[tuple[Path, int]], direct: bool, k: int, buffers: list
     start, cpu = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(k, thread_name_prefix="rocketllm-probe") as pool:
         total = sum(pool.map(worker, range(k)))
-    return UnitReadRow(direct, k, total, round(max(time.perf_counter() - start, 1e-9), 6), round(time.process_time() - cpu, 6))
+    return UnitReadRow(
+        direct, k, total, round(max(time.perf_counter() - start, 1e-9), 6), round(time.process_time() - cpu, 6)
+    )
 
 
 def _round_up(n: int) -> int:
@@ -223,7 +231,11 @@ def with_own_reads(profile, facts, path, knobs, resolve, log=None, *, manifest=N
     from ...checkpoint.manifest import Manifest
 
     directory = Path(path) if path is not None else None
-    if directory is None or not (directory / "manifest.json").is_file() or not (always or reads_from_storage(knobs, facts)):
+    if (
+        directory is None
+        or not (directory / "manifest.json").is_file()
+        or not (always or reads_from_storage(knobs, facts))
+    ):
         return facts, knobs
     if all(knobs[n].overridden for n in READ_KNOBS):
         return facts, knobs

@@ -11,8 +11,15 @@ def render(doc: dict) -> str:
         lines += [f"## {heading}", "", *section(doc[key]), ""]
     if doc.get("stages"):  # under torchrun: every rank's measurements and the plan
         st = doc["stages"]
-        lines += ["## Pipeline stages", "", *[f"- {r}" for r in st["ranks"]], f"- plan: {st['text']}", f"- formula: {st['formula']}",
-                  f"- hidden state crossing each link: {st['hidden_bytes']} bytes (estimated from the layer size)", ""]
+        lines += [
+            "## Pipeline stages",
+            "",
+            *[f"- {r}" for r in st["ranks"]],
+            f"- plan: {st['text']}",
+            f"- formula: {st['formula']}",
+            f"- hidden state crossing each link: {st['hidden_bytes']} bytes (estimated from the layer size)",
+            "",
+        ]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -21,9 +28,11 @@ def _versions(v: dict) -> list[str]:
 
 
 def _cpu(c: dict) -> list[str]:
-    return [f"- model: {c.get('model')}",
-            f"- cores: {c.get('cores_used')} used ({c.get('cores_logical')} logical, {c.get('cores_physical')} physical)",
-            f"- ISA flags that matter: {', '.join(c.get('isa') or []) or 'none found'} (from {c.get('isa_source')})"]
+    return [
+        f"- model: {c.get('model')}",
+        f"- cores: {c.get('cores_used')} used ({c.get('cores_logical')} logical, {c.get('cores_physical')} physical)",
+        f"- ISA flags that matter: {', '.join(c.get('isa') or []) or 'none found'} (from {c.get('isa_source')})",
+    ]
 
 
 def _memory(m: dict) -> list[str]:
@@ -33,9 +42,15 @@ def _memory(m: dict) -> list[str]:
 def _accelerators(a: dict) -> list[str]:
     lines = [f"- compute device: {a['compute_device']} ({a['reason']})"]
     for d in a["devices"]:
-        lines.append(f"- {d.get('backend')} {d.get('index')}: {d.get('name')}, {format_bytes(d.get('memory_total'))}, compute capability {d.get('compute_capability', 'n/a')}")
+        lines.append(
+            f"- {d.get('backend')} {d.get('index')}: {d.get('name')}, {format_bytes(d.get('memory_total'))}, "
+            f"compute capability {d.get('compute_capability', 'n/a')}"
+        )
     for g in a["nvml"]:
-        lines.append(f"- NVML {g.get('index')}: {g.get('name')}, PCIe gen {g.get('pcie_gen')}/{g.get('pcie_gen_max')} x{g.get('pcie_width')}/{g.get('pcie_width_max')}")
+        lines.append(
+            f"- NVML {g.get('index')}: {g.get('name')}, PCIe gen {g.get('pcie_gen')}/{g.get('pcie_gen_max')} "
+            f"x{g.get('pcie_width')}/{g.get('pcie_width_max')}"
+        )
     if a["driver"]:
         lines.append(f"- driver: {a['driver']}")
     if a["vram_total"] is not None:
@@ -68,21 +83,35 @@ def _storage(s: dict) -> list[str]:
 def _model(m: dict | None) -> list[str]:
     if m is None:
         return ["- none given (--model PATH or --model-size 70B --weight-bits 4 projects the cost per token)"]
-    return [f"- {m['name']} ({m['source']}): {format_bytes(m['total_bytes'])} as {m['dtype']}, {m['num_layers']} layers of up to "
-            f"{format_bytes(m['layer_bytes'])}, largest unit {format_bytes(m['largest_unit_bytes'])}, "
-            f"KV {format_bytes(m['kv_bytes_per_token'])}/token, context {m['max_positions']}"
-            + (f"; mixture-of-experts: {format_bytes(m['active_bytes'])} read per decode token (dense part + routed experts)"
-               if m.get("active_bytes") else ""), *_unit_reads(m.get("unit_reads")), f"- note: {m['note']}"]
+    return [
+        f"- {m['name']} ({m['source']}): {format_bytes(m['total_bytes'])} as {m['dtype']}, {m['num_layers']} layers of "
+        f"up to {format_bytes(m['layer_bytes'])}, largest unit {format_bytes(m['largest_unit_bytes'])}, KV "
+        f"{format_bytes(m['kv_bytes_per_token'])}/token, context {m['max_positions']}"
+        + (
+            f"; mixture-of-experts: {format_bytes(m['active_bytes'])} read per decode token (dense part + routed "
+            f"experts)"
+            if m.get("active_bytes")
+            else ""
+        ),
+        *_unit_reads(m.get("unit_reads")),
+        f"- note: {m['note']}",
+    ]
 
 
 def _unit_reads(reads: dict | None) -> list[str]:
     """The set's own units read cold (profiles/probe/unitreads.py): one row per method and reads in flight."""
     if not reads:
         return []
-    cells = ", ".join(f"{'O_DIRECT' if r['direct'] else 'buffered'} x{r['in_flight']} {r['bytes'] / max(r['seconds'], 1e-9) / 1e9:.2f} GB/s "
-                      f"({r['cpu_seconds'] / max(r['seconds'], 1e-9):.2f} cores)" for r in reads["rows"])
-    return [f"- its own units read cold ({reads['units']} of ~{format_bytes(reads['unit_bytes'])}, one pread each, that many "
-            f"in flight; direct_io, io_workers and prefetch_depth follow the cheapest): {cells}"]
+    cells = ", ".join(
+        f"{'O_DIRECT' if r['direct'] else 'buffered'} x{r['in_flight']} "
+        f"{r['bytes'] / max(r['seconds'], 1e-9) / 1e9:.2f} GB/s "
+        f"({r['cpu_seconds'] / max(r['seconds'], 1e-9):.2f} cores)"
+        for r in reads["rows"]
+    )
+    return [
+        f"- its own units read cold ({reads['units']} of ~{format_bytes(reads['unit_bytes'])}, one pread each, that "
+        f"many in flight; direct_io, io_workers and prefetch_depth follow the cheapest): {cells}"
+    ]
 
 
 def _projection(p: dict | None) -> list[str]:
@@ -94,29 +123,49 @@ def _projection(p: dict | None) -> list[str]:
         rows.append([t["tier"], format_bytes(t["bytes"]), _rate(t["bandwidth_bps"], "B/s"), seconds, t["bandwidth"]])
     lines = _table(["tier", "bytes/token", "bandwidth", "seconds", "measured as"], rows)
     plan = p["plan"]
-    lines += ["", f"- plan: device_cache_bytes {format_bytes(plan['device_cache_bytes'])}, host_cache_bytes {format_bytes(plan['host_cache_bytes'])}"
-              + (f", beside them runtime_bytes {format_bytes(plan['runtime_bytes'])} and kv_cache_bytes {format_bytes(plan['kv_cache_bytes'])}; "
-                 f"memory floor {format_bytes(plan['memory_floor'])} (= {plan['memory_floor_formula']}; below it a load is refused)"
-                 if "memory_floor" in plan else ""),
-              f"- serial (sum of tiers: moving the bytes alone, no compute): {_secs(p['serial_seconds'])}; io (host + storage): {_secs(p['io_seconds'])}",
-              f"- compute: {_secs(p['compute_seconds'])} via {p['compute_bandwidth']}",
-              f"- overlapped max(io, compute): {_secs(p['overlapped_seconds'])}"
-              + (f" -> {p['tokens_per_second']:.3g} tokens/s" if p["tokens_per_second"] else "")
-              + _compute_caveat(p["compute_bandwidth"])]
+    lines += [
+        "",
+        f"- plan: device_cache_bytes {format_bytes(plan['device_cache_bytes'])}, host_cache_bytes "
+        f"{format_bytes(plan['host_cache_bytes'])}"
+        + (
+            f", beside them runtime_bytes {format_bytes(plan['runtime_bytes'])} and kv_cache_bytes "
+            f"{format_bytes(plan['kv_cache_bytes'])}; memory floor {format_bytes(plan['memory_floor'])} (= "
+            f"{plan['memory_floor_formula']}; below it a load is refused)"
+            if "memory_floor" in plan
+            else ""
+        ),
+        f"- serial (sum of tiers: moving the bytes alone, no compute): {_secs(p['serial_seconds'])}; io (host + "
+        f"storage): {_secs(p['io_seconds'])}",
+        f"- compute: {_secs(p['compute_seconds'])} via {p['compute_bandwidth']}",
+        f"- overlapped max(io, compute): {_secs(p['overlapped_seconds'])}"
+        + (f" -> {p['tokens_per_second']:.3g} tokens/s" if p["tokens_per_second"] else "")
+        + _compute_caveat(p["compute_bandwidth"]),
+    ]
     if p["reason"]:
         lines.append(f"- {p['reason']}")
     regimes = p.get("regimes") or {}
     if regimes:
-        lines += ["", "Each of `rocketllm bench`'s regimes (every byte a token reads from the one tier), from reads fully "
-                      "overlapped with compute (max(io, compute), what prefetch can reach) to not at all (io + compute):", ""]
+        lines += [
+            "",
+            "Each of `rocketllm bench`'s regimes (every byte a token reads from the one tier), from reads fully "
+            "overlapped with compute (max(io, compute), what prefetch can reach) to not at all (io + compute):",
+            "",
+        ]
         rows = []
         for regime, r in regimes.items():
             io, compute = r["io_seconds"], r["compute_seconds"]
             if io is None or compute is None:
                 rows.append([regime, "unavailable", "-", "-", "-"])
                 continue
-            rows.append([regime, f"{1000 * max(io, compute):.1f}", f"{1000 * (io + compute):.1f}", f"{1 / max(io, compute):.3g}",
-                         "io" if io > compute else "compute"])
+            rows.append(
+                [
+                    regime,
+                    f"{1000 * max(io, compute):.1f}",
+                    f"{1000 * (io + compute):.1f}",
+                    f"{1 / max(io, compute):.3g}",
+                    "io" if io > compute else "compute",
+                ]
+            )
         lines += _table(["regime", "overlapped ms/token", "serial ms/token", "tokens/s at best", "bound by"], rows)
     return lines
 
@@ -129,8 +178,12 @@ def _environment(e: dict) -> list[str]:
 
 def _profile(p: dict) -> list[str]:
     cached = "cached" if p["from_cache"] else "measured now"
-    return [f"- fingerprint: {p['fingerprint']} ({cached}; host measured {p['measured_at'].get('host')}, storage {p['measured_at'].get('storage')})",
-            f"- tiers: {p['tiers']}", *(f"- warning: {w}" for w in p["warnings"])]
+    return [
+        f"- fingerprint: {p['fingerprint']} ({cached}; host measured {p['measured_at'].get('host')}, storage "
+        f"{p['measured_at'].get('storage')})",
+        f"- tiers: {p['tiers']}",
+        *(f"- warning: {w}" for w in p["warnings"]),
+    ]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -150,11 +203,18 @@ def _secs(value: float | None) -> str:
 
 # document field -> (Markdown heading, renderer); the JSON document has exactly these fields
 SECTIONS = {
-    "versions": ("Versions", _versions), "cpu": ("CPU", _cpu), "memory": ("Memory", _memory),
-    "accelerators": ("Accelerators", _accelerators), "capabilities": ("Capability decisions", _capabilities),
-    "optional_packages": ("Optional packages", _optional_packages), "measurements": ("Measured bandwidths", _measurements),
-    "storage": ("Storage", _storage), "model": ("Model", _model), "projection": ("Projected cost per decode token", _projection),
-    "environment": ("Environment", _environment), "profile": ("Profile", _profile),
+    "versions": ("Versions", _versions),
+    "cpu": ("CPU", _cpu),
+    "memory": ("Memory", _memory),
+    "accelerators": ("Accelerators", _accelerators),
+    "capabilities": ("Capability decisions", _capabilities),
+    "optional_packages": ("Optional packages", _optional_packages),
+    "measurements": ("Measured bandwidths", _measurements),
+    "storage": ("Storage", _storage),
+    "model": ("Model", _model),
+    "projection": ("Projected cost per decode token", _projection),
+    "environment": ("Environment", _environment),
+    "profile": ("Profile", _profile),
 }
 
 
@@ -163,5 +223,9 @@ def _compute_caveat(how: str) -> str:
     if "rocketllm bench" in how:
         return ""
     if "per-layer work" in how:
-        return " (per-layer work as bench measured it for other sets here; `rocketllm bench` of this set measures its own)"
-    return " (an upper bound: per-layer work is left out until `rocketllm bench` measures this set; see the model's note)"
+        return (
+            " (per-layer work as bench measured it for other sets here; `rocketllm bench` of this set measures its own)"
+        )
+    return (
+        " (an upper bound: per-layer work is left out until `rocketllm bench` measures this set; see the model's note)"
+    )
