@@ -33,7 +33,7 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
     from .stream.model import EngineConfig
 
     notes = []
-    from .profiles.knobs.formulas import engine_compute_dtype
+    from .profiles.knobs.derivation import engine_compute_dtype
 
     # the same rule the KV knobs were sized with (max_context counts K and V in this dtype)
     blocks = manifest.packing == "blocks"
@@ -134,7 +134,7 @@ def _refuse_before_sharding(model, flags: dict, kwargs: dict, refresh: bool) -> 
     from .checkpoint.modelfacts import model_facts_from_path
     from .errors import RocketError
     from .profiles import HardwareProfile, resolve_knobs
-    from .profiles.knobs.formulas import memory_floor
+    from .profiles.knobs.memory import memory_floor
     from .profiles.knobs.shape import pass_shape_of
 
     path = Path(str(model)).expanduser()
@@ -257,7 +257,7 @@ class AutoModel:
         from .checkpoint.modelfacts import facts_from_manifest
         from .heap import return_large_blocks
         from .profiles import HardwareProfile, resolve_knobs
-        from .profiles.knobs.formulas import memory_floor
+        from .profiles.knobs.memory import memory_floor
         from .profiles.knobs.shape import pass_shape
         from .profiles.probe.unitreads import with_own_reads
         from .shard.cachedir import mark_used

@@ -7,7 +7,7 @@ above it. Measured on a random 2.5 B Llama (hidden 2560, FFN 6912) computing in 
 tokens peaked 183 MiB over the loaded model and kept 178 MiB after it; 1,024 tokens peaked 915 MiB and kept 781 MiB.
 With the threshold fixed at 1 MiB (which also stops glibc moving it): 75 MiB and 0 kept, 328 MiB and 0 kept, the
 KV cache of the prompt included. The memory a pass holds is then what the knobs count for it (an activation per
-token of the context, profiles/knobs/formulas.py), not the most any pass ever touched.
+token of the context, profiles/knobs/memory.py), not the most any pass ever touched.
 
 A user's MALLOC_MMAP_THRESHOLD_ wins; a C library without mallopt (musl, macOS) is left as it is.
 """

@@ -239,7 +239,7 @@ def test_the_auto_regime_runs_the_derived_plan_with_the_kv_this_run_holds(tiny_f
 
     from rocketllm_cli.bench.timing import WARMUP
     from rocketllm_cli.checkpoint.modelfacts import model_facts_from_path
-    from rocketllm_cli.profiles.knobs.formulas import engine_compute_dtype
+    from rocketllm_cli.profiles.knobs.derivation import engine_compute_dtype
     from rocketllm_cli.profiles.knobs.shape import pass_shape_of
     from rocketllm_cli.stream.context import RUN_MARGIN_TOKENS
 

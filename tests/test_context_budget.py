@@ -11,12 +11,12 @@ from test_knobs import GiB, synthetic
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.checkpoint.modelfacts import model_facts_from_path
 from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.profiles import resolve_knobs
-from rocketllm_cli.profiles.knobs.formulas import evaluate
+from rocketllm_cli.profiles.knobs.expression import evaluate
 from rocketllm_cli.profiles.knobs.shape import pass_shape_of
-from rocketllm_cli.auto import AutoModel
 
 ADMITTED = 300  # tokens the budget below holds
 

@@ -65,7 +65,7 @@ def test_the_default_set_keeps_the_files_floats_and_computes_like_transformers_f
     compute dtype on a CPU for it fp32, so its logits are transformers fp32's on the file to summation order."""
     from gguf import GGUFReader
 
-    from rocketllm_cli.profiles.knobs.formulas import engine_compute_dtype
+    from rocketllm_cli.profiles.knobs.derivation import engine_compute_dtype
     from rocketllm_cli.stream.model import EngineConfig, StreamingModel
 
     out = tmp_path / "default"

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rocketllm_cli.compat import dtype_kwargs
-from rocketllm_cli.profiles.knobs.formulas import GRAPH_MIN_RUN_TOKENS
+from rocketllm_cli.profiles.knobs.running import GRAPH_MIN_RUN_TOKENS
 from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream import graphs
 from rocketllm_cli.stream.model import EngineConfig, StreamingModel
@@ -93,8 +93,9 @@ def test_a_failed_compile_falls_back_to_the_eager_step_for_good(tiny_set, monkey
 
 
 def test_the_knob_is_on_for_a_resident_gpu_server_and_a_long_run_only():
-    from rocketllm_cli.profiles import ModelFacts, resolve_knobs
     from test_knob_edges import profile
+
+    from rocketllm_cli.profiles import ModelFacts, resolve_knobs
 
     gpu = profile("cuda:0", 1e12, (1 << 40, 1 << 39), 1 << 40)
     model = ModelFacts.from_size(1e9, 16)

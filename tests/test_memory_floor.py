@@ -17,12 +17,9 @@ from test_knobs import GiB, MiB, assert_recomputes, synthetic
 from rocketllm_cli.checkpoint.manifest import Manifest, TensorRecord, UnitRecord
 from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.profiles import Measurement, ModelFacts, resolve_knobs
-from rocketllm_cli.profiles.knobs.formulas import (
-    FLOOR_CONTEXT,
-    MIN_CONTEXT,
-    evaluate,
-    memory_floor,
-)
+from rocketllm_cli.profiles.knobs.derivation import FLOOR_CONTEXT, MIN_CONTEXT
+from rocketllm_cli.profiles.knobs.expression import evaluate
+from rocketllm_cli.profiles.knobs.memory import memory_floor
 from rocketllm_cli.profiles.knobs.shape import PassShape, pass_shape
 from rocketllm_cli.profiles.probe.runtime import process_memory
 from rocketllm_cli.stream.plan import check_floor, make_plan, resident_bytes, row_tables

@@ -51,7 +51,7 @@ class ModelFacts:
     kv_bytes_per_token: int  # K and V for every layer, per token, in the compute dtype (the stored one when not given)
     max_positions: int  # the context the config allows
     dtype: str = "bf16"
-    gguf_blocks: bool = False  # low-bit weights kept as a GGUF's blocks: a CPU computes them in fp32 (formulas.py)
+    gguf_blocks: bool = False  # low-bit weights kept as a GGUF's blocks: a CPU computes them in fp32 (derivation.py)
     architecture: str = ""  # the decoder's model type ("llama", "gemma3"), where the config or header names it
     # {GGML type name: {"NxK": bytes}}: the set's tensors kept as that type's blocks, by product shape (a weight of N
     # rows of K elements), summed over the tensors of that shape (a GGUF set); None: no blocks

@@ -24,7 +24,7 @@ def run(
 ) -> None:
     from ..profiles import HardwareProfile, model_facts_from_path, resolve_knobs
     from ..profiles.knobs.expression import evaluate
-    from ..profiles.knobs.formulas import memory_floor
+    from ..profiles.knobs.memory import memory_floor
     from ..profiles.knobs.resolve import describe_input
     from ..profiles.knobs.shape import pass_shape_of
     from ..redact import redact

@@ -605,7 +605,7 @@ _GROUP: StageGroup | None = None
 def join(launch, flags: dict | None = None) -> StageGroup:
     """Form the group at a command's start, on every rank alike, so no rank waits for another's sharding or
     measuring to join (those run after, while the heartbeats say every rank is alive)."""
-    from ..profiles.knobs.formulas import DEFAULT_STAGE_TIMEOUT_S
+    from ..profiles.knobs.running import DEFAULT_STAGE_TIMEOUT_S
     from ..profiles.knobs.table import KNOBS_BY_NAME
 
     flags = flags or {}

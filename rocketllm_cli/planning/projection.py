@@ -12,8 +12,9 @@ from __future__ import annotations
 from ..profiles.cost import project
 from ..profiles.hardware import HardwareProfile
 from ..profiles.knobs import formulas
+from ..profiles.knobs import memory as memory_knobs
+from ..profiles.knobs.derivation import Context
 from ..profiles.knobs.expression import evaluate
-from ..profiles.knobs.formulas import Context
 from ..profiles.knobs.resolve import Knobs
 
 
@@ -48,7 +49,7 @@ def row_memory(profile: HardwareProfile, facts, knobs: Knobs, tokens: int | None
     (its KV as kv_cache_bytes sizes it for a --max-context), else the most that room holds."""
     c = context_of(profile, facts, knobs)
     values = c.values
-    derived = formulas.max_context(c)
+    derived = memory_knobs.max_context(c)
     capacity = evaluate(derived.formula, derived.inputs)
     total = facts.total_bytes
     device = min(int(values["device_cache_bytes"] or 0), total)
@@ -67,7 +68,7 @@ def row_memory(profile: HardwareProfile, facts, knobs: Knobs, tokens: int | None
     if need < 1:
         return None
     inputs = derived.inputs
-    left = evaluate(formulas._context_terms(inputs)[0], inputs)
+    left = evaluate(memory_knobs.context_terms(inputs)[0], inputs)
     budget = inputs["memory_available"] - inputs["reserve_bytes"]
     charged = min(int(values["device_cache_bytes"] or 0), total) + (
         min(int(values["host_cache_bytes"] or 0), total) if c.unified else 0
@@ -76,7 +77,7 @@ def row_memory(profile: HardwareProfile, facts, knobs: Knobs, tokens: int | None
     runtime = int(values.get("runtime_bytes") or 0) if "runtime_bytes" in inputs else 0
     buffers = max(0, budget - left - charged - runtime)
     sized = context_of(profile, facts, knobs, max_context=need)
-    kv_derivation = formulas.kv_cache_bytes(sized)
+    kv_derivation = memory_knobs.kv_cache_bytes(sized)
     kv = int(evaluate(kv_derivation.formula, kv_derivation.inputs))
     on_device = device + kv + buffers + runtime
     memory = {

@@ -15,7 +15,7 @@ from ..checkpoint.modelfacts import ModelFacts
 from ..tiers import TIERS
 from .hardware import HardwareProfile
 
-if TYPE_CHECKING:  # an annotation only: knobs/formulas.py projects through this module, and resolve imports it
+if TYPE_CHECKING:  # an annotation only: knobs/running.py projects through this module, and resolve imports it
     from .knobs.resolve import Knobs
 
 

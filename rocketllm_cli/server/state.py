@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable
 
-from ..profiles.knobs.formulas import MIN_CONTEXT
+from ..profiles.knobs.derivation import MIN_CONTEXT
 from ..replies import DEFAULT_REPLY_TOKENS
 from ..stream.context import context_reason, int4_context
 from ..text.images import refusal as image_refusal

@@ -86,7 +86,7 @@ def int4_context(knobs, config) -> int | None:
         or str(knobs.value("kv_cache_dtype")) == "int4"
     ):
         return None
-    from ..profiles.knobs.formulas import int4_max_context
+    from ..profiles.knobs.memory import int4_max_context
     from .kvcache import head_dim, refusal
 
     if refusal(config, "int4"):

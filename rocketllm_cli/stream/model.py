@@ -22,7 +22,7 @@ from ..checkpoint.packedformat import PackedFormat
 from ..dtypes import KV_INT4_GROUP, torch_dtype
 from ..errors import KnobError, ParameterError, ShardError
 from ..heap import return_large_blocks
-from ..profiles.knobs.formulas import (
+from ..profiles.knobs.derivation import (
     DEFAULT_EXPERT_CACHE_POLICY,
     FALLBACK_COMPUTE_DTYPE,
     FALLBACK_DIRECT_IO,

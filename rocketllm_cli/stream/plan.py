@@ -213,11 +213,11 @@ def _place_experts(manifest: Manifest, tier: dict[str, str], budget: dict[str, i
 
 def check_floor(profile, floor, reserve_given: bool = False) -> None:
     """Refuse, in one line and before anything loads, a memory that cannot hold what these settings need at the
-    least (FLOOR: profiles/knobs/formulas.py memory_floor, a Derivation). The line gives the floor and its parts,
+    least (FLOOR: profiles/knobs/memory.py memory_floor, a Derivation). The line gives the floor and its parts,
     what this process has, and what to do; a memory cgroup's limit to raise is worked out with the reserve that
     grows with it (unless RESERVE_GIVEN: set by hand)."""
+    from ..profiles.knobs.derivation import CGROUP_RESERVE_FRACTION
     from ..profiles.knobs.expression import evaluate
-    from ..profiles.knobs.formulas import CGROUP_RESERVE_FRACTION
 
     inputs = floor.inputs
     need = int(evaluate(floor.formula, inputs))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import ParameterError
-from ..profiles.knobs.formulas import DEFAULT_DRAFT_TOKENS
+from ..profiles.knobs.derivation import DEFAULT_DRAFT_TOKENS
 from ..profiles.knobs.table import SPECULATION_MODES
 
 # transformers' words when it finds, after the first pass, that the cache cannot be cropped back

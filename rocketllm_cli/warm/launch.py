@@ -62,12 +62,12 @@ KV_SHARE = 0.25  # room beside the weights for the KV cache, streaming buffers a
 def room_for(model: str) -> tuple[bool, str]:
     """Whether MODEL can load beside the warm servers running now: (fits, the figures in words). From the memory free
     now (what the running servers hold is already taken) against its weights on disk plus KV_SHARE plus the reserve
-    (the reserve knob's rule on a machine: profiles/knobs/formulas.py MACHINE_RESERVE); a size not known before loading
+    (the reserve knob's rule on a machine: profiles/knobs/memory.py MACHINE_RESERVE); a size not known before loading
     does not fit."""
     import psutil
 
     from ..profiles.knobs.expression import evaluate
-    from ..profiles.knobs.formulas import MACHINE_RESERVE, machine_reserve_inputs
+    from ..profiles.knobs.memory import MACHINE_RESERVE, machine_reserve_inputs
     from ..sizes import format_bytes
 
     weights = model_bytes(model)

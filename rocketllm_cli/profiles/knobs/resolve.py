@@ -11,8 +11,9 @@ from ...checkpoint.modelfacts import ModelFacts
 from ...errors import KnobError
 from ...sizes import format_bytes
 from ..hardware import HardwareProfile
+from .derivation import Context
 from .expression import evaluate
-from .formulas import DERIVATIONS, Context
+from .formulas import DERIVATIONS
 from .shape import PassShape
 from .table import KNOB_SPECS, KNOBS_BY_NAME
 

@@ -16,7 +16,7 @@ from ...sizes import ACCEPTED as BYTES_ACCEPTED
 from ...sizes import parse_bytes
 
 EXPERT_CACHE_POLICIES = ("lfu", "lru")  # most often routed, most recently routed
-# auto: on where a pass streams layers (formulas.speculate)
+# auto: on where a pass streams layers (running.py speculate)
 SPECULATION_MODES = ("auto", "off", "prompt-lookup", "draft")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int4")  # auto: the dtype the model computes in
 KERNEL_PATHS = ("exact", "int8", "torch")  # packed Linears: exact, int8 activations (native), torch's fastest dtype

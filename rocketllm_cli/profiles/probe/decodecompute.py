@@ -75,7 +75,7 @@ def compute_floor(profile, facts, compute_dtype: str, kernel: str = "exact") -> 
     from dataclasses import replace
 
     from ..cost import project
-    from ..knobs.formulas import engine_compute_dtype
+    from ..knobs.derivation import engine_compute_dtype
     from .kernelrates import with_kernel_rates
 
     engine = engine_compute_dtype(compute_dtype, False, facts.dtype, profile.compute_device, facts.gguf_blocks)

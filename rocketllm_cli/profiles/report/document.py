@@ -72,7 +72,7 @@ def build(
     }
     if model is not None:
         from ..knobs.expression import evaluate
-        from ..knobs.formulas import memory_floor
+        from ..knobs.memory import memory_floor
         from ..knobs.shape import pass_shape_of
         from ..probe.decodecompute import with_layer_overhead
         from ..probe.kernelrates import with_kernel_rates

@@ -1,0 +1,172 @@
+"""The knobs of how a pass computes and a generation runs: compute dtype and kernel, decode graphs, the prefix
+cache, speculation and its draft, the reply length a request that sets none gets, the expert cache, pipeline stages."""
+
+from __future__ import annotations
+
+import math
+
+from ...replies import DEFAULT_REPLY_TOKENS
+from .derivation import (
+    DEFAULT_DRAFT_TOKENS,
+    DEFAULT_EXPERT_CACHE_POLICY,
+    FALLBACK_COMPUTE_DTYPE,
+    Context,
+    Derivation,
+)
+
+
+def compute_dtype(c: Context) -> Derivation:
+    cap = c.profile.capabilities.get("compute_dtype")
+    if cap is None:
+        return Derivation(repr(FALLBACK_COMPUTE_DTYPE), {}, "default", "compute dtype capability was not measured")
+    return Derivation("decided_dtype", {"decided_dtype": cap.value}, note=cap.reason)
+
+
+def kernel(c: Context) -> Derivation:
+    return Derivation(
+        "'exact'",
+        {},
+        "default",
+        "packed Linears compute in the compute dtype, so the logits are the model's; torch trades that for speed where "
+        "its low-bit kernel runs faster in another dtype (bf16 on x86: ~10x on an fp32 CPU)",
+    )
+
+
+GRAPH_MIN_RUN_TOKENS = 256  # a one-shot run shorter than this does not earn back the compile (tens of seconds)
+
+
+def decode_graphs(c: Context) -> Derivation:
+    if c.model is None:
+        return Derivation(
+            "'auto'", {}, "default", "needs a model (missing total_bytes): on where a CUDA GPU holds every unit"
+        )
+    inputs = {
+        "device_kind": c.profile.compute_device.split(":")[0],
+        "device_cache_bytes": c.values["device_cache_bytes"],
+        "total_bytes": c.model.total_bytes,
+        "run_tokens": c.run_tokens or 0,
+        "min_run_tokens": GRAPH_MIN_RUN_TOKENS,
+    }
+    return Derivation(
+        "'on' if device_kind == 'cuda' and device_cache_bytes >= total_bytes and "
+        "(run_tokens == 0 or run_tokens >= min_run_tokens) else 'off'",
+        inputs,
+        note="a resident decode step is hundreds of kernel launches: as CUDA graphs the GPU, not Python, bounds it; "
+        "run_tokens 0 is a server or session, whose first request pays the compile once",
+    )
+
+
+def prefix_cache(c: Context) -> Derivation:
+    return Derivation("'auto'", {}, "default", "reuse the KV cache when a prompt repeats a cached prefix")
+
+
+def draft_model(c: Context) -> Derivation:
+    return Derivation("None", {}, "default", "no draft model: speculation drafts by prompt lookup")
+
+
+def speculate(c: Context) -> Derivation:
+    if c.model is None:
+        return Derivation(
+            "'auto'",
+            {},
+            "default",
+            "needs a model (missing total_bytes): on where layers stream, off where every unit is resident",
+        )
+    # On a CPU the host tier is the page cache mapped zero-copy: a pass from it costs compute, like a resident one.
+    inputs = {
+        "draft_model": c.values["draft_model"],
+        "device_cache_bytes": c.values["device_cache_bytes"],
+        "host_tier_is_memory": int(c.unified),
+        "host_cache_bytes": c.values["host_cache_bytes"],
+        "total_bytes": c.model.total_bytes,
+    }
+    return Derivation(
+        "('draft' if draft_model else 'prompt-lookup') if device_cache_bytes + host_tier_is_memory * host_cache_bytes "
+        "< total_bytes else 'off'",
+        inputs,
+        note="a pass that streams layers costs the bytes it moves whatever its tokens, so verifying drafted tokens is "
+        "nearly free; where every unit is in memory a pass costs its compute, which grows with its tokens",
+    )
+
+
+def draft_tokens(c: Context) -> Derivation:
+    return Derivation(
+        str(DEFAULT_DRAFT_TOKENS),
+        {},
+        "default",
+        "tokens drafted per pass (a drafted run longer than what is accepted costs only its share of one pass's "
+        "compute)",
+    )
+
+
+REPLY_BUDGET_S = 60  # what a request that gives no max_tokens may run for, at the projected speed
+
+
+REPLY_TOKENS_MIN, REPLY_TOKENS_MAX = 64, 2048
+
+
+def default_max_tokens(c: Context) -> Derivation:
+    """The reply length `serve` gives a request that sets none: what the cost model projects fits in a minute, within
+    [64, 2048] and the context (a reply with no bound ran for 12 minutes of noise on a streamed model)."""
+    from ..cost import project
+
+    bounds = {"reply_budget_s": REPLY_BUDGET_S, "min_tokens": REPLY_TOKENS_MIN, "max_tokens": REPLY_TOKENS_MAX}
+    if c.model is None:
+        return Derivation(str(DEFAULT_REPLY_TOKENS), {}, "default", "needs a model to project its speed: pass --model")
+    v = c.values
+    device = min(c.model.total_bytes, int(v["device_cache_bytes"] or 0))
+    host = min(c.model.total_bytes - device, int(v["host_cache_bytes"] or 0))
+    projection = project(
+        c.profile, c.model, {"device": device, "host": host, "storage": c.model.total_bytes - device - host}
+    )
+    seconds = projection.overlapped_seconds or projection.serial_seconds
+    # six significant digits, not decimals: a small model on a fast GPU projects well under a microsecond a token
+    seconds = float(f"{seconds:.6g}") if seconds and math.isfinite(seconds) else 0.0
+    if seconds <= 0:
+        return Derivation(
+            str(DEFAULT_REPLY_TOKENS), {}, "default", f"no projected speed ({projection.reason or 'unmeasured'})"
+        )
+    inputs = {
+        **bounds,
+        "seconds_per_token": seconds,
+        "max_context": v["max_context"] if v["max_context"] is not None else 1 << 30,
+    }
+    return Derivation(
+        "min(max_context, max(min_tokens, min(max_tokens, floor(reply_budget_s / seconds_per_token))))",
+        inputs,
+        note="the cost model's projected seconds per token at this residency; a request's max_tokens wins",
+    )
+
+
+def expert_cache_policy(c: Context) -> Derivation:
+    return Derivation(
+        repr(DEFAULT_EXPERT_CACHE_POLICY),
+        {},
+        "default",
+        "measured: a decode pass walks the layers in a cycle, so LRU with room for fewer experts "
+        "than one pass routes evicts each just before its layer comes round again (docs/ARCHITECTURE.md)",
+    )
+
+
+# a pass streaming a large model from disk takes seconds; a heartbeat comes every timeout / 8
+DEFAULT_STAGE_TIMEOUT_S = 30
+
+
+def stages(c: Context) -> Derivation:
+    return Derivation(
+        "'auto'",
+        {},
+        "default",
+        "under torchrun, contiguous layer ranges that minimise the slowest stage's projected seconds per token, from "
+        "every rank's own profile and measured link (distributed/plan.py)",
+    )
+
+
+def stage_timeout_s(c: Context) -> Derivation:
+    return Derivation(
+        str(DEFAULT_STAGE_TIMEOUT_S),
+        {},
+        "default",
+        "a rank whose heartbeat has not moved this long is stopped or hung: the command exits naming it, the server "
+        "answers 503",
+    )
