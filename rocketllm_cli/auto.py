@@ -288,7 +288,7 @@ class AutoModel:
 
         launch = launched()  # under torchrun: this rank's share of the layers, the others' on their ranks
         if launch is not None:
-            from .distributed.stages import join, share_cores, shared_memory_profile
+            from .distributed.opening import join, share_cores, shared_memory_profile
 
             group = join(launch, flags)
             share_cores(group, profile, log)
@@ -317,7 +317,7 @@ class AutoModel:
         loading = LOAD_PROGRESS.set(progress)  # the store's resident load gets the same kind of bar as sharding
         try:
             if launch is not None:
-                from .distributed.stages import open_stages
+                from .distributed.opening import open_stages
 
                 streamed = open_stages(
                     launch, directory, manifest, profile, knobs, facts, config, log, overrides=knob_overrides
@@ -361,7 +361,7 @@ def run_later_stage(model, flags: dict | None) -> None:
     share of MODEL with rank 0's knob keywords and run its layers until rank 0 closes it; return when rank 0 ends (its
     prompt, output and HTTP server are rank 0's alone)."""
     from .distributed.launch import launched
-    from .distributed.stages import join
+    from .distributed.opening import join
 
     flags = flags or {}
     group = join(launched(), flags)

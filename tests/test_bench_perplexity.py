@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.bench.perplexity import check_same_tokenizer, divergence, scratch_directory, windows
-from rocketllm_cli.errors import RocketError, UsageError
 from rocketllm_cli.cachehome import cache_root
+from rocketllm_cli.errors import RocketError, UsageError
 
 TEXT = Path(__file__).parent / "fixtures" / "perplexity.txt"
 WINDOW, STRIDE = 64, 24

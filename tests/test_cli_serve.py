@@ -23,9 +23,9 @@ from serve_helpers import LiveServer, Script
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.commands.serve import MISSING_EXTRA
 from rocketllm_cli.server.worker import SHUTTING_DOWN, STOP_WAIT_S
-from rocketllm_cli.auto import AutoModel
 
 START_TIMEOUT_S = 240  # SmolLM2 is sharded (dequantized) on first use: ~25 s here, longer on a busy machine
 STOP_TIMEOUT_S = 60  # the helper's patience after a signal; the server stops within ~5 s even with streams in flight

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.auto import AutoModel
+from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.text.constraints import SAFE_INTEGER, Constraint, GrammarError, for_generation
 from rocketllm_cli.text.grammar import GrammarMask
 from rocketllm_cli.text.loop import GenerationRequest, Generator

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.dtypes import int4_kv_value_bytes
 from rocketllm_cli.errors import ParameterError
-from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.stream.kvcache import (
     Int4Layer,
     cache_bytes,

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.auto import AutoModel
+from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.sampling import SamplingParams
 

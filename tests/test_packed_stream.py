@@ -268,10 +268,10 @@ def test_int4_shards_in_another_cpus_order_say_so_when_they_stream(quantized):
 
     from transformers import AutoConfig
 
+    from rocketllm_cli.auto import engine_config
     from rocketllm_cli.checkpoint.modelfacts import facts_from_manifest
     from rocketllm_cli.packed.cpulayout import LAYOUTS
     from rocketllm_cli.profiles import HardwareProfile, resolve_knobs
-    from rocketllm_cli.auto import engine_config
 
     mode, manifest, directory, _ = quantized
     here = cpu_layout()

@@ -18,9 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
+from rocketllm_cli.cachehome import unwritable
 from rocketllm_cli.errors import describe
 from rocketllm_cli.profiles import HardwareProfile, cache_dir, hardware
-from rocketllm_cli.cachehome import unwritable
 
 
 def invoke(*args):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from serve_helpers import LiveServer, Script, with_template
 
+from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.server.tools import (
     FAMILIES,
     StreamSplitter,
@@ -20,7 +21,6 @@ from rocketllm_cli.server.tools import (
     detect,
     parser_for,
 )
-from rocketllm_cli.auto import AutoModel
 from rocketllm_cli.synthetic.tokenizer import CHAT_TEMPLATE
 
 CORPUS = Path(__file__).parent / "fixtures" / "tool_calls"

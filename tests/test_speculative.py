@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
-from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.auto import AutoModel
+from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.text.loop import GenerationRequest, Generator
 from rocketllm_cli.text.prefix import PrefixCache
 from rocketllm_cli.text.sampling import SamplingParams

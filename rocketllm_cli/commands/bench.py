@@ -201,7 +201,7 @@ def run(
             from ..auto import run_later_stage
 
             return run_later_stage(model, knob_flags)
-        from ..distributed.stages import join
+        from ..distributed.opening import join
 
         join(launch, knob_flags)  # every rank joins now; rank 0 loads after
     if perplexity is not None:

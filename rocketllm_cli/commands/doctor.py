@@ -83,7 +83,7 @@ def run(
     if launch is not None:
         if facts is None:
             raise UsageError("under torchrun, doctor plans stages for a model: give --model PATH or --model-size")
-        from ..distributed.stages import plan_for_doctor
+        from ..distributed.opening import plan_for_doctor
         from ..profiles import resolve_knobs
 
         document["stages"] = plan_for_doctor(launch, profile, facts, resolve_knobs(profile, facts))

@@ -219,7 +219,7 @@ def run(
     keep_s = keep_alive_seconds(keep_alive)
     if launch is not None:
         keep_s = 0  # the stages are this launch's processes: they end with it
-        from ..distributed.stages import join
+        from ..distributed.opening import join
 
         join(launch, knob_flags)  # every rank joins now; rank 0 loads after
     if keep_s > 0:

@@ -50,7 +50,7 @@ def run(
             from ..errors import UsageError
 
             raise UsageError("under torchrun, profile plans stages for a model: give --model PATH")
-        from ..distributed.stages import plan_for_doctor
+        from ..distributed.opening import plan_for_doctor
 
         stages = plan_for_doctor(launch, profile, facts, knobs, knob_flags)
         if not launch.is_first:

@@ -159,7 +159,7 @@ def run(
         raise RocketError(MISSING_EXTRA) from None
     sock = bind_unix(unix) if unix else bind(host, port)
     if launch is not None:
-        from ..distributed.stages import join
+        from ..distributed.opening import join
 
         try:
             join(launch, knob_flags)  # every rank joins now; rank 0 loads after
