@@ -18,7 +18,7 @@ import pytest
 from serve_helpers import LiveServer, with_template
 
 from rocketllm_cli.auto import AutoModel
-from rocketllm_cli.server.openai_api import prepare_chat
+from rocketllm_cli.server.openai_requests import prepare_chat
 from rocketllm_cli.server.structured import for_tools, lark_literal
 from rocketllm_cli.server.tools import FAMILIES, parser_for
 from rocketllm_cli.synthetic.tokenizer import build_tokenizer

@@ -2,9 +2,12 @@
 
     worker.py     the one thread that owns the model and runs jobs in arrival order (through text/loop.py, the
                   generation loop `generate` and `bench` use too: stop strings, cancellation, the prefix cache)
+    fields.py, refusals.py, prepared.py, events.py   a request read field by field, refused in the API's names,
+                  made the Prepared request the worker runs; its job's events as SSE
     prompts.py    chat messages (and tools) through the model's own chat template
     tools.py      tool-call parser families, chosen by reading the chat template
-    openai_api.py / anthropic_api.py   each API's request checks, responses, stream events and error shape
+    openai_requests.py, openai_api.py  OpenAI request checks; its responses, stream events and error shape
+    anthropic_api.py   the same for Anthropic's API
     metrics.py    Prometheus text
     app.py        the FastAPI app (the only module that imports the server extra)
 

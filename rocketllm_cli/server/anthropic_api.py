@@ -26,7 +26,7 @@ from .fields import (
     tool_schema,
 )
 from .images import anthropic_image
-from .openai_api import tool_choice
+from .openai_requests import tool_choice
 from .prepared import Prepared
 from .prompts import PromptError
 from .refusals import APIError, bad, check_context

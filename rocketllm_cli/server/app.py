@@ -21,7 +21,7 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from . import anthropic_api, openai_api, responses_api, tokens
+from . import anthropic_api, openai_api, openai_requests, responses_api, tokens
 from .client import KEEP_ALIVE_HEADER, STATS_HEADER
 from .events import outcomes_of
 from .fields import parse_body
@@ -247,7 +247,7 @@ def create_app(state: ServerState) -> FastAPI:
             request,
             "/v1/chat/completions",
             "openai",
-            openai_api.prepare_chat,
+            openai_requests.prepare_chat,
             openai_api.chat_response,
             openai_api.chat_stream,
         )
@@ -259,7 +259,7 @@ def create_app(state: ServerState) -> FastAPI:
             request,
             "/v1/completions",
             "openai",
-            openai_api.prepare_completion,
+            openai_requests.prepare_completion,
             openai_api.completion_response,
             openai_api.completion_stream,
         )

@@ -2,7 +2,7 @@
 
 A request is translated once into the chat completion it means (input items and instructions into messages, flat
 function tools into nested ones, text.format into response_format, max_output_tokens into max_tokens) and prepared by
-openai_api.prepare_chat, so its checks, prompts, constraints and tool calls are the chat endpoint's own. What the
+openai_requests.prepare_chat, so its checks, prompts, constraints and tool calls are the chat endpoint's own. What the
 Responses API has and this server cannot keep is a 400 naming it: previous_response_id (nothing is stored), built-in
 tools (web search, file search, code interpreter ...), background runs, and store: true.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from .events import job_events, new_id, now, sse
-from .openai_api import prepare_chat
+from .openai_requests import prepare_chat
 from .prepared import Prepared
 from .refusals import bad
 

@@ -33,7 +33,7 @@ def tokenize(body: dict, state) -> dict:
         raise unknown_model(str(body["model"]), state)
     tokenizer = state.builder.tokenizer
     if body.get("messages") is not None:
-        from .openai_api import _message
+        from .openai_requests import chat_message
 
         raw = body["messages"]
         if not isinstance(raw, list) or not raw:
@@ -41,7 +41,7 @@ def tokenize(body: dict, state) -> dict:
         from .prompts import PromptError
 
         try:
-            ids = state.builder.chat([_message(m, i, state) for i, m in enumerate(raw)])
+            ids = state.builder.chat([chat_message(m, i, state) for i, m in enumerate(raw)])
         except PromptError as exc:
             raise bad(str(exc), "messages") from None
     else:
