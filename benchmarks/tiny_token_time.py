@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from rocketllm_cli.shard.sharder import shard
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 from rocketllm_cli.synthetic import config_for, write_checkpoint
 
 REGIMES = {

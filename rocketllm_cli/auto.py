@@ -12,7 +12,8 @@ from .stream.plan import check_floor
 from .tiers import RESIDENT_KINDS
 
 if TYPE_CHECKING:  # torch and transformers load only once the model path has been checked
-    from .stream.model import EngineConfig, StreamingModel
+    from .stream.engineconfig import EngineConfig
+    from .stream.model import StreamingModel
 
 
 def ensure_shards(
@@ -30,7 +31,7 @@ def ensure_shards(
 
 def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, list[str]]:
     """Turn resolved knobs into the engine's config; returns it and the decisions worth logging once."""
-    from .stream.model import EngineConfig
+    from .stream.engineconfig import EngineConfig
 
     notes = []
     from .profiles.knobs.derivation import engine_compute_dtype

@@ -407,7 +407,8 @@ def _run(model_type: str, workdir: Path) -> tuple[str, str]:
 
     from rocketllm_cli.errors import RocketError
     from rocketllm_cli.shard.sharder import shard
-    from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+    from rocketllm_cli.stream.engineconfig import EngineConfig
+    from rocketllm_cli.stream.model import StreamingModel
 
     try:
         configs = tiny_configs(model_type)

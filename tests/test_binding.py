@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from rocketllm_cli.shard.sharder import shard
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 
 PROMPT = torch.tensor([[1, 40, 57, 60, 71]])
 

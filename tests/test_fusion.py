@@ -24,7 +24,8 @@ from rocketllm_cli.packed import dequantize
 from rocketllm_cli.packed.rtn import quantize_rtn
 from rocketllm_cli.shard.fusion import fuse, shared_input_groups
 from rocketllm_cli.shard.sharder import shard
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 from rocketllm_cli.stream.packedbind import FusedGroup
 
 

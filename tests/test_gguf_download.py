@@ -44,7 +44,8 @@ def reference(gemma_gguf):
 def test_an_fp32_set_computes_what_transformers_computes_from_the_file(gemma_gguf, reference, tmp_path):
     """Every quantized tensor decoded in fp32 as gguf decodes it (not rounded to bf16 on the way: Q8_0's embedding
     once was): per-token KL against transformers fp32 within 1e-5 and the same top-1 token at every position."""
-    from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+    from rocketllm_cli.stream.engineconfig import EngineConfig
+    from rocketllm_cli.stream.model import StreamingModel
 
     out = tmp_path / "fp32"
     result = invoke("shard", gemma_gguf, "--dtype", "fp32", "--quantize", "none", "--out", out)
@@ -66,7 +67,8 @@ def test_the_default_set_keeps_the_files_floats_and_computes_like_transformers_f
     from gguf import GGUFReader
 
     from rocketllm_cli.profiles.knobs.derivation import engine_compute_dtype
-    from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+    from rocketllm_cli.stream.engineconfig import EngineConfig
+    from rocketllm_cli.stream.model import StreamingModel
 
     out = tmp_path / "default"
     assert invoke("shard", gemma_gguf, "--out", out).exit_code == 0

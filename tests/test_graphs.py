@@ -14,7 +14,8 @@ from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.profiles.knobs.running import GRAPH_MIN_RUN_TOKENS
 from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream import graphs
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 
 PROMPT = torch.tensor([[1, 40, 57, 60, 71, 85, 90]])
 NEW = 10

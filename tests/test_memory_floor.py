@@ -257,7 +257,8 @@ def test_a_table_looked_up_by_rows_is_never_read_ahead_nor_given_a_buffer(tiny_f
     out."""
     import torch
 
-    from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+    from rocketllm_cli.stream.engineconfig import EngineConfig
+    from rocketllm_cli.stream.model import StreamingModel
 
     path = tiny_factory("llama", tie_word_embeddings=False)
     from rocketllm_cli.shard.sharder import shard

@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM
 from rocketllm_cli.checkpoint import stfile
 from rocketllm_cli.checkpoint.manifest import MANIFEST, Manifest
 from rocketllm_cli.shard.sharder import shard
+from rocketllm_cli.stream.engineconfig import EngineConfig
 from rocketllm_cli.stream.experts import ExpertCache
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.model import StreamingModel
 from rocketllm_cli.synthetic import MOE_ARCHS
 
 pytestmark = pytest.mark.compat

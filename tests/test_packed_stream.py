@@ -20,7 +20,8 @@ from rocketllm_cli.packed.cpulayout import LAYOUTS, cpu_layout, from_layout, to_
 from rocketllm_cli.packed.kernelform import to_kernel_form, to_portable
 from rocketllm_cli.packed.rtn import quantize_rtn
 from rocketllm_cli.shard.sharder import shard
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 from rocketllm_cli.stream.packedbind import PackedBinding
 from rocketllm_cli.stream.unbound import UnboundWeightError
 

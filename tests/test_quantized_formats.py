@@ -29,7 +29,8 @@ from rocketllm_cli.errors import ModelError
 from rocketllm_cli.packed import dequantize
 from rocketllm_cli.packed.fromint import IntWeight
 from rocketllm_cli.shard.sharder import shard
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 
 PROMPT = torch.tensor([[1, 40, 57, 60, 71, 85, 90]])
 NEW_TOKENS = 8

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.checkpoint.manifest import Manifest
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.compat]
 

@@ -22,7 +22,8 @@ from rocketllm_cli.app import app
 from rocketllm_cli.checkpoint.manifest import MANIFEST, RESHARD, Manifest
 from rocketllm_cli.errors import ShardError
 from rocketllm_cli.shard import checks, sharder
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 from rocketllm_cli.synthetic import config_for, write_checkpoint
 
 PROMPT = [1, 5, 9, 42, 7]

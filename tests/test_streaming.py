@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.shard.sharder import shard
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 from rocketllm_cli.stream.plan import spaced
 from rocketllm_cli.synthetic import ARCHS, MOE_ARCHS
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from rocketllm_cli.errors import RocketError, describe
 from rocketllm_cli.shard.sharder import shard
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 from rocketllm_cli.stream.unbound import Unbound, UnboundWeightError
 
 PROMPT = torch.tensor([[1, 40, 57, 60, 71]])

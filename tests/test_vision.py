@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
 from rocketllm_cli.shard.sharder import shard
-from rocketllm_cli.stream.model import EngineConfig, StreamingModel
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
 from rocketllm_cli.synthetic.vision import (
     VLM_KINDS,
     processor_needs_torchvision,

@@ -126,3 +126,11 @@ def graphed(streamed, kwargs: dict, input_ids: torch.Tensor):
     finally:
         streamed.ledger.drop_open()
         streamed.pass_hooks = streamed.register_pass_hooks()
+
+
+def graphs_excluded(kwargs: dict) -> bool:
+    """A generate call the graphed decode leaves eager: speculation (its passes vary in length) and a caller that keeps
+    the output's cache (a prefix cache stores it; a static cache is reset by the next request)."""
+    return bool(
+        kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") or kwargs.get("return_dict_in_generate")
+    )

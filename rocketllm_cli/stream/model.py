@@ -11,7 +11,6 @@ UnboundWeightError from any computation. A streamed embedding table's placeholde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,123 +18,22 @@ from torch import nn
 
 from ..checkpoint.manifest import RESHARD, Manifest
 from ..checkpoint.packedformat import PackedFormat
-from ..dtypes import KV_INT4_GROUP, torch_dtype
-from ..errors import KnobError, ParameterError, ShardError
+from ..dtypes import torch_dtype
+from ..errors import ParameterError, ShardError
 from ..heap import return_large_blocks
-from ..profiles.knobs.derivation import (
-    DEFAULT_EXPERT_CACHE_POLICY,
-    FALLBACK_COMPUTE_DTYPE,
-    FALLBACK_DIRECT_IO,
-    FALLBACK_PREFETCH_DEPTH,
-)
-from ..profiles.knobs.table import KNOBS_BY_NAME
+from ..native import kernels
 from ..shard.discover import build_meta_model
 from ..threads import COMPUTE_THREADS
 from .assets import load_generation_config, load_processor, load_tokenizer
 from .attention import planless_attention
+from .binding import Binding, assign, called_site, is_lookup, move_buffers
+from .engineconfig import EngineConfig
+from .graphs import graphs_excluded
 from .ledger import Ledger
-from .packedbind import PackedBinding, PerBuffer, make_fused, make_packed
+from .packedbind import PackedBinding, activation_dtype, make_fused, make_packed
 from .plan import ResidencyPlan, make_plan
 from .store import WeightStore
 from .unbound import Unbound, unbind_all
-
-
-@dataclass
-class EngineConfig:
-    """Everything the streaming model needs; AutoModel fills it from the resolved knobs.
-
-    Built by hand, it defaults to nothing cached, one reader thread, and what each knob is on an unmeasured machine."""
-
-    device: str = "cpu"
-    compute_dtype: str = FALLBACK_COMPUTE_DTYPE
-    device_cache_bytes: int = 0
-    host_cache_bytes: int = 0
-    prefetch_depth: int = FALLBACK_PREFETCH_DEPTH
-    io_workers: int = 1
-    direct_io: bool = FALLBACK_DIRECT_IO
-    pin_memory: bool = False
-    expert_cache_policy: str = DEFAULT_EXPERT_CACHE_POLICY
-    packed_dtype: str = ""  # activations of packed Linears: "" the compute dtype, "fastest" the kernel's measured best
-    # what the KV cache stores: auto (the compute dtype), a float dtype or int4 (stream/kvcache.py)
-    kv_cache_dtype: str = "auto"
-    kv_residual_tokens: int = KV_INT4_GROUP  # int4: the most recent tokens kept in the compute dtype
-    decode_graphs: str = "off"  # "on": a resident decode on a CUDA GPU runs as CUDA graphs where it can (graphs.py)
-    native_mode: str = "exact"  # GGUF blocks on the native kernels: fp32 activations, or "int8" (packed/compute.py)
-
-    def __post_init__(self) -> None:
-        # Ranges and choices are the knob table's.
-        for name in ("compute_dtype", "expert_cache_policy", "kv_cache_dtype", "decode_graphs"):
-            spec = KNOBS_BY_NAME[name]
-            if getattr(self, name) not in spec.choices:
-                raise KnobError(f"bad {name} {getattr(self, name)!r}: expected {spec.accepted()}")
-        for name in ("device_cache_bytes", "host_cache_bytes", "prefetch_depth", "io_workers", "kv_residual_tokens"):
-            minimum = KNOBS_BY_NAME[name].minimum
-            if getattr(self, name) < minimum:
-                raise KnobError(f"bad {name} {getattr(self, name)}: must be >= {minimum}")
-
-
-class Binding:
-    """One (module, attribute) a unit's tensor is bound to.
-
-    `persistent`: the unit's tensors are the same objects on every use (host tier on a CPU), so the Parameter made
-    for them is kept and a bind is a dict assignment. Otherwise the Parameter is dropped on unbind: it may wrap a
-    copy converted to the compute dtype, and keeping one per layer would hold the whole model converted in memory.
-    A streamed tensor read unconverted is a view of a streaming buffer, the same object each time the unit lands in
-    that buffer (WeightStore keeps the views per buffer): its Parameter is kept per buffer, costing no memory.
-    """
-
-    __slots__ = (
-        "module",
-        "attr",
-        "tensor",
-        "is_buffer",
-        "placeholder",
-        "persistent",
-        "_source",
-        "_param",
-        "_by_buffer",
-    )
-
-    def __init__(
-        self,
-        module: nn.Module,
-        attr: str,
-        tensor: str,
-        is_buffer: bool,
-        placeholder: torch.Tensor | None,
-        persistent: bool = False,
-    ) -> None:
-        self.module, self.attr, self.tensor, self.is_buffer, self.placeholder = (
-            module,
-            attr,
-            tensor,
-            is_buffer,
-            placeholder,
-        )
-        self.persistent = persistent
-        self._source: torch.Tensor | None = None
-        self._param: nn.Parameter | None = None
-        self._by_buffer = PerBuffer()
-
-    def bind(self, t: torch.Tensor) -> None:
-        if self.is_buffer:
-            self.module._buffers[self.attr] = t
-            return
-        if t is not self._source:  # persistent views (host tier on CPU) reuse their Parameter every token
-            kept = self._by_buffer.get(t)
-            if kept is not None:
-                self._param = kept
-            else:
-                self._param = nn.Parameter(t, requires_grad=False)
-                if t._is_view():  # not a converted copy: no memory held
-                    self._by_buffer.put(t, self._param)
-            self._source = t
-        self.module._parameters[self.attr] = self._param
-
-    def unbind(self) -> None:
-        (self.module._buffers if self.is_buffer else self.module._parameters)[self.attr] = self.placeholder
-        if not self.persistent:
-            self._source = self._param = None
 
 
 class StreamingModel:
@@ -162,7 +60,7 @@ class StreamingModel:
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.compute_dtype)
         hf_config = AutoConfig.from_pretrained(self.directory)
-        self.kv_dtype = _kv_dtype(config)
+        self.kv_dtype = config.kv_dtype()
         if self.kv_dtype not in (config.compute_dtype, "auto"):
             from .kvcache import refusal
 
@@ -219,7 +117,7 @@ class StreamingModel:
                 candidates=lambda n: candidate_names(n, prefix),
                 cache_policy=config.expert_cache_policy,
             )
-        _move_buffers(model, self.device)
+        move_buffers(model, self.device)
         load_generation_config(model, self.directory)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.directory)
@@ -252,7 +150,7 @@ class StreamingModel:
             module = model.get_submodule(module_path)
             is_buffer = attr in module._buffers
             table = module._buffers if is_buffer else module._parameters
-            hook = _called_site(model, hook_of[unit] if name == key else module_path, module_path)
+            hook = called_site(model, hook_of[unit] if name == key else module_path, module_path)
             # Buffers are real (initial values) and parameters may be tied placeholders: each gets its own, naming its
             # site.
             where = f"{hook or 'the model'} (unit {unit})"
@@ -275,11 +173,11 @@ class StreamingModel:
             if self.plan.tier[unit] == "device":
                 tensors = self.store.resident(unit)
                 for group in by_hook.values():
-                    _assign(group, tensors)
+                    assign(group, tensors)
                 continue
             for hook_path, group in by_hook.items():
                 module = model.get_submodule(hook_path)
-                if self.store.can_gather_rows(unit) and _is_lookup(module, group):
+                if self.store.can_gather_rows(unit) and is_lookup(module, group):
                     # A token lookup reads a few rows of the table, not the table: the placeholder serves it.
                     group[0].placeholder.rows = self._rows(unit, group[0].tensor)
                     continue
@@ -288,7 +186,9 @@ class StreamingModel:
                 hooked.add(unit)
         self.pass_hooks = self.register_pass_hooks(model)
         # GGUF blocks on a CPU with the native kernels: a decode step hands them the cores (threads.py native_pass)
-        self._native_products = self.device.type == "cpu" and self.manifest.packing == "blocks" and _native_kernels()
+        self._native_products = (
+            self.device.type == "cpu" and self.manifest.packing == "blocks" and kernels() is not None
+        )
         # A unit only ever looked up by rows is never read whole: no read-ahead, and no buffer sized for it.
         self.store.read_whole_only(hooked)
 
@@ -307,7 +207,7 @@ class StreamingModel:
         FusedGroup."""
         members = [m for m, _ in record.fused]
         parent = members[0].rsplit(".", 2)[0]
-        hook = _called_site(model, unit_module, parent)
+        hook = called_site(model, unit_module, parent)
         where = f"{hook or 'the model'} (unit {unit})"
         modules = []
         for member in members:
@@ -318,7 +218,7 @@ class StreamingModel:
             modules.append(module)
         fmt = PackedFormat.from_dict(record.packed)
         group = make_fused(modules, members, [int(n) for _, n in record.fused], fmt, where)
-        dtype = self._packed_dtype(fmt)
+        dtype = activation_dtype(self.config_engine.packed_dtype, fmt, self.dtype, self.device)
         return hook, PackedBinding(
             modules[0],
             record.name,
@@ -330,16 +230,6 @@ class StreamingModel:
             group=group,
             mode=self.config_engine.native_mode,
         )
-
-    def _packed_dtype(self, fmt: PackedFormat) -> torch.dtype:
-        """The activation dtype a packed Linear computes in: the compute dtype, the kernel's fastest, or the knob's."""
-        if self.config_engine.packed_dtype == "fastest":
-            from ..packed.compute import kernel_dtype
-
-            return kernel_dtype(fmt, self.dtype, self.device)
-        if self.config_engine.packed_dtype:
-            return torch_dtype(self.config_engine.packed_dtype)
-        return self.dtype
 
     def _packed_binding(
         self,
@@ -360,7 +250,7 @@ class StreamingModel:
                 key,
                 fmt,
                 self.device,
-                self._packed_dtype(fmt),
+                activation_dtype(self.config_engine.packed_dtype, fmt, self.dtype, self.device),
                 placeholder,
                 persistent,
                 mode=self.config_engine.native_mode,
@@ -382,7 +272,7 @@ class StreamingModel:
         store = self.store
 
         def hook(module, args):
-            _assign(group, store.acquire(unit))
+            assign(group, store.acquire(unit))
 
         return hook
 
@@ -454,7 +344,7 @@ class StreamingModel:
             cache = self.new_kv_cache()
             if cache is not None:
                 kwargs[generate_cache_kwarg()] = cache
-            elif self.config_engine.decode_graphs == "on" and not _graphs_excluded(kwargs):
+            elif self.config_engine.decode_graphs == "on" and not graphs_excluded(kwargs):
                 from .graphs import graphed, static_cache
 
                 ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
@@ -506,49 +396,3 @@ class StreamingModel:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _graphs_excluded(kwargs: dict) -> bool:
-    """A generate call the graphed decode leaves eager: speculation (its passes vary in length) and a caller that keeps
-    the output's cache (a prefix cache stores it; a static cache is reset by the next request)."""
-    return bool(
-        kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") or kwargs.get("return_dict_in_generate")
-    )
-
-
-def _kv_dtype(config: EngineConfig) -> str:
-    """The dtype the KV cache stores: the compute dtype for auto."""
-    return config.compute_dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-
-
-def _assign(group: list[Binding], tensors: dict[str, torch.Tensor]) -> None:
-    for b in group:
-        b.bind(tensors[b.tensor])
-
-
-def _called_site(model: nn.Module, hook: str, module_path: str) -> str:
-    """Where a tensor of MODULE_PATH is bound: HOOK, or the member on its path if HOOK is a container (a ModuleList's
-    forward never runs; the model calls its members directly, so each member binds its own tensors)."""
-    while isinstance(model.get_submodule(hook), (nn.ModuleList, nn.ModuleDict)) and module_path.startswith(hook + "."):
-        hook = f"{hook}.{module_path[len(hook) + 1 :].split('.', 1)[0]}"
-    return hook
-
-
-def _is_lookup(module: nn.Module, group: list[Binding]) -> bool:
-    """An embedding table bound alone: what reads it are lookups, by its forward or its model (F.embedding, w[ids])."""
-    return (
-        isinstance(module, nn.Embedding) and len(group) == 1 and group[0].attr == "weight" and group[0].module is module
-    )
-
-
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and not isinstance(buf, Unbound) and buf.device != device:
-                module._buffers[name] = buf.to(device)
-
-
-def _native_kernels() -> bool:
-    from ..native import kernels
-
-    return kernels() is not None

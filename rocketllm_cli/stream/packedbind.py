@@ -15,6 +15,7 @@ from torch.nn.modules import module as _module
 
 from ..checkpoint.manifest import RESHARD
 from ..checkpoint.packedformat import PackedFormat, PackedTensor
+from ..dtypes import torch_dtype
 from ..errors import ShardError
 from ..packed import compute
 from ..packed.bound import BoundWeight
@@ -335,3 +336,13 @@ def _direct_int4(fmt: PackedFormat, device: torch.device, dtype: torch.dtype):
         return BoundWeight(fmt, dtype, device, "int4", kernel=kernel, dense_rows=dense_rows, dense_dtype=dense_dtype)
 
     return bound
+
+
+def activation_dtype(setting: str, fmt, dtype: torch.dtype, device) -> torch.dtype:
+    """The activation dtype a packed Linear computes in: the compute dtype (SETTING ""), the kernel's fastest
+    ("fastest") or the dtype SETTING names (EngineConfig.packed_dtype)."""
+    if setting == "fastest":
+        from ..packed.compute import kernel_dtype
+
+        return kernel_dtype(fmt, dtype, device)
+    return torch_dtype(setting) if setting else dtype
