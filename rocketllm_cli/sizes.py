@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import re
 
+ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers; where a unit file's data starts (stfile.py)
+
+
+def round_up(n: int, to: int = ALIGN) -> int:
+    """N rounded up to a multiple of TO."""
+    return -(-n // to) * to
+
+
 _UNITS = {
     "": 1,
     "b": 1,

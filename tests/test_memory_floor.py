@@ -14,7 +14,8 @@ import os
 import pytest
 from test_knobs import GiB, MiB, assert_recomputes, synthetic
 
-from rocketllm_cli.checkpoint.manifest import Manifest, TensorRecord, UnitRecord
+from rocketllm_cli.checkpoint.manifest import Manifest
+from rocketllm_cli.checkpoint.unitrecords import TensorRecord, UnitRecord
 from rocketllm_cli.errors import ParameterError
 from rocketllm_cli.profiles import Measurement, ModelFacts, resolve_knobs
 from rocketllm_cli.profiles.knobs.derivation import FLOOR_CONTEXT, MIN_CONTEXT

@@ -127,11 +127,11 @@ def test_model_device_and_generate_surface(shards):
 def test_streaming_buffers_fit_the_layers_and_one_larger_unit(tiny_factory, tmp_path):
     """A tied embedding and head larger than a layer gets one buffer of its own; the read-ahead pool is sized for the
     layers (prefetch_depth + 1 of them); nothing else is allocated, and the tokens are transformers'."""
-    from rocketllm_cli.stream.store import _round_up
+    from rocketllm_cli.sizes import round_up
 
     checkpoint = tiny_factory("llama", tie_word_embeddings=True, vocab_size=4096)
     manifest, directory, _ = shard(checkpoint, out=tmp_path / "s", log=lambda m: None)
-    layer, largest = _round_up(max(u.bytes for u in manifest.layers)), _round_up(max(u.bytes for u in manifest.units))
+    layer, largest = round_up(max(u.bytes for u in manifest.layers)), round_up(max(u.bytes for u in manifest.units))
     assert largest > layer
     with StreamingModel(directory, EngineConfig(compute_dtype="fp32", prefetch_depth=2)) as model:
         assert model.store.buffers() == [(layer, 3), (largest, 1)]

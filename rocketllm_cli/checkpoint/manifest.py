@@ -18,6 +18,7 @@ from ..dtypes import (
 )
 from ..errors import ShardError
 from . import stfile
+from .unitrecords import TensorRecord, UnitRecord
 
 FORMAT_VERSION = 2  # 2: mixture-of-experts models have one unit per expert (kind "expert")
 PACKED_VERSION = 3  # 3: some tensors are packed low-bit weights (a `packed` format on their record)
@@ -28,37 +29,6 @@ RESHARD = "re-run `rocketllm shard` on the source model"
 UNIT_FILE = re.compile(r"^\d{4}-.+\.safetensors$")
 FIXED_UNIT_NAMES = {"embed": "embed", "norm": "norm", "lm_head": "lm_head", "root": "root"}
 PREFIXED_KINDS = ("extra", "vision")  # named `<kind>.<module>`; vision: a vision tower or projector, resident
-
-
-@dataclass
-class TensorRecord:
-    name: str  # the parameter or buffer name in the transformers module tree
-    source: str  # its name in the source checkpoint
-    dtype: str
-    shape: list[int]
-    offset: int  # absolute offset in the unit file
-    nbytes: int
-    packed: dict | None = None  # a packed weight (dtype U8, shape [nbytes]): its PackedFormat.to_dict()
-    # Several Linears' packed weights stored as one (shard/fusion.py): [[member weight name, its rows], ...] in row
-    # order; the record's name is `<parent>.<a>+<b>.weight`, its source the members' sources joined by " + "
-    fused: list | None = None
-
-
-@dataclass
-class UnitRecord:
-    name: str  # embed, layer.000 ..., layer.000.expert.000 ..., norm, lm_head, extra.<module path>
-    kind: str  # embed | layer | expert | norm | lm_head | extra | root | vision
-    # module path the unit's forward hook sits on ("" = the whole model); for an expert, its tensors' common prefix
-    module: str
-    file: str
-    bytes: int  # file size
-    sha256: str
-    tensors: list[TensorRecord]
-    index: int = -1  # layer index within the decoder stack (a layer's, or the layer an expert belongs to)
-
-    @property
-    def tensor_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
 
 
 @dataclass

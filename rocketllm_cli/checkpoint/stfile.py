@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ShardError
+from ..sizes import ALIGN
 
 if TYPE_CHECKING:
     import torch
 
-ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors reference limit
 
 # safetensors dtype -> (torch dtype attribute, bytes per element). The torch dtypes are looked up on first

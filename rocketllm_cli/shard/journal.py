@@ -10,7 +10,8 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from ..checkpoint.manifest import MANIFEST, Manifest, TensorRecord, UnitRecord
+from ..checkpoint.manifest import MANIFEST, Manifest
+from ..checkpoint.unitrecords import TensorRecord, UnitRecord
 from ..errors import ShardError
 
 JOURNAL = "journal.jsonl"

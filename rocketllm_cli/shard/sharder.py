@@ -21,14 +21,8 @@ import torch
 
 from ..cachehome import unwritable
 from ..checkpoint import stfile
-from ..checkpoint.manifest import (
-    FORMAT_VERSION,
-    FUSED_VERSION,
-    PACKED_VERSION,
-    Manifest,
-    TensorRecord,
-    UnitRecord,
-)
+from ..checkpoint.manifest import FORMAT_VERSION, FUSED_VERSION, PACKED_VERSION, Manifest
+from ..checkpoint.unitrecords import TensorRecord, UnitRecord
 from ..dtypes import NAMES as DTYPES
 from ..dtypes import short_name, torch_dtype
 from ..errors import Interrupted, ParameterError, ShardError

@@ -32,8 +32,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..dtypes import KV_INT4_GROUP, torch_dtype
 from ..errors import ParameterError
+from .int4codes import SCALE_DTYPE, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 
-SCALE_DTYPE = torch.float16  # KV_INT4_SCALE_BYTES: what dtypes.int4_kv_value_bytes counts
 FULL_ATTENTION = {"full_attention", "attention", "global_attention"}
 
 
@@ -299,8 +299,8 @@ class Int4Layer(DynamicLayer):
         if take <= 0:
             return
         k, v = self.keys[..., :take, :], self.values[..., :take, :]
-        k_codes, k_scale, k_min = _quantize_keys(k, self.group)
-        v_codes, v_scale, v_min = _quantize_values(v, self.value_group)
+        k_codes, k_scale, k_min = quantize_keys(k, self.group)
+        v_codes, v_scale, v_min = quantize_values(v, self.value_group)
         self.k_codes = torch.cat([self.k_codes, k_codes], dim=-2)
         self.k_scale, self.k_min = torch.cat([self.k_scale, k_scale], dim=-2), torch.cat([self.k_min, k_min], dim=-2)
         self.v_codes = torch.cat([self.v_codes, v_codes], dim=-2)
@@ -317,8 +317,8 @@ class Int4Layer(DynamicLayer):
             self.exact = False
             k = self.keys.new_empty((*self.keys.shape[:2], g, self.keys.shape[-1]))
             v = self.values.new_empty((*self.values.shape[:2], g, self.values.shape[-1]))
-            _dequantize_keys(k, self.k_codes[..., start:, :], self.k_scale[..., -1:, :], self.k_min[..., -1:, :], g)
-            _dequantize_values(
+            dequantize_keys(k, self.k_codes[..., start:, :], self.k_scale[..., -1:, :], self.k_min[..., -1:, :], g)
+            dequantize_values(
                 v,
                 self.v_codes[..., start:, :],
                 self.v_scale[..., start:, :],
@@ -338,8 +338,8 @@ class Int4Layer(DynamicLayer):
         keys = self.keys.new_empty((*self.keys.shape[:2], q + r, self.keys.shape[-1]))
         values = self.values.new_empty((*self.values.shape[:2], q + r, self.values.shape[-1]))
         if q:
-            _dequantize_keys(keys[..., :q, :], self.k_codes, self.k_scale, self.k_min, self.group)
-            _dequantize_values(values[..., :q, :], self.v_codes, self.v_scale, self.v_min, self.value_group)
+            dequantize_keys(keys[..., :q, :], self.k_codes, self.k_scale, self.k_min, self.group)
+            dequantize_values(values[..., :q, :], self.v_codes, self.v_scale, self.v_min, self.value_group)
         keys[..., q:, :] = self.keys
         values[..., q:, :] = self.values
         return keys, values
@@ -354,48 +354,3 @@ class Int4Layer(DynamicLayer):
 
 
 # -- int4 codes ------------------------------------------------------------------------------------
-
-
-def _codes(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor):
-    """Asymmetric 4-bit codes of x [..., D] for broadcastable minima/maxima; returns (packed codes, scale, min)."""
-    scale = ((high - low) / 15).to(SCALE_DTYPE)
-    low = low.to(SCALE_DTYPE)
-    s, m = scale.float(), low.float()  # quantize with the rounded scale and minimum the dequantization will use
-    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
-    codes = ((x - m) * inv).round_().clamp_(0, 15).to(torch.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale, low
-
-
-def _quantize_keys(k: torch.Tensor, group: int):
-    """Per channel over `group` tokens: k [B, H, n*G, D] -> codes [B, H, n*G, D/2], scale/min [B, H, n, D]."""
-    b, h, t, d = k.shape
-    x = k.float().reshape(b, h, t // group, group, d)
-    packed, scale, low = _codes(x, x.amin(dim=-2, keepdim=True), x.amax(dim=-2, keepdim=True))
-    return packed.reshape(b, h, t, d // 2), scale.squeeze(-2), low.squeeze(-2)
-
-
-def _quantize_values(v: torch.Tensor, group: int):
-    """Per token over `group` channels: v [B, H, T, D] -> codes [B, H, T, D/2], scale/min [B, H, T, D/g]."""
-    b, h, t, d = v.shape
-    x = v.float().reshape(b, h, t, d // group, group)
-    packed, scale, low = _codes(x, x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True))
-    return packed.reshape(b, h, t, d // 2), scale.squeeze(-1), low.squeeze(-1)
-
-
-def _unpack_into(out: torch.Tensor, codes: torch.Tensor) -> None:
-    out[..., 0::2] = codes & 15
-    out[..., 1::2] = codes >> 4
-
-
-def _dequantize_keys(out: torch.Tensor, codes, scale, low, group: int) -> None:
-    b, h, t, d = out.shape
-    _unpack_into(out, codes)
-    blocks = out.view(b, h, t // group, group, d)
-    blocks.mul_(scale.unsqueeze(-2)).add_(low.unsqueeze(-2))
-
-
-def _dequantize_values(out: torch.Tensor, codes, scale, low, group: int) -> None:
-    b, h, t, d = out.shape
-    _unpack_into(out, codes)
-    groups = out.view(b, h, t, d // group, group)
-    groups.mul_(scale.unsqueeze(-1)).add_(low.unsqueeze(-1))

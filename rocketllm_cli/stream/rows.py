@@ -15,8 +15,9 @@ import time
 import torch
 
 from .. import dtypes
-from ..checkpoint.manifest import RESHARD, UnitRecord
+from ..checkpoint.manifest import RESHARD
 from ..checkpoint.stfile import DTYPES
+from ..checkpoint.unitrecords import UnitRecord
 from ..errors import ShardError
 
 

@@ -16,30 +16,23 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..checkpoint.manifest import RESHARD, Manifest, UnitRecord
-from ..checkpoint.stfile import ALIGN, DTYPES
+from ..checkpoint.manifest import RESHARD, Manifest
+from ..checkpoint.stfile import DTYPES
+from ..checkpoint.unitrecords import UnitRecord
 from ..errors import ShardError
 from ..output import BLINK_S, no_progress
+from ..sizes import ALIGN, round_up
+from .buffers import Slot, aligned_buffer
 from .ledger import Ledger
 from .plan import ResidencyPlan
 from .rows import RowGathers, pread
 
 # Where AutoModel puts its progress for the resident load: StreamingModel builds the store without carrying it.
 LOAD_PROGRESS: ContextVar = ContextVar("rocketllm_load_progress", default=None)
-
-
-@dataclass
-class Slot:
-    host: torch.Tensor  # uint8, page-aligned (pinned on CUDA)
-    device: torch.Tensor | None = None  # uint8 on the compute device (CUDA only)
-    ready: object = None  # CUDA event: copy into `device` finished
-    free_after: object = None  # CUDA event: compute finished reading `device`
-    views: dict = field(default_factory=dict)  # unit -> its tensors as views of this buffer (units read unconverted)
 
 
 class WeightStore(RowGathers):
@@ -136,8 +129,8 @@ class WeightStore(RowGathers):
     def _size_buffers(self) -> None:
         sizes = [u.bytes for u in self._per_use]
         layers = [u.bytes for u in self._per_use if u.kind == "layer"]
-        self.slot_bytes = _round_up(max(layers) if layers else max(sizes, default=0))
-        self.large_bytes = _round_up(max(sizes)) if sizes and _round_up(max(sizes)) > self.slot_bytes else 0
+        self.slot_bytes = round_up(max(layers) if layers else max(sizes, default=0))
+        self.large_bytes = round_up(max(sizes)) if sizes and round_up(max(sizes)) > self.slot_bytes else 0
 
     def read_whole_only(self, names: set[str]) -> None:
         """Only units NAMES are ever acquired whole (the others are looked up by rows): the schedule reads ahead only
@@ -304,7 +297,7 @@ class WeightStore(RowGathers):
         count = sum(1 for s in self._slots if (s.host.numel() == self.large_bytes) == large)
         if count < (self._max_large if large else self._max_slots):
             size = self.large_bytes if large else self.slot_bytes
-            slot = Slot(_aligned_buffer(size, self.pin))
+            slot = Slot(aligned_buffer(size, self.pin))
             if self.cuda:
                 slot.device = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._slots.append(slot)
@@ -354,14 +347,14 @@ class WeightStore(RowGathers):
 
     def _read_file(self, unit: UnitRecord, into: torch.Tensor, evict: bool) -> None:
         path = self.directory / unit.file
-        direct = self.direct_io and into.data_ptr() % ALIGN == 0 and into.numel() >= _round_up(unit.bytes)
+        direct = self.direct_io and into.data_ptr() % ALIGN == 0 and into.numel() >= round_up(unit.bytes)
         try:
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         except OSError as exc:
             raise ShardError(f"cannot open shard file {unit.file} ({exc.strerror}); {RESHARD}") from None
         try:
             view = memoryview(into.numpy())
-            want = _round_up(unit.bytes) if direct else unit.bytes
+            want = round_up(unit.bytes) if direct else unit.bytes
             done = 0
             while done < unit.bytes:
                 n = pread(fd, view[done:want], done, unit.file)
@@ -402,14 +395,3 @@ class WeightStore(RowGathers):
             except BufferError:
                 pass  # a tensor still views it; the mapping goes when that tensor does
         self._maps.clear()
-
-
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    if pin:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    mm = mmap.mmap(-1, max(nbytes, ALIGN))  # anonymous mappings are page-aligned, as O_DIRECT needs
-    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]

@@ -14,14 +14,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ...sizes import format_bytes, parse_bytes
+from ...sizes import ALIGN, format_bytes, parse_bytes
 from ..records import Capability, Measurement
 from .filesystems import Filesystem
 from .machine import usable_cores
 
 DEFAULT_PROBE_BYTES = 256 * 1024**2  # ~1 s of writing and reading on a 2-core VM disk
 CHUNK = 16 * 1024**2  # buffered reads: large, so syscall cost vanishes
-ALIGN = 4096
 MIN_PROBE_BYTES = 1024**2  # below this, timer resolution and readahead dominate the figure
 
 

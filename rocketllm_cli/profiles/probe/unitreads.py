@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ...sizes import round_up
 from .storage import evict_file
 
 IN_FLIGHTS = (1, 2, 4, 8)
@@ -29,7 +30,6 @@ BUFFER_SHARE = 0.25  # the probe's buffers (one per read in flight) take at most
 REPEATS = 2  # each configuration read this often, interleaved with the others; its fastest read counts
 CLOSE = 0.05  # a configuration within 5% of the cheapest that keeps fewer reads in flight wins
 FILE = "unit-reads.json"
-ALIGN = 4096
 
 
 @dataclass
@@ -112,7 +112,7 @@ def measure(
     if len(units) < 2:
         return None
     sizes = sorted(u.bytes for u in units)
-    biggest = _round_up(sizes[-1])
+    biggest = round_up(sizes[-1])
     paths = [(directory / u.file, u.bytes) for u in units]
     configs = [(d, k) for d in ((True, False) if direct_ok else (False,)) for k in in_flights]
     best: dict[tuple[bool, int], UnitReadRow] = {}
@@ -144,7 +144,7 @@ def _read_all(paths: list[tuple[Path, int]], direct: bool, k: int, buffers: list
             path, size = paths[i]
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
             try:
-                want = _round_up(size) if direct else size
+                want = round_up(size) if direct else size
                 got = 0
                 while got < size:
                     n = os.preadv(fd, [view[got:want]], got)
@@ -164,10 +164,6 @@ def _read_all(paths: list[tuple[Path, int]], direct: bool, k: int, buffers: list
     return UnitReadRow(
         direct, k, total, round(max(time.perf_counter() - start, 1e-9), 6), round(time.process_time() - cpu, 6)
     )
-
-
-def _round_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def set_key(directory: Path, manifest) -> str:
