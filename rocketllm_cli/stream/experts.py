@@ -25,9 +25,11 @@ from torch import nn
 from ..checkpoint.manifest import Manifest
 from ..profiles.knobs.table import EXPERT_CACHE_POLICIES
 from ..shard.expertlayout import Direct, Fused, resolve_pieces, top_k
+from ..sizes import round_up
+from .buffers import aligned_buffer
 from .ledger import Ledger
 from .plan import ResidencyPlan
-from .store import WeightStore, _aligned_buffer, _round_up
+from .store import WeightStore
 
 
 class ExpertCache:
@@ -107,7 +109,7 @@ class ExpertStreamer:
         self._pool = ThreadPoolExecutor(max(1, io_workers), thread_name_prefix="rocketllm-experts")
         self._staging: list[torch.Tensor] = []
         self._staging_lock = threading.Lock()
-        self._staging_bytes = _round_up(max((u.bytes for u in self.units.values()), default=0))
+        self._staging_bytes = round_up(max((u.bytes for u in self.units.values()), default=0))
         self._pending: dict[str, Future] = {}
         self._arenas: dict[tuple, torch.Tensor] = {}  # (attr, shape) -> full-shaped tensor shared by every layer
         self._params: dict[int, nn.Parameter] = {}  # arena data_ptr -> the Parameter bound over it
@@ -202,7 +204,7 @@ class ExpertStreamer:
         with self._staging_lock:
             buf = self._staging.pop() if self._staging else None
         if buf is None:
-            buf = _aligned_buffer(self._staging_bytes, self.store.pin)
+            buf = aligned_buffer(self._staging_bytes, self.store.pin)
         self.store._read(self.units[unit], buf, evict=True)
         return buf
 

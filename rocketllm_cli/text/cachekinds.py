@@ -28,7 +28,14 @@ def declared_kinds(model) -> set[str] | None:
 
 
 def linear_only(cache) -> bool:
-    """Every layer keeps a state and none a KV: transformers' generate cannot tell how many tokens such a cache has
-    seen, so it is given only the tokens after them (a cache with an attention layer is given the whole prompt)."""
+    """transformers' generate cannot tell how many tokens CACHE has seen, so it is given only the tokens after them:
+    every layer keeps a state, none a KV, and the cache cannot count its tokens (get_seq_length raises for such a
+    cache up to transformers 5.24). A cache that counts them is given the whole prompt, as one with an attention
+    layer is: generate slices off what it holds itself, and would slice the new tokens alone down to their last few."""
     flags = getattr(cache, "is_linear", None)
-    return bool(flags) and all(flags)
+    if not (bool(flags) and all(flags)):
+        return False
+    try:
+        return int(cache.get_seq_length()) <= 0
+    except Exception:  # noqa: BLE001 - 'can only be called on Attention layers': generate does not count them either
+        return True
