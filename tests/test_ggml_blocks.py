@@ -20,7 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-from rocketllm_cli.checkpoint import ggmlblocks  # noqa: E402
+from rocketllm_cli.checkpoint import ggmlbits, ggmlblocks  # noqa: E402
 from rocketllm_cli.checkpoint.ggmlblocks import (  # noqa: E402
     SUPPORTED,
     dequantize_blocks,
@@ -166,7 +166,7 @@ def test_every_scale_byte(name):
 
 
 def test_ksigns_table_is_ggufs():
-    table = ggmlblocks._table("ksigns", torch.device("cpu"))
+    table = ggmlbits.lookup_table("ksigns", torch.device("cpu"))
     assert table.tolist() == list(gguf.quants.IQ2_XXS.ksigns)
 
 
