@@ -19,7 +19,8 @@ import torch
 from typer.testing import CliRunner
 
 from rocketllm_cli.app import app
-from rocketllm_cli.bench.perplexity import check_same_tokenizer, divergence, scratch_directory, windows
+from rocketllm_cli.bench.divergence import divergence, scratch_directory
+from rocketllm_cli.bench.perplexity import check_same_tokenizer, windows
 from rocketllm_cli.cachehome import cache_root
 from rocketllm_cli.errors import RocketError, UsageError
 

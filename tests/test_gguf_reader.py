@@ -60,7 +60,7 @@ def test_config_and_tokenizer_are_the_ones_transformers_makes_alone(smollm2_gguf
     from transformers import AutoConfig, AutoTokenizer
 
     from rocketllm_cli.shard.ggufsource import shared_reader
-    from rocketllm_cli.shard.source import _gguf_tokenizer
+    from rocketllm_cli.shard.tokenizers import gguf_tokenizer
 
     directory, name = smollm2_gguf.parent, smollm2_gguf.name
     plain_config = AutoConfig.from_pretrained(directory, gguf_file=name).to_dict()
@@ -68,7 +68,7 @@ def test_config_and_tokenizer_are_the_ones_transformers_makes_alone(smollm2_gguf
     with shared_reader(smollm2_gguf) as reader:
         with reader().for_config():
             config = AutoConfig.from_pretrained(directory, gguf_file=name).to_dict()
-        tokenizer = _gguf_tokenizer(smollm2_gguf, reader)
+        tokenizer = gguf_tokenizer(smollm2_gguf, reader)
     assert config == plain_config
     text = "The capital of France is Paris. <|im_start|>user\nÇa va? 12345<|im_end|>"
     # (the sharder then sets BOS/EOS as the file declares them, which transformers 4.x does not: compared apart)

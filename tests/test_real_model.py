@@ -74,7 +74,7 @@ def test_the_prompt_starts_as_the_gguf_says(smollm2_gguf, smol):
     shard's tokenizer agrees on every transformers line (4.x's conversion turns BOS on for Llama-family files)."""
     from transformers import AutoTokenizer
 
-    from rocketllm_cli.shard.source import gguf_special_token_flags
+    from rocketllm_cli.shard.tokenizers import gguf_special_token_flags
 
     assert gguf_special_token_flags(smollm2_gguf) == {"add_bos_token": False}
     tokenizer = AutoTokenizer.from_pretrained(smol)

@@ -82,7 +82,7 @@ def _save_gguf_copy(path: Path, dest: Path, dtype: str, log) -> None:
     from transformers import AutoModelForCausalLM
 
     from ..compat import dtype_kwargs
-    from ..shard.source import save_gguf_tokenizer
+    from ..shard.tokenizers import save_gguf_tokenizer
 
     log(f"saving a {dtype} safetensors copy of {path.name} for the baselines (once)")
     from ..dtypes import torch_dtype

@@ -26,7 +26,6 @@ from .prompts import PromptError
 from .refusals import bad, check_context
 from .structured import plan, relaxed_header
 
-
 SAMPLING = frozenset(
     {
         "model",

@@ -43,8 +43,9 @@ from .packing import (
     predicted_mode,
     read_packed,
 )
-from .source import Source, locate, open_source, save_tokenizer
+from .source import Source, locate, open_source
 from .target import default_out, exclusive, find_existing, partial_of, reusable, swap_in
+from .tokenizers import save_tokenizer
 
 # Ctrl-C before any unit reached the disk (reading, planning, or the first unit): the same words wherever it lands.
 NOTHING_KEPT = "interrupted before the first unit was written: nothing to resume"

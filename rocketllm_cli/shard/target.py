@@ -21,7 +21,8 @@ from ..dtypes import NAMES as DTYPES
 from ..errors import ShardError
 from .journal import JOURNAL
 from .quantconfig import declares_packed
-from .source import TOKENIZER_FILES, Located
+from .source import Located
+from .tokenizers import TOKENIZER_FILES
 
 SHARDS = "shards"  # <cache>/shards/<name>-<fingerprint>-<dtype>
 
