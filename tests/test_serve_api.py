@@ -244,7 +244,7 @@ def test_presence_and_frequency_penalties_take_effect(server):
 def test_penalties_match_their_definition():
     import torch
 
-    from rocketllm_cli.text.loop import Penalties
+    from rocketllm_cli.text.processors import Penalties
 
     ids = torch.tensor([[9, 9, 1, 2, 2, 2, 3]])  # prompt 9 9, reply 1 2 2 2 3
     out = Penalties(2, presence=0.5, frequency=0.25)(ids, torch.zeros(1, 6))

@@ -2,7 +2,7 @@
 
 Whatever form the model comes in (a Hugging Face directory: safetensors headers + config.json; a .gguf
 file; a shard set: its manifest), its weights are grouped into units (each decoder layer's dense part, its
-routed experts, everything else) and go with its config into one builder (`_build`).
+routed experts, everything else) and go with its config into one builder (`build_facts`).
 Reading a path touches only headers and configs, never torch or transformers, so `doctor --model` is fast.
 """
 
@@ -17,6 +17,8 @@ from pathlib import Path
 from ..dtypes import ITEMSIZE, short_name
 from ..errors import ModelError, ShardError
 from ..redact import redact
+from .configfiles import config_dtype, read_config
+from .configreads import DEFAULT_POSITIONS, POSITION_KEYS, architecture_of, config_int, expert_count, top_k
 from .ggufheader import (
     FILE_TYPES,
     GGML_NAMES,
@@ -25,14 +27,6 @@ from .ggufheader import (
     shard_sizes,
 )
 from .stfile import read_header
-
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len")
-# A config that names no context length sets no limit we can trust. 0 would make max_context (and with it
-# kv_cache_bytes) 0, a model that cannot take a prompt; 4096 is a length today's decoders all handle, and a
-# --max-context override still goes past it.
-DEFAULT_POSITIONS = 4096
 
 # a repeated stack: "<prefix>.<index>.<rest>", e.g. model.layers.3.mlp..., transformer.h.3..., blk.3...
 _STACK = re.compile(r"^(?P<prefix>(?:.*\.)?(?:layers|h|blocks|block|blk))\.(?P<index>\d+)\.")
@@ -111,59 +105,7 @@ class ModelFacts:
         )
 
 
-_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-
-
-def parse_param_count(text: str) -> float:
-    """'70B', '7.5b', '135M', '1e9' -> parameters; ValueError naming the accepted forms."""
-    raw = str(text).strip().lower()
-    suffix = raw[-1:] if raw[-1:] in _SUFFIXES and raw[-1:].isalpha() else ""
-    try:
-        value = float(raw[: len(raw) - len(suffix)]) * _SUFFIXES[suffix]
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(
-            f"cannot read {text!r} as a parameter count; expected a positive number with an optional "
-            f"K/M/B/T suffix, e.g. 70B, 7.5B, 135M"
-        )
-    return value
-
-
 # -- what a config says ------------------------------------------------------------------------
-
-
-def config_int(config, keys: tuple[str, ...], minimum: int = 1) -> int | None:
-    """The first of `keys` set to an integer >= minimum, read at the decoder's part of a multimodal config.
-    `config` is a mapping (config.json, `config.to_dict()`) or a transformers config object."""
-    if isinstance(config, Mapping):
-        text = config.get("text_config") or config
-        values = (text.get(key) for key in keys)
-    else:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        values = (getattr(text, key, None) for key in keys)
-    return next((v for v in values if type(v) is int and v >= minimum), None)
-
-
-def architecture_of(config) -> str:
-    """The decoder's model type, one name for a checkpoint's config and a GGUF's header ("gemma3_text" -> "gemma3")."""
-    if isinstance(config, Mapping):
-        text = config.get("text_config") or config
-        name = text.get("model_type") or config.get("model_type")
-    else:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        name = getattr(text, "model_type", None) or getattr(config, "model_type", None)
-    return str(name or "").lower().removesuffix("_text")
-
-
-def expert_count(config) -> int | None:
-    """Experts per MoE layer (None for a dense model)."""
-    return config_int(config, EXPERT_COUNT_KEYS, minimum=2)
-
-
-def top_k(config) -> int | None:
-    """Experts the router picks per token."""
-    return config_int(config, TOP_K_KEYS)
 
 
 # -- the one builder ---------------------------------------------------------------------------
@@ -179,7 +121,7 @@ class Units:
     others: list[int] = field(default_factory=list)  # embed, norm, lm_head, extras, another stack's layers
 
 
-def _build(
+def build_facts(
     name: str,
     units: Units,
     config,
@@ -267,7 +209,7 @@ def facts_from_manifest(manifest, config, compute_dtype: str | None = None) -> M
     transformers config object (AutoConfig.from_pretrained(directory))."""
     units = _manifest_units((u.kind, u.tensor_bytes) for u in manifest.units)
     blocks = _block_bytes((t.packed, t.nbytes) for u in manifest.units for t in u.tensors)
-    return _build(
+    return build_facts(
         manifest.source.get("name") or "model",
         units,
         config,
@@ -331,8 +273,8 @@ def _from_shard_dir(path: Path) -> ModelFacts:
         raise ModelError(f"{path.name}/manifest.json is unreadable; re-run `rocketllm shard`") from None
     if not units.layers:
         raise ModelError(f"{path.name}/manifest.json lists no decoder layers")
-    config = _config(path / "config.json") if (path / "config.json").is_file() else {}
-    return _build(name, units, config, dtype, gguf_blocks=doc.get("packing") == "blocks", block_bytes=blocks)
+    config = read_config(path / "config.json") if (path / "config.json").is_file() else {}
+    return build_facts(name, units, config, dtype, gguf_blocks=doc.get("packing") == "blocks", block_bytes=blocks)
 
 
 def _manifest_units(rows) -> Units:
@@ -364,15 +306,15 @@ def _from_hf_dir(path: Path, files: list[Path]) -> ModelFacts:
             for d in entry.shape:
                 numel *= d
             elements[entry.stored] = elements.get(entry.stored, 0) + numel
-    config = _config(path / "config.json")
+    config = read_config(path / "config.json")
     # the dtype most weights are stored in, as `shard --dtype auto` picks it; the config's for other dtypes (fp8 ...)
     floating = {k: n for k, n in elements.items() if k.startswith(("F", "BF"))}
     dtype = short_name(max(floating, key=floating.get)) if floating else None
-    return _build(
+    return build_facts(
         path.name,
-        _tensor_units(path.name, sizes, expert_count(config)),
+        tensor_units(path.name, sizes, expert_count(config)),
         config,
-        dtype or short_name(_dtype_of(config)) or "bf16",
+        dtype or short_name(config_dtype(config)) or "bf16",
     )
 
 
@@ -407,8 +349,8 @@ def _from_gguf(path: Path) -> ModelFacts:
         )
         for n in kept
     )
-    facts = _build(
-        path.stem, _tensor_units(path.stem, sizes, None), config, dtype, gguf_blocks=True, block_bytes=blocks
+    facts = build_facts(
+        path.stem, tensor_units(path.stem, sizes, None), config, dtype, gguf_blocks=True, block_bytes=blocks
     )
     window = get("attention.sliding_window")
     if isinstance(window, int) and window > 0 and not facts.kv_window_values:
@@ -421,7 +363,7 @@ def _from_gguf(path: Path) -> ModelFacts:
     return facts
 
 
-def _tensor_units(name: str, sizes: dict[str, int], experts_per_layer: int | None) -> Units:
+def tensor_units(name: str, sizes: dict[str, int], experts_per_layer: int | None) -> Units:
     """Tensors by name into units: each index of the largest repeated stack is a layer (its `.experts.` tensors
     apart when the config gives their count); every other stack's layer and every other module is a unit."""
     stacks: dict[str, dict[int, int]] = {}
@@ -452,24 +394,3 @@ def _tensor_units(name: str, sizes: dict[str, int], experts_per_layer: int | Non
         if routed.get(index):
             units.experts[index] = (routed[index], experts_per_layer)
     return units
-
-
-def _config(path: Path) -> dict:
-    return read_json_object(path, f"{path.parent.name}/{path.name}")
-
-
-def read_json_object(path: Path, shown: str | None = None) -> dict:
-    """The JSON object in PATH; ModelError naming it (as SHOWN, else its file name) where it is unreadable or not
-    one."""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise ModelError(f"{shown or path.name} is unreadable or not JSON") from None
-    if not isinstance(doc, dict):
-        raise ModelError(f"{shown or path.name} is not a JSON object")
-    return doc
-
-
-def _dtype_of(config: dict) -> str:
-    text = config.get("text_config") or config
-    return str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or config.get("dtype") or "")

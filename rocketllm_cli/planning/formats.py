@@ -17,16 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from ..checkpoint.configfiles import read_json_object
+from ..checkpoint.configreads import config_int, expert_count
 from ..checkpoint.ggufheader import FILE_TYPES, read_gguf_tensors
-from ..checkpoint.modelfacts import (
-    ModelFacts,
-    _build,
-    _tensor_units,
-    config_int,
-    expert_count,
-    model_facts_from_path,
-    read_json_object,
-)
+from ..checkpoint.modelfacts import ModelFacts, build_facts, model_facts_from_path, tensor_units
 from ..checkpoint.packedformat import PackedFormat
 from ..checkpoint.stfile import read_header
 from ..dtypes import ITEMSIZE, short_name
@@ -137,7 +131,7 @@ class ModelSource:
 
     def _facts_of(self, sizes: dict[str, int], dtype: str) -> ModelFacts:
         """The facts of the stored format with the sizes of another: KV, context and positions are the model's own."""
-        sized = _build(self.name, _tensor_units(self.name, sizes, self.experts), self.config, dtype)
+        sized = build_facts(self.name, tensor_units(self.name, sizes, self.experts), self.config, dtype)
         known = {f.name for f in fields(ModelFacts)}
         extra = {"gguf_blocks": False} if "gguf_blocks" in known else {}  # a requantised set keeps no GGUF blocks
         return replace(self.facts, dtype=dtype, **{k: getattr(sized, k) for k in SIZE_FIELDS}, **extra)
@@ -320,7 +314,7 @@ def _from_config(path: Path) -> ModelSource:
     itemsize = ITEMSIZE[dtype]
     sizes = {name: _numel(shape) * itemsize for name, shape in shapes.items()}
     name = path.parent.name if path.name == "config.json" else path.stem
-    facts = _build(name, _tensor_units(name, sizes, experts), config, dtype)
+    facts = build_facts(name, tensor_units(name, sizes, experts), config, dtype)
     tensors = {name: (shape, True) for name, shape in shapes.items()}
     return ModelSource(path, "config", name, facts, hidden, tensors, itemsize, "", experts, config)
 

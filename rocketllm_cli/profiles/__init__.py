@@ -11,7 +11,7 @@ import importlib
 _HOMES = {
     "ModelFacts": "..checkpoint.modelfacts",
     "model_facts_from_path": "..checkpoint.modelfacts",
-    "parse_param_count": "..checkpoint.modelfacts",
+    "parse_param_count": "..checkpoint.configreads",
     "cache_dir": "..cachehome",
     "Projection": ".cost",
     "TierCost": ".cost",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..checkpoint.modelfacts import expert_count, top_k  # noqa: F401 - one config lookup for sharding, streaming and model facts
+from ..checkpoint.configreads import expert_count, top_k
 from ..errors import ModelError
 
 UNIT_NAME = re.compile(r"^layer\.(\d{3,})\.expert\.(\d{3,})$")

@@ -12,19 +12,20 @@ target computed, which gives the tokens proposed, accepted and made per pass.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .constraints import Constraint
 from .endtokens import eos_token_ids, pad_token_id
 from .grammar import Grammars
 from .logprobs import LogprobRecorder, prompt_logprobs
+from .passhooks import pass_counter, prompt_snapshot
+from .processors import HoldEndOfSequence, LogitBias, Penalties
 from .sampling import SamplingParams
 from .speculate import UNCROPPABLE, Speculation, speculation_for
 from .stats import GenerationStats, Record, measure
@@ -200,7 +201,7 @@ class Generator:
         # StreamingModel: its module
         inner = getattr(self.model, "model", self.model) if ledger is not None else self.model
         counting = (
-            inner.register_forward_pre_hook(_pass_counter(record), with_kwargs=True)
+            inner.register_forward_pre_hook(pass_counter(record), with_kwargs=True)
             if spec.on and isinstance(inner, torch.nn.Module)
             else None
         )
@@ -208,7 +209,7 @@ class Generator:
         # on.
         snapshots: list = []
         taking = (
-            inner.register_forward_hook(_prompt_snapshot(len(single.prompt_ids), snapshots))
+            inner.register_forward_hook(prompt_snapshot(len(single.prompt_ids), snapshots))
             if keep and self.prefix_cache.takes_snapshots and isinstance(inner, torch.nn.Module)
             else None
         )
@@ -374,76 +375,3 @@ class Generator:
         if new and new[-1] in self.eos_ids:
             return "stop"
         return "length" if len(new) >= request.params.max_new_tokens else "stop"
-
-
-class HoldEndOfSequence(LogitsProcessor):
-    """A logits processor: end-of-sequence scores at -inf until `count` new tokens exist, written in place.
-
-    transformers' own min_new_tokens costs two processors that each build a vocabulary-sized mask and copy the
-    scores at every step, long after the count is reached (about 1 ms a token for a 49k vocabulary on a CPU);
-    this one indexes the few end-of-sequence ids, and only while it holds them off."""
-
-    def __init__(self, prompt_width: int, count: int, eos_ids) -> None:
-        self.until = prompt_width + count
-        self.eos = sorted(eos_ids)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[-1] < self.until:
-            scores[..., self.eos] = -math.inf
-        return scores
-
-
-class Penalties(LogitsProcessor):
-    """OpenAI's presence and frequency penalties: each token the reply has used loses `presence` once and `frequency`
-    per use from its logit (the prompt's tokens do not count, as vLLM and llama.cpp's server have it)."""
-
-    def __init__(self, prompt_width: int, presence: float, frequency: float) -> None:
-        self.width, self.presence, self.frequency = prompt_width, presence, frequency
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        generated = input_ids[:, self.width :]
-        if generated.shape[1]:
-            counts = torch.zeros_like(scores).scatter_add_(
-                1, generated, torch.ones(generated.shape, dtype=scores.dtype, device=scores.device)
-            )
-            scores = scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
-        return scores
-
-
-class LogitBias(LogitsProcessor):
-    """OpenAI's logit_bias: a fixed amount added to chosen tokens' logits at every step (-100 bans, 100 forces)."""
-
-    def __init__(self, pairs: tuple[tuple[int, float], ...]) -> None:
-        self.ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
-        self.bias = torch.tensor([b for _, b in pairs], dtype=torch.float32)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores[:, self.ids] += self.bias.to(scores.dtype)
-        return scores
-
-
-def _prompt_snapshot(prompt_tokens: int, taken: list):
-    """A forward hook on the target model: a copy of its cache after the pass that left it holding exactly the prompt
-    (the prefill; none where that never happens, as in a speculative pass that also verifies drafts)."""
-    from .prefix import output_cache
-
-    def hook(module, args, output):
-        cache = output_cache(output)
-        if not taken and hasattr(cache, "snapshot") and cache.get_seq_length() == prompt_tokens:
-            taken.append(cache.snapshot())
-
-    return hook
-
-
-def _pass_counter(record: Record):
-    """A forward pre-hook on the target model: the positions each pass computes (the drafted tokens it verifies among
-    them)."""
-
-    def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds") if ids is None else None
-        record.pass_tokens.append(
-            int(ids.shape[-1]) if ids is not None else int(embeds.shape[1]) if embeds is not None else 0
-        )
-
-    return hook

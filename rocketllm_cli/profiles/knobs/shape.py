@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...checkpoint.modelfacts import config_int, top_k
+from ...checkpoint.configreads import config_int, top_k
 
 ACTIVATION_VALUE_BYTES = 4  # fp32: RMSNorm upcasts, the native kernels take and give fp32
 MLP_WIDTHS, HIDDEN_WIDTHS = 4, 6  # values a token holds in a layer: 4 x intermediate + 6 x hidden
