@@ -594,13 +594,13 @@ def test_the_fuzz_ran_and_the_server_serves(server):
 
 
 def test_a_bug_is_a_500_in_the_apis_shape_and_one_log_line(server, monkeypatch):
-    from rocketllm_cli.server import anthropic_api, openai_requests
+    from rocketllm_cli.server import anthropic_requests, openai_requests
 
     def broken(body, state):
         raise RuntimeError(f"a bug that quotes {body['messages'][0]['content']}")
 
     monkeypatch.setattr(openai_requests, "prepare_chat", broken)
-    monkeypatch.setattr(anthropic_api, "prepare_messages", broken)
+    monkeypatch.setattr(anthropic_requests, "prepare_messages", broken)
     before = len(server.logs)
     secret = "the prompt nobody may log"
     body = {**CHAT, "messages": [{"role": "user", "content": secret}]}

@@ -7,7 +7,9 @@
     prompts.py    chat messages (and tools) through the model's own chat template
     tools.py      tool-call parser families, chosen by reading the chat template
     openai_requests.py, openai_api.py  OpenAI request checks; its responses, stream events and error shape
-    anthropic_api.py   the same for Anthropic's API
+    anthropic_requests.py, anthropic_api.py, responses_requests.py, responses_api.py   the same for Anthropic's
+                  Messages API and OpenAI's Responses API
+    routes.py     the endpoints, which need no key, the API a path answers in, the keys a request offers
     metrics.py    Prometheus text
     app.py        the FastAPI app (the only module that imports the server extra)
 

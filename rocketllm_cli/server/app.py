@@ -21,57 +21,18 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from . import anthropic_api, openai_api, openai_requests, responses_api, tokens
+from . import anthropic_api, anthropic_requests, openai_api, openai_requests, responses_api, responses_requests, tokens
 from .client import KEEP_ALIVE_HEADER, STATS_HEADER
 from .events import outcomes_of
 from .fields import parse_body
 from .refusals import APIError, unknown_model
+from .routes import OPEN, api_of, endpoint_label, given_keys
 from .state import ServerState
 from .worker import SHUTTING_DOWN, Job, QueueFull
 
 QUEUE_HEADER = "x-rocketllm-queue-position"
 JOB_HEADER = "x-rocketllm-job"  # the job's number in arrival order, as logs and /health's history name it
 DISCONNECT_POLL_S = 0.2  # how often a waiting non-streaming request checks that its client is still there
-ROUTES = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/responses",
-    "/v1/messages",
-    "/v1/messages/count_tokens",
-    "/v1/models",
-    "/metrics",
-    "/tokenize",
-    "/detokenize",
-    "/tokenizer_info",
-)
-OPEN = ("/health",)  # served without the key: a liveness probe carries no secret
-
-
-def _api_of(path: str, headers=None) -> str:
-    if path.startswith("/v1/messages"):
-        return "anthropic"
-    if path.startswith("/v1/models") and headers is not None and "anthropic-version" in headers:
-        return "anthropic"
-    return "openai"
-
-
-def _endpoint_label(path: str) -> str:
-    if path.startswith("/v1/models"):
-        return "/v1/models"
-    return path if path in ROUTES or path in OPEN else "other"
-
-
-def _given_keys(headers) -> list[str]:
-    """The keys a request offers: OpenAI clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`."""
-    keys = []
-    auth = headers.get("authorization")
-    if auth:
-        scheme, _, value = auth.partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            keys.append(value.strip())
-    if headers.get("x-api-key"):
-        keys.append(headers["x-api-key"])
-    return keys
 
 
 class KeyCheck:
@@ -87,10 +48,10 @@ class KeyCheck:
         from starlette.datastructures import Headers
 
         headers = Headers(scope=scope)
-        given = _given_keys(headers)
+        given = given_keys(headers)
         if any(self.state.key_matches(key) for key in given):  # each compared in constant time
             return await self.app(scope, receive, send)
-        api = _api_of(scope["path"], headers)
+        api = api_of(scope["path"], headers)
         what = "wrong" if given else "missing"
         if api == "anthropic":
             err = APIError(
@@ -102,7 +63,7 @@ class KeyCheck:
                 401, f"{what} API key: send the server's key as 'Authorization: Bearer <key>'", None, "invalid_api_key"
             )
             extra = {"www-authenticate": "Bearer"}
-        self.state.metrics.request(_endpoint_label(scope["path"]), 401)
+        self.state.metrics.request(endpoint_label(scope["path"]), 401)
         await _error(api, err, extra)(scope, receive, send)
 
 
@@ -153,7 +114,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        api = _api_of(request.url.path)
+        api = api_of(request.url.path)
         if exc.status_code == 404:
             err = APIError(
                 404,
@@ -166,7 +127,7 @@ def create_app(state: ServerState) -> FastAPI:
             err = APIError(405, f"{request.method} is not allowed on {request.url.path}")
         else:
             err = APIError(exc.status_code, str(exc.detail))
-        state.metrics.request(_endpoint_label(request.url.path) if exc.status_code != 404 else "other", err.status)
+        state.metrics.request(endpoint_label(request.url.path) if exc.status_code != 404 else "other", err.status)
         return _error(api, err)
 
     @app.exception_handler(RequestValidationError)
@@ -174,7 +135,7 @@ def create_app(state: ServerState) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return _error(
-            _api_of(request.url.path),
+            api_of(request.url.path),
             APIError(400, f"{where or 'request'}: {first.get('msg', 'invalid request')}", where or None),
         )
 
@@ -185,12 +146,12 @@ def create_app(state: ServerState) -> FastAPI:
     def internal(request: Request, exc: Exception) -> JSONResponse:
         # The exception's type and where, not its message: that may quote the request (and so the prompt).
         state.log(
-            f"error: {request.method} {_endpoint_label(request.url.path)}: internal error "
+            f"error: {request.method} {endpoint_label(request.url.path)}: internal error "
             f"({type(exc).__name__}); the server goes on serving"
         )
-        state.metrics.request(_endpoint_label(request.url.path), 500)
+        state.metrics.request(endpoint_label(request.url.path), 500)
         return _error(
-            _api_of(request.url.path, request.headers), APIError(500, f"internal error ({type(exc).__name__})")
+            api_of(request.url.path, request.headers), APIError(500, f"internal error ({type(exc).__name__})")
         )
 
     def guarded(route):
@@ -271,7 +232,7 @@ def create_app(state: ServerState) -> FastAPI:
             request,
             "/v1/responses",
             "openai",
-            responses_api.prepare_response,
+            responses_requests.prepare_response,
             responses_api.response_body,
             responses_api.response_stream,
         )
@@ -308,7 +269,7 @@ def create_app(state: ServerState) -> FastAPI:
             request,
             "/v1/messages",
             "anthropic",
-            anthropic_api.prepare_messages,
+            anthropic_requests.prepare_messages,
             anthropic_api.message_response,
             anthropic_api.message_stream,
         )
@@ -318,7 +279,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def count_tokens(request: Request):
         endpoint = "/v1/messages/count_tokens"
         try:
-            result = await prepared_body(request, anthropic_api.count_tokens)
+            result = await prepared_body(request, anthropic_requests.count_tokens)
         except APIError as err:
             state.metrics.request(endpoint, err.status)
             return _error("anthropic", err)
