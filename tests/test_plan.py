@@ -22,13 +22,9 @@ from typer.testing import CliRunner
 from rocketllm_cli.app import app
 from rocketllm_cli.planning.commandlines import commands
 from rocketllm_cli.planning.formats import read_source
-from rocketllm_cli.planning.planner import (
-    SIGNIFICANT,
-    PlanError,
-    PlanRequest,
-    make_plan,
-)
+from rocketllm_cli.planning.planner import SIGNIFICANT, PlanError, make_plan
 from rocketllm_cli.planning.projection import context_of
+from rocketllm_cli.planning.request import PlanRequest
 from rocketllm_cli.planning.whatif import profile_from_file, what_if
 from rocketllm_cli.profiles import (
     Capability,

@@ -10,14 +10,9 @@ import pytest
 import torch
 
 from rocketllm_cli.auto import AutoModel
+from rocketllm_cli.text.cachekinds import seq_length
 from rocketllm_cli.text.loop import GenerationRequest, Generator
-from rocketllm_cli.text.prefix import (
-    BLOCK_TOKENS,
-    PrefixCache,
-    block_hashes,
-    decide,
-    seq_length,
-)
+from rocketllm_cli.text.prefix import BLOCK_TOKENS, PrefixCache, block_hashes, decide
 from rocketllm_cli.text.sampling import SamplingParams
 
 NEW = 10
@@ -76,7 +71,7 @@ def test_a_growing_conversation_reuses_the_earlier_turns(llama):
 
 
 def test_a_restored_checkpoint_holds_exactly_the_kv_of_its_tokens(llama):
-    from rocketllm_cli.text.prefix import output_cache
+    from rocketllm_cli.text.cachekinds import output_cache
 
     def kv(ids):
         with torch.inference_mode():

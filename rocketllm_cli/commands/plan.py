@@ -163,7 +163,7 @@ def run(
     ] = False,
     json_output: JsonOpt = False,
 ) -> None:
-    from ..planning.planner import PlanRequest
+    from ..planning.request import PlanRequest
 
     model = pick_model(model, model_option)
     if hosts > 1 and link_bw is None:

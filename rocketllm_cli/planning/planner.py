@@ -37,6 +37,7 @@ from .projection import (
     speculation_note,
     tokens_per_pass,
 )
+from .request import PlanRequest, meets, unmet, why_defaults_differ
 from .rows import Row
 from .whatif import capped
 
@@ -46,17 +47,6 @@ SIGNIFICANT = 3  # tokens/s closer than this many significant digits rank as equ
 
 class PlanError(RocketError):
     """A request no configuration meets; the message names the nearest feasible row."""
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    min_context: int | None = None  # tokens each sequence must hold
-    max_memory: int | None = None  # bytes the run may take (RAM, and VRAM on a GPU machine)
-    batch: int = 1  # sequences per pass
-    quality: float | None = None  # KL bound (nats per token) against the unquantised weights
-    hosts: int = 1
-    link_bps: float = 0.0
-    link_latency_s: float = 0.0
 
 
 @dataclass
@@ -81,8 +71,8 @@ def make_plan(
     # the defaults' KV does not fit what is left: every row says why
     default = default if isinstance(default, Row) else None
     rows, left_out = _enumerate(source, profile, request)
-    if default is not None and not _meets(default, request):
-        left_out["the defaults' own row: " + _unmet(default, request)] = 1
+    if default is not None and not meets(default, request):
+        left_out["the defaults' own row: " + unmet(default, request)] = 1
     elif default is not None:
         rows = [default, *rows]
     rows = _ranked(rows)
@@ -92,7 +82,7 @@ def make_plan(
         default = next((r for r in rows if r.key() == default.key()), default)
         default.default = True
         if rows[0] is not default:
-            rows[0].why = _why(rows[0], default, request)
+            rows[0].why = why_defaults_differ(rows[0], default, request)
     return Plan(source, profile, request, rows, default, left_out, hardware or [], time.perf_counter() - started)
 
 
@@ -164,8 +154,8 @@ def _keep(row: Row | str, request: PlanRequest, floor: int, rows: list[Row], lef
     elif row.context is not None and row.context < floor:
         why = f"context under {floor} tokens" + (" (--min-context)" if request.min_context else "")
         left_out[why] = left_out.get(why, 0) + 1
-    elif not _meets(row, request):
-        why = _unmet(row, request)
+    elif not meets(row, request):
+        why = unmet(row, request)
         left_out[why] = left_out.get(why, 0) + 1
     else:
         rows.append(row)
@@ -286,24 +276,6 @@ def _context_floor(knobs: Knobs, facts) -> int:
     return max(1, min(int(least), facts.max_positions))
 
 
-def _meets(row: Row, request: PlanRequest) -> bool:
-    return not _unmet(row, request)
-
-
-def _unmet(row: Row, request: PlanRequest) -> str:
-    if request.batch != row.batch:
-        return f"one sequence, not --batch {request.batch}"
-    if request.min_context is not None and (row.context or 0) < request.min_context:
-        return f"context under --min-context {request.min_context}"
-    if request.max_memory is not None and row.memory["used"] > request.max_memory:
-        return f"over --max-memory {format_bytes(request.max_memory)}"
-    if request.quality is not None and row.format.kl is None:
-        return f"no KL measured for {row.format.label} against the unquantised weights"
-    if request.quality is not None and row.format.kl > request.quality:
-        return f"KL over --quality {request.quality:g}"
-    return ""
-
-
 def _ranked(rows: list[Row]) -> list[Row]:
     unique: dict[tuple, Row] = {}
     for row in rows:
@@ -324,51 +296,6 @@ def _ranked(rows: list[Row]) -> list[Row]:
     for i, row in enumerate(ordered, 1):
         row.rank = i
     return ordered
-
-
-def _why(top: Row, default: Row, request: PlanRequest) -> str:
-    """Why the defaults did not pick TOP, one clause per setting in which they differ."""
-    why = []
-    if not _meets(default, request):
-        why.append(f"the defaults' row ({default.short()}) does not meet the request: {_unmet(default, request)}")
-    if top.format.name != default.format.name:
-        saved = default.format.facts.total_bytes - top.format.facts.total_bytes
-        why.append(
-            f"the defaults run the weights as stored ({default.format.label}) and never requantise; this row's "
-            f"`shard --quantize {top.format.quantize}` set is {format_bytes(saved)} smaller "
-            f"({top.format.kl_note.split(':')[0]})"
-        )
-    if top.compute_dtype != default.compute_dtype:
-        why.append(
-            f"the defaults compute in {default.compute_dtype}; {top.compute_dtype}'s measured matvec projects faster "
-            f"here ({_rate(top)} against {_rate(default)})"
-        )
-    if (top.kv_dtype == "int4") != (default.kv_dtype == "int4"):
-        why.append(
-            f"the defaults keep K and V in {default.kv_dtype}; {top.kv_dtype} takes fewer bytes a token, "
-            f"leaving memory to weights"
-        )
-    if top.context != default.context and not top.stages:
-        why.append(
-            f"the defaults size the KV cache for {default.context} tokens; this row holds {top.context}, "
-            f"{format_bytes(abs(default.memory['device']['kv'] - top.memory['device']['kv']))} "
-            f"{'less' if (top.context or 0) < (default.context or 0) else 'more'} KV"
-        )
-    if top.residency_text() != default.residency_text() and not top.stages:
-        why.append(f"the defaults keep {default.residency_text()}; this row {top.residency_text()}")
-    if top.hosts != default.hosts:
-        why.append(
-            f"the defaults run one process on one host; this row splits the layers over {top.hosts} hosts "
-            f"(--stages {top.stages})"
-        )
-    if top.speculate != default.speculate:
-        why.append(f"speculation {top.speculate} here, {default.speculate} in the defaults")
-    return "; ".join(why) or "the same projection as the defaults' row"
-
-
-def _rate(row: Row) -> str:
-    bps = row.inputs.get("compute_bps")
-    return f"{bps / 1e9:.2f} GB/s of weights" if bps else "measured"
 
 
 def _nearest(source: ModelSource, profile: HardwareProfile, request: PlanRequest) -> str:

@@ -233,7 +233,7 @@ class Generator:
         sequences = getattr(out, "sequences", out)
         width = ids.shape[1]
         if keep:
-            from .prefix import output_cache
+            from .cachekinds import output_cache
 
             for snapshot in snapshots:
                 self.prefix_cache.keep(list(single.prompt_ids), snapshot)

@@ -9,7 +9,7 @@ from .stats import Record
 def prompt_snapshot(prompt_tokens: int, taken: list):
     """A forward hook on the target model: a copy of its cache after the pass that left it holding exactly the prompt
     (the prefill; none where that never happens, as in a speculative pass that also verifies drafts)."""
-    from .prefix import output_cache
+    from .cachekinds import output_cache
 
     def hook(module, args, output):
         cache = output_cache(output)

@@ -66,7 +66,7 @@ def _probe(model) -> Reuse:
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     ids = torch.randint(0, vocab, (1, PROBE_PREFIX + PROBE_NEW), generator=torch.Generator().manual_seed(0))
     kept = _output(model, ids[:, :PROBE_PREFIX])
-    from .prefix import output_cache, supported
+    from .cachekinds import output_cache, supported
 
     cache = output_cache(kept)
     kinds = layer_kinds(cache)
