@@ -84,3 +84,16 @@ def test_no_line_is_longer_than_the_limit():
         [str(ruff), "check", "--no-cache", *trees], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+MODULE_LINES = 400  # a module longer than this does more than one job a reader can name
+
+
+def test_no_module_of_the_package_is_longer_than_the_limit():
+    """Each module of the package at most MODULE_LINES lines (docs/ARCHITECTURE.md: split by role)."""
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted((ROOT / "rocketllm_cli").rglob("*.py"))
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MODULE_LINES
+    }
+    assert not long, long

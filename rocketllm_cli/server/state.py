@@ -31,6 +31,10 @@ BODY_BYTES_PER_TOKEN = 64  # a context's worth of prompt as JSON text, tools and
 API_KEY_ENV = "ROCKETLLM_API_KEY"
 
 
+NO_KNOBS_PREFIX = (
+    "off: the model has no resolved knobs (it was not opened by AutoModel.from_pretrained), so no kv_cache_bytes to "
+    "size stored prefixes by"
+)
 PIPELINE_PREFIX = (
     "off: the model runs as pipeline stages, each rank keeping the KV cache of its own layers; a stored prefix would "
     "live on rank 0 only"
@@ -127,6 +131,8 @@ class ServerState:
         setting = str(knobs.value("prefix_cache")) if knobs is not None else "auto"
         self.prefix_on, self.prefix_reason = decide(setting, model.plan, model.manifest)
         self.stage = getattr(model, "stage", None)  # under torchrun: the pipeline this server's model is rank 0 of
+        if knobs is None:  # no kv_cache_bytes to size the stored prefixes by
+            self.prefix_on, self.prefix_reason = False, NO_KNOBS_PREFIX
         if self.stage is not None:
             self.prefix_on, self.prefix_reason = False, PIPELINE_PREFIX
             self.stage.group.on_failure = self.pipeline_failed
@@ -138,8 +144,9 @@ class ServerState:
             else:
                 self.prefix_mode = reuse.mode
                 self.prefix_reason += f"; {reuse.reason}" if reuse.reason else ""
-        budget = int(knobs.value("kv_cache_bytes")) if knobs is not None else 1 << 30
-        self.prefix_cache = PrefixCache(budget, mode=self.prefix_mode) if self.prefix_on else None
+        self.prefix_cache = (
+            PrefixCache(int(knobs.value("kv_cache_bytes")), mode=self.prefix_mode) if self.prefix_on else None
+        )
         self.generator = Generator(model, self.prefix_cache)
         self.metrics = Metrics()
         # The key itself is not kept: only its digest, compared in constant time with each request's.
