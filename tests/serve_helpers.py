@@ -19,8 +19,8 @@ GATE_TIMEOUT_S = 30
 
 class LiveServer:
     def __init__(self, model, model_id: str = "tiny", tool_parser: str | None = None, **state_options) -> None:
-        from rocketllm_cli.commands.serve import bind, freeze_loaded_heap
         from rocketllm_cli.server.serving import make_server
+        from rocketllm_cli.server.sockets import bind, freeze_loaded_heap
         from rocketllm_cli.server.state import ServerState
 
         self.logs: list[str] = []

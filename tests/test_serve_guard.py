@@ -692,7 +692,7 @@ def test_the_listening_socket_says_tcp_so_replies_are_not_held_by_nagle(server):
     proto 0 every reply written as headers then body waited ~40 ms for the client's delayed ACK."""
     import socket
 
-    from rocketllm_cli.commands.serve import bind
+    from rocketllm_cli.server.sockets import bind
 
     sock = bind("127.0.0.1", 0)
     try:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import errno
 import gc
-import os
 import socket
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,6 +12,8 @@ import typer
 from ..errors import RocketError
 from ..options import ModelArg, ModelOpt, pick_model, with_knob_options
 from ..output import Output
+from ..server.sockets import bind, bind_unix, freeze_loaded_heap
+from ..warm.registry import register_server
 
 NAME = "serve"
 NO_ARGS_IS_HELP = True
@@ -229,7 +229,7 @@ def _serve(
             bound_host, bound_port = sock.getsockname()[:2]
             url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
         sock.listen(BACKLOG)  # from here a client that connects waits in the backlog until uvicorn accepts it
-        entry = _register(warm_key, sock, model, state, knob_flags, idle_s) if warm_key else None
+        entry = register_server(warm_key, sock, model, state, knob_flags, idle_s) if warm_key else None
 
         def announce() -> None:  # once uvicorn holds the signals: whoever reads "listening" may Ctrl-C at once
             for line in state.startup_lines(url):
@@ -261,90 +261,3 @@ def _serve(
     # Nothing is left to collect: spare the interpreter's exit a pass over every object torch and transformers
     # made (seconds of a loaded CPU, for a server that has already stopped).
     gc.freeze()
-
-
-def _register(key: str, sock, model: str, state, knob_flags: dict, idle_s):
-    """The warm-model registry's entry for this server (generate started it), written once it listens."""
-    import time
-
-    from ..warm.registry import Entry
-
-    path = Path(str(model)).expanduser()
-    entry = Entry(
-        key=key,
-        pid=os.getpid(),
-        model=str(path.resolve()) if path.exists() else str(model),
-        model_id=state.model_id,
-        socket=sock.getsockname(),
-        knobs=dict(knob_flags),
-        keep_alive_s=idle_s or 0.0,
-        started=time.time(),
-        log=str(Path(sock.getsockname()).with_suffix(".log")),
-    )
-    entry.write()
-    return entry
-
-
-def bind_unix(path: str) -> socket.socket:
-    """A unix socket at PATH that only this user can connect to (made 0600 before it listens)."""
-    target = Path(path).expanduser()
-    target.unlink(missing_ok=True)  # a stale socket of a server that died
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    previous = os.umask(0o177)
-    try:
-        sock.bind(str(target))
-    except OSError as exc:
-        sock.close()
-        raise RocketError(
-            f"cannot listen on the unix socket {target} ({exc.strerror}); give another --unix path"
-        ) from None
-    finally:
-        os.umask(previous)
-    target.chmod(0o600)
-    return sock
-
-
-def freeze_loaded_heap() -> None:
-    """Everything loaded so far (torch, transformers, the model, the app: ~420k objects) leaves the garbage
-    collector's view. A full collection over them held the interpreter for 215-245 ms, and under load one comes
-    every so often: every request in flight, /health included, waited for it. What serving creates is still
-    collected."""
-    gc.collect()
-    gc.freeze()
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A bound socket for uvicorn, made before the model loads so a taken port fails at once, in one line."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        raise RocketError(
-            f"cannot listen on {host!r}: not a host name or address this machine knows; "
-            "pass --host 127.0.0.1 (or 0.0.0.0 for every interface)"
-        ) from None
-    family, _, proto, _, address = infos[0]
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the listening socket says TCP,
-    # and without it every response written in two parts (headers, body) waits ~40 ms for the client's delayed ACK.
-    sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise RocketError(
-                f"port {port} on {host} is already in use (another server?); stop that program or pass "
-                f"--port "
-                "with a free port (--port 0 picks one)"
-            ) from None
-        if exc.errno == errno.EACCES:
-            raise RocketError(
-                f"not allowed to listen on port {port} (ports below 1024 need privileges); pass --port 1024 or above"
-            ) from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise RocketError(
-                f"cannot listen on {host}: not an address of this machine; pass --host 127.0.0.1 "
-                "(or 0.0.0.0 for every interface)"
-            ) from None
-        raise RocketError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
-    return sock

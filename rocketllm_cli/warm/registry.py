@@ -161,3 +161,21 @@ def wait_gone(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def register_server(key: str, sock, model: str, state, knob_flags: dict, idle_s):
+    """The warm-model registry's entry for this server (generate started it), written once it listens."""
+    path = Path(str(model)).expanduser()
+    entry = Entry(
+        key=key,
+        pid=os.getpid(),
+        model=str(path.resolve()) if path.exists() else str(model),
+        model_id=state.model_id,
+        socket=sock.getsockname(),
+        knobs=dict(knob_flags),
+        keep_alive_s=idle_s or 0.0,
+        started=time.time(),
+        log=str(Path(sock.getsockname()).with_suffix(".log")),
+    )
+    entry.write()
+    return entry
