@@ -233,8 +233,11 @@ def test_a_processor_that_needs_torchvision_is_named_in_the_refusal(vlm, picture
 def served(vlm):
     from serve_helpers import LiveServer
 
-    _, manifest, directory = vlm("gemma3")
-    model = StreamingModel(directory, EngineConfig(device_cache_bytes=1 << 40), manifest)
+    from rocketllm_cli.auto import AutoModel
+
+    _, _, directory = vlm("gemma3")
+    # through AutoModel: its knobs size the server's prefix cache (a model opened by hand keeps none)
+    model = AutoModel.from_pretrained(directory, device_cache_bytes=1 << 40)
     with LiveServer(model, "tiny-vlm") as live:
         yield live, model
     model.close()
