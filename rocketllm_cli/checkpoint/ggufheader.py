@@ -11,7 +11,7 @@ import struct
 from pathlib import Path
 
 from ..errors import ModelError
-from ..sizes import format_bytes
+from ..sizes import format_bytes, round_up
 
 # value type id -> struct format of a scalar; 8 = string, 9 = array
 _LENGTH = struct.Struct("<Q")
@@ -315,7 +315,7 @@ def _parse_header(mm, size: int) -> tuple[dict[str, object], dict[str, int], dic
                 numel *= d
             exact[name] = -(-numel // per) * nbytes
     align = int(meta.get("general.alignment", 32) or 32)
-    data_start = -(-pos // align) * align
+    data_start = round_up(pos, align)
     end = max((data_start + offset + exact.get(name, 0) for offset, name in offsets), default=data_start)
     if end > size:
         raise Truncated(end, size, False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import dtypes
+from ..sizes import round_up
 
 KINDS = ("int4", "int8", "gguf")
 CODE_LAYOUTS = ("rows", "pairs", "lanes32", "lanes64")  # int4 codes: portable, or a CPU kernel's (cpulayout.py)
@@ -72,7 +73,7 @@ class PackedFormat:
         """({part: byte offset} in the stored byte tensor, its total length): parts in parts() order, aligned."""
         out, at = {}, 0
         for name, (shape, dtype) in self.parts().items():
-            at = -(-at // PART_ALIGN) * PART_ALIGN
+            at = round_up(at, PART_ALIGN)
             out[name] = at
             at += _part_bytes(shape, dtype)
         return out, at

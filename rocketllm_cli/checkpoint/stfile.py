@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ShardError
-from ..sizes import ALIGN
+from ..sizes import round_up
 
 if TYPE_CHECKING:
     import torch
@@ -193,7 +193,7 @@ def layout(
         spans.append((name, offset, nbytes))
         offset += nbytes
     raw = json.dumps(doc, separators=(",", ":")).encode()
-    total = -(-(8 + len(raw)) // ALIGN) * ALIGN
+    total = round_up(8 + len(raw))
     raw += b" " * (total - 8 - len(raw))  # safetensors allows trailing spaces in the header
     return struct.pack("<Q", len(raw)) + raw, spans
 

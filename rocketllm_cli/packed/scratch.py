@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sizes import round_up
+
 ALIGN = 64  # bytes: each region taken starts at a multiple of this, so any dtype can view it
 
 
@@ -24,7 +26,7 @@ class Scratch:
         offsets, end = [], 0
         for numel, dtype in requests:
             offsets.append(end)
-            end += -(-numel * dtype.itemsize // ALIGN) * ALIGN
+            end += round_up(numel * dtype.itemsize, ALIGN)
         key = str(torch.device(device))
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < end:

@@ -1,2 +1,1 @@
-"""Running shard sets: the residency plan, the weight store, the streaming model, routed experts, the ledger,
-AutoModel."""
+"""Running shard sets: the residency plan, the weight store, the streaming model, routed experts and the ledger."""

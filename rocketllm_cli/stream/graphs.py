@@ -21,6 +21,8 @@ import logging
 
 import torch
 
+from ..sizes import round_up
+
 BUCKET = 256  # cache lengths come in multiples of this: a graph recorded for one request serves the next ones
 LOG = logging.getLogger("rocketllm")
 
@@ -53,7 +55,7 @@ def static_cache(streamed, input_ids: torch.Tensor, max_new_tokens: int | None):
     rows, length = input_ids.shape
     text = streamed.model.config.get_text_config()
     limit = int(getattr(text, "max_position_embeddings", 0) or 0)
-    size = -(-(length + int(max_new_tokens)) // BUCKET) * BUCKET
+    size = round_up(length + int(max_new_tokens), BUCKET)
     size = min(size, limit) if limit else size
     if size < length + int(max_new_tokens):
         return None, "the request is longer than the model's positions"
