@@ -11,7 +11,7 @@ Importing the package is cheap, so the CLI reads `defaults` at start: each name 
 (and torch) when first used.
 """
 
-from importlib import import_module
+from ..lazy import exports
 
 _HOME = {
     "BASELINES": "baselines",
@@ -24,7 +24,4 @@ _HOME = {
 __all__ = ["BASELINES", "REGIMES", "BenchRequest", "render", "run_bench"]
 
 
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f".{_HOME[name]}", __name__), name)
+__getattr__ = exports(__name__, _HOME)

@@ -23,7 +23,7 @@ from pathlib import Path
 from .timing import PROMPT_TEXT, WARMUP, ms_summary
 
 NOT_INSTALLED = "llama-cpp-python is not installed (pip install llama-cpp-python)"
-WORKER = Path(__file__).with_name("llamacpp_worker.py")
+WORKER = "rocketllm_cli.bench.llamacpp_worker"  # run with -m: the package, not torch, is all it imports of ours
 
 
 def gguf_file(model: str | None, manifest) -> tuple[Path | None, str]:
@@ -120,7 +120,7 @@ def run_llamacpp(gguf: Path | None, no_gguf: str, regime: str, tokens: int, prom
 def _run_worker(request: dict) -> tuple[dict | None, str]:
     """(the worker's answer, "") or (None, why it gave none)."""
     run = subprocess.run(
-        [sys.executable, str(WORKER)], input=json.dumps(request), capture_output=True, text=True, check=False
+        [sys.executable, "-m", WORKER], input=json.dumps(request), capture_output=True, text=True, check=False
     )
     last_err = next((line.strip() for line in reversed(run.stderr.splitlines()) if line.strip()), "")
     if run.returncode != 0:

@@ -1,8 +1,9 @@
-"""The llama.cpp measurement, in a process of its own (bench/llamacpp.py runs this file as a script).
+"""The llama.cpp measurement, in a process of its own (bench/llamacpp.py runs this module with `python -m`).
 
 llama-cpp-python's native code and its OpenMP runtime stay out of bench's process, so a crash there (a CPU feature
-the build uses and the machine refuses) is a skipped row, not a lost bench. Standard library and llama_cpp only:
-llama.cpp is measured as a user runs it, with nothing of rocketllm's loaded beside it.
+the build uses and the machine refuses) is a skipped row, not a lost bench. Standard library and llama_cpp only,
+with our standard-library read counter (iocounts.py, the ledger's own rule): llama.cpp is measured as a user runs it,
+with neither torch nor transformers loaded beside it.
 
 stdin:  {"gguf", "n_ctx", "n_threads", "n_gpu_layers", "prompt_text", "prompt_tokens", "new_tokens", "extra_buffers"}
         (extra_buffers false: llama.cpp's extra buffer types off, its repacked weight copies among them)
@@ -16,16 +17,7 @@ import json
 import sys
 import time
 
-
-def read_bytes() -> int | None:
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+from rocketllm_cli.iocounts import storage_read_bytes
 
 
 def measure(req: dict) -> dict:
@@ -54,7 +46,7 @@ def measure(req: dict) -> dict:
     steps = llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)  # greedy; never stops at EOS itself
     for _ in steps:
         times.append(time.perf_counter())
-        marks.append(read_bytes())
+        marks.append(storage_read_bytes())
         if len(times) == req["new_tokens"]:
             break
     steps.close()

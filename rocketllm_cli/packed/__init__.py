@@ -15,7 +15,7 @@ in checkpoint/packedformat.py: a shard set's manifest records them.
 Importing the package is cheap: each name below loads its module (and torch) when first used.
 """
 
-from importlib import import_module
+from ..lazy import exports
 
 _HOME = {
     "PackedFormat": "..checkpoint.packedformat",
@@ -37,8 +37,4 @@ _HOME = {
 __all__ = sorted(_HOME)
 
 
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    home = _HOME[name]
-    return getattr(import_module(home if home.startswith(".") else f".{home}", __name__), name)
+__getattr__ = exports(__name__, _HOME)

@@ -6,7 +6,7 @@ knob table alone), and torch is imported only when something is measured.
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import exports
 
 _HOMES = {
     "ModelFacts": "..checkpoint.modelfacts",
@@ -27,10 +27,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _HOMES)

@@ -6,19 +6,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..iocounts import storage_read_bytes
 from ..tiers import TIERS
-
-
-def storage_read_bytes() -> int | None:
-    """Bytes this process really fetched from storage (Linux /proc/self/io read_bytes)."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 @dataclass

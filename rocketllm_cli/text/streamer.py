@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from transformers import StoppingCriteria
 
-from ..stream.ledger import storage_read_bytes
+from ..iocounts import storage_read_bytes
 from .stats import Record
 
 
