@@ -55,6 +55,11 @@ class Derivation:
     source: str = "derived"  # derived | measured | default
     note: str = ""
 
+    @classmethod
+    def default(cls, formula: str, note: str = "") -> Derivation:
+        """A value the project chose, not derived from this machine: FORMULA is the value itself, NOTE says why."""
+        return cls(formula, {}, "default", note)
+
 
 class Context:
     """What derivations read: the profile, the model (or None) and the knob values resolved so far."""

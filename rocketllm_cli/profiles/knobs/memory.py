@@ -52,10 +52,8 @@ def runtime_bytes(c: Context) -> Derivation:
     what this process holds already (memory_available excludes that): 0 in a load that has imported everything."""
     measured = c.profile.runtime_rss
     if measured is None:
-        return Derivation(
+        return Derivation.default(
             "0",
-            {},
-            "default",
             "the runtime's memory was not measured (a profile cached before it was, or the import failed): `rocketllm "
             "profile --refresh` measures it",
         )
@@ -144,10 +142,8 @@ STREAMING_MIN = "(2 * layer_bytes + max(0, largest_unit_bytes - layer_bytes))"
 
 
 def kv_cache_dtype(c: Context) -> Derivation:
-    return Derivation(
+    return Derivation.default(
         "'auto'",
-        {},
-        "default",
         "the dtype the model computes in; int4 stores about 0.3x the bytes of bf16 (docs/HARDWARE.md)",
     )
 
@@ -349,7 +345,7 @@ def memory_floor(
     of a layer, one more for a larger unit), and the smallest context the run needs: a one-shot run's own tokens
     (RUN_TOKENS), max_context or kv_cache_bytes where given, else a server's FLOOR_CONTEXT, each token its K and V and
     the activations of a pass over it (SHAPE; not counted without). A memory that does not hold it cannot run the
-    model at any residency: AutoModel refuses it before loading (stream/plan.py check_floor), comparing it with
+    model at any residency: AutoModel refuses it before loading (stream/residency.py check_floor), comparing it with
     memory_available + process_rss_bytes.
 
     KNOBS: resolved for this profile and model (resolve_knobs' Knobs)."""

@@ -16,6 +16,16 @@ def _unit_reads(c: Context):
     return UnitReads.from_dict(c.model.unit_reads)
 
 
+def _both_read(c: Context):
+    """(the set's cold reads, the best O_DIRECT read, the best buffered one) where both methods were measured on it,
+    else None."""
+    reads = _unit_reads(c)
+    if reads is None:
+        return None
+    direct, buffered = reads.best(True), reads.best(False)
+    return None if direct is None or buffered is None else (reads, direct, buffered)
+
+
 UNIT_READS_NOTE = (
     "this set's own units read cold, one pread per unit, each method at its cheapest reads in flight "
     "(profiles/probe/unitreads.py)"
@@ -23,21 +33,20 @@ UNIT_READS_NOTE = (
 
 
 def io_workers(c: Context) -> Derivation:
-    reads = _unit_reads(c)
-    if reads is not None:
-        direct, buffered = reads.best(True), reads.best(False)
-        if direct is not None and buffered is not None:
-            return Derivation(
-                "unit_in_flight_direct if direct_io else unit_in_flight_buffered",
-                {
-                    "direct_io": int(bool(c.values["direct_io"])),
-                    "unit_in_flight_direct": direct.in_flight,
-                    "unit_in_flight_buffered": buffered.in_flight,
-                    "unit_bytes": reads.unit_bytes,
-                },
-                "measured",
-                UNIT_READS_NOTE,
-            )
+    both = _both_read(c)
+    if both is not None:
+        reads, direct, buffered = both
+        return Derivation(
+            "unit_in_flight_direct if direct_io else unit_in_flight_buffered",
+            {
+                "direct_io": int(bool(c.values["direct_io"])),
+                "unit_in_flight_direct": direct.in_flight,
+                "unit_in_flight_buffered": buffered.in_flight,
+                "unit_bytes": reads.unit_bytes,
+            },
+            "measured",
+            UNIT_READS_NOTE,
+        )
     kind = str(c.profile.capability("storage_kind") or "unknown")
     return Derivation(
         IN_FLIGHT, in_flight_inputs(kind, c.profile.cpu_cores, c.values["direct_io"]), note=IN_FLIGHT_NOTE
@@ -49,8 +58,8 @@ def prefetch_depth(c: Context) -> Derivation:
     storage = round(c.profile.storage_read_bps or 0)
     compute = round(c.profile.matvec_bps(c.values["compute_dtype"]) or c.profile.device_memory_bps or 0)
     if storage <= 0 or compute <= 0:
-        return Derivation(
-            repr(FALLBACK_PREFETCH_DEPTH), {}, "default", "storage or compute bandwidth unmeasured: double buffering"
+        return Derivation.default(
+            repr(FALLBACK_PREFETCH_DEPTH), "storage or compute bandwidth unmeasured: double buffering"
         )
     inputs = {"max_depth": 4, "compute_read_bps": compute, "storage_read_bps": storage}
     # Units that compute in the time one unit is read: that many reads in flight keep the reader ahead.
@@ -90,22 +99,21 @@ def prefetch_depth(c: Context) -> Derivation:
 
 
 def direct_io(c: Context) -> Derivation:
-    reads = _unit_reads(c)
-    if reads is not None:
-        direct, buffered = reads.best(True), reads.best(False)
-        if direct is not None and buffered is not None:
-            # Seconds per GB, CPU time counted where reads share the CPU with compute (read_cost's rule).
-            return Derivation(
-                "unit_direct_s_per_gb <= unit_buffered_s_per_gb",
-                {
-                    "unit_direct_s_per_gb": round(direct.cost(reads.cpu_shared) * 1e9, 4),
-                    "unit_buffered_s_per_gb": round(buffered.cost(reads.cpu_shared) * 1e9, 4),
-                    "cpu_shared": reads.cpu_shared,
-                    "unit_bytes": reads.unit_bytes,
-                },
-                "measured",
-                note=UNIT_READS_NOTE + "; O_DIRECT wins ties",
-            )
+    both = _both_read(c)
+    if both is not None:
+        reads, direct, buffered = both
+        # Seconds per GB, CPU time counted where reads share the CPU with compute (read_cost's rule).
+        return Derivation(
+            "unit_direct_s_per_gb <= unit_buffered_s_per_gb",
+            {
+                "unit_direct_s_per_gb": round(direct.cost(reads.cpu_shared) * 1e9, 4),
+                "unit_buffered_s_per_gb": round(buffered.cost(reads.cpu_shared) * 1e9, 4),
+                "cpu_shared": reads.cpu_shared,
+                "unit_bytes": reads.unit_bytes,
+            },
+            "measured",
+            note=UNIT_READS_NOTE + "; O_DIRECT wins ties",
+        )
     direct, buffered = c.profile.measurements.get("storage_read_direct"), c.profile.measurements.get("storage_read")
     if all(m and m.available and m.bytes_moved > 0 and m.seconds > 0 for m in (direct, buffered)):
         # Cost per byte: wall time plus, where compute shares the CPU, the CPU time the read itself uses.
@@ -127,7 +135,7 @@ def direct_io(c: Context) -> Derivation:
             note="O_DIRECT wins ties: it skips the page-cache copy and never evicts the resident set",
         )
     cap = c.profile.capabilities.get("direct_io")
-    return Derivation(repr(FALLBACK_DIRECT_IO), {}, "default", cap.reason if cap else "storage was not measured")
+    return Derivation.default(repr(FALLBACK_DIRECT_IO), cap.reason if cap else "storage was not measured")
 
 
 def pin_memory(c: Context) -> Derivation:

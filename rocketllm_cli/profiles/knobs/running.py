@@ -18,15 +18,13 @@ from .derivation import (
 def compute_dtype(c: Context) -> Derivation:
     cap = c.profile.capabilities.get("compute_dtype")
     if cap is None:
-        return Derivation(repr(FALLBACK_COMPUTE_DTYPE), {}, "default", "compute dtype capability was not measured")
+        return Derivation.default(repr(FALLBACK_COMPUTE_DTYPE), "compute dtype capability was not measured")
     return Derivation("decided_dtype", {"decided_dtype": cap.value}, note=cap.reason)
 
 
 def kernel(c: Context) -> Derivation:
-    return Derivation(
+    return Derivation.default(
         "'exact'",
-        {},
-        "default",
         "packed Linears compute in the compute dtype, so the logits are the model's; torch trades that for speed where "
         "its low-bit kernel runs faster in another dtype (bf16 on x86: ~10x on an fp32 CPU)",
     )
@@ -37,9 +35,7 @@ GRAPH_MIN_RUN_TOKENS = 256  # a one-shot run shorter than this does not earn bac
 
 def decode_graphs(c: Context) -> Derivation:
     if c.model is None:
-        return Derivation(
-            "'auto'", {}, "default", "needs a model (missing total_bytes): on where a CUDA GPU holds every unit"
-        )
+        return Derivation.default("'auto'", "needs a model (missing total_bytes): on where a CUDA GPU holds every unit")
     inputs = {
         "device_kind": c.profile.compute_device.split(":")[0],
         "device_cache_bytes": c.values["device_cache_bytes"],
@@ -57,19 +53,17 @@ def decode_graphs(c: Context) -> Derivation:
 
 
 def prefix_cache(c: Context) -> Derivation:
-    return Derivation("'auto'", {}, "default", "reuse the KV cache when a prompt repeats a cached prefix")
+    return Derivation.default("'auto'", "reuse the KV cache when a prompt repeats a cached prefix")
 
 
 def draft_model(c: Context) -> Derivation:
-    return Derivation("None", {}, "default", "no draft model: speculation drafts by prompt lookup")
+    return Derivation.default("None", "no draft model: speculation drafts by prompt lookup")
 
 
 def speculate(c: Context) -> Derivation:
     if c.model is None:
-        return Derivation(
+        return Derivation.default(
             "'auto'",
-            {},
-            "default",
             "needs a model (missing total_bytes): on where layers stream, off where every unit is resident",
         )
     # On a CPU the host tier is the page cache mapped zero-copy: a pass from it costs compute, like a resident one.
@@ -90,10 +84,8 @@ def speculate(c: Context) -> Derivation:
 
 
 def draft_tokens(c: Context) -> Derivation:
-    return Derivation(
+    return Derivation.default(
         str(DEFAULT_DRAFT_TOKENS),
-        {},
-        "default",
         "tokens drafted per pass (a drafted run longer than what is accepted costs only its share of one pass's "
         "compute)",
     )
@@ -112,7 +104,7 @@ def default_max_tokens(c: Context) -> Derivation:
 
     bounds = {"reply_budget_s": REPLY_BUDGET_S, "min_tokens": REPLY_TOKENS_MIN, "max_tokens": REPLY_TOKENS_MAX}
     if c.model is None:
-        return Derivation(str(DEFAULT_REPLY_TOKENS), {}, "default", "needs a model to project its speed: pass --model")
+        return Derivation.default(str(DEFAULT_REPLY_TOKENS), "needs a model to project its speed: pass --model")
     v = c.values
     device = min(c.model.total_bytes, int(v["device_cache_bytes"] or 0))
     host = min(c.model.total_bytes - device, int(v["host_cache_bytes"] or 0))
@@ -123,8 +115,8 @@ def default_max_tokens(c: Context) -> Derivation:
     # six significant digits, not decimals: a small model on a fast GPU projects well under a microsecond a token
     seconds = float(f"{seconds:.6g}") if seconds and math.isfinite(seconds) else 0.0
     if seconds <= 0:
-        return Derivation(
-            str(DEFAULT_REPLY_TOKENS), {}, "default", f"no projected speed ({projection.reason or 'unmeasured'})"
+        return Derivation.default(
+            str(DEFAULT_REPLY_TOKENS), f"no projected speed ({projection.reason or 'unmeasured'})"
         )
     inputs = {
         **bounds,
@@ -139,10 +131,8 @@ def default_max_tokens(c: Context) -> Derivation:
 
 
 def expert_cache_policy(c: Context) -> Derivation:
-    return Derivation(
+    return Derivation.default(
         repr(DEFAULT_EXPERT_CACHE_POLICY),
-        {},
-        "default",
         "measured: a decode pass walks the layers in a cycle, so LRU with room for fewer experts "
         "than one pass routes evicts each just before its layer comes round again (docs/ARCHITECTURE.md)",
     )
@@ -153,20 +143,16 @@ DEFAULT_STAGE_TIMEOUT_S = 30
 
 
 def stages(c: Context) -> Derivation:
-    return Derivation(
+    return Derivation.default(
         "'auto'",
-        {},
-        "default",
         "under torchrun, contiguous layer ranges that minimise the slowest stage's projected seconds per token, from "
-        "every rank's own profile and measured link (distributed/plan.py)",
+        "every rank's own profile and measured link (distributed/stageplan.py)",
     )
 
 
 def stage_timeout_s(c: Context) -> Derivation:
-    return Derivation(
+    return Derivation.default(
         str(DEFAULT_STAGE_TIMEOUT_S),
-        {},
-        "default",
         "a rank whose heartbeat has not moved this long is stopped or hung: the command exits naming it, the server "
         "answers 503",
     )
