@@ -154,7 +154,7 @@ COLUMNS = (
 
 
 def render_conversation(doc: dict) -> str:
-    from .report import load_note
+    from .report import load_note, table_head
 
     model = doc["model"]
     lines = [
@@ -164,8 +164,7 @@ def render_conversation(doc: dict) -> str:
         f"conversation, greedy replies of up to {doc['reply_tokens']} tokens; prefill is the median of "
         f"{doc['repeats']} runs each way; {load_note(doc['load'])}",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
+        *table_head(COLUMNS),
     ]
     for run in doc["runs"]:
         if run["status"] != "measured":

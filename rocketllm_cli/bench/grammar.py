@@ -115,7 +115,7 @@ COLUMNS = ("regime", "tokens", "ms/token free", "ms/token with the schema", "ove
 
 
 def render_grammar(doc: dict) -> str:
-    from .report import load_note
+    from .report import load_note, table_head
 
     model = doc["model"]
     lines = [
@@ -124,8 +124,7 @@ def render_grammar(doc: dict) -> str:
         f"**Model:** {model['name']} ({model['dtype']}, {model['num_layers']} layers); greedy, speculation off; median "
         f"of {doc['repeats']} interleaved runs each way, {WARMUP} warm-up token left out; {load_note(doc['load'])}",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
+        *table_head(COLUMNS),
     ]
     for run in doc["runs"]:
         if run["status"] != "measured":

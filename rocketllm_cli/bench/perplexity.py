@@ -318,7 +318,7 @@ COLUMNS = (
 
 
 def render_perplexity(doc: dict) -> str:
-    from .report import load_note
+    from .report import load_note, table_head
 
     t = doc["text"]
     lines = [
@@ -330,8 +330,7 @@ def render_perplexity(doc: dict) -> str:
             f"regime); {load_note(doc['load'])}"
         ),
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
+        *table_head(COLUMNS),
     ]
     for row in doc["rows"]:
         ms = row["ms_per_window"]

@@ -55,6 +55,11 @@ def load_average() -> float:
         return float("nan")
 
 
+def table_head(columns) -> list[str]:
+    """A markdown table's header row and rule."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def render(doc: dict) -> str:
     lines = [
         f"**Hardware:** {doc['hardware']}",
@@ -65,7 +70,7 @@ def render(doc: dict) -> str:
         "",
     ]
     if doc["rows"]:
-        lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += table_head(COLUMNS)
         lines += ["| " + " | ".join(_cells(row)) + " |" for row in doc["rows"]]
         notes = _notes(doc["rows"])
         if notes:

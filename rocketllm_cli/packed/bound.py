@@ -48,6 +48,16 @@ class BoundWeight:
         if self.dense_rows:
             self.fast_numel = self.dense_rows * self.format.shape[1]
 
+    def serves_fast(self, x) -> bool:
+        """Whether the fast call computes this input as it is: its dtype, K wide, contiguous, few enough rows."""
+        return (
+            self.fast is not None
+            and x.dtype == self.dtype
+            and x.shape[-1] == self.format.shape[1]
+            and x.is_contiguous()
+            and 0 < x.numel() < self.fast_numel
+        )
+
     @property
     def nbytes(self) -> int:
         """Device bytes this weight holds (the kernel layout or the portable parts)."""

@@ -130,6 +130,12 @@ def completion_response(outcomes: list, prepared: Prepared, state) -> dict:
     }
 
 
+def _failed(payload) -> tuple[str, str]:
+    """A stream whose generation failed ends with an error event, then [DONE], as OpenAI's streams do."""
+    error = {"message": f"generation failed: {payload}", "type": "server_error", "param": None, "code": None}
+    return sse({"error": error}), sse("[DONE]")
+
+
 async def chat_stream(job, prepared: Prepared, state):
     """chat.completion.chunk events: each choice's role, content pieces (with the log-probabilities of the tokens they
     carry), tool calls whole at the end, finish_reason; then usage and [DONE]."""
@@ -173,17 +179,8 @@ async def chat_stream(job, prepared: Prepared, state):
             if text:
                 yield chunk(index, {"content": text})
         elif kind == "failed":
-            yield sse(
-                {
-                    "error": {
-                        "message": f"generation failed: {payload}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": None,
-                    }
-                }
-            )
-            yield sse("[DONE]")
+            for event in _failed(payload):
+                yield event
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             outcomes = outcomes_of(job, payload)
             for index, outcome in enumerate(outcomes):
@@ -238,17 +235,8 @@ async def completion_stream(job, prepared: Prepared, state):
         elif kind == "text" and not whole:
             yield chunk(*payload)
         elif kind == "failed":
-            yield sse(
-                {
-                    "error": {
-                        "message": f"generation failed: {payload}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": None,
-                    }
-                }
-            )
-            yield sse("[DONE]")
+            for event in _failed(payload):
+                yield event
         elif kind in ("done", "cancelled"):  # cancelled: the server is stopping; the stream still ends as the API says
             outcomes = outcomes_of(job, payload)
             for index, outcome in enumerate(outcomes):

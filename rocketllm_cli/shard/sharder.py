@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -148,7 +149,24 @@ def _shard(
         existing = reusable(final, fingerprint, key, ours=out is None, log=lambda m: None)
         if existing is not None and not rebuild:
             return existing, final, {"reused": True, **summarize(existing, 0.0)}
-        return _write(source, final, dtype, model, layout, mapping, progress, log, started, packs, fusion)
+        return _write(_Job(source, final, dtype, model, layout, mapping, progress, log, started, packs, fusion))
+
+
+@dataclass
+class _Job:
+    """What writing a set needs, decided before the first byte is written."""
+
+    source: Source
+    final: Path
+    dtype: str
+    model: object  # the meta model
+    layout: Layout
+    mapping: SourceMap
+    progress: object
+    log: object
+    started: float
+    packs: PackPlan
+    fusion: FusionPlan
 
 
 def resolve_dtype(source: Source, dtype: str, blocks: bool = False) -> str:
@@ -175,30 +193,16 @@ def resolve_dtype(source: Source, dtype: str, blocks: bool = False) -> str:
     return short_name(stored) or "bf16"
 
 
-def _write(
-    source: Source,
-    final: Path,
-    dtype: str,
-    model,
-    layout: Layout,
-    mapping: dict[str, str],
-    progress,
-    log,
-    started: float,
-    packs: PackPlan,
-    fusion: FusionPlan,
-) -> tuple[Manifest, Path, dict]:
-    need = _bytes_needed(source, mapping, dtype, packs)
-    partial = partial_of(final)
+def _write(job: _Job) -> tuple[Manifest, Path, dict]:
+    need = _bytes_needed(job.source, job.mapping, job.dtype, job.packs)
+    partial = partial_of(job.final)
     try:
-        return _write_units(
-            source, final, partial, dtype, model, layout, mapping, need, progress, log, started, packs, fusion
-        )
+        return _write_units(job, partial, need)
     except KeyboardInterrupt:
-        kept = len(journal.resumable(partial, source.fingerprint(), packs.key(dtype)))
+        kept = len(journal.resumable(partial, job.source.fingerprint(), job.packs.key(job.dtype)))
         if kept:
             raise Interrupted(
-                f"interrupted: {kept} of {len(layout.units)} units are written and kept; run the same "
+                f"interrupted: {kept} of {len(job.layout.units)} units are written and kept; run the same "
                 f"command "
                 "again to resume"
             ) from None
@@ -206,59 +210,48 @@ def _write(
     except OSError as exc:
         if exc.errno not in DISK_FULL:
             raise
-        done = sum(r.tensor_bytes for r in journal.resumable(partial, source.fingerprint(), packs.key(dtype)).values())
+        done = sum(
+            r.tensor_bytes
+            for r in journal.resumable(partial, job.source.fingerprint(), job.packs.key(job.dtype)).values()
+        )
         raise ShardError(
             f"cannot write shards ({os.strerror(exc.errno)}): need {format_bytes(max(0, need - done))} more, "
-            f"{format_bytes(free_bytes(final.parent))} free at {final.parent}; free space, or put the shards on "
-            f"another disk (`rocketllm shard --out DIR`, or ROCKETLLM_CACHE=DIR for every command), "
+            f"{format_bytes(free_bytes(job.final.parent))} free at {job.final.parent}; free space, or put the shards "
+            f"on another disk (`rocketllm shard --out DIR`, or ROCKETLLM_CACHE=DIR for every command), "
             "then re-run `rocketllm shard` to resume (finished units are kept)"
         ) from None
 
 
-def _write_units(
-    source: Source,
-    final: Path,
-    partial: Path,
-    dtype: str,
-    model,
-    layout: Layout,
-    mapping: dict[str, str],
-    need: int,
-    progress,
-    log,
-    started: float,
-    packs: PackPlan,
-    fusion: FusionPlan,
-) -> tuple[Manifest, Path, dict]:
-    fingerprint = source.fingerprint()
-    key = packs.key(dtype)
-    target = torch_dtype(dtype)
-    expected = {n: _out_dtype(source.shapes[s][1], target) for n, s in mapping.items()}
+def _write_units(job: _Job, partial: Path, need: int) -> tuple[Manifest, Path, dict]:
+    fingerprint = job.source.fingerprint()
+    key = job.packs.key(job.dtype)
+    target = torch_dtype(job.dtype)
+    expected = {n: _out_dtype(job.source.shapes[s][1], target) for n, s in job.mapping.items()}
     partial.mkdir(parents=True, exist_ok=True)
 
     done = journal.resumable(partial, fingerprint, key)
-    files = [f"{index:04d}-{plan.name}.safetensors" for index, plan in enumerate(layout.units)]
+    files = [f"{index:04d}-{plan.name}.safetensors" for index, plan in enumerate(job.layout.units)]
     kept = sum(
-        1 for plan, file in zip(layout.units, files) if (r := done.get(plan.name)) is not None and r.file == file
+        1 for plan, file in zip(job.layout.units, files) if (r := done.get(plan.name)) is not None and r.file == file
     )
     if kept:
-        log(f"resuming: {kept} of {len(layout.units)} units already written (in {partial})")
+        job.log(f"resuming: {kept} of {len(job.layout.units)} units already written (in {partial})")
     units: list[UnitRecord] = []
-    with (progress or no_progress)(f"sharding {source.name}", need, units=len(layout.units)) as bar:
-        for plan, file in zip(layout.units, files):
+    with (job.progress or no_progress)(f"sharding {job.source.name}", need, units=len(job.layout.units)) as bar:
+        for plan, file in zip(job.layout.units, files):
             record = done.get(plan.name)
             if record is None or record.file != file:
                 tensors, formats, packed = {}, {}, {}
                 for n in plan.params:
-                    if n in packs.params:
-                        packed[n] = read_packed(source, mapping, n, packs)
+                    if n in job.packs.params:
+                        packed[n] = read_packed(job.source, job.mapping, n, job.packs)
                     else:
-                        tensors[n] = mapping.read(source, n).to(expected[n])
-                fused = fusion.apply(plan.name, packed)  # members' weights become one, the rest stay as they are
+                        tensors[n] = job.mapping.read(job.source, n).to(expected[n])
+                fused = job.fusion.apply(plan.name, packed)  # members' weights become one, the rest stay as they are
                 for n, p in packed.items():
                     tensors[n], formats[n] = p.to_bytes(), p.format.to_dict()
                 del packed
-                record = _write_unit(partial, file, plan, tensors, mapping, formats, fused)
+                record = _write_unit(partial, file, plan, tensors, job.mapping, formats, fused)
                 del tensors
                 journal.append(partial, fingerprint, key, record)
             units.append(record)
@@ -268,43 +261,43 @@ def _write_units(
     written_bytes = sum(u.tensor_bytes for u in units)
     # packed sizes are known exactly only once written (a scale may need fp32): only float bytes must add up
     float_written = sum(t.nbytes for u in units for t in u.tensors if t.packed is None)
-    float_need = _bytes_needed(source, mapping, dtype, packs, packed=False)
-    if written != len(mapping) or float_written != float_need:
+    float_need = _bytes_needed(job.source, job.mapping, job.dtype, job.packs, packed=False)
+    if written != len(job.mapping) or float_written != float_need:
         raise ShardError(
             f"shard set incomplete: wrote {written} tensors / {float_written} bytes, source has "
-            f"{len(mapping)} / {float_need}; not marked complete"
+            f"{len(job.mapping)} / {float_need}; not marked complete"
         )
     manifest = Manifest(
-        source={"kind": source.kind, "name": source.name, "fingerprint": fingerprint},
-        model_type=source.config.model_type,
-        architecture=type(model).__name__,
-        dtype=dtype,
-        stack=layout.stack,
+        source={"kind": job.source.kind, "name": job.source.name, "fingerprint": fingerprint},
+        model_type=job.source.config.model_type,
+        architecture=type(job.model).__name__,
+        dtype=job.dtype,
+        stack=job.layout.stack,
         units=units,
-        aliases=layout.aliases,
-        seconds=round(time.perf_counter() - started, 3),
-        packing=packs.mode,
-        int4_layout=packs.int4_layout,
+        aliases=job.layout.aliases,
+        seconds=round(time.perf_counter() - job.started, 3),
+        packing=job.packs.mode,
+        int4_layout=job.packs.int4_layout,
         format_version=FUSED_VERSION
         if any(t.fused for u in units for t in u.tensors)
         else PACKED_VERSION
-        if packs.params
+        if job.packs.params
         else FORMAT_VERSION,
-        fusion=fusion.describe(units) if packs.params else "",  # a float set's manifest stays as before
+        fusion=job.fusion.describe(units) if job.packs.params else "",  # a float set's manifest stays as before
     )
-    with (progress or no_progress)(f"saving the config and tokenizer of {source.name}", after=BLINK_S):
-        source.config.save_pretrained(partial)
-        save_tokenizer(source, partial)
+    with (job.progress or no_progress)(f"saving the config and tokenizer of {job.source.name}", after=BLINK_S):
+        job.source.config.save_pretrained(partial)
+        save_tokenizer(job.source, partial)
     manifest.save(partial)  # before the journal goes, so a run killed in between still resumes every unit
     (partial / JOURNAL).unlink(missing_ok=True)
-    swap_in(partial, final)
-    for note in getattr(source._lazy, "written_notes", list)():
-        log(note)
-    log(
-        f"sharded {source.name}: {len(units)} units, {format_bytes(written_bytes)} in {manifest.seconds:.1f} s -> "
-        f"{final}"
+    swap_in(partial, job.final)
+    for note in getattr(job.source._lazy, "written_notes", list)():
+        job.log(note)
+    job.log(
+        f"sharded {job.source.name}: {len(units)} units, {format_bytes(written_bytes)} in {manifest.seconds:.1f} s -> "
+        f"{job.final}"
     )
-    return manifest, final, {"reused": False, **summarize(manifest, manifest.seconds)}
+    return manifest, job.final, {"reused": False, **summarize(manifest, manifest.seconds)}
 
 
 def _write_unit(

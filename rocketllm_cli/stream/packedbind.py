@@ -52,16 +52,8 @@ class _PackedForward:
         bound = self.packed_weight
         if bound is None:
             raise UnboundWeightError(f"{self.packed_where} was used while its unit is not bound")
-        fast = bound.fast
-        if (
-            fast is not None
-            and not self.packed_bias
-            and x.dtype == bound.dtype
-            and x.shape[-1] == bound.format.shape[1]
-            and x.is_contiguous()
-            and 0 < x.numel() < bound.fast_numel
-        ):
-            return fast(x)
+        if not self.packed_bias and bound.serves_fast(x):
+            return bound.fast(x)
         return compute.linear(x, bound, self.bias)  # per call: no import machinery (the package's names are lazy)
 
 
@@ -105,15 +97,8 @@ class FusedGroup:
         bound = self.bound
         if bound is None:
             raise UnboundWeightError(f"{self.where} was used while its unit is not bound")
-        fast = bound.fast
-        if (
-            fast is not None
-            and x.dtype == bound.dtype
-            and x.shape[-1] == bound.format.shape[1]
-            and x.is_contiguous()
-            and 0 < x.numel() < bound.fast_numel
-        ):
-            y = fast(x)
+        if bound.serves_fast(x):
+            y = bound.fast(x)
         else:
             y = compute.linear(x, bound, None)
         parts = list(y.split(self.splits, dim=-1))

@@ -97,6 +97,17 @@ def processor_needs_torchvision(kind: str) -> bool:
     return kind == "qwen2_5_vl" and not is_torchvision_available()
 
 
+# the ViT tower LLaVA's CLIP and Gemma 3's SigLIP share here: two layers, 32 wide, 14-pixel patches
+_TOWER = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": IMAGE_SIZE,
+    "patch_size": 14,
+}
+
+
 def _config(kind: str, vocab: int, ids: dict[str, int]):
     from transformers import AutoConfig
 
@@ -105,16 +116,7 @@ def _config(kind: str, vocab: int, ids: dict[str, int]):
         return AutoConfig.for_model(
             "llava",
             text_config={"model_type": "llama", **text},
-            vision_config={
-                "model_type": "clip_vision_model",
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "image_size": IMAGE_SIZE,
-                "patch_size": 14,
-                "projection_dim": 32,
-            },
+            vision_config={"model_type": "clip_vision_model", **_TOWER, "projection_dim": 32},
             image_token_index=ids["<image>"],
             vision_feature_layer=-1,
             tie_word_embeddings=False,
@@ -147,15 +149,7 @@ def _config(kind: str, vocab: int, ids: dict[str, int]):
     return AutoConfig.for_model(
         "gemma3",
         text_config={"model_type": "gemma3_text", **text, "sliding_window": 512, "query_pre_attn_scalar": 16},
-        vision_config={
-            "model_type": "siglip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": IMAGE_SIZE,
-            "patch_size": 14,
-        },
+        vision_config={"model_type": "siglip_vision_model", **_TOWER},
         mm_tokens_per_image=4,
         image_token_index=ids["<image_soft_token>"],
         boi_token_index=ids["<start_of_image>"],
