@@ -1,4 +1,4 @@
-"""Project seconds per token for a model split over N hosts by the stage planner (distributed/plan.py), against one
+"""Project seconds per token for a model split over N hosts by the stage planner (distributed/stageplan.py), against one
 host.
 
     python benchmarks/stage_projection.py --model-size 70B --weight-bits 4 --ram 32GiB --hosts 1 2 4 8
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from rocketllm_cli.distributed.plan import RankFacts, plan_stages
+from rocketllm_cli.distributed.stageplan import RankFacts, plan_stages
 from rocketllm_cli.profiles import HardwareProfile, ModelFacts, parse_param_count
 from rocketllm_cli.profiles.cost import tier_bandwidth
 from rocketllm_cli.sizes import format_bytes, parse_bytes

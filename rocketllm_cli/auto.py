@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from .checkpoint.manifest import MANIFEST, Manifest
 from .output import BLINK_S, no_progress
-from .stream.plan import check_floor
+from .stream.residency import check_floor
 from .tiers import RESIDENT_KINDS
 
 if TYPE_CHECKING:  # torch and transformers load only once the model path has been checked
@@ -171,7 +171,7 @@ def _load_draft(target, knobs, progress, log):
             )
         return None
     everything = 1 << 62  # device_cache_bytes covering any model: every unit bound once, nothing streams
-    from .distributed.launch import alone
+    from .distributed.torchrun import alone
 
     with alone():  # under torchrun the draft is rank 0's own, whole and resident
         draft = AutoModel.from_pretrained(
@@ -285,7 +285,7 @@ class AutoModel:
         hf_config = AutoConfig.from_pretrained(directory)
         facts = facts_from_manifest(manifest, hf_config)
         shape = pass_shape(hf_config)
-        from .distributed.launch import launched
+        from .distributed.torchrun import launched
 
         launch = launched()  # under torchrun: this rank's share of the layers, the others' on their ranks
         if launch is not None:
@@ -361,7 +361,7 @@ def run_later_stage(model, flags: dict | None) -> None:
     rank's
     share of MODEL with rank 0's knob keywords and run its layers until rank 0 closes it; return when rank 0 ends (its
     prompt, output and HTTP server are rank 0's alone)."""
-    from .distributed.launch import launched
+    from .distributed.torchrun import launched
     from .distributed.opening import join
 
     flags = flags or {}

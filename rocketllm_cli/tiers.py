@@ -6,6 +6,6 @@ storage - read from the shard files on each use
 """
 
 TIERS = ("device", "host", "storage")
-# unit kinds always on the device, their bytes taken from the device budget first (stream/plan.py); every other kind
-# is placed by the residency plan, and a probe sampling what streams (profiles/probe/unitreads.py) leaves these out
+# unit kinds always on the device, their bytes taken from the device budget first (stream/residency.py); every other
+# kind is placed by the residency plan, and a probe sampling what streams (profiles/probe/unitreads.py) leaves these out
 RESIDENT_KINDS = ("root", "vision")

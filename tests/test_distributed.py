@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rocketllm_cli.distributed.plan import RankFacts, parse_counts, plan_stages
+from rocketllm_cli.distributed.stageplan import RankFacts, parse_counts, plan_stages
 from rocketllm_cli.errors import KnobError
 
 pytestmark = pytest.mark.compat

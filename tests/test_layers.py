@@ -97,3 +97,26 @@ def test_no_module_of_the_package_is_longer_than_the_limit():
         if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MODULE_LINES
     }
     assert not long, long
+
+
+# Module names that stand in more than one package, each meaning the same kind of thing in its room: the commands are
+# named after their subcommands, bench's modules after what they measure, and app/report are each room's own.
+SHARED_NAMES = {
+    "app.py": "the CLI (app.py) and the server's FastAPI app (server/app.py)",
+    "cache.py": "`rocketllm cache` (commands/) and the profile cache (profiles/)",
+    "plan.py": "`rocketllm plan` (commands/); the planner is planning/",
+    "grammar.py": "bench's grammar measurement (bench/) and the grammar engine (text/)",
+    "kernels.py": "bench --kernels (bench/) and the native kernels (native/)",
+    "report.py": "bench's report and plan's report",
+}
+
+
+def test_a_module_name_says_its_room():
+    """A module name that stands in two packages means the same kind of thing in each (SHARED_NAMES says which); any
+    other repeat is two meanings under one name, which a newcomer would open the wrong file for."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "rocketllm_cli").rglob("*.py")):
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    repeated = {name: where for name, where in names.items() if len(where) > 1 and name not in SHARED_NAMES}
+    assert not repeated, repeated

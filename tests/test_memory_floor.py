@@ -23,7 +23,7 @@ from rocketllm_cli.profiles.knobs.expression import evaluate
 from rocketllm_cli.profiles.knobs.memory import memory_floor
 from rocketllm_cli.profiles.knobs.shape import PassShape, pass_shape
 from rocketllm_cli.profiles.probe.runtime import process_memory
-from rocketllm_cli.stream.plan import check_floor, make_plan, resident_bytes, row_tables
+from rocketllm_cli.stream.residency import check_floor, make_plan, resident_bytes, row_tables
 
 RUNTIME = 300 * MiB
 # The random 2.5 B Llama of the larger-than-RAM runs: 32 layers of 37.28 MiB (Q4_0 blocks), a bf16 embedding of

@@ -12,7 +12,7 @@ from rocketllm_cli.compat import dtype_kwargs
 from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream.engineconfig import EngineConfig
 from rocketllm_cli.stream.model import StreamingModel
-from rocketllm_cli.stream.plan import spaced
+from rocketllm_cli.stream.residency import spaced
 from rocketllm_cli.synthetic import ARCHS, MOE_ARCHS
 
 pytestmark = pytest.mark.compat
@@ -152,7 +152,7 @@ def test_layers_of_different_sizes_fit_by_their_own_bytes():
     streamed on every token while profile said the whole set fits), and a smaller one streams the fewest layers."""
     from types import SimpleNamespace
 
-    from rocketllm_cli.stream.plan import make_plan
+    from rocketllm_cli.stream.residency import make_plan
 
     sizes = [100, 140, 100, 100, 140, 100]
     units = [SimpleNamespace(name=f"layer.{i}", kind="layer", tensor_bytes=b) for i, b in enumerate(sizes)]

@@ -171,7 +171,7 @@ def test_speculation_is_off_for_a_prompt_with_pictures_and_on_for_text(vlm):
 
 
 def test_tower_is_counted_in_the_plan_and_budget(vlm):
-    from rocketllm_cli.stream.plan import make_plan
+    from rocketllm_cli.stream.residency import make_plan
 
     _, manifest, _ = vlm("llava")
     tower = sum(u.tensor_bytes for u in manifest.vision)

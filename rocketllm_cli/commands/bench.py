@@ -186,7 +186,7 @@ def run(
         return
     model, regime, baseline, batch = _spread(model or [], regime or [], baseline or [], batch or [])
     model = pick_model(model, model_option, required=False)  # no MODEL: --synthetic names one
-    from ..distributed.launch import launched
+    from ..distributed.torchrun import launched
 
     launch = launched()  # under torchrun: rank 0 benches the pipeline, the other ranks run their layers for each load
     if launch is not None:

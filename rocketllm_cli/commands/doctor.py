@@ -77,7 +77,7 @@ def run(
     document = report.build(
         profile, facts, source, model_path=model, log=out.log, kernels=report_rows(profile.compute_device)
     )
-    from ..distributed.launch import launched
+    from ..distributed.torchrun import launched
 
     launch = launched()  # under torchrun: every rank measures itself and its link; rank 0 reports the stage plan
     if launch is not None:

@@ -163,7 +163,7 @@ def run(
     knob_flags: dict | None = None,
 ) -> None:
     output = Output(as_json=json)
-    from ..distributed.launch import launched
+    from ..distributed.torchrun import launched
 
     launch = launched()  # under torchrun: rank 0 generates, the other ranks run their layers for it
     if launch is not None and not launch.is_first:

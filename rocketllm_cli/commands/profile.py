@@ -42,7 +42,7 @@ def run(
             profile, facts, model, knobs, lambda f: resolve_knobs(profile, f, flags=knob_flags, shape=shape), out.log
         )
         floor = memory_floor(profile, facts, knobs, shape=shape)
-    from ..distributed.launch import launched
+    from ..distributed.torchrun import launched
 
     launch, stages = launched(), None  # under torchrun: every rank measures itself and its link; rank 0 shows the plan
     if launch is not None:

@@ -132,7 +132,7 @@ def run(
     if api_key is not None and not api_key.strip():
         raise RocketError("--api-key is empty (or ROCKETLLM_API_KEY is set but empty); give a key, or leave both out")
     validate_knob_flags(knob_flags or {})
-    from ..distributed.launch import launched
+    from ..distributed.torchrun import launched
 
     launch = launched()  # under torchrun: rank 0 serves HTTP, the other ranks run their layers for it
     if launch is not None and not launch.is_first:

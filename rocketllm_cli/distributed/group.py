@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .launch import Launch, StageError, memory_cgroup, stage_address
+from .torchrun import Launch, StageError, memory_cgroup, stage_address
 
 HEADER_LEN = 48
 OP_PASS, OP_STOP, OP_FAIL, OP_RESULT = 1, 2, 3, 4

@@ -13,7 +13,7 @@ import torch
 from ..checkpoint.manifest import Manifest
 from ..errors import RocketError
 from .group import StageGroup
-from .launch import StageError, memory_cgroup
+from .torchrun import StageError, memory_cgroup
 from .stages import FIRST_ONLY_KINDS, Stage, cut_stack, local_manifest
 
 _GROUP: StageGroup | None = None
@@ -110,7 +110,7 @@ def probe_links(group: StageGroup, hidden_bytes: int, rounds: int = 20) -> tuple
 
 def _rank_facts(group: StageGroup, profile, knobs, facts, link: tuple[float, float]):
     from ..profiles.cost import tier_bandwidth
-    from .plan import RankFacts
+    from .stageplan import RankFacts
 
     compute, how = profile.matvec_bps(), "decode-shaped matvec, measured"
     if facts.decode_compute and facts.total_bytes:
@@ -172,7 +172,7 @@ def open_stages(
 
     from ..dtypes import ITEMSIZE
     from ..stream.model import StreamingModel
-    from .plan import describe_rank, plan_stages
+    from .stageplan import describe_rank, plan_stages
 
     log = log or (lambda m: None)
     if manifest.vision:
@@ -295,7 +295,7 @@ def plan_for_doctor(launch, profile, facts, knobs, flags: dict | None = None) ->
     model's facts alone (layers of equal size: no shard set is read). Returns the plan's document on every rank."""
     from ..dtypes import ITEMSIZE
     from ..profiles import resolve_knobs
-    from .plan import describe_rank, plan_stages
+    from .stageplan import describe_rank, plan_stages
 
     group = StageGroup(launch, int(knobs.value("stage_timeout_s")), profile.compute_device)
     try:

@@ -44,8 +44,8 @@ from .group import (
     pack,
     unpack,
 )
-from .launch import StageError
-from .plan import StagePlan
+from .torchrun import StageError
+from .stageplan import StagePlan
 
 TIER_FIELDS = {"device": F_DEVICE_B, "host": F_HOST_B, "storage": F_STORAGE_B}
 FIRST_ONLY_KINDS = ("embed", "lm_head")  # units only rank 0 reads: the token lookup and the head

@@ -114,7 +114,7 @@ def _enumerate(source: ModelSource, profile: HardwareProfile, request: PlanReque
                         )
                         _keep(row, request, floor, rows, left_out)
                 for hosts in _host_counts(request.hosts):
-                    from .stages import stage_row
+                    from .stagerows import stage_row
 
                     _keep(
                         stage_row(

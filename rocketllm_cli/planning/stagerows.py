@@ -1,4 +1,4 @@
-"""A `rocketllm plan` row over several hosts: pipeline stages planned by the stage planner (distributed/plan.py,
+"""A `rocketllm plan` row over several hosts: pipeline stages planned by the stage planner (distributed/stageplan.py,
 torch-free) from hosts like this one, the way `doctor --model` under torchrun plans them: each host's budgets are its
 knobs for the whole model, its layers an even share of the layer bytes, the first host also holds the embeddings and
 the head; one stream's seconds per token are its stages in turn plus the hidden state over every link.
@@ -25,7 +25,7 @@ def stage_row(
     hosts: int,
 ):
     """The row of FMT over HOSTS hosts like PROFILE, each holding CONTEXT tokens a sequence; a string why not."""
-    from ..distributed.plan import RankFacts, plan_stages
+    from ..distributed.stageplan import RankFacts, plan_stages
     from .projection import (
         engine_dtype,
         kv_dtype_of,

@@ -18,7 +18,7 @@ from .fields import (
     tool_list,
     tool_schema,
 )
-from .images import anthropic_image
+from .imageparts import anthropic_image
 from .openai_requests import tool_choice
 from .prepared import Prepared
 from .prompts import PromptError

@@ -20,7 +20,7 @@ from .fields import (
     tool_list,
     tool_schema,
 )
-from .images import openai_image
+from .imageparts import openai_image
 from .prepared import Prepared
 from .prompts import PromptError
 from .refusals import bad, check_context

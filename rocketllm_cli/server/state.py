@@ -283,7 +283,7 @@ class ServerState:
     def pipeline_failed(self, line: str) -> None:
         """A rank failed (from the watchdog thread, or the worker's failed receive): every job waiting or running fails
         with it, and every request from now on gets 503 (app.py); the process stays up to say so."""
-        from ..distributed.launch import StageError
+        from ..distributed.torchrun import StageError
 
         self.log(f"error: {line}; answering 503 until the stages are restarted")
         error = StageError(line)

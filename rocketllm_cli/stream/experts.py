@@ -28,7 +28,7 @@ from ..shard.expertlayout import Direct, Fused, resolve_pieces, top_k
 from ..sizes import round_up
 from .buffers import aligned_buffer
 from .ledger import Ledger
-from .plan import ResidencyPlan
+from .residency import ResidencyPlan
 from .store import WeightStore
 
 

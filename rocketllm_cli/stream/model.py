@@ -31,7 +31,7 @@ from .engineconfig import EngineConfig
 from .graphs import graphs_excluded
 from .ledger import Ledger
 from .packedbind import PackedBinding, activation_dtype, make_fused, make_packed
-from .plan import ResidencyPlan, make_plan
+from .residency import ResidencyPlan, make_plan
 from .store import WeightStore
 from .unbound import Unbound, unbind_all
 

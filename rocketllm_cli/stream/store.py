@@ -28,8 +28,8 @@ from ..output import BLINK_S, no_progress
 from ..sizes import ALIGN, round_up
 from .buffers import Slot, aligned_buffer
 from .ledger import Ledger
-from .plan import ResidencyPlan
-from .rows import RowGathers, pread
+from .residency import ResidencyPlan
+from .rowgathers import RowGathers, pread
 
 # Where AutoModel puts its progress for the resident load: StreamingModel builds the store without carrying it.
 LOAD_PROGRESS: ContextVar = ContextVar("rocketllm_load_progress", default=None)
