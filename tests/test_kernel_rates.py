@@ -145,3 +145,54 @@ def test_rates_are_measured_once_and_kept_beside_the_profile(native, tmp_path, m
     facts = replace(gguf_facts(), block_bytes={"Q8_0": {"256x512": 256 * 544}})
     assert kernelrates.with_kernel_rates(other, facts) is facts
     assert kernelrates.with_kernel_rates(profile, facts).kernel_rates["rates"]["Q8_0"] == found["rates"]["Q8_0"]
+
+
+def test_a_pass_of_several_positions_adds_its_products_measured_at_that_row_count(native, tmp_path, monkeypatch):
+    """A verified draft or a batch computes M positions a pass: each block product is timed here at M rows too (kept
+    under its own key), and the pass's compute grows by the products' time at M less their time at one."""
+    from rocketllm_cli.profiles.probe.machine import fingerprint, fingerprint_facts
+
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernelrates, "_memo", {})
+    profile = cpu_profile(fingerprint(fingerprint_facts()))
+    blocks = {"Q8_0": {"256x512": 256 * 544}, "Q4_K": {"128x1024": 128 * 576}}
+    facts = replace(gguf_facts(), total_bytes=sum(b for s in blocks.values() for b in s.values()), block_bytes=blocks)
+    one, four = kernelrates.rates(profile, blocks, "exact"), kernelrates.rates(profile, blocks, "exact", rows=4)
+    assert one["rows"] == 1 and four["rows"] == 4
+    stored = kernelrates._load(profile)
+    assert sum(k.endswith("-m4") for k in stored) == 2 and len(stored) == 4  # one key per shape and row count
+
+    extra, how = kernelrates.pass_extra_seconds(profile, facts, "exact", 4)
+    seconds = {
+        rows: sum(b / doc["rates"][t][shape] for t, shapes in blocks.items() for shape, b in shapes.items())
+        for rows, doc in ((1, one), (4, four))
+    }
+    assert extra == pytest.approx(max(0.0, seconds[4] - seconds[1]))
+    assert "a pass of 4 positions" in how
+    assert kernelrates.pass_extra_seconds(profile, facts, "exact", 1) is None  # one position: nothing beyond
+    assert kernelrates.pass_extra_seconds(cpu_profile("another-machine"), facts, "exact", 4) is None
+
+
+def test_a_rows_projection_adds_the_extra_compute_of_its_positions(monkeypatch):
+    """planning/projection.py: a row whose pass computes M positions adds pass_extra_s to its compute term, and its
+    tokens/s recomputes from the formula and inputs it prints; without a measurement it says the pass is costed as
+    one."""
+    from rocketllm_cli.planning.projection import projection
+    from rocketllm_cli.profiles.knobs.expression import evaluate
+
+    facts = replace(gguf_facts(), kernel_rates=KERNELS)
+    profile = cpu_profile()
+    tiers = {"device": 0, "host": 0, "storage": facts.total_bytes}
+    monkeypatch.setattr(kernelrates, "pass_extra_seconds", lambda p, f, mode, m: (0.004 * m, "synthetic"))
+    tps, formula, inputs, note = projection(profile, facts, tiers, "fp32", 1, 2.5, positions=5)
+    assert inputs["pass_extra_s"] == pytest.approx(0.02) and "pass_extra_s" in formula
+    assert inputs["tokens_per_pass"] == 2.5 and tps == pytest.approx(evaluate(formula, inputs))
+    compute = project(profile, facts, tiers).compute_seconds
+    io = facts.total_bytes / 2e9
+    assert tps == pytest.approx(2.5 / max(io, compute + 0.02), rel=1e-4)
+    single = projection(profile, facts, tiers, "fp32", 1, 2.5, positions=1)
+    assert "pass_extra_s" not in single[2] and single[0] >= tps
+
+    monkeypatch.setattr(kernelrates, "pass_extra_seconds", lambda *a: None)
+    _, formula, inputs, note = projection(profile, facts, tiers, "fp32", 1, 2.5, positions=5)
+    assert "pass_extra_s" not in inputs and "costed as one" in note

@@ -195,7 +195,16 @@ def test_a_speculating_row_projects_at_the_tokens_per_pass_bench_measured(tmp_pa
     manifest = SimpleNamespace(key="fp32-blocks")
     acceptance.record(tmp_path, manifest, {"mode": "off"})  # nothing to keep
     acceptance.record(
-        tmp_path, manifest, {"mode": "prompt-lookup", "proposed": 90, "accepted": 38, "passes": 26, "tokens": 64}
+        tmp_path,
+        manifest,
+        {
+            "mode": "prompt-lookup",
+            "proposed": 90,
+            "accepted": 38,
+            "passes": 26,
+            "tokens": 64,
+            "decode_positions_per_pass": 3.46,
+        },
     )
     found = acceptance.lookup(tmp_path, manifest, ("off", "prompt-lookup", "draft"))
     assert list(found) == ["prompt-lookup"] and found["prompt-lookup"]["tokens_per_pass"] == pytest.approx(64 / 26)
@@ -216,7 +225,10 @@ def test_a_speculating_row_projects_at_the_tokens_per_pass_bench_measured(tmp_pa
             spec.inputs["tokens_per_pass"] == pytest.approx(64 / 26, abs=1e-3) and "tokens_per_pass" not in off.inputs
         )
         assert spec.tokens_per_s == pytest.approx(off.tokens_per_s * 64 / 26, rel=1e-3)
-        assert any("as bench measured this set" in n for n in spec.notes)
+        assert any("as bench measured this set" in n and "computes 3.46 positions" in n for n in spec.notes)
+        # a checkpoint's float weights have no row-count measurement: the pass of 3 positions is costed as one, said
+        assert any("a pass of 3 positions is costed as one" in n for n in spec.notes)
+        assert off.flags.get("speculate") == "off" and not any("positions" in n for n in off.notes)
     assert plan.rows[0].speculate == "prompt-lookup"  # measured gain: the speculating rows rank first
 
 

@@ -89,6 +89,10 @@ def test_greedy_tokens_equal_plain_greedy(mode, streamed, twin, other_draft, pro
     # the decode passes alone (the prefill's pass made the first tokens): what plan projects a speculating row at
     assert spec["decode_passes"] == spec["passes"] - 1 == len(got.stats.gaps_s)
     assert spec["decode_tokens"] == NEW - got.record.counts[0] == got.stats.decode_tokens
+    # the positions each decode pass computed (its last token and the drafts it verified): what plan costs a pass at
+    decode_positions = got.record.pass_tokens[1:]
+    assert spec["decode_positions_per_pass"] == round(sum(decode_positions) / len(decode_positions), 3)
+    assert spec["decode_positions_per_pass"] >= spec["decode_tokens"] / spec["decode_passes"]
     if mode == "twin":
         # several tokens per put: the streamer and the per-token figures divide passes
         assert spec["tokens_per_pass"] > 1.5

@@ -23,7 +23,6 @@ from ..dtypes import ITEMSIZE
 from ..errors import RocketError
 from ..profiles.cost import plan_tier_bytes
 from ..profiles.hardware import HardwareProfile
-from ..profiles.knobs.expression import evaluate
 from ..profiles.knobs.resolve import Knobs, resolve_knobs
 from ..profiles.probe.decodecompute import with_layer_overhead
 from ..profiles.probe.kernelrates import with_kernel_rates
@@ -32,6 +31,7 @@ from .formats import ModelSource, WeightFormat, with_measured_decode
 from .projection import (
     engine_dtype,
     kv_dtype_of,
+    positions_per_pass,
     projection,
     row_memory,
     speculation_note,
@@ -86,6 +86,11 @@ def make_plan(
     return Plan(source, profile, request, rows, default, left_out, hardware or [], time.perf_counter() - started)
 
 
+# each row as the knobs derive its speculation, then (where that is on) its twin with speculation off: the flag
+# resolved like any other, so the twin's projection is its own (one token a pass, no drafts to verify)
+SPECULATION_TWINS = ({}, {"speculate": "off"})
+
+
 def _enumerate(source: ModelSource, profile: HardwareProfile, request: PlanRequest) -> tuple[list[Row], dict[str, int]]:
     budget = profile
     base = resolve_knobs(profile, source.facts, env={})
@@ -101,51 +106,40 @@ def _enumerate(source: ModelSource, profile: HardwareProfile, request: PlanReque
             for kv in _kv_dtypes(fmt):
                 for residency in RESIDENCIES:
                     for wanted in tokens:
-                        row = _row(
-                            budget,
-                            fmt,
-                            dtype if dtype != default_dtype else None,
-                            kv,
-                            wanted,
-                            residency,
-                            request.batch,
-                            {},
-                            explicit=request.max_memory is not None,
-                        )
-                        _keep(row, request, floor, rows, left_out)
+                        for extra in SPECULATION_TWINS:
+                            row = _row(
+                                budget,
+                                fmt,
+                                dtype if dtype != default_dtype else None,
+                                kv,
+                                wanted,
+                                residency,
+                                request.batch,
+                                extra,
+                                explicit=request.max_memory is not None,
+                            )
+                            _keep(row, request, floor, rows, left_out)
+                            if not isinstance(row, Row) or row.speculate == "off":
+                                break  # its speculation-off twin is itself
                 for hosts in _host_counts(request.hosts):
                     from .stagerows import stage_row
 
-                    _keep(
-                        stage_row(
-                            budget, source, fmt, dtype if dtype != default_dtype else None, kv, floor, request, hosts
-                        ),
-                        request,
-                        floor,
-                        rows,
-                        left_out,
-                    )
-    for row in list(rows):  # speculation: the derived mode, and off
-        if row.speculate != "off":
-            rows.append(_not_speculating(row))
+                    for extra in SPECULATION_TWINS:
+                        row = stage_row(
+                            budget,
+                            source,
+                            fmt,
+                            dtype if dtype != default_dtype else None,
+                            kv,
+                            floor,
+                            request,
+                            hosts,
+                            extra,
+                        )
+                        _keep(row, request, floor, rows, left_out)
+                        if not isinstance(row, Row) or row.speculate == "off":
+                            break
     return rows, left_out
-
-
-def _not_speculating(row: Row) -> Row:
-    """ROW with speculation off: one token a pass where its projection counted more."""
-    notes = [n for n in row.notes if not n.startswith("speculation")]
-    inputs = {k: v for k, v in row.inputs.items() if k != "tokens_per_pass"}
-    formula = row.formula.replace("batch * tokens_per_pass", "batch")
-    tps = evaluate(formula, inputs) if inputs != row.inputs else row.tokens_per_s
-    return replace(
-        row,
-        speculate="off",
-        flags={**row.flags, "speculate": "off"},
-        notes=notes,
-        formula=formula,
-        inputs=inputs,
-        tokens_per_s=tps,
-    )
 
 
 def _keep(row: Row | str, request: PlanRequest, floor: int, rows: list[Row], left_out: dict[str, int]) -> None:
@@ -214,7 +208,14 @@ def _row(
     )
     speculate = str(knobs.value("speculate"))
     tps, formula, inputs, note = projection(
-        profile, measured, tiers, compute, batch, tokens_per_pass(speculate, fmt.speculation)
+        profile,
+        measured,
+        tiers,
+        compute,
+        batch,
+        tokens_per_pass(speculate, fmt.speculation),
+        positions_per_pass(speculate, fmt.speculation, batch),
+        str(knobs.value("kernel")),
     )
     context = memory["tokens"] // batch if memory["tokens"] is not None else None
     notes = [note] if note else []

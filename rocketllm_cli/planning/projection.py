@@ -21,16 +21,21 @@ from ..profiles.knobs.resolve import Knobs
 def speculation_note(mode: str, measured: dict | None = None) -> str:
     """What a speculating row's projection assumes of its tokens per pass: MEASURED (probe/acceptance.py) or one."""
     if measured:
+        positions = measured.get("positions_per_pass")
+        computed = (
+            f"a pass moves one token's bytes and computes {positions:.2f} positions (its last token and the drafts it "
+            "verified, as measured)"
+            if isinstance(positions, (int, float))
+            else "a pass is costed as one token's bytes and compute (this record has no positions a pass: bench it "
+            "again to count its drafts' compute)"
+        )
         return (
             f"speculation {mode}: {measured['tokens_per_pass']:.2f} tokens a pass, as bench measured this set here "
-            f"({measured['tokens']} tokens in {measured['passes']} passes, {measured['measured_at']}); a pass is "
-            f"costed "
-            "as one token's bytes and compute (its drafted tokens' compute is not in it)"
+            f"({measured['tokens']} tokens in {measured['passes']} passes, {measured['measured_at']}); {computed}"
         )
     return (
-        f"speculation {mode}: projected at one token a pass, a floor: how many drafts are accepted is a property "
-        f"of the "
-        "model and the text, not yet measured for this set here (`rocketllm bench` measures it)"
+        f"speculation {mode}: projected at one token a pass, a floor: how many drafts are accepted is a property of "
+        "the model and the text, not yet measured for this set here (`rocketllm bench` measures it)"
     )
 
 
@@ -39,6 +44,24 @@ def tokens_per_pass(speculate: str, measured: dict) -> float:
     figures), else one."""
     entry = measured.get(speculate) if speculate != "off" else None
     return float(entry["tokens_per_pass"]) if entry else 1.0
+
+
+def positions_per_pass(speculate: str, measured: dict, batch: int) -> int:
+    """Positions a pass of BATCH sequences computes: each sequence's last token, and where the row speculates the
+    drafts bench measured a pass verifying for this set (MEASURED: mode -> figures); at least BATCH."""
+    entry = measured.get(speculate) if speculate != "off" else None
+    each = entry.get("positions_per_pass") if entry else None
+    return max(batch, round(batch * float(each))) if isinstance(each, (int, float)) and each >= 1 else batch
+
+
+def pass_tokens(inputs: dict, batch: int, per_pass: float) -> str:
+    """The numerator of a row's tokens per second, BATCH sequences making PER_PASS tokens each a pass (speculation):
+    its term, its values put in INPUTS."""
+    inputs["batch"] = batch
+    if per_pass == 1.0:
+        return "batch"
+    inputs["tokens_per_pass"] = round(per_pass, 3)
+    return "batch * tokens_per_pass"
 
 
 def row_memory(profile: HardwareProfile, facts, knobs: Knobs, tokens: int | None) -> dict | None:
@@ -103,20 +126,27 @@ def row_memory(profile: HardwareProfile, facts, knobs: Knobs, tokens: int | None
 
 
 def projection(
-    profile: HardwareProfile, facts, tiers: dict[str, int], compute_dtype: str, batch: int, per_pass: float = 1.0
+    profile: HardwareProfile,
+    facts,
+    tiers: dict[str, int],
+    compute_dtype: str,
+    batch: int,
+    per_pass: float = 1.0,
+    positions: int = 1,
+    kernel: str = "exact",
 ) -> tuple[float | None, str, dict, str]:
     """(tokens/s, formula, inputs, note): the cost model's overlapped seconds per pass for TIERS, computing in
     COMPUTE_DTYPE, as a formula whose value (evaluate) is the tokens per second of BATCH sequences making PER_PASS
-    tokens each a pass (speculation: tokens_per_pass)."""
+    tokens each a pass (speculation: tokens_per_pass). A pass computes POSITIONS positions (positions_per_pass): its
+    block products' time beyond one position's, measured on the KERNEL mode's kernels, is added to its compute."""
     decided = profile.capabilities.get("compute_dtype")
     reason = f"this row computes in {compute_dtype}" + (f" (the profile decided {decided.value})" if decided else "")
     as_computed = profile.computing_in(compute_dtype, reason)
     p = project(as_computed, facts, tiers)
     if not p.available or p.overlapped_seconds is None:
         return None, "unavailable", {}, f"no projection: {p.reason or 'compute bandwidth unmeasured'}"
-    inputs, io = {"batch": batch}, []
-    if per_pass != 1.0:
-        inputs["tokens_per_pass"] = round(per_pass, 3)
+    inputs, io = {}, []
+    tokens = pass_tokens(inputs, batch, per_pass)
     for tier in ("host", "storage"):
         cost = p.tiers[tier]
         if cost.bytes:
@@ -129,9 +159,18 @@ def projection(
         inputs["compute_bytes"] = sum(t.bytes for t in p.tiers.values())
         inputs["compute_bps"] = as_computed.matvec_bps() or as_computed.device_memory_bps
         compute = "compute_bytes / compute_bps"
-    tokens = "batch * tokens_per_pass" if per_pass != 1.0 else "batch"
+    note = f"compute: {p.compute_bandwidth}"
+    if positions > 1:
+        from ..profiles.probe.kernelrates import pass_extra_seconds
+
+        extra = pass_extra_seconds(profile, facts, kernel, positions)
+        if extra is not None:
+            inputs["pass_extra_s"] = round(extra[0], 6)
+            compute, note = f"({compute} + pass_extra_s)", f"{note}; pass_extra_s: {extra[1]}"
+        else:
+            note += f"; a pass of {positions} positions is costed as one (no row-count measurement for this set here)"
     formula = f"{tokens} / max({' + '.join(io)}, {compute})" if io else f"{tokens} / ({compute})"
-    return evaluate(formula, inputs), formula, inputs, f"compute: {p.compute_bandwidth}"
+    return evaluate(formula, inputs), formula, inputs, note
 
 
 def context_of(profile: HardwareProfile, facts, knobs: Knobs, **values) -> Context:

@@ -23,12 +23,15 @@ def stage_row(
     context: int,
     request,
     hosts: int,
+    extra: dict | None = None,
 ):
-    """The row of FMT over HOSTS hosts like PROFILE, each holding CONTEXT tokens a sequence; a string why not."""
+    """The row of FMT over HOSTS hosts like PROFILE, each holding CONTEXT tokens a sequence, EXTRA knob flags set
+    (planner.py SPECULATION_TWINS); a string why not."""
     from ..distributed.stageplan import RankFacts, plan_stages
     from .projection import (
         engine_dtype,
         kv_dtype_of,
+        pass_tokens,
         row_memory,
         speculation_note,
         tokens_per_pass,
@@ -40,6 +43,7 @@ def stage_row(
         return f"more hosts than the model's {facts.num_layers} layers"
     tokens = context * request.batch
     flags = {
+        **(extra or {}),
         "max_context": tokens,
         **({"compute_dtype": dtype} if dtype else {}),
         **({"kv_cache_dtype": kv} if kv != "auto" else {}),
@@ -95,23 +99,13 @@ def stage_row(
     busiest = max(per_host, key=lambda h: h["device"] + h["host"])
     tiers = {t: sum(s.get(t, 0) for s in plan.stage_bytes) for t in ("device", "host", "storage")}
     speculate = str(knobs.value("speculate"))
-    inputs = {
-        "batch": request.batch,
-        **{f"stage_{r}_s": s for r, s in enumerate(plan.stage_seconds)},
-        "links_s": plan.link_seconds,
-    }
     if any(s is None for s in plan.stage_seconds):
         tps, formula, inputs = None, "unavailable", {}
     else:
-        per_pass = tokens_per_pass(speculate, fmt.speculation)
-        if per_pass != 1.0:
-            inputs["tokens_per_pass"] = round(per_pass, 3)
-        formula = (
-            ("batch * tokens_per_pass" if per_pass != 1.0 else "batch")
-            + " / ("
-            + " + ".join(f"stage_{r}_s" for r in range(hosts))
-            + " + links_s)"
-        )
+        inputs = {}
+        numerator = pass_tokens(inputs, request.batch, tokens_per_pass(speculate, fmt.speculation))
+        inputs.update({f"stage_{r}_s": s for r, s in enumerate(plan.stage_seconds)}, links_s=plan.link_seconds)
+        formula = f"{numerator} / (" + " + ".join(f"stage_{r}_s" for r in range(hosts)) + " + links_s)"
         tps = evaluate(formula, inputs)
     stage_memory = {
         "device": {

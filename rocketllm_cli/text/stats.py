@@ -137,6 +137,10 @@ def measure(record: Record, warmup: int = 0) -> GenerationStats:
         speculation.update(
             decode_passes=len(gaps), decode_tokens=tokens, decode_tokens_per_pass=round(tokens / len(gaps), 3)
         )
+        # the positions each measured decode pass computed: its last token and the drafts it verified
+        positions = record.pass_tokens[1 + warmup :]
+        if positions:
+            speculation["decode_positions_per_pass"] = round(sum(positions) / len(positions), 3)
     return GenerationStats(
         ttft_s=times[0] - record.start if times else None,
         gaps_s=gaps,

@@ -30,8 +30,9 @@ def _where() -> Path:
 
 def record(directory: Path, manifest, figures: dict) -> None:
     """Keep a run's speculation FIGURES (text/stats.py: mode, proposed, accepted, passes, tokens, and over the measured
-    decode passes alone decode_passes, decode_tokens, which are kept where given: the prefill's pass makes one token
-    whatever the drafts); a run that did not speculate, or made no pass, is not kept."""
+    decode passes alone decode_passes, decode_tokens, decode_positions_per_pass, which are kept where given: the
+    prefill's pass makes one token whatever the drafts); a run that did not speculate, or made no pass, is not
+    kept."""
     from ...cachehome import read_json, write_json
 
     mode = str(figures.get("mode") or "off")
@@ -49,6 +50,9 @@ def record(directory: Path, manifest, figures: dict) -> None:
         "tokens": tokens,
         "passes": passes,
         "proposed": figures.get("proposed"),
+        # what a pass computes: its last token and the drafts it verified (a pass of M positions costs more compute
+        # than one of a single token: planning/projection.py)
+        "positions_per_pass": figures.get("decode_positions_per_pass"),
         "accepted": figures.get("accepted"),
         "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()) + " UTC",
     }

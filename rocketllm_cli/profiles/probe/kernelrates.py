@@ -47,11 +47,36 @@ def with_kernel_rates(profile, facts, mode: str = "exact"):
     return replace(facts, kernel_rates=found) if found else facts
 
 
-def rates(profile, blocks: dict[str, dict[str, int]], mode: str) -> dict | None:
-    """{"mode", "isa", "threads", "rates": {type: {"NxK": B/s}}, "paths": {type: path}} for BLOCKS' types: those the
-    native kernels cover on them ("native"), the others (a grid type, or every type where the kernels cannot be built)
-    on the torch decoder the engine then uses, blocks dequantized per use and multiplied in fp32 ("torch decoder").
-    None where a rate is missing and PROFILE is another machine's (plan --profile FILE)."""
+def pass_extra_seconds(profile, facts, mode: str, positions: int) -> tuple[float, str] | None:
+    """(seconds, how): what a pass of POSITIONS positions (a verified draft, a batch) costs in block products beyond a
+    pass of one, each of FACTS' products timed here at both row counts (rates()); None where the set holds no blocks,
+    the compute device is not the CPU, or a rate is missing. A pass's other work (norms, attention, the hooks) is
+    counted as one token's: with a few positions it is per call, not per position."""
+    blocks = getattr(facts, "block_bytes", None) or {}
+    if positions <= 1 or not blocks or not profile.is_cpu:
+        return None
+    mode = "int8" if mode == "int8" else "exact"
+    one, many = rates(profile, blocks, mode), rates(profile, blocks, mode, rows=positions)
+    if not one or not many:
+        return None
+    active = block_shapes_of(facts)
+    single = sum(sec for _, sec in type_rates(one, active).values())
+    passing = sum(sec for _, sec in type_rates(many, active).values())
+    extra = max(0.0, passing - single)
+    how = (
+        f"a pass of {positions} positions: the block products {1000 * passing:.2f} ms against {1000 * single:.2f} ms "
+        f"for one ({many['isa']}, {mode}, each type and shape timed here at both row counts)"
+    )
+    return extra, how
+
+
+def rates(profile, blocks: dict[str, dict[str, int]], mode: str, rows: int = 1) -> dict | None:
+    """{"mode", "isa", "threads", "rows", "rates": {type: {"NxK": B/s}}, "paths": {type: path}} for BLOCKS' types:
+    those the native kernels cover on them ("native"), the others (a grid type, or every type where the kernels cannot
+    be built) on the torch decoder the engine then uses, blocks dequantized per use and multiplied in fp32 ("torch
+    decoder"). ROWS: the activation rows of each product (a pass of that many positions: a verified draft, a batch);
+    its rate is still weight bytes per second. None where a rate is missing and PROFILE is another machine's (plan
+    --profile FILE)."""
     from ...native import kernels
 
     nk = kernels()
@@ -66,7 +91,7 @@ def rates(profile, blocks: dict[str, dict[str, int]], mode: str) -> dict | None:
 
     def key(t: str, shape: str) -> str:  # a rate of another build of the kernels is measured again
         how = f"{isa}-{build}-{mode}" if paths[t] == "native" else "torch"
-        return f"{VERSION}-{how}-t{threads}-p{pool >> 20}-{t}-{shape}"
+        return f"{VERSION}-{how}-t{threads}-p{pool >> 20}-{t}-{shape}" + (f"-m{rows}" if rows > 1 else "")
 
     keys = {(t, shape): key(t, shape) for t in paths for shape in blocks[t]}
     missing = [ts for ts, k in keys.items() if not isinstance(stored.get(k), (int, float))]
@@ -74,14 +99,14 @@ def rates(profile, blocks: dict[str, dict[str, int]], mode: str) -> dict | None:
         if not _this_machine(profile):
             return None
         native = [ts for ts in missing if paths[ts[0]] == "native"]
-        measured = measure_native(nk, native, mode, threads, pool) if native else {}
-        measured.update(_measure_decoder([ts for ts in missing if paths[ts[0]] != "native"], threads))
+        measured = measure_native(nk, native, mode, threads, pool, rows) if native else {}
+        measured.update(_measure_decoder([ts for ts in missing if paths[ts[0]] != "native"], threads, rows))
         stored.update({keys[ts]: bps for ts, bps in measured.items()})
         _save(profile, stored)
     found: dict[str, dict[str, float]] = {}
     for (t, shape), k in keys.items():
         found.setdefault(t, {})[shape] = float(stored[k])
-    return {"mode": mode, "isa": isa, "threads": threads, "rates": found, "paths": paths}
+    return {"mode": mode, "isa": isa, "threads": threads, "rows": rows, "rates": found, "paths": paths}
 
 
 def _decodable(name: str) -> bool:
@@ -90,9 +115,10 @@ def _decodable(name: str) -> bool:
     return name in SUPPORTED
 
 
-def _measure_decoder(products: list[tuple[str, str]], threads: int) -> dict[tuple[str, str], float]:
+def _measure_decoder(products: list[tuple[str, str]], threads: int, rows: int = 1) -> dict[tuple[str, str], float]:
     """The torch decoder's rate on each product: one weight of at most 8 MiB of blocks (the decoder reads far below
-    memory speed, so caches do not matter), dequantized and multiplied in fp32, after a warm-up."""
+    memory speed, so caches do not matter), dequantized and multiplied in fp32 by ROWS activation rows, after a
+    warm-up."""
     import torch
     import torch.nn.functional as F
 
@@ -105,7 +131,7 @@ def _measure_decoder(products: list[tuple[str, str]], threads: int) -> dict[tupl
         row = k // qk * block_bytes
         n = max(1, min(n, (8 << 20) // row))
         w = torch.randint(0, 256, (n, row), dtype=torch.uint8)
-        x = torch.randn(1, k)
+        x = torch.randn(rows, k)
         F.linear(x, dequantize_blocks(w[: min(n, 16)], name))
         best = float("inf")
         for _ in range(REPEATS):
@@ -133,11 +159,11 @@ def _this_machine(profile) -> bool:
 
 
 def measure_native(
-    nk, products: list[tuple[str, str]], mode: str, threads: int, pool_bytes: int
+    nk, products: list[tuple[str, str]], mode: str, threads: int, pool_bytes: int, rows: int = 1
 ) -> dict[tuple[str, str], float]:
-    """B/s of each (type, "NxK") product on NK's kernels in MODE with THREADS: one activation row against weights of
-    that
-    shape cut from POOL_BYTES of random bytes, the best of REPEATS sweeps over them after a warm-up sweep."""
+    """Weight B/s of each (type, "NxK") product on NK's kernels in MODE with THREADS: ROWS activation rows against
+    weights of that shape cut from POOL_BYTES of random bytes, the best of REPEATS sweeps over them after a warm-up
+    sweep."""
     import torch
 
     from ...checkpoint.ggmlblocks import SUPPORTED
@@ -154,7 +180,7 @@ def measure_native(
                 pool_bytes // (k // qk * block_bytes) * (k // qk * block_bytes),
             )
         weights = [pool[i * size : (i + 1) * size].view(n, -1) for i in range(max(1, pool_bytes // size))]
-        x, out = torch.randn(1, k), torch.empty(1, n)
+        x, out = torch.randn(rows, k), torch.empty(rows, n)
         best = float("inf")
         for sweep in range(REPEATS + 1):
             start = time.perf_counter()
