@@ -34,7 +34,6 @@ from .projection import (
     positions_per_pass,
     projection,
     row_memory,
-    speculation_note,
     tokens_per_pass,
 )
 from .request import PlanRequest, meets, unmet, why_defaults_differ
@@ -224,8 +223,6 @@ def _row(
             f"the set holds {facts.dtype}, computed in {compute}: each use of a streamed unit converts it "
             f"(not in the projection)"
         )
-    if speculate != "off":
-        notes.append(speculation_note(speculate, fmt.speculation.get(speculate)))
     return Row(
         fmt,
         compute,

@@ -31,6 +31,12 @@ class Row:
     why: str = ""  # the first row: why the defaults differ from it
     rank: int = 0
 
+    def __post_init__(self) -> None:
+        if self.speculate != "off" and not any(n.startswith("speculation") for n in self.notes):
+            from .projection import speculation_note
+
+            self.notes.append(speculation_note(self.speculate, self.format.speculation.get(self.speculate)))
+
     def key(self) -> tuple:
         return (
             self.format.name,

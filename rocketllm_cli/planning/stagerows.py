@@ -33,7 +33,6 @@ def stage_row(
         kv_dtype_of,
         pass_tokens,
         row_memory,
-        speculation_note,
         tokens_per_pass,
     )
     from .rows import Row
@@ -128,8 +127,6 @@ def stage_row(
         f"links: {hosts} hops of {request.link_latency_s * 1e6:.0f} us + {hidden_bytes} bytes at "
         f"{request.link_bps / 1e9:.2f} GB/s (--link-bw); memory shown is the busiest host's",
     ]
-    if speculate != "off":
-        notes.append(speculation_note(speculate, fmt.speculation.get(speculate)))
     return Row(
         fmt,
         compute,
