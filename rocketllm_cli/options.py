@@ -24,6 +24,18 @@ ModelPathOpt = Annotated[
     typer.Option("--model", help="Model or shard directory (or .gguf file); storage is measured where it lives."),
 ]
 
+
+def api_key_option(use: str):
+    """The --api-key option (and ROCKETLLM_API_KEY) of a command, USE saying what the key is for there."""
+    return typer.Option(
+        "--api-key",
+        envvar="ROCKETLLM_API_KEY",
+        show_envvar=True,
+        show_default=False,
+        help=f"{use}; prefer the environment variable, which other users cannot read from the process list.",
+    )
+
+
 ModelArg = Annotated[
     Optional[str],
     typer.Argument(

@@ -19,6 +19,7 @@ from ..oneshot.elsewhere import (
 from ..oneshot.inputs import argument_text, read_images, read_prompt, with_images
 from ..options import (
     JsonOpt,
+    api_key_option,
     ModelArg,
     ModelOpt,
     pick_model,
@@ -117,17 +118,7 @@ def run(
             show_default=False,
         ),
     ] = None,
-    api_key: Annotated[
-        Optional[str],
-        typer.Option(
-            "--api-key",
-            envvar="ROCKETLLM_API_KEY",
-            show_envvar=True,
-            show_default=False,
-            help="With --server: the server's key (serve --api-key); prefer the environment variable, which other "
-            "users cannot read from the process list.",
-        ),
-    ] = None,
+    api_key: Annotated[Optional[str], api_key_option("With --server: the server's key (serve --api-key)")] = None,
     logprobs: Annotated[
         Optional[int],
         typer.Option(

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import RocketError
-from ..options import ModelArg, ModelOpt, pick_model, with_knob_options
+from ..options import ModelArg, ModelOpt, api_key_option, pick_model, with_knob_options
 from ..output import Output
 from ..server.sockets import bind, bind_unix, freeze_loaded_heap
 from ..warm.registry import register_server
@@ -61,14 +61,9 @@ def run(
     ] = None,
     api_key: Annotated[
         Optional[str],
-        typer.Option(
-            "--api-key",
-            envvar="ROCKETLLM_API_KEY",
-            show_envvar=True,
-            show_default=False,
-            help="Require this key on every endpoint but /health (OpenAI clients send it as Authorization: Bearer, "
-            "Anthropic clients as x-api-key); prefer the environment variable, which other users cannot read from the "
-            "process list.",
+        api_key_option(
+            "Require this key on every endpoint but /health (OpenAI clients send it as Authorization: Bearer, "
+            "Anthropic clients as x-api-key)"
         ),
     ] = None,
     max_queue: Annotated[
