@@ -175,3 +175,17 @@ def _available_cpus(total: int) -> int:
 
 
 COMPUTE_THREADS = ComputeThreads() if sys.platform.startswith("linux") else ComputeThreads(proc="/nonexistent")
+
+
+# how much less a helper process started beside the main work (the native build's compilers, the runtime-memory
+# probe's interpreter) is scheduled than the process that waits on nothing: on a 2-core machine five compilers and an
+# interpreter beside a first run's imports took its core from it; once the main work waits on them they have the CPU
+BACKGROUND_NICENESS = 10
+
+
+def background_priority() -> None:
+    """For subprocess's preexec_fn: the child runs at BACKGROUND_NICENESS (where the OS allows it; never fails)."""
+    try:
+        os.nice(BACKGROUND_NICENESS)
+    except OSError:
+        pass

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..threads import background_priority
+
 SOURCE_DIR = Path(__file__).with_name("src")
 COMPILER = "g++"
 # -ffp-contract=off: the scalar reference rounds exactly as written on every platform (the SIMD code's FMAs are
@@ -74,7 +76,15 @@ def _build(cxx: str, folder: Path, target: Path) -> str:
             obj = Path(scratch) / (source.stem + ".o")
             objects.append(str(obj))
             cmd = [cxx, *FLAGS, "-c", str(source), "-o", str(obj)]
-            jobs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            jobs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    preexec_fn=background_priority,
+                )
+            )
         errors = [_finish(job) for job in jobs]
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
@@ -85,6 +95,7 @@ def _build(cxx: str, folder: Path, target: Path) -> str:
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,
+            preexec_fn=background_priority,
         )
         if link.returncode != 0:
             return f"native kernel link failed: {_first_error(link.stderr)}"

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from ...threads import background_priority
 from ..records import Measurement
 
 RUNTIME_IMPORTS = (
@@ -78,6 +79,7 @@ def start() -> None:
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
+            preexec_fn=background_priority,  # its imports run on the cores the main work leaves
         )
     except OSError:
         return  # measure_runtime() tries again and says why
