@@ -93,6 +93,12 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
     if kernels and total and profile.is_cpu and not model.decode_compute:
         compute, how = _on_kernels(model, kernels, total, rate, how)
     overhead = model.layer_overhead
+    if kernels and compute is not None and not overhead and not model.decode_compute and model.num_layers:
+        # a small model's token is as much its layers' own work as its products (SmolLM2: 10 of 18 ms, 2 cores)
+        how += (
+            "; the layers' own work beside the products is not measured on this machine yet (`rocketllm bench` of "
+            "any set measures it), so this is a floor"
+        )
     if overhead and compute is not None and not model.decode_compute:
         compute += model.num_layers * float(overhead["seconds"])
         of = (
