@@ -186,17 +186,27 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / "home" / ".cache" / "rocketllm"
 
 
-def test_cpu_flags_fall_back_when_py_cpuinfo_is_missing_or_raises(monkeypatch):
+def test_cpu_flags_come_from_proc_cpuinfo_and_fall_back_to_py_cpuinfo(monkeypatch):
+    """/proc/cpuinfo is read directly (py-cpuinfo reads it through a subprocess: a second of a first run); py-cpuinfo
+    answers where that file has no flags, and its absence or failure is said."""
+    if Path("/proc/cpuinfo").exists() and os.uname().machine == "x86_64":
+        monkeypatch.setitem(sys.modules, "cpuinfo", None)  # not asked: the file answers
+        flags, source = facts.cpu_flags()
+        assert source.startswith("/proc/cpuinfo") and ("sse4_2" in flags or "avx" in flags)
+    monkeypatch.setattr(facts, "_read_lines", lambda path: [])  # a platform without the file
     monkeypatch.setitem(sys.modules, "cpuinfo", None)
     _, source = facts.cpu_flags()
-    assert "py-cpuinfo missing" in source
+    assert source == "unavailable: no /proc/cpuinfo flags and py-cpuinfo missing"
     broken = types.ModuleType("cpuinfo")
     broken.get_cpu_info = lambda: (_ for _ in ()).throw(RuntimeError("odd platform"))
     monkeypatch.setitem(sys.modules, "cpuinfo", broken)
-    flags, source = facts.cpu_flags()
+    _, source = facts.cpu_flags()
     assert "py-cpuinfo failed (RuntimeError)" in source
-    if Path("/proc/cpuinfo").exists() and os.uname().machine == "x86_64":
-        assert "sse4_2" in flags or "avx" in flags
+    working = types.ModuleType("cpuinfo")
+    working.get_cpu_info = lambda: {"flags": ["avx2", "fma"]}
+    monkeypatch.setitem(sys.modules, "cpuinfo", working)
+    flags, source = facts.cpu_flags()
+    assert source.startswith("py-cpuinfo") and "avx2" in flags
 
 
 def test_probe_without_gpu_nvml_or_cpuinfo_reports_unavailable_with_reasons(monkeypatch, tmp_path):
@@ -209,7 +219,7 @@ def test_probe_without_gpu_nvml_or_cpuinfo_reports_unavailable_with_reasons(monk
     bare = HardwareProfile.load(refresh=True)
     assert bare.compute_device in ("cpu", "mps", "xpu:0")
     assert bare.facts["gpus_reason"] == "nvidia-ml-py (pynvml) not installed"
-    assert bare.facts["cpu"]["isa_source"].startswith(("/proc/cpuinfo (py-cpuinfo missing)", "unavailable"))
+    assert bare.facts["cpu"]["isa_source"].startswith(("/proc/cpuinfo", "unavailable"))
     text = markdown.render(report.build(bare, None, None))
     assert "none: " in text and "nvidia-ml-py (pynvml) not installed" in text
     if bare.compute_device == "cpu":
