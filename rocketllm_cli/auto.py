@@ -103,10 +103,10 @@ def _without_native_kernels(manifest: Manifest, profile) -> str:
 
 
 def _start_first_run_work(model, refresh: bool) -> None:
-    """What a first run needs beside sharding, begun before it on the other cores: the native kernels' build (a GGUF's
-    blocks compute on them) and the profile's measurement of the runtime's memory (an interpreter importing torch and
-    transformers). SmolLM2's first generate on a fresh cache spent 3.9 s and 3.3 s on them after its 6.4 s of
-    sharding."""
+    """What a first run needs beside sharding: the native kernels' build begun on the other cores (a GGUF's blocks
+    compute on them), and the profile's measurement of the runtime's memory taken here, before anything is loaded
+    (the imports the load makes anyway, made first). SmolLM2's first generate on a fresh cache spent 3.9 s and 3.3 s
+    on them after its 6.4 s of sharding when both ran after it."""
     from .profiles import HardwareProfile
 
     if str(model).endswith(".gguf") or _is_blocks_set(Path(str(model)).expanduser()):

@@ -286,11 +286,15 @@ def test_the_heap_gives_large_blocks_back_once_and_leaves_a_users_setting(monkey
     assert said == heap.return_large_blocks() and said  # decided once per process
 
 
-def test_the_runtime_measured_beside_a_first_run_is_collected_once():
-    """start() begins the fresh interpreter before sharding; measure_runtime() collects that one, then measures anew."""
+def test_the_runtime_measured_before_a_first_run_shards_is_collected_once(monkeypatch):
+    """start() measures this process after the runtime's imports; measure_runtime() hands that out once, then
+    measures a fresh interpreter: both the memory of the same imports."""
     from rocketllm_cli.profiles.probe import runtime
 
+    monkeypatch.setattr(runtime, "_taken", None)
     runtime.start()
-    assert runtime._started is not None
-    found = runtime.measure_runtime()
-    assert runtime._started is None and found.available and found.value > 50 * 2**20, found
+    taken = runtime._taken
+    assert taken is not None and taken.value == pytest.approx(process_memory(), rel=0.05)
+    assert runtime.measure_runtime() is taken and runtime._taken is None
+    fresh = runtime.measure_runtime()  # nothing taken here: a fresh interpreter
+    assert fresh.available and fresh.value > 50 * 2**20 and fresh.method == taken.method == runtime.METHOD, fresh

@@ -8,9 +8,13 @@ cgroup charges all of it (the mapped pages where nothing outside it read them fi
 reclaimable without swap, and evicting the mapped part only reads it back, so the knobs count it beside the weights
 (runtime_bytes) instead of leaving it to the reserve.
 
-`measure_runtime` imports what a load imports in a fresh interpreter and reads its resident memory; the profile
-caches it. `process_memory` is this process's own, read live: memory_available already excludes what a process holds
-(its mapped pages too, where the cgroup charged them: cgroup.py), so what the runtime still adds to it is the measured
+A first run measures it in its own process before it loads anything (`start`: the imports its load makes anyway,
+made first), otherwise `measure_runtime` imports them in a fresh interpreter; either way the process's resident
+memory is read then, and the profile caches it. (A process that held more before would only raise the figure: a
+higher floor, never a lower one.)
+
+`process_memory` is this process's own, read live: memory_available already excludes what a process holds (its
+mapped pages too, where the cgroup charged them: cgroup.py), so what the runtime still adds to it is the measured
 figure less that (0 once a load has imported everything), and the floor compares itself with memory_available + it.
 """
 
@@ -20,7 +24,6 @@ import subprocess
 import sys
 import time
 
-from ...threads import background_priority
 from ..records import Measurement
 
 RUNTIME_IMPORTS = (
@@ -42,9 +45,10 @@ print(process_memory())
 """
 TIMEOUT_S = 300
 METHOD = (
-    "resident memory (RssAnon + RssFile + RssShmem) of a fresh Python after importing "
+    "resident memory (RssAnon + RssFile + RssShmem) of a Python that has imported "
     + ", ".join(RUNTIME_IMPORTS)
-    + ": what a load holds before its tokenizer, model and weights"
+    + " and loaded nothing else yet (a first run's own process before its model, or a fresh interpreter): what a "
+    "load holds before its tokenizer, model and weights"
 )
 
 
@@ -63,15 +67,43 @@ def process_memory(status: str = "/proc/self/status") -> int:
     return found
 
 
-_started: tuple[subprocess.Popen, float] | None = None  # a measurement start() began, which measure_runtime() collects
+_taken: Measurement | None = None  # what start() measured in this process, which measure_runtime() hands out once
 
 
 def start() -> None:
-    """Begin the measurement now in its own interpreter (seconds of imports), so that it runs beside what comes before
-    the profile needs it (a first run's sharding); measure_runtime() collects it. Once per process."""
-    global _started
-    if _started is not None:
+    """Measure the runtime now, in this process, which must have loaded no model, tokenizer or weight yet (a first
+    run, before it shards): the imports a load makes anyway, made here a little earlier, and its memory read. A
+    fresh interpreter doing the same cost a first run's other core 4-5 s of CPU beside the sharding and the native
+    build, and the run then waited 2.7 s for it (SmolLM2, 2 cores)."""
+    global _taken
+    if _taken is not None:
         return
+    import importlib
+
+    started = time.perf_counter()
+    try:
+        for name in RUNTIME_IMPORTS:
+            module, _, attr = name.rpartition(".") if name.startswith("transformers.") else (name, "", "")
+            loaded = importlib.import_module(module or name)
+            if attr:
+                getattr(loaded, attr)
+    except Exception:  # noqa: BLE001 - measure_runtime() measures in a fresh interpreter and says why it fails
+        return
+    found = process_memory()
+    if found > 0:
+        _taken = Measurement(
+            "runtime_rss", float(found), METHOD, seconds=round(time.perf_counter() - started, 3), unit="B"
+        )
+
+
+def measure_runtime() -> Measurement:
+    """The runtime's memory: what start() measured in this process (once), else a fresh interpreter's; unavailable
+    (with the reason) where that fails."""
+    global _taken
+    if _taken is not None:
+        found, _taken = _taken, None
+        return found
+    started = time.perf_counter()
     try:
         job = subprocess.Popen(
             [sys.executable, "-c", _SCRIPT, *RUNTIME_IMPORTS],
@@ -79,22 +111,9 @@ def start() -> None:
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
-            preexec_fn=background_priority,  # its imports run on the cores the main work leaves
         )
     except OSError:
-        return  # measure_runtime() tries again and says why
-    _started = (job, time.perf_counter())
-
-
-def measure_runtime() -> Measurement:
-    """The runtime's anonymous memory, from a fresh interpreter (the one start() began, else one now); unavailable
-    (with the reason) where that fails."""
-    global _started
-    if _started is None:
-        start()
-    if _started is None:
         return Measurement.unavailable("runtime_rss", METHOD, "could not start Python", unit="B")
-    (job, started), _started = _started, None
     try:
         stdout, stderr = job.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
