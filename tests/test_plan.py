@@ -550,3 +550,20 @@ def test_plan_of_a_gguf_projects_from_the_decode_bench_measured_on_its_set(smoll
     doc = json.loads(CliRunner().invoke(app, ["plan", str(model), "--json"]).stdout)
     default = next(row for row in doc["rows"] if row["default"])
     assert default["formula"] == "batch / (compute_s)" and default["inputs"]["compute_s"] == pytest.approx(0.040)
+
+
+def test_a_shard_sets_rows_stream_at_its_own_reads_measured_here(tiny_checkpoint, tmp_path, monkeypatch):
+    """plan reads a set's units cold once on this machine (as a streaming load does) and projects its storage tier at
+    that rate; for another machine's profile nothing is measured here."""
+    from rocketllm_cli.planning.formats import with_measured_decode
+    from rocketllm_cli.shard.sharder import shard
+
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    _, directory, _ = shard(tiny_checkpoint, out=tmp_path / "set", log=lambda m: None)
+    here = HardwareProfile.load()
+    source = with_measured_decode(read_source(directory), here)
+    assert source.facts.unit_reads and source.formats()[0].facts.unit_reads == source.facts.unit_reads
+    storage = project(here, source.facts, {"storage": source.facts.total_bytes}).tiers["storage"]
+    assert "own units read cold" in storage.bandwidth
+    elsewhere = replace(here, fingerprint="another-machine")
+    assert not with_measured_decode(read_source(directory), elsewhere).facts.unit_reads

@@ -92,6 +92,28 @@ def test_the_read_knobs_follow_the_sets_own_reads(tiny_set, profile):
     assert plain["io_workers"].source != "measured" and "unit_" not in plain["direct_io"].formula
 
 
+def test_a_projection_streams_at_the_sets_own_reads_as_the_knobs_choose_them(tiny_set, profile):
+    """Where the set's units were read cold, the storage tier's seconds are its bytes at the rate of the read the
+    knobs choose (method and count in flight), not the storage probe's file: what the engine will read at."""
+    from transformers import AutoConfig
+
+    from rocketllm_cli.profiles import project
+
+    manifest, directory = tiny_set
+    facts = facts_from_manifest(manifest, AutoConfig.from_pretrained(directory))
+    reads = _reads([(True, 1, 0.5, 0.0), (True, 2, 0.45, 0.0), (False, 1, 0.4, 0.3), (False, 2, 0.3, 0.3)])
+    assert reads.chosen() is reads.best(True) and reads.chosen().in_flight == 2  # buffered's CPU time loses
+    tiers = {"device": 0, "host": 0, "storage": facts.total_bytes}
+    own = project(profile, replace(facts, unit_reads=reads.to_dict()), tiers).tiers["storage"]
+    assert own.bandwidth_bps == pytest.approx((100 << 20) / 0.45)
+    assert own.seconds == pytest.approx(facts.total_bytes / own.bandwidth_bps)
+    assert "own units read cold, O_DIRECT x2" in own.bandwidth
+    probe = project(profile, facts, tiers).tiers["storage"]  # not measured for the set: the storage probe's figure
+    assert probe.bandwidth_bps == profile.storage_read_bps and "own units" not in probe.bandwidth
+    knobs = resolve_knobs(profile, replace(facts, unit_reads=reads.to_dict()), env={})
+    assert knobs["direct_io"].value is True and knobs["io_workers"].value == 2  # the read the projection costs
+
+
 def test_a_set_streamed_from_storage_is_measured_once_and_kept_per_set(tiny_set, monkeypatch):
     from rocketllm_cli.auto import AutoModel
 

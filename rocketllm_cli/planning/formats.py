@@ -153,13 +153,25 @@ def with_measured_decode(source: ModelSource, profile) -> ModelSource:
     from ..profiles.probe import acceptance
     from ..profiles.probe.decodecompute import lookup
 
+    from ..profiles.probe.machine import is_this_machine
+    from ..profiles.probe.unitreads import load_or_measure
+
     try:
         manifest = Manifest.load(directories[0])
         found = {dtype: lookup(profile, directories[0], manifest, dtype) for dtype in NAMES}
         speculation = acceptance.lookup(directories[0], manifest, SPECULATION_MODES)
+        # the set's own units read cold (measured once per machine, as a streaming load measures them): its rows
+        # stream at that rate and their read knobs derive from it, as they will when it runs
+        reads = load_or_measure(profile, directories[0], manifest) if is_this_machine(profile) else None
     except Exception:  # noqa: BLE001 - an unreadable record or set: the floor stands
         return source
-    return replace(source, decode={dtype: record for dtype, record in found.items() if record}, speculation=speculation)
+    facts = replace(source.facts, unit_reads=reads.to_dict()) if reads is not None else source.facts
+    return replace(
+        source,
+        facts=facts,
+        decode={dtype: record for dtype, record in found.items() if record},
+        speculation=speculation,
+    )
 
 
 def sets_of_gguf(path: Path) -> list[Path]:

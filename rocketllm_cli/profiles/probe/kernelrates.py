@@ -78,6 +78,7 @@ def rates(profile, blocks: dict[str, dict[str, int]], mode: str, rows: int = 1) 
     its rate is still weight bytes per second. None where a rate is missing and PROFILE is another machine's (plan
     --profile FILE)."""
     from ...native import kernels
+    from .machine import is_this_machine
 
     nk = kernels()
     import torch
@@ -96,7 +97,7 @@ def rates(profile, blocks: dict[str, dict[str, int]], mode: str, rows: int = 1) 
     keys = {(t, shape): key(t, shape) for t in paths for shape in blocks[t]}
     missing = [ts for ts, k in keys.items() if not isinstance(stored.get(k), (int, float))]
     if missing:
-        if not _this_machine(profile):
+        if not is_this_machine(profile):
             return None
         native = [ts for ts in missing if paths[ts[0]] == "native"]
         measured = measure_native(nk, native, mode, threads, pool, rows) if native else {}
@@ -150,12 +151,6 @@ def _pool_bytes(model_bytes: int) -> int:
     cap = max(8 << 20, min(POOL_BYTES, memory_bound()[1] // 8))
     wanted = max(8 << 20, min(cap, model_bytes))
     return 1 << max(23, (wanted - 1).bit_length())
-
-
-def _this_machine(profile) -> bool:
-    from .machine import fingerprint, fingerprint_facts
-
-    return profile.fingerprint == fingerprint(fingerprint_facts())
 
 
 def measure_native(

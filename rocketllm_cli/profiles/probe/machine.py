@@ -240,3 +240,9 @@ def _read_text(path: str) -> str:
 
 def _read_lines(path: str) -> list[str]:
     return _read_text(path).splitlines()
+
+
+def is_this_machine(profile) -> bool:
+    """Whether PROFILE describes the machine this process runs on (not `plan --profile FILE`'s other one): only then
+    can what it lacks be measured here."""
+    return profile.fingerprint == fingerprint(fingerprint_facts())

@@ -66,6 +66,14 @@ class UnitReads:
         near = [r for r in rows if r.cost(self.cpu_shared) <= low * (1 + CLOSE)]
         return min(near, key=lambda r: (r.in_flight, r.cost(self.cpu_shared)))
 
+    def chosen(self) -> UnitReadRow | None:
+        """The read the knobs pick by default: O_DIRECT where its best costs no more than buffered's best
+        (direct_io), at that method's best count in flight (io_workers)."""
+        direct, buffered = self.best(True), self.best(False)
+        if direct is None or buffered is None:
+            return direct or buffered
+        return direct if direct.cost(self.cpu_shared) <= buffered.cost(self.cpu_shared) else buffered
+
     def to_dict(self) -> dict:
         return asdict(self)
 
