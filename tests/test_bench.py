@@ -107,6 +107,9 @@ def test_projection_limit_and_efficiency_recompute_from_printed_inputs(bench_doc
         if unique["storage"]:  # beside it, the limit at what the disk gave the run's own units read cold just after it
             disk = row["disk_now"]
             assert disk["bps"] > 0 and disk["units"] >= 2 and disk["bytes"] > 0
+            # the way the run read, measured beside the fastest: what a projection at the set's own reads is held to
+            way = f"{'O_DIRECT' if row['knobs']['direct_io'] else 'buffered'} x{row['knobs']['io_workers']}"
+            assert disk["run_way"]["how"].startswith(way) and 0 < disk["run_way"]["bps"] <= disk["bps"]
             now = max(
                 1000
                 * (

@@ -497,6 +497,14 @@ def test_verify_of_a_streaming_speculating_row(monkeypatch, tmp_path):
     text = "\n".join(verify_lines([measured]))
     assert "tokens over decode time" in text and "at the 0.10 GB/s the disk read just after the run" in text
 
+    # a row projected at the set's own reads is held to the way the run read now, not to the fastest way
+    from rocketllm_cli.bench.planverify import _at_disk_now
+
+    own = replace(row, notes=[*row.notes, "compute: ...; storage: this set's own units read cold, O_DIRECT x1"])
+    entry = {"status": "measured", "disk_now": {"bps": 1e8, "run_way": {"bps": 5e7, "how": "O_DIRECT x1"}}}
+    assert _at_disk_now(own, dict(entry))["disk_now"]["bps"] == 5e7
+    assert _at_disk_now(row, dict(entry))["disk_now"]["bps"] == 1e8
+
 
 def test_a_capped_verify_evicts_the_model_and_its_sets(tmp_path, monkeypatch):
     from rocketllm_cli.bench import planverify

@@ -92,8 +92,12 @@ def _at_disk_now(row, entry: dict) -> dict:
     disk = entry.pop("disk_now", None)
     if not disk or "storage_bps" not in row.inputs or entry.get("status") != "measured":
         return {}
-    projected = evaluate(row.formula, {**row.inputs, "storage_bps": disk["bps"]})
-    return {"disk_now": {"bps": disk["bps"], "how": disk.get("how", ""), "projected_tokens_per_s": projected}}
+    # like for like: a row projected at the set's own reads (the way the knobs read) is re-projected at that way's
+    # rate now, one projected at the storage probe's at the fastest way now
+    own = any("storage: this set's own units read cold" in note for note in row.notes)
+    now = disk.get("run_way") if own and disk.get("run_way") else disk
+    projected = evaluate(row.formula, {**row.inputs, "storage_bps": now["bps"]})
+    return {"disk_now": {"bps": now["bps"], "how": now.get("how", ""), "projected_tokens_per_s": projected}}
 
 
 def _measure(command: list[str], env: dict, batch: int) -> dict:

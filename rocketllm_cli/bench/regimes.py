@@ -120,7 +120,8 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
         del streamed
         gc.collect()
     if streams:  # the disk as it is now, for the limit: the units this run streamed, read cold (the model closed first)
-        row["disk_now"] = disk_now(directory, streams)
+        knobs = row["knobs"]
+        row["disk_now"] = disk_now(directory, streams, (bool(knobs["direct_io"]), int(knobs["io_workers"])))
     return row
 
 
@@ -128,22 +129,29 @@ def run_regime(model_path, regime: str, tokens: int, prompt_tokens: int, flags: 
 SAMPLE_LAYERS_BYTES = 128 * 1024**2
 
 
-def disk_now(directory, units: list) -> dict | None:
+def disk_now(directory, units: list, run_way: tuple[bool, int] | None = None) -> dict | None:
     """The fastest the disk reads a run's streamed units cold, measured now (each method the store has, 1, 2 and 4
     reads in flight, profiles/probe/unitreads.py): a disk shared with other machines delivers what it delivers this
     hour, and the profile measured a large file another day. Layers first (every token reads them), up to
-    SAMPLE_LAYERS_BYTES; None where fewer than two units stream or a read fails."""
+    SAMPLE_LAYERS_BYTES; None where fewer than two units stream or a read fails. RUN_WAY (O_DIRECT?, reads in flight):
+    the way the run read, whose rate is given too ("run_way") where it is among those measured."""
     import os
 
     from ..profiles.probe.unitreads import first_layers, measure
 
-    reads = measure(directory, first_layers(units, SAMPLE_LAYERS_BYTES), 0, hasattr(os, "O_DIRECT"), (1, 2, 4))
+    flights = tuple(sorted({1, 2, 4} | ({run_way[1]} if run_way else set())))
+    reads = measure(directory, first_layers(units, SAMPLE_LAYERS_BYTES), 0, hasattr(os, "O_DIRECT"), flights)
     if reads is None:
         return None
     best = max(reads.rows, key=lambda r: r.bps)
-    return {
+    found = {
         "bps": round(best.bps),
         "bytes": best.bytes,
         "units": reads.units,
         "how": f"{'O_DIRECT' if best.direct else 'buffered'} x{best.in_flight}, best of {len(reads.rows)} ways",
     }
+    same = next((r for r in reads.rows if run_way and (r.direct, r.in_flight) == run_way), None)
+    if same is not None:
+        way = f"{'O_DIRECT' if same.direct else 'buffered'} x{same.in_flight}"
+        found["run_way"] = {"bps": round(same.bps), "how": f"{way}, the way the run read"}
+    return found

@@ -160,6 +160,8 @@ def projection(
         inputs["compute_bps"] = as_computed.matvec_bps() or as_computed.device_memory_bps
         compute = "compute_bytes / compute_bps"
     note = f"compute: {p.compute_bandwidth}"
+    if p.tiers["storage"].bytes:
+        note += f"; storage: {p.tiers['storage'].bandwidth}"
     if positions > 1:
         from ..profiles.probe.kernelrates import pass_extra_seconds
 
