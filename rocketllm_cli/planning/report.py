@@ -151,7 +151,7 @@ def verify_lines(measured: list[dict]) -> list[str]:
         if disk:
             lines.append(
                 f"      at the {disk['bps'] / 1e9:.2f} GB/s the disk read just after the run ({disk['how']}) instead "
-                f"of the profile's: projected {disk['projected_tokens_per_s']:.3g} tokens/s, measured/projected "
+                f"of the projection's: projected {disk['projected_tokens_per_s']:.3g} tokens/s, measured/projected "
                 f"{m['tokens_per_s'] / disk['projected_tokens_per_s']:.2f}"
             )
         lines.append(f"      {m['command']}")
