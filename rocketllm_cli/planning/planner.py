@@ -117,9 +117,8 @@ def _enumerate(source: ModelSource, profile: HardwareProfile, request: PlanReque
                                 extra,
                                 explicit=request.max_memory is not None,
                             )
-                            _keep(row, request, floor, rows, left_out)
-                            if not isinstance(row, Row) or row.speculate == "off":
-                                break  # its speculation-off twin is itself
+                            if not _keep(row, request, floor, rows, left_out) or row.speculate == "off":
+                                break  # left out, or its speculation-off twin is itself
                 for hosts in _host_counts(request.hosts):
                     from .stagerows import stage_row
 
@@ -135,13 +134,13 @@ def _enumerate(source: ModelSource, profile: HardwareProfile, request: PlanReque
                             hosts,
                             extra,
                         )
-                        _keep(row, request, floor, rows, left_out)
-                        if not isinstance(row, Row) or row.speculate == "off":
+                        if not _keep(row, request, floor, rows, left_out) or row.speculate == "off":
                             break
     return rows, left_out
 
 
-def _keep(row: Row | str, request: PlanRequest, floor: int, rows: list[Row], left_out: dict[str, int]) -> None:
+def _keep(row: Row | str, request: PlanRequest, floor: int, rows: list[Row], left_out: dict[str, int]) -> bool:
+    """Add ROW to ROWS where it runs and meets REQUEST (True), else count why it is left out (False)."""
     if isinstance(row, str):
         left_out[row] = left_out.get(row, 0) + 1
     elif row.context is not None and row.context < floor:
@@ -152,6 +151,8 @@ def _keep(row: Row | str, request: PlanRequest, floor: int, rows: list[Row], lef
         left_out[why] = left_out.get(why, 0) + 1
     else:
         rows.append(row)
+        return True
+    return False
 
 
 def _row(
