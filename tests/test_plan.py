@@ -500,7 +500,10 @@ def test_verify_of_a_streaming_speculating_row(monkeypatch, tmp_path):
     # a row projected at the set's own reads is held to the way the run read now, not to the fastest way
     from rocketllm_cli.bench.planverify import _at_disk_now
 
-    own = replace(row, notes=[*row.notes, "compute: ...; storage: this set's own units read cold, O_DIRECT x1"])
+    from rocketllm_cli.profiles.probe.unitreads import UnitReadRow, UnitReads
+
+    reads = UnitReads(1 << 20, 2, 1, [UnitReadRow(True, 1, 1 << 20, 0.01, 0.0)]).to_dict()
+    own = replace(row, format=replace(row.format, facts=replace(row.format.facts, unit_reads=reads)))
     entry = {"status": "measured", "disk_now": {"bps": 1e8, "run_way": {"bps": 5e7, "how": "O_DIRECT x1"}}}
     assert _at_disk_now(own, dict(entry))["disk_now"]["bps"] == 5e7
     assert _at_disk_now(row, dict(entry))["disk_now"]["bps"] == 1e8

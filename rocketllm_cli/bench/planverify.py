@@ -87,6 +87,7 @@ def _at_disk_now(row, entry: dict) -> dict:
     """The row's own formula with the storage bandwidth bench read off the disk just after the run (disk_now) in place
     of the profile's: a shared disk delivers what it delivers this hour (1.7 and 2.5 GB/s within one hour here), and
     this says whether the model holds at the bandwidth the run had. {} where nothing streamed or it was not measured."""
+    from ..profiles.cost import own_reads
     from ..profiles.knobs.expression import evaluate
 
     disk = entry.pop("disk_now", None)
@@ -94,7 +95,7 @@ def _at_disk_now(row, entry: dict) -> dict:
         return {}
     # like for like: a row projected at the set's own reads (the way the knobs read) is re-projected at that way's
     # rate now, one projected at the storage probe's at the fastest way now
-    own = any("storage: this set's own units read cold" in note for note in row.notes)
+    own = own_reads(row.format.facts) is not None
     now = disk.get("run_way") if own and disk.get("run_way") else disk
     projected = evaluate(row.formula, {**row.inputs, "storage_bps": now["bps"]})
     return {"disk_now": {"bps": now["bps"], "how": now.get("how", ""), "projected_tokens_per_s": projected}}

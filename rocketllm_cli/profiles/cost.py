@@ -74,7 +74,7 @@ def plan_tier_bytes(model: ModelFacts, knobs: Knobs) -> dict[str, int]:
 
 def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, int]) -> Projection:
     tiers = {tier: _tier(profile, tier, int(tier_bytes.get(tier, 0))) for tier in TIERS}
-    own = _own_reads(model)
+    own = own_reads(model)
     if own is not None and tiers["storage"].bytes:
         bps, what = own
         n = tiers["storage"].bytes
@@ -148,7 +148,7 @@ def _on_kernels(model: ModelFacts, kernels: dict, total: int, rate: float | None
     return seconds, words
 
 
-def _own_reads(model: ModelFacts) -> tuple[float, str] | None:
+def own_reads(model: ModelFacts) -> tuple[float, str] | None:
     """(B/s, words) of the set's own units read cold the way the knobs read them by default (probe/unitreads.py:
     O_DIRECT or buffered, that many in flight), where measured: a 56 MiB unit read one at a time with O_DIRECT moved
     1.32 GB/s where the storage probe's file read 1.67 (2 cores, under a 1.2 GiB cap)."""
