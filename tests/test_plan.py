@@ -554,7 +554,7 @@ def test_plan_of_a_gguf_projects_from_the_decode_bench_measured_on_its_set(smoll
     done = CliRunner().invoke(app, ["shard", str(model), "--json"])
     assert done.exit_code == 0, done.stderr
     [directory] = sets_of_gguf(model)
-    monkeypatch.setattr(identity, "_sha256", lambda path: pytest.fail("plan hashed the file"))
+    monkeypatch.setattr(identity, "file_digest", lambda path: pytest.fail("plan hashed the file"))
     profile = HardwareProfile.load()
     knob = str(profile.capability("compute_dtype"))
     record(profile, directory, Manifest.load(directory), knob, {"median": 40.0, "p10": 38.0, "n": 8}, 2)

@@ -23,10 +23,12 @@ from .unitrecords import TensorRecord, UnitRecord
 FORMAT_VERSION = 2  # 2: mixture-of-experts models have one unit per expert (kind "expert")
 PACKED_VERSION = 3  # 3: some tensors are packed low-bit weights (a `packed` format on their record)
 FUSED_VERSION = 4  # 4: some packed tensors are several Linears' weights stored as one (a `fused` list on their record)
-READABLE_VERSIONS = (1, 2, 3, 4)  # a dense float set is the same in 1 and 2; only a set with packed weights is 3
+INDEXED_VERSION = 5  # 5: the units are windows of the source file, indexed in place (`indexes`, a unit's `start`)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)  # a dense float set is the same in 1 and 2; only a set with packed weights is 3
 MANIFEST = "manifest.json"
 RESHARD = "re-run `rocketllm shard` on the source model"
 UNIT_FILE = re.compile(r"^\d{4}-.+\.safetensors$")
+SIDE_FILE = "side.safetensors"  # an indexed set's few tensors the source stores otherwise (TensorRecord.side)
 FIXED_UNIT_NAMES = {"embed": "embed", "norm": "norm", "lm_head": "lm_head", "root": "root"}
 PREFIXED_KINDS = ("extra", "vision")  # named `<kind>.<module>`; vision: a vision tower or projector, resident
 
@@ -50,6 +52,10 @@ class Manifest:
     # kept as they are stored), "int4" or "int8" (quantized)
     int4_layout: str = ""  # the order int4 codes are written in (packed/cpulayout.py), where the packing writes int4
     fusion: str = ""  # which packed Linears are stored fused, in words (shard/fusion.py); "" in sets from before fusion
+    # A set indexing its source in place: {"path": the file, "size": its bytes, "mtime_ns": its modification time}, as
+    # they were when it was indexed (checked on every load); {} for a set of its own files
+    indexes: dict = field(default_factory=dict)
+    row_orders: dict = field(default_factory=dict)  # key -> the rows, in order, an indexed tensor piece is taken in
 
     @property
     def total_bytes(self) -> int:
@@ -92,14 +98,22 @@ class Manifest:
             del doc["packing"]
         if not doc["int4_layout"]:
             del doc["int4_layout"]
-        if not doc["fusion"]:
-            del doc["fusion"]
+        for name in ("fusion", "indexes", "row_orders"):
+            if not doc[name]:
+                del doc[name]
         for unit in doc["units"]:
+            if unit["start"] < 0:
+                del unit["start"]
             for t in unit["tensors"]:
-                for name in ("packed", "fused"):
+                for name in ("packed", "fused", "pieces", "side"):
                     if t[name] is None:
                         del t[name]
         return doc
+
+    @property
+    def indexed(self) -> bool:
+        """The set's units are windows of its source file (`indexes`), not files of their own."""
+        return bool(self.indexes)
 
     def save(self, directory: Path) -> None:
         """Write manifest.json into DIRECTORY atomically (temporary file, fsync, rename): a reader sees all of it or
@@ -148,7 +162,11 @@ class Manifest:
         """Cheap checks on load: every unit file present with its recorded size and a header that agrees with
         the manifest (names, dtypes, shapes, offsets), and no unit file the manifest does not list."""
         listed = {u.file for u in self.units}
+        if self.indexed:
+            self._check_indexed(directory)
         for u in self.units:
+            if u.indexed:
+                continue
             path = directory / u.file
             try:
                 size = path.stat().st_size
@@ -177,8 +195,33 @@ class Manifest:
         if extra:
             raise ShardError(f"shard file {extra[0]} is not in the manifest (a unit removed from it?); {RESHARD}")
 
+    def _check_indexed(self, directory: Path) -> None:
+        """The file an indexed set reads is there as it was indexed (its size and modification time), every window
+        lies inside it, and the side file holds what the records say."""
+        path = Path(self.indexes["path"])
+        try:
+            st = path.stat()
+        except OSError:
+            raise ShardError(f"the set indexes {path.name} in place, and {path} is gone; {RESHARD}") from None
+        if st.st_size != self.indexes["size"] or st.st_mtime_ns != self.indexes["mtime_ns"]:
+            raise ShardError(f"the set indexes {path} in place, and it has changed since; {RESHARD}")
+        for u in self.units:
+            if u.indexed and u.start + u.bytes > st.st_size:
+                raise ShardError(f"unit {u.name} lies past the end of {path.name}; {RESHARD}")
+        side = {t.name: (t.dtype, list(t.shape), t.offset, t.nbytes) for u in self.units for t in u.tensors if t.side}
+        if not side:
+            return
+        try:
+            header = stfile.read_header(directory / SIDE_FILE)
+        except (OSError, ShardError) as exc:
+            raise ShardError(f"{SIDE_FILE}: {str(exc)[:200]}; {RESHARD}") from None
+        stored = {n: (stfile.NAMES[e.dtype], list(e.shape), e.start, e.nbytes) for n, e in header.entries.items()}
+        if stored != side:
+            raise ShardError(f"{SIDE_FILE} does not match the manifest; {RESHARD}")
 
-OPTIONAL = {"packed", "packing", "int4_layout", "fused", "fusion"}  # fields a float set's manifest leaves out
+
+OPTIONAL = {"packed", "packing", "int4_layout", "fused", "fusion", "indexes", "row_orders", "pieces", "side"}
+UNIT_OPTIONAL = {"start"}  # a unit field only an indexed set's manifest has
 PACKINGS = ("", "packed", "blocks", "int4", "int8")
 INT4_LAYOUTS = ("rows", "pairs", "lanes32", "lanes64")  # packed/cpulayout.py LAYOUTS, named here without torch
 
@@ -232,6 +275,28 @@ def _validate(doc) -> None:
     _require(doc.get("int4_layout", "") in ("", *INT4_LAYOUTS), "bad int4_layout")
     _require(type(doc["format_version"]) is int, "bad format_version")
     _require(isinstance(doc.get("fusion", ""), str), "bad fusion")
+    indexes, orders = doc.get("indexes") or {}, doc.get("row_orders") or {}
+    _require(
+        not indexes
+        or (
+            doc["format_version"] >= INDEXED_VERSION
+            and isinstance(indexes, dict)
+            and set(indexes) == {"path", "size", "mtime_ns"}
+            and isinstance(indexes["path"], str)
+            and os.path.isabs(indexes["path"])
+            and _count(indexes["size"])
+            and type(indexes["mtime_ns"]) is int
+        ),
+        "bad indexes",
+    )
+    _require(
+        isinstance(orders, dict)
+        and all(
+            isinstance(v, list) and all(_count(i) for i in v) and sorted(v) == list(range(len(v)))
+            for v in orders.values()
+        ),
+        "bad row_orders",
+    )
     source = doc["source"]
     _require(isinstance(source, dict) and isinstance(source.get("fingerprint"), str), "bad source")
     _require(
@@ -245,7 +310,12 @@ def _validate(doc) -> None:
     tensors: set[str] = set()
     layers = 0
     for i, u in enumerate(units):
-        _require(isinstance(u, dict) and set(u) == _fields(UnitRecord), f"unit {i}: fields missing or unknown")
+        _require(
+            isinstance(u, dict) and _fields(UnitRecord) - UNIT_OPTIONAL <= set(u) <= _fields(UnitRecord),
+            f"unit {i}: fields missing or unknown",
+        )
+        start = u.get("start", -1)
+        _require(type(start) is int and (start == -1 if not indexes else _count(start)), f"unit {i}: bad start")
         name, kind, module, index = u["name"], u["kind"], u["module"], u["index"]
         _require(isinstance(name, str) and isinstance(module, str), f"unit {i}: bad name or module")
         if kind == "layer":
@@ -280,7 +350,9 @@ def _validate(doc) -> None:
             f"unit {i}: name {name[:40]!r} or module {module[:40]!r} does not fit kind {kind}",
         )
         _require(
-            u["file"] == f"{i:04d}-{name}.safetensors" and "/" not in name and "\x00" not in name,
+            u["file"] == (indexes["path"] if indexes else f"{i:04d}-{name}.safetensors")
+            and "/" not in name
+            and "\x00" not in name,
             f"unit {name[:40]!r}: bad file name",
         )
         _require(_count(u["bytes"]), f"unit {name[:40]!r}: bad bytes")
@@ -295,6 +367,7 @@ def _validate(doc) -> None:
                 f"unit {name[:40]!r}: a tensor's fields missing or unknown",
             )
             _validate_tensor(t, module, doc["dtype"], tensors)
+            _validate_place(t, u["bytes"], indexes, orders)
             _require(
                 t.get("packed") is None or (doc["format_version"] >= PACKED_VERSION and bool(doc.get("packing"))),
                 f"tensor {_show(t['name'])}: packed in a set that does not say so",
@@ -309,6 +382,34 @@ def _validate(doc) -> None:
         isinstance(aliases, dict)
         and all(isinstance(v, str) and v in tensors and k not in tensors for k, v in aliases.items()),
         "bad aliases",
+    )
+
+
+def _validate_place(t: dict, window: int, indexes: dict, orders: dict) -> None:
+    """Where an indexed set's tensor is: one piece of its unit's window, pieces of it (each inside the window, rows
+    taken in a known order), or the side file."""
+    name, pieces, side = t["name"], t.get("pieces"), t.get("side")
+    _require(not (pieces or side) or bool(indexes), f"tensor {_show(name)}: placed in a set that indexes nothing")
+    _require(side is None or (type(side) is bool and pieces is None), f"tensor {_show(name)}: bad side")
+    if side:
+        return
+    if pieces is None:
+        _require(not indexes or t["offset"] + t["nbytes"] <= window, f"tensor {_show(name)}: outside its window")
+        return
+    _require(
+        isinstance(pieces, list)
+        and len(pieces) > 0
+        and all(
+            isinstance(p, list)
+            and len(p) == 3
+            and _count(p[0])
+            and _count(p[1])
+            and p[0] + p[1] <= window
+            and (p[2] is None or (isinstance(p[2], str) and p[2] in orders and p[1] % len(orders[p[2]]) == 0))
+            for p in pieces
+        )
+        and sum(p[1] for p in pieces) == t["nbytes"],
+        f"tensor {_show(name)}: bad pieces",
     )
 
 

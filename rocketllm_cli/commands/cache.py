@@ -17,7 +17,8 @@ NAME = "cache"
 HELP = """See and remove what rocketllm keeps on disk: shard sets and measured profiles.
 
 Shards go to the cache unless --out is given: ROCKETLLM_CACHE if set, else ~/.cache/rocketllm
-($XDG_CACHE_HOME/rocketllm). bf16 shards of a 4-bit GGUF are about 2.7 times the file.
+($XDG_CACHE_HOME/rocketllm). A GGUF's set indexes the file in place (SOURCE "gguf in place": a few MB of
+manifest, tokenizer and config; removing it leaves the file alone); `shard --copy` writes its weights into the set.
 
 Examples: `rocketllm cache ls`, `rocketllm cache rm NAME -y`, `rocketllm cache rm --all`, `du -sh "$(rocketllm cache
 path)"`.
@@ -76,7 +77,7 @@ def ls(json: JsonOpt = False) -> None:
             (
                 s.name,
                 s.model or "-",
-                s.source_kind or "-",
+                (s.source_kind or "-") + (" in place" if s.indexes else ""),
                 s.dtype or "-",
                 _count(s.units),
                 _count(s.layers),

@@ -21,7 +21,9 @@ Shards go beside the model cache unless --out is given; `generate` finds and reu
 
 A GGUF keeps every quantized tensor as its own blocks, byte for byte (Q4_0
 ... Q8_0, the K-quants, IQ4_NL/IQ4_XS on the native kernels; the IQ1-3, TQ
-and MXFP4 grids decoded when used). So does a pre-quantized safetensors
+and MXFP4 grids decoded when used), and its set indexes the file in place:
+no weight is copied (--copy writes them into the set; the set is made
+again if the file moves or changes). So does a pre-quantized safetensors
 checkpoint, exactly: compressed-tensors (pack-quantized, naive- or
 int-quantized; int4 or int8), GPTQ (4 or 8 bits; act-order weights are
 stored dequantized), AWQ (4-bit GEMM) and bitsandbytes LLM.int8;
@@ -62,6 +64,14 @@ def run(
             "same input (q/k/v, gate/up: found by tracing the model) as one weight, computed in one call.",
         ),
     ] = True,
+    copy: Annotated[
+        bool,
+        typer.Option(
+            "--copy",
+            help="Write the weights into the set's own files even where it could index a GGUF in place (a set that "
+            "outlives the file, or on a faster disk).",
+        ),
+    ] = False,
     json: JsonOpt = False,
 ) -> None:
     from ..dtypes import NAMES as DTYPES
@@ -86,7 +96,14 @@ def run(
         summary = {"reused": True, **summarize(manifest, 0.0)}  # the same fields as a fresh or reused run from a source
     else:
         manifest, directory, summary = shard(
-            model, out=out, dtype=dtype, progress=output.progress, log=output.log, packing=quantize, fuse=fuse
+            model,
+            out=out,
+            dtype=dtype,
+            progress=output.progress,
+            log=output.log,
+            packing=quantize,
+            fuse=fuse,
+            copy=copy,
         )
     problems = verify_dir(directory) if verify else []
     if problems and from_source:  # the source is at hand: write the set again rather than report a damaged one
@@ -100,6 +117,7 @@ def run(
             rebuild=True,
             packing=quantize,
             fuse=fuse,
+            copy=copy,
         )
         problems = verify_dir(directory)
     document = {
@@ -108,13 +126,15 @@ def run(
         "verified": verify and not problems,
         "problems": problems,
         "source": manifest.source,
+        "indexes": manifest.indexes.get("path"),
         "model_type": manifest.model_type,
     }
     if json:
         output.json(document)
     else:
         rate = f", {summary['mb_per_s']} MB/s" if summary.get("mb_per_s") else ""
-        state = "reused existing shards" if summary.get("reused") else f"sharded in {summary.get('seconds')} s{rate}"
+        verb = "indexed in place" if manifest.indexed else "sharded"
+        state = "reused existing shards" if summary.get("reused") else f"{verb} in {summary.get('seconds')} s{rate}"
         output.result(
             f"{directory}\n{manifest.model_type}: {summary['units']} units ({summary['layers']} layers"
             f"{', ' + str(summary['experts']) + ' experts' if summary.get('experts') else ''}), "

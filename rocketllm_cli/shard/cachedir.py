@@ -51,6 +51,7 @@ class CachedSet:
     experts: int | None = None
     leftovers: list[str] = field(default_factory=list)
     problem: str | None = None  # why a damaged set does not load
+    indexes: str | None = None  # the file a set indexes in place (its weights are that file's bytes, not counted here)
 
     def to_dict(self) -> dict:
         used = datetime.fromtimestamp(self.last_used, timezone.utc).isoformat() if self.last_used is not None else None
@@ -194,6 +195,7 @@ def _read_manifest(entry: CachedSet, final: Path) -> None:
     entry.model, entry.source_kind = manifest.source.get("name"), manifest.source.get("kind")
     entry.dtype, entry.units = manifest.dtype, len(manifest.units)
     entry.layers, entry.experts = len(manifest.layers), len(manifest.experts)
+    entry.indexes = manifest.indexes.get("path")
 
 
 def _last_used(final: Path, pieces: list[Path]) -> float | None:

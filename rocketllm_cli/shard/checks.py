@@ -37,6 +37,12 @@ def verify(directory: Path, log=print) -> list[str]:
     """Re-check every unit file against the manifest: sizes and sha256. Returns the problems found."""
     manifest = Manifest.load(directory)  # sizes and tensor bounds
     problems = []
+    if manifest.indexed:  # its units are the file's own bytes: the file hashes to the set's source fingerprint
+        from .identity import file_digest
+
+        if file_digest(Path(manifest.indexes["path"])) != manifest.source.get("fingerprint"):
+            problems.append(f"{manifest.indexes['path']}: checksum mismatch (contents changed)")
+        return problems
     for u in manifest.units:
         digest = hashlib.sha256()
         with open(directory / u.file, "rb") as f:

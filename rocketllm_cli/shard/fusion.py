@@ -199,12 +199,26 @@ def member_weights(group: tuple[str, ...]) -> list[str]:
 
 def fuse(packed: list) -> object | None:
     """One PackedTensor of the members' rows one after another, or None where their formats do not allow it."""
-    from ..checkpoint.packedformat import PackedFormat, PackedTensor
+    from ..checkpoint.packedformat import PackedTensor
+
+    fmt = fused_format([p.format for p in packed])
+    if fmt is None:
+        return None
+    parts = {}
+    for name, (shape, _) in fmt.parts().items():
+        dim = 1 if name == "sz" else 0  # a kernel order's scales and zeros are [groups, 2N]
+        parts[name] = torch.cat([p.parts[name] for p in packed], dim=dim)
+    return PackedTensor(fmt, parts)
+
+
+def fused_format(formats: list):
+    """The PackedFormat of FORMATS' rows one after another, or None where they cannot be one weight (known before any
+    byte is read: an indexed set fuses its members' pieces of the file by it)."""
+    from ..checkpoint.packedformat import PackedFormat
     from ..packed.cpulayout import BLOCK
 
-    first = packed[0].format
-    for p in packed[1:]:
-        f = p.format
+    first = formats[0]
+    for f in formats[1:]:
         if (f.kind, f.shape[1], f.group, f.scale_dtype, f.gguf_type, f.block_bytes, f.layout) != (
             first.kind,
             first.shape[1],
@@ -216,10 +230,10 @@ def fuse(packed: list) -> object | None:
         ):
             return None
     block = BLOCK.get(first.layout, 1) if first.kind == "int4" else 1
-    if any(p.format.shape[0] % block for p in packed[:-1]):
+    if any(f.shape[0] % block for f in formats[:-1]):
         return None  # a partial code block inside the fused weight would be laid out as the last one is
-    n = sum(p.format.shape[0] for p in packed)
-    fmt = PackedFormat(
+    n = sum(f.shape[0] for f in formats)
+    return PackedFormat(
         first.kind,
         (n, first.shape[1]),
         first.group,
@@ -228,11 +242,6 @@ def fuse(packed: list) -> object | None:
         first.block_bytes,
         first.layout,
     )
-    parts = {}
-    for name, (shape, _) in fmt.parts().items():
-        dim = 1 if name == "sz" else 0  # a kernel order's scales and zeros are [groups, 2N]
-        parts[name] = torch.cat([p.parts[name] for p in packed], dim=dim)
-    return PackedTensor(fmt, parts)
 
 
 def _pattern(members: list[str]) -> str:

@@ -118,6 +118,27 @@ class LazyGGUF:
         self._release(tensor)  # the parts are copies: dropping the mapped pages loses nothing
         return packed
 
+    # -- in place: where a tensor's bytes are in the file (shard/indexing.py) ----------------
+    def place(self, name: str):
+        """(absolute offset, bytes, row order) of a kept tensor's blocks in the file; the order is None where
+        transformers takes the rows as they are, an index array where it only reorders them, False otherwise."""
+        tensor = self._tensors[self.mapping[name]]
+        return int(tensor.data_offset), int(tensor.n_bytes), self._row_order(tensor)
+
+    def place_float(self, name: str, dtype: torch.dtype) -> tuple[int, int] | None:
+        """(absolute offset, bytes) of a float tensor stored in DTYPE that transformers takes as it is; None where
+        it is stored in another type or changed on its way in."""
+        from ..dtypes import torch_dtype
+
+        tensor = self._tensors[self.mapping[name]]
+        stored = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(tensor.tensor_type.name)
+        if stored is None or torch_dtype(stored) != dtype:
+            return None
+        rows = int(tensor.data.shape[0]) if tensor.data.ndim > 1 else int(tensor.n_elements)
+        if not self._leaves_alone(tensor, rows):
+            return None
+        return int(tensor.data_offset), int(tensor.n_bytes)
+
     def _owned_bytes(self, tensor):
         """The tensor's bytes as an array of its own, read from the file in one call: copying them off the mapping
         faults it in a page at a time (200 MB/s here, against several GB/s for a read of the cached file)."""

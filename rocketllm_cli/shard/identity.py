@@ -44,7 +44,7 @@ def content_fingerprint(path: Path) -> str:
     known = memo.get("files", {})
     if key in known:
         return str(known[key])
-    digest = _sha256(path)
+    digest = file_digest(path)
     known = {k: v for k, v in known.items() if not k.startswith(f"{path.resolve()}|")}  # this path's older states
     known[key] = digest
     try:
@@ -54,7 +54,8 @@ def content_fingerprint(path: Path) -> str:
     return digest
 
 
-def _sha256(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """The content hash a GGUF's sets are named by, taken now (`shard --verify` of a set indexing it)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         try:

@@ -22,7 +22,7 @@ import torch
 
 from ..cachehome import unwritable
 from ..checkpoint import stfile
-from ..checkpoint.manifest import FORMAT_VERSION, FUSED_VERSION, PACKED_VERSION, Manifest
+from ..checkpoint.manifest import FORMAT_VERSION, FUSED_VERSION, INDEXED_VERSION, PACKED_VERSION, Manifest
 from ..checkpoint.unitrecords import TensorRecord, UnitRecord
 from ..dtypes import NAMES as DTYPES
 from ..dtypes import short_name, torch_dtype
@@ -33,6 +33,7 @@ from . import journal
 from .checks import DISK_FULL, check_space, free_bytes
 from .discover import Layout, build_meta_model, discover
 from .fusion import FusionPlan, plan_fusion
+from .indexing import index, indexes, write_side
 from .journal import JOURNAL
 from .names import SourceMap, map_names, split_experts
 from .packing import (
@@ -61,12 +62,14 @@ def shard(
     rebuild: bool = False,
     packing: str = "auto",
     fuse: bool = True,
+    copy: bool = False,
 ) -> tuple[Manifest, Path, dict]:
     """Shard MODEL (or reuse a complete shard set). Returns (manifest, directory, summary).
 
     rebuild: write the set again even if one of this source exists (after `--verify` found changed bytes).
     packing: auto (keep a GGUF's low-bit blocks where a kernel computes on them), none, int4 or int8 (packing.py).
     fuse: store packed Linears of a layer that read the same input (q/k/v, gate/up) as one weight (fusion.py).
+    copy: write the set's own files even where it could index a GGUF in place (indexing.py).
     """
     check_packing(packing)
     started = time.perf_counter()
@@ -75,6 +78,9 @@ def shard(
         located = locate(model)
     if out is None and not rebuild:
         found = find_existing(located, dtype, packing, log)
+        if found is not None and copy and found[0].indexed:
+            log(f"{found[1]}: indexes the file in place; writing the set's own files (--copy)")
+            found, rebuild = None, True
         if found is not None:
             return found[0], found[1], {"reused": True, **summarize(found[0], 0.0)}
     # Reading a GGUF's metadata can take seconds: off a terminal its line comes once it lasts ANNOUNCE_AFTER_S,
@@ -88,7 +94,7 @@ def shard(
         except KeyboardInterrupt:
             raise Interrupted(NOTHING_KEPT) from None
     try:
-        return _shard(source, out, dtype, progress, log, started, rebuild, packing, fuse)
+        return _shard(source, out, dtype, progress, log, started, rebuild, packing, fuse, copy)
     except Interrupted:  # the writing said what it kept
         raise
     except KeyboardInterrupt:  # while planning, before a unit is written
@@ -107,6 +113,7 @@ def _shard(
     rebuild: bool = False,
     packing: str = "auto",
     fuse: bool = True,
+    copy: bool = False,
 ) -> tuple[Manifest, Path, dict]:
     dtype = resolve_dtype(source, dtype, predicted_mode(source, packing) == "blocks")
     lazy = getattr(source, "_lazy", None)
@@ -116,6 +123,9 @@ def _shard(
     final = Path(out) if out else default_out(source.located, key)
     fingerprint = source.fingerprint()
     existing = reusable(final, fingerprint, key, ours=out is None, log=log)
+    if existing is not None and copy and existing.indexed and not rebuild:
+        log(f"{final}: indexes the file in place; writing the set's own files (--copy)")
+        rebuild = True
     if existing is not None and rebuild:
         log(f"{final}: writing every unit again")
         existing = None
@@ -149,7 +159,16 @@ def _shard(
         existing = reusable(final, fingerprint, key, ours=out is None, log=lambda m: None)
         if existing is not None and not rebuild:
             return existing, final, {"reused": True, **summarize(existing, 0.0)}
-        return _write(_Job(source, final, dtype, model, layout, mapping, progress, log, started, packs, fusion))
+        job = _Job(source, final, dtype, model, layout, mapping, progress, log, started, packs, fusion)
+        if not copy:
+            target = torch_dtype(dtype)
+            expected = {n: _out_dtype(source.shapes[s][1], target) for n, s in mapping.items()}
+            indexed = index(job, fingerprint, expected)
+            if indexed.units:
+                return _write_indexed(job, indexed)
+            if source.kind == "gguf":
+                log(f"copying the weights of {source.name} into the set: {indexed.why_not}")
+        return _write(job)
 
 
 @dataclass
@@ -222,6 +241,60 @@ def _write(job: _Job) -> tuple[Manifest, Path, dict]:
         ) from None
 
 
+def _write_indexed(job: _Job, indexed) -> tuple[Manifest, Path, dict]:
+    """A set that indexes the GGUF in place: its manifest, side file, config and tokenizer; no weight is copied."""
+    fingerprint = job.source.fingerprint()
+    partial = partial_of(job.final)
+    partial.mkdir(parents=True, exist_ok=True)
+    for stale in partial.iterdir():  # a copy interrupted here before: its unit files are not this set's
+        if stale.is_file():
+            stale.unlink()
+    write_side(partial, indexed)
+    written = sum(len(t.fused) if t.fused else 1 for u in indexed.units for t in u.tensors)
+    if written != len(job.mapping):
+        raise ShardError(f"shard set incomplete: indexed {written} tensors, source has {len(job.mapping)}")
+    manifest = _manifest(job, indexed.units, fingerprint, INDEXED_VERSION)
+    manifest.indexes, manifest.row_orders = indexes(job), indexed.row_orders
+    return _finish(job, partial, manifest, "indexed")
+
+
+def _manifest(job: _Job, units: list[UnitRecord], fingerprint: str, version: int) -> Manifest:
+    return Manifest(
+        source={"kind": job.source.kind, "name": job.source.name, "fingerprint": fingerprint},
+        model_type=job.source.config.model_type,
+        architecture=type(job.model).__name__,
+        dtype=job.dtype,
+        stack=job.layout.stack,
+        units=units,
+        aliases=job.layout.aliases,
+        seconds=round(time.perf_counter() - job.started, 3),
+        packing=job.packs.mode,
+        int4_layout=job.packs.int4_layout,
+        format_version=version,
+        fusion=job.fusion.describe(units) if job.packs.params else "",  # a float set's manifest stays as before
+    )
+
+
+def _finish(job: _Job, partial: Path, manifest: Manifest, verb: str) -> tuple[Manifest, Path, dict]:
+    """The config and tokenizer beside the units, the manifest, and the set swapped into place."""
+    with (job.progress or no_progress)(f"saving the config and tokenizer of {job.source.name}", after=BLINK_S):
+        job.source.config.save_pretrained(partial)
+        save_tokenizer(job.source, partial)
+    manifest.seconds = round(time.perf_counter() - job.started, 3)
+    manifest.save(partial)  # before the journal goes, so a run killed in between still resumes every unit
+    (partial / JOURNAL).unlink(missing_ok=True)
+    swap_in(partial, job.final)
+    for note in getattr(job.source._lazy, "written_notes", list)():
+        job.log(note)
+    size = format_bytes(manifest.total_bytes)
+    where = f" of {Path(manifest.indexes['path']).name} in place" if manifest.indexed else ""
+    job.log(
+        f"{verb} {job.source.name}: {len(manifest.units)} units, {size}{where} in {manifest.seconds:.1f} s -> "
+        f"{job.final}"
+    )
+    return manifest, job.final, {"reused": False, **summarize(manifest, manifest.seconds)}
+
+
 def _write_units(job: _Job, partial: Path, need: int) -> tuple[Manifest, Path, dict]:
     fingerprint = job.source.fingerprint()
     key = job.packs.key(job.dtype)
@@ -258,7 +331,6 @@ def _write_units(job: _Job, partial: Path, need: int) -> tuple[Manifest, Path, d
             bar.advance(record.tensor_bytes, units=1)
 
     written = sum(len(t.fused) if t.fused else 1 for u in units for t in u.tensors)
-    written_bytes = sum(u.tensor_bytes for u in units)
     # packed sizes are known exactly only once written (a scale may need fp32): only float bytes must add up
     float_written = sum(t.nbytes for u in units for t in u.tensors if t.packed is None)
     float_need = _bytes_needed(job.source, job.mapping, job.dtype, job.packs, packed=False)
@@ -267,37 +339,14 @@ def _write_units(job: _Job, partial: Path, need: int) -> tuple[Manifest, Path, d
             f"shard set incomplete: wrote {written} tensors / {float_written} bytes, source has "
             f"{len(job.mapping)} / {float_need}; not marked complete"
         )
-    manifest = Manifest(
-        source={"kind": job.source.kind, "name": job.source.name, "fingerprint": fingerprint},
-        model_type=job.source.config.model_type,
-        architecture=type(job.model).__name__,
-        dtype=job.dtype,
-        stack=job.layout.stack,
-        units=units,
-        aliases=job.layout.aliases,
-        seconds=round(time.perf_counter() - job.started, 3),
-        packing=job.packs.mode,
-        int4_layout=job.packs.int4_layout,
-        format_version=FUSED_VERSION
+    version = (
+        FUSED_VERSION
         if any(t.fused for u in units for t in u.tensors)
         else PACKED_VERSION
         if job.packs.params
-        else FORMAT_VERSION,
-        fusion=job.fusion.describe(units) if job.packs.params else "",  # a float set's manifest stays as before
+        else FORMAT_VERSION
     )
-    with (job.progress or no_progress)(f"saving the config and tokenizer of {job.source.name}", after=BLINK_S):
-        job.source.config.save_pretrained(partial)
-        save_tokenizer(job.source, partial)
-    manifest.save(partial)  # before the journal goes, so a run killed in between still resumes every unit
-    (partial / JOURNAL).unlink(missing_ok=True)
-    swap_in(partial, job.final)
-    for note in getattr(job.source._lazy, "written_notes", list)():
-        job.log(note)
-    job.log(
-        f"sharded {job.source.name}: {len(units)} units, {format_bytes(written_bytes)} in {manifest.seconds:.1f} s -> "
-        f"{job.final}"
-    )
-    return manifest, job.final, {"reused": False, **summarize(manifest, manifest.seconds)}
+    return _finish(job, partial, _manifest(job, units, fingerprint, version), "sharded")
 
 
 def _write_unit(

@@ -115,18 +115,17 @@ class RowGathers:
         out = {part: torch.empty((len(rows), width), dtype=torch.uint8) for part, width in widths.items()}
         started = time.perf_counter()
         fd = os.open(self.directory / unit.file, os.O_RDONLY)
+        base = max(unit.start, 0) + record.offset  # an indexed unit is a window of its file
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.posix_fadvise(fd, base, record.nbytes, os.POSIX_FADV_RANDOM)
             for i, row in enumerate(rows):
                 for part, width in widths.items():
                     if (
-                        pread(
-                            fd, memoryview(out[part][i].numpy()), record.offset + offsets[part] + row * width, unit.file
-                        )
+                        pread(fd, memoryview(out[part][i].numpy()), base + offsets[part] + row * width, unit.file)
                         != width
                     ):
                         raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, base, record.nbytes, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
         self.ledger.add_time("read", time.perf_counter() - started)
@@ -143,15 +142,16 @@ class RowGathers:
         table = self._sparse_table(name, record.nbytes)
         view = memoryview(table.numpy())
         fd = os.open(self.directory / unit.file, os.O_RDONLY)
+        base = max(unit.start, 0) + record.offset  # an indexed unit is a window of its file
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.posix_fadvise(fd, base, record.nbytes, os.POSIX_FADV_RANDOM)
             for row in rows:
                 if not 0 <= row < record.shape[0]:
                     raise IndexError(f"token id {row} outside the embedding table of {record.shape[0]} rows")
                 start = row * row_bytes
-                if pread(fd, view[start : start + row_bytes], record.offset + start, unit.file) != row_bytes:
+                if pread(fd, view[start : start + row_bytes], base + start, unit.file) != row_bytes:
                     raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, base, record.nbytes, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
         self.ledger.add_time("read", time.perf_counter() - started)

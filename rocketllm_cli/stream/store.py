@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.manifest import RESHARD, Manifest
+from ..checkpoint.manifest import RESHARD, SIDE_FILE, Manifest
 from ..checkpoint.stfile import DTYPES
 from ..checkpoint.unitrecords import UnitRecord
 from ..errors import ShardError
@@ -88,12 +88,17 @@ class WeightStore(RowGathers):
         self._max_slots = max(1, prefetch_depth) + 1
         self._max_large = 1
         self._pending: dict[str, Future] = {}
-        # Units with a float tensor stored in another dtype than the compute dtype: converted copies on each read.
+        # Units with a float tensor stored in another dtype than the compute dtype (converted copies on each read), or
+        # with a tensor made from pieces of an indexed window (assembled on each read): no views kept for the next read.
         self._converted = {
             u.name
             for u in manifest.units
-            if any(DTYPES[t.dtype].is_floating_point and DTYPES[t.dtype] != compute_dtype for t in u.tensors)
+            if any(
+                t.pieces or (DTYPES[t.dtype].is_floating_point and DTYPES[t.dtype] != compute_dtype) for t in u.tensors
+            )
         }
+        self.row_orders = {k: torch.tensor(v, dtype=torch.long) for k, v in manifest.row_orders.items()}
+        self._side = self._load_side(manifest)
         self._held: dict[str, tuple[Slot | None, int, dict[str, torch.Tensor]]] = {}
         # Host-tier units on a CPU are served through their mapping: only units read per use need IO threads.
         reads = [u for u in streamed if plan.tier[u.name] == "storage" or self.cuda]
@@ -145,7 +150,42 @@ class WeightStore(RowGathers):
     def _load_resident(self, unit: UnitRecord) -> dict[str, torch.Tensor]:
         buf = torch.empty(unit.bytes, dtype=torch.uint8)
         self._read(unit, buf, evict=True)
-        return {name: t.to(self.device) for name, t in self._views(unit, buf).items()}
+        views = self._views(unit, buf)
+        if (
+            self.device.type == "cpu"
+            and unit.indexed
+            and (any(t.pieces for t in unit.tensors) or unit.bytes > unit.tensor_bytes + 2 * ALIGN)
+        ):
+            # The window holds bytes no tensor keeps as they are (pieces assembled into copies, a neighbour's bytes):
+            # keep copies of the rest too, so the window's buffer goes.
+            base = buf.untyped_storage().data_ptr()
+            views = {n: t.clone() if t.untyped_storage().data_ptr() == base else t for n, t in views.items()}
+        return {name: t.to(self.device) for name, t in views.items()}
+
+    def _load_side(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        """An indexed set's side tensors (a few small ones its source stores otherwise), read once and kept."""
+        records = [t for u in manifest.units for t in u.tensors if t.side]
+        if not records:
+            return {}
+        end = max(t.offset + t.nbytes for t in records)
+        buf = torch.empty(end, dtype=torch.uint8)
+        fd = os.open(self.directory / SIDE_FILE, os.O_RDONLY)
+        try:
+            view, done = memoryview(buf.numpy()), 0
+            while done < end:
+                n = pread(fd, view[done:end], done, SIDE_FILE)
+                if n <= 0:
+                    raise ShardError(f"{SIDE_FILE} ended early (truncated); {RESHARD}")
+                done += n
+        finally:
+            os.close(fd)
+        out = {}
+        for t in records:
+            view = buf[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape).clone()
+            if view.is_floating_point() and view.dtype != self.dtype:
+                view = view.to(self.dtype)
+            out[t.name] = view.to(self.device)
+        return out
 
     def _load_host(self, unit: UnitRecord) -> torch.Tensor:
         if self.cuda:
@@ -153,7 +193,10 @@ class WeightStore(RowGathers):
             self._read(unit, buf, evict=True)
             return buf
         with open(self.directory / unit.file, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private, never written: zero-copy page cache
+            # private, never written: zero-copy page cache (an indexed unit: its window of the file)
+            mm = mmap.mmap(
+                f.fileno(), unit.bytes if unit.indexed else 0, access=mmap.ACCESS_COPY, offset=max(unit.start, 0)
+            )
         self._maps.append(mm)
         buf = torch.frombuffer(mm, dtype=torch.uint8)
         self._host_views[unit.name] = self._views(unit, buf)
@@ -352,17 +395,19 @@ class WeightStore(RowGathers):
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         except OSError as exc:
             raise ShardError(f"cannot open shard file {unit.file} ({exc.strerror}); {RESHARD}") from None
+        base = max(unit.start, 0)  # an indexed unit is a window of its file, starting at an aligned offset
         try:
             view = memoryview(into.numpy())
             want = round_up(unit.bytes) if direct else unit.bytes
             done = 0
             while done < unit.bytes:
-                n = pread(fd, view[done:want], done, unit.file)
+                n = pread(fd, view[done:want], base + done, unit.file)
                 if n <= 0:
                     raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
                 done += n
             if evict and not direct:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                # only the window: the rest of an indexed file may be other units' page cache (the host tier)
+                os.posix_fadvise(fd, base, unit.bytes if unit.indexed else 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 
@@ -370,7 +415,11 @@ class WeightStore(RowGathers):
         out = {}
         converting = 0.0
         for t in unit.tensors:
-            view = buf[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
+            if t.side:
+                out[t.name] = self._side[t.name]
+                continue
+            view = self._assemble(t, buf) if t.pieces else buf[t.offset : t.offset + t.nbytes]
+            view = view.view(DTYPES[t.dtype]).view(t.shape)
             if convert and view.is_floating_point() and view.dtype != self.dtype:
                 started = time.perf_counter()
                 view = view.to(self.dtype)
@@ -379,6 +428,18 @@ class WeightStore(RowGathers):
         if converting:
             self.ledger.add_time("convert", converting)  # a cost of computing in another dtype than the shards hold
         return out
+
+    def _assemble(self, record, buf: torch.Tensor) -> torch.Tensor:
+        """An indexed tensor's bytes made from its pieces of the window: each piece's rows, in its row order where it
+        has one (Llama's Q/K rows as transformers orders them), one after another (the members of a fused weight)."""
+        parts = []
+        for offset, nbytes, order in record.pieces:
+            piece = buf[offset : offset + nbytes]
+            if order is not None:
+                rows = self.row_orders[order]
+                piece = piece.view(len(rows), -1).index_select(0, rows.to(piece.device)).view(-1)
+            parts.append(piece)
+        return parts[0].clone() if len(parts) == 1 and record.pieces[0][2] is None else torch.cat(parts)
 
     def close(self) -> None:
         """Stop the IO workers (reads in flight are finished or cancelled) and unmap the host tier's files."""

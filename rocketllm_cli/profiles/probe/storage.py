@@ -252,13 +252,14 @@ def _cold_verdict(
     )
 
 
-def evict_file(path: Path) -> str | None:
-    """Drop the file's clean pages from the page cache; returns why not, or None."""
+def evict_file(path: Path, offset: int = 0, length: int = 0) -> str | None:
+    """Drop the file's clean pages (those of [offset, offset + length), length 0: to the end) from the page cache;
+    returns why not, or None."""
     if not hasattr(os, "posix_fadvise"):
         return "no os.posix_fadvise on this OS"
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         return None
     except OSError as exc:
         return exc.strerror or str(exc)

@@ -121,7 +121,7 @@ def measure(
         return None
     sizes = sorted(u.bytes for u in units)
     biggest = round_up(sizes[-1])
-    paths = [(directory / u.file, u.bytes) for u in units]
+    paths = [(directory / u.file, u.bytes, max(u.start, 0)) for u in units]  # an indexed unit: a window of its file
     configs = [(d, k) for d in ((True, False) if direct_ok else (False,)) for k in in_flights]
     best: dict[tuple[bool, int], UnitReadRow] = {}
     buffers = [mmap.mmap(-1, biggest) for _ in range(max(in_flights))]  # page-aligned, as O_DIRECT needs
@@ -141,27 +141,27 @@ def measure(
     return UnitReads(sizes[len(sizes) // 2], len(units), cpu_shared, [best[c] for c in configs])
 
 
-def _read_all(paths: list[tuple[Path, int]], direct: bool, k: int, buffers: list) -> UnitReadRow:
-    for path, _ in paths:
-        evict_file(path)
+def _read_all(paths: list[tuple[Path, int, int]], direct: bool, k: int, buffers: list) -> UnitReadRow:
+    for path, size, base in paths:
+        evict_file(path, base, size)
     queue = list(range(len(paths)))
 
     def worker(slot: int) -> int:
         view, done = memoryview(buffers[slot]), 0
         for i in queue[slot::k]:
-            path, size = paths[i]
+            path, size, base = paths[i]
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
             try:
                 want = round_up(size) if direct else size
                 got = 0
                 while got < size:
-                    n = os.preadv(fd, [view[got:want]], got)
+                    n = os.preadv(fd, [view[got:want]], base + got)
                     if n <= 0:
                         break
                     got += n
                 done += got
                 if not direct:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # as the engine does after a buffered read
+                    os.posix_fadvise(fd, base, size, os.POSIX_FADV_DONTNEED)  # as the engine does after a buffered read
             finally:
                 os.close(fd)
         return done
