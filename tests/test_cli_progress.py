@@ -154,7 +154,8 @@ def test_library_bars_are_off_and_their_warnings_only_with_debug(debug):
 @pytest.mark.realmodel
 def test_the_real_gguf_off_a_terminal_is_a_line_per_phase_and_no_warning(smollm2_gguf, tmp_path):
     """Sharding SmolLM2 takes seconds: each phase that lasts ANNOUNCE_AFTER_S gets its one announcing line, in
-    order (a phase this machine finishes sooner prints none), then the `sharded` line; transformers' GGUF bars and
+    order (a phase this machine finishes sooner prints none), then the `indexed` line (the set indexes the file in
+    place); transformers' GGUF bars and
     torch's warnings stay out of the log; generate on the set prints nothing but its phases."""
     out = tmp_path / "set"
     done = run_cli("shard", smollm2_gguf, "--out", out)
@@ -166,7 +167,8 @@ def test_the_real_gguf_off_a_terminal_is_a_line_per_phase_and_no_warning(smollm2
         f"saving the config and tokenizer of {name}…",
     ]
     lines = assert_log_lines(done.stderr)
-    assert lines[-1].startswith(f"sharded {name}: {len(manifest.units)} units"), lines
+    assert lines[-1].startswith(f"indexed {name}: {len(manifest.units)} units"), lines
+    assert lines[-1].endswith(f"of {smollm2_gguf.name} in place in {manifest.seconds:.1f} s -> {out}"), lines
     assert lines[:-1] == [p for p in phases if p in lines[:-1]], lines
     assert "Warning" not in done.stderr
 

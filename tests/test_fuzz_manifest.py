@@ -166,7 +166,7 @@ NAMED_EDITS = {
     "norm removed": (lambda d: d["units"].pop(-2), "bad file name"),
     "last unit removed": (lambda d: d["units"].pop(), "is not in the manifest"),
     "index true": (lambda d: d["units"][1].update(index=True), "layer index"),
-    "format 5": (lambda d: d.update(format_version=5), "manifest format 5"),
+    "format 6": (lambda d: d.update(format_version=6), "manifest format 6"),
     "packing unknown": (lambda d: d.update(packing="q3"), "bad packing"),
     "packed in a float set": (
         lambda d: d["units"][1]["tensors"][0].update(packed={"kind": "int4"}),

@@ -132,7 +132,7 @@ def run(
     if json:
         output.json(document)
     else:
-        rate = f", {summary['mb_per_s']} MB/s" if summary.get("mb_per_s") else ""
+        rate = f", {summary['mb_per_s']} MB/s" if summary.get("mb_per_s") and not manifest.indexed else ""
         verb = "indexed in place" if manifest.indexed else "sharded"
         state = "reused existing shards" if summary.get("reused") else f"{verb} in {summary.get('seconds')} s{rate}"
         output.result(

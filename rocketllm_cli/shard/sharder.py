@@ -22,7 +22,7 @@ import torch
 
 from ..cachehome import unwritable
 from ..checkpoint import stfile
-from ..checkpoint.manifest import FORMAT_VERSION, FUSED_VERSION, INDEXED_VERSION, PACKED_VERSION, Manifest
+from ..checkpoint.manifest import FORMAT_VERSION, FUSED_VERSION, PACKED_VERSION, Manifest
 from ..checkpoint.unitrecords import TensorRecord, UnitRecord
 from ..dtypes import NAMES as DTYPES
 from ..dtypes import short_name, torch_dtype
@@ -33,8 +33,8 @@ from . import journal
 from .checks import DISK_FULL, check_space, free_bytes
 from .discover import Layout, build_meta_model, discover
 from .fusion import FusionPlan, plan_fusion
-from .indexing import index, indexes, write_side
-from .journal import JOURNAL
+from .completion import finish, manifest_of, summarize, write_indexed
+from .indexing import index
 from .names import SourceMap, map_names, split_experts
 from .packing import (
     PackPlan,
@@ -46,8 +46,7 @@ from .packing import (
     read_packed,
 )
 from .source import Source, locate, open_source
-from .target import default_out, exclusive, find_existing, partial_of, reusable, swap_in
-from .tokenizers import save_tokenizer
+from .target import default_out, exclusive, find_existing, partial_of, reusable
 
 # Ctrl-C before any unit reached the disk (reading, planning, or the first unit): the same words wherever it lands.
 NOTHING_KEPT = "interrupted before the first unit was written: nothing to resume"
@@ -165,7 +164,7 @@ def _shard(
             expected = {n: _out_dtype(source.shapes[s][1], target) for n, s in mapping.items()}
             indexed = index(job, fingerprint, expected)
             if indexed.units:
-                return _write_indexed(job, indexed)
+                return write_indexed(job, indexed)
             if source.kind == "gguf":
                 log(f"copying the weights of {source.name} into the set: {indexed.why_not}")
         return _write(job)
@@ -241,60 +240,6 @@ def _write(job: _Job) -> tuple[Manifest, Path, dict]:
         ) from None
 
 
-def _write_indexed(job: _Job, indexed) -> tuple[Manifest, Path, dict]:
-    """A set that indexes the GGUF in place: its manifest, side file, config and tokenizer; no weight is copied."""
-    fingerprint = job.source.fingerprint()
-    partial = partial_of(job.final)
-    partial.mkdir(parents=True, exist_ok=True)
-    for stale in partial.iterdir():  # a copy interrupted here before: its unit files are not this set's
-        if stale.is_file():
-            stale.unlink()
-    write_side(partial, indexed)
-    written = sum(len(t.fused) if t.fused else 1 for u in indexed.units for t in u.tensors)
-    if written != len(job.mapping):
-        raise ShardError(f"shard set incomplete: indexed {written} tensors, source has {len(job.mapping)}")
-    manifest = _manifest(job, indexed.units, fingerprint, INDEXED_VERSION)
-    manifest.indexes, manifest.row_orders = indexes(job), indexed.row_orders
-    return _finish(job, partial, manifest, "indexed")
-
-
-def _manifest(job: _Job, units: list[UnitRecord], fingerprint: str, version: int) -> Manifest:
-    return Manifest(
-        source={"kind": job.source.kind, "name": job.source.name, "fingerprint": fingerprint},
-        model_type=job.source.config.model_type,
-        architecture=type(job.model).__name__,
-        dtype=job.dtype,
-        stack=job.layout.stack,
-        units=units,
-        aliases=job.layout.aliases,
-        seconds=round(time.perf_counter() - job.started, 3),
-        packing=job.packs.mode,
-        int4_layout=job.packs.int4_layout,
-        format_version=version,
-        fusion=job.fusion.describe(units) if job.packs.params else "",  # a float set's manifest stays as before
-    )
-
-
-def _finish(job: _Job, partial: Path, manifest: Manifest, verb: str) -> tuple[Manifest, Path, dict]:
-    """The config and tokenizer beside the units, the manifest, and the set swapped into place."""
-    with (job.progress or no_progress)(f"saving the config and tokenizer of {job.source.name}", after=BLINK_S):
-        job.source.config.save_pretrained(partial)
-        save_tokenizer(job.source, partial)
-    manifest.seconds = round(time.perf_counter() - job.started, 3)
-    manifest.save(partial)  # before the journal goes, so a run killed in between still resumes every unit
-    (partial / JOURNAL).unlink(missing_ok=True)
-    swap_in(partial, job.final)
-    for note in getattr(job.source._lazy, "written_notes", list)():
-        job.log(note)
-    size = format_bytes(manifest.total_bytes)
-    where = f" of {Path(manifest.indexes['path']).name} in place" if manifest.indexed else ""
-    job.log(
-        f"{verb} {job.source.name}: {len(manifest.units)} units, {size}{where} in {manifest.seconds:.1f} s -> "
-        f"{job.final}"
-    )
-    return manifest, job.final, {"reused": False, **summarize(manifest, manifest.seconds)}
-
-
 def _write_units(job: _Job, partial: Path, need: int) -> tuple[Manifest, Path, dict]:
     fingerprint = job.source.fingerprint()
     key = job.packs.key(job.dtype)
@@ -346,7 +291,7 @@ def _write_units(job: _Job, partial: Path, need: int) -> tuple[Manifest, Path, d
         if job.packs.params
         else FORMAT_VERSION
     )
-    return _finish(job, partial, _manifest(job, units, fingerprint, version), "sharded")
+    return finish(job, partial, manifest_of(job, units, fingerprint, version), "sharded")
 
 
 def _write_unit(
@@ -415,22 +360,3 @@ def _shape2(mapping: SourceMap, source: Source, name: str) -> tuple[int, int]:
 
 def _out_dtype(stored: torch.dtype, target: torch.dtype) -> torch.dtype:
     return target if stored.is_floating_point else stored
-
-
-def summarize(manifest: Manifest, seconds: float) -> dict:
-    total = manifest.total_bytes
-    return {
-        "units": len(manifest.units),
-        "layers": len(manifest.layers),
-        "experts": len(manifest.experts),
-        "bytes": total,
-        "seconds": round(seconds, 3),
-        "mb_per_s": round(total / seconds / 1e6, 1) if seconds > 0 else None,
-        "dtype": manifest.dtype,
-        "packing": manifest.packing,
-        "packed_tensors": sum(
-            len(t.fused or ()) or 1 for u in manifest.units for t in u.tensors if t.packed is not None
-        ),
-        "fused_tensors": sum(1 for u in manifest.units for t in u.tensors if t.fused),
-        "fusion": manifest.fusion,
-    }

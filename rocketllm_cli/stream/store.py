@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.manifest import RESHARD, SIDE_FILE, Manifest
+from ..checkpoint.manifest import Manifest
 from ..checkpoint.stfile import DTYPES
 from ..checkpoint.unitrecords import UnitRecord
-from ..errors import ShardError
 from ..output import BLINK_S, no_progress
 from ..sizes import ALIGN, round_up
 from .buffers import Slot, aligned_buffer
 from .ledger import Ledger
 from .residency import ResidencyPlan
-from .rowgathers import RowGathers, pread
+from .rowgathers import RowGathers
+from .windows import assemble, load_side, read_unit
 
 # Where AutoModel puts its progress for the resident load: StreamingModel builds the store without carrying it.
 LOAD_PROGRESS: ContextVar = ContextVar("rocketllm_load_progress", default=None)
@@ -98,7 +98,7 @@ class WeightStore(RowGathers):
             )
         }
         self.row_orders = {k: torch.tensor(v, dtype=torch.long) for k, v in manifest.row_orders.items()}
-        self._side = self._load_side(manifest)
+        self._side = load_side(self.directory, manifest, self.dtype, self.device)
         self._held: dict[str, tuple[Slot | None, int, dict[str, torch.Tensor]]] = {}
         # Host-tier units on a CPU are served through their mapping: only units read per use need IO threads.
         reads = [u for u in streamed if plan.tier[u.name] == "storage" or self.cuda]
@@ -161,31 +161,6 @@ class WeightStore(RowGathers):
             base = buf.untyped_storage().data_ptr()
             views = {n: t.clone() if t.untyped_storage().data_ptr() == base else t for n, t in views.items()}
         return {name: t.to(self.device) for name, t in views.items()}
-
-    def _load_side(self, manifest: Manifest) -> dict[str, torch.Tensor]:
-        """An indexed set's side tensors (a few small ones its source stores otherwise), read once and kept."""
-        records = [t for u in manifest.units for t in u.tensors if t.side]
-        if not records:
-            return {}
-        end = max(t.offset + t.nbytes for t in records)
-        buf = torch.empty(end, dtype=torch.uint8)
-        fd = os.open(self.directory / SIDE_FILE, os.O_RDONLY)
-        try:
-            view, done = memoryview(buf.numpy()), 0
-            while done < end:
-                n = pread(fd, view[done:end], done, SIDE_FILE)
-                if n <= 0:
-                    raise ShardError(f"{SIDE_FILE} ended early (truncated); {RESHARD}")
-                done += n
-        finally:
-            os.close(fd)
-        out = {}
-        for t in records:
-            view = buf[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape).clone()
-            if view.is_floating_point() and view.dtype != self.dtype:
-                view = view.to(self.dtype)
-            out[t.name] = view.to(self.device)
-        return out
 
     def _load_host(self, unit: UnitRecord) -> torch.Tensor:
         if self.cuda:
@@ -384,32 +359,9 @@ class WeightStore(RowGathers):
 
     def _read(self, unit: UnitRecord, into: torch.Tensor, evict: bool) -> None:
         started = time.perf_counter()
-        self._read_file(unit, into, evict)
+        read_unit(self.directory, unit, into, evict, self.direct_io)
         self.ledger.add_time("read", time.perf_counter() - started)
         self.ledger.count_read(unit.name)
-
-    def _read_file(self, unit: UnitRecord, into: torch.Tensor, evict: bool) -> None:
-        path = self.directory / unit.file
-        direct = self.direct_io and into.data_ptr() % ALIGN == 0 and into.numel() >= round_up(unit.bytes)
-        try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        except OSError as exc:
-            raise ShardError(f"cannot open shard file {unit.file} ({exc.strerror}); {RESHARD}") from None
-        base = max(unit.start, 0)  # an indexed unit is a window of its file, starting at an aligned offset
-        try:
-            view = memoryview(into.numpy())
-            want = round_up(unit.bytes) if direct else unit.bytes
-            done = 0
-            while done < unit.bytes:
-                n = pread(fd, view[done:want], base + done, unit.file)
-                if n <= 0:
-                    raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
-                done += n
-            if evict and not direct:
-                # only the window: the rest of an indexed file may be other units' page cache (the host tier)
-                os.posix_fadvise(fd, base, unit.bytes if unit.indexed else 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
     def _views(self, unit: UnitRecord, buf: torch.Tensor, convert: bool = True) -> dict[str, torch.Tensor]:
         out = {}
@@ -418,7 +370,7 @@ class WeightStore(RowGathers):
             if t.side:
                 out[t.name] = self._side[t.name]
                 continue
-            view = self._assemble(t, buf) if t.pieces else buf[t.offset : t.offset + t.nbytes]
+            view = assemble(t, buf, self.row_orders) if t.pieces else buf[t.offset : t.offset + t.nbytes]
             view = view.view(DTYPES[t.dtype]).view(t.shape)
             if convert and view.is_floating_point() and view.dtype != self.dtype:
                 started = time.perf_counter()
@@ -428,18 +380,6 @@ class WeightStore(RowGathers):
         if converting:
             self.ledger.add_time("convert", converting)  # a cost of computing in another dtype than the shards hold
         return out
-
-    def _assemble(self, record, buf: torch.Tensor) -> torch.Tensor:
-        """An indexed tensor's bytes made from its pieces of the window: each piece's rows, in its row order where it
-        has one (Llama's Q/K rows as transformers orders them), one after another (the members of a fused weight)."""
-        parts = []
-        for offset, nbytes, order in record.pieces:
-            piece = buf[offset : offset + nbytes]
-            if order is not None:
-                rows = self.row_orders[order]
-                piece = piece.view(len(rows), -1).index_select(0, rows.to(piece.device)).view(-1)
-            parts.append(piece)
-        return parts[0].clone() if len(parts) == 1 and record.pieces[0][2] is None else torch.cat(parts)
 
     def close(self) -> None:
         """Stop the IO workers (reads in flight are finished or cancelled) and unmap the host tier's files."""

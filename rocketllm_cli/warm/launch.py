@@ -8,6 +8,7 @@ instead, its last error line is the caller's error.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -91,6 +92,14 @@ def model_bytes(model: str) -> int | None:
         return path.stat().st_size
     if not path.is_dir():
         return None
+    if (
+        path / "manifest.json"
+    ).is_file():  # a shard set: its weights, which an indexed set keeps in the file it indexes
+        try:
+            doc = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+            return sum(int(t["nbytes"]) for u in doc["units"] for t in u["tensors"]) or None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
     total = sum(
         f.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.gguf") for f in path.glob(pattern) if f.is_file()
     )

@@ -1,0 +1,213 @@
+"""A GGUF set indexes the file in place: no weight byte copied, the same numbers as a copied set in every tier, and
+a file that moves or changes makes the set again rather than serve other bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rocketllm_cli.checkpoint.manifest import MANIFEST, SIDE_FILE, UNIT_FILE, Manifest
+from rocketllm_cli.errors import ShardError
+from rocketllm_cli.shard.checks import verify
+from rocketllm_cli.shard.sharder import shard
+from rocketllm_cli.stream.engineconfig import EngineConfig
+from rocketllm_cli.stream.model import StreamingModel
+
+IDS = torch.tensor([[1, 400, 5000, 77, 9000, 12, 300, 41]])
+TIERS = {  # the whole set resident, mapped from the page cache, read from storage on each use
+    "device": dict(device_cache_bytes=1 << 40),
+    "host": dict(host_cache_bytes=1 << 40),
+    "storage": dict(),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_gguf, tmp_path_factory):
+    """A tiny Llama GGUF of K-quant layers and a Q8_0 embedding (the real model's vocabulary), and its two sets:
+    indexed in place (the default) and copied (--copy)."""
+    from rocketllm_cli.synthetic.gguf import write_llama_gguf
+
+    root = tmp_path_factory.mktemp("inplace")
+    path = write_llama_gguf(
+        root / "m.gguf", smollm2_gguf, hidden=256, layers=3, intermediate=512, heads=4, kv_heads=2, qtype="Q4_K"
+    )
+    logs: list[str] = []
+    indexed = shard(path, out=root / "indexed", log=logs.append)
+    copied = shard(path, out=root / "copied", log=lambda m: None, copy=True)
+    return path, indexed, copied, logs
+
+
+def _run(directory, tier: str):
+    with StreamingModel(directory, EngineConfig(compute_dtype="fp32", **TIERS[tier])) as model, torch.inference_mode():
+        logits = model(IDS).logits
+        served = model.ledger.summary()["prefill"]["served"]
+        plan = "".join(model.plan.tier[u.name][0] for u in model.manifest.layers)
+    return logits, served, plan
+
+
+def test_the_set_is_the_files_bytes_and_no_copy(tiny):
+    path, (manifest, directory, summary), (copied, copy_dir, _), logs = tiny
+    assert manifest.indexed and not copied.indexed
+    assert manifest.indexes == {
+        "path": str(path.resolve()),
+        "size": path.stat().st_size,
+        "mtime_ns": path.stat().st_mtime_ns,
+    }
+    assert not [p for p in os.listdir(directory) if UNIT_FILE.match(p)]  # no unit file: no weight byte copied
+    assert len([p for p in os.listdir(copy_dir) if UNIT_FILE.match(p)]) == len(copied.units)
+    assert manifest.total_bytes == copied.total_bytes
+    assert all(u.indexed and u.start % 4096 == 0 and u.file == str(path.resolve()) for u in manifest.units)
+    # each unit's window is its tensors' bytes and at most a page either side
+    for u in manifest.units:
+        assert u.bytes <= u.tensor_bytes + 2 * 4096, u.name
+    # every packed tensor's bytes are the file's own blocks, read at the place the manifest gives
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    by_offset = {int(t.data_offset): t for t in reader.tensors}
+    raw = path.read_bytes()
+    for u in manifest.units:
+        for t in u.tensors:
+            pieces = t.pieces or [[t.offset, t.nbytes, None]]
+            for offset, nbytes, _ in pieces:
+                assert u.start + offset in by_offset, (u.name, t.name)
+                assert int(by_offset[u.start + offset].n_bytes) == nbytes
+    assert raw  # read whole above: the offsets are the file's
+    assert any(m.startswith("indexed m: ") and "in place" in m for m in logs)
+
+
+def test_llama_rows_are_reordered_and_members_fused_from_pieces(tiny):
+    _, (manifest, _, _), (copied, _, _), _ = tiny
+    layer = manifest.layers[0]
+    fused = {t.name: t for t in layer.tensors if t.fused}
+    qkv = next(t for n, t in fused.items() if "q_proj+k_proj+v_proj" in n)
+    assert [p[2] is not None for p in qkv.pieces] == [True, True, False]  # Q and K rows in transformers' order
+    assert all(p[2] in manifest.row_orders for p in qkv.pieces if p[2])
+    # the copied set holds the same weights under the same names and formats
+    assert {t.name: (t.packed, t.fused, t.nbytes) for t in layer.tensors} == {
+        t.name: (t.packed, t.fused, t.nbytes) for t in copied.layers[0].tensors
+    }
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_every_tier_computes_what_the_copied_set_does(tiny, tier):
+    """Bit for bit, and the same bytes served from the same tier per token."""
+    _, (_, directory, _), (_, copy_dir, _), _ = tiny
+    got, served, plan = _run(directory, tier)
+    want, served_copy, plan_copy = _run(copy_dir, tier)
+    assert torch.equal(got, want)
+    assert served == served_copy and plan == plan_copy
+    assert set(plan) == {tier[0]}
+
+
+def test_indexed_set_matches_transformers_on_the_file(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from rocketllm_cli.compat import dtype_kwargs
+
+    path, (_, directory, _), _, _ = tiny
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **dtype_kwargs(torch.float32))
+    got, _, _ = _run(directory, "storage")
+    with torch.inference_mode():
+        want = reference(IDS).logits
+    assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_moved_or_changed_file_makes_the_set_again(tiny, tmp_path):
+    path = tiny[0]
+    mine = tmp_path / "copy-of-m.gguf"
+    shutil.copy2(path, mine)
+    manifest, directory, _ = shard(mine, out=tmp_path / "s", log=lambda m: None)
+    assert manifest.indexes["path"] == str(mine.resolve())
+
+    os.utime(mine, ns=(mine.stat().st_atime_ns, mine.stat().st_mtime_ns + 10**9))  # touched: it may have changed
+    with pytest.raises(ShardError, match=r"indexes .*copy-of-m\.gguf in place, and it has changed since; re-run"):
+        Manifest.load(directory)
+    logs: list[str] = []
+    again, _, summary = shard(mine, out=tmp_path / "s", log=logs.append)
+    assert not summary["reused"] and again.indexes["mtime_ns"] == mine.stat().st_mtime_ns
+    assert any("has changed since; sharding it again" in m for m in logs)
+
+    moved = tmp_path / "moved.gguf"
+    os.rename(mine, moved)
+    with pytest.raises(ShardError, match=r"indexes copy-of-m\.gguf in place, and .* is gone; re-run"):
+        Manifest.load(directory)
+    again, _, _ = shard(moved, out=tmp_path / "s", log=lambda m: None)
+    assert again.indexes["path"] == str(moved.resolve())
+    assert torch.equal(_run(directory, "device")[0], _run(tiny[1][1], "device")[0])
+
+
+def test_copy_makes_an_indexed_set_its_own_files_and_the_default_reuses_a_copy(tiny, tmp_path):
+    path = tiny[0]
+    shard(path, out=tmp_path / "s", log=lambda m: None)
+    logs: list[str] = []
+    copied, directory, _ = shard(path, out=tmp_path / "s", log=logs.append, copy=True)
+    assert not copied.indexed and len([p for p in os.listdir(directory) if UNIT_FILE.match(p)]) == len(copied.units)
+    assert any("writing the set's own files (--copy)" in m for m in logs)
+    reused, _, summary = shard(path, out=tmp_path / "s", log=lambda m: None)  # a copied set still loads as it is
+    assert summary["reused"] and not reused.indexed
+
+
+def test_verify_hashes_the_indexed_file(tiny, tmp_path):
+    path = tiny[0]
+    mine = tmp_path / "m.gguf"
+    shutil.copy2(path, mine)
+    _, directory, _ = shard(mine, out=tmp_path / "s", log=lambda m: None)
+    assert verify(directory) == []
+    st = mine.stat()
+    with open(mine, "r+b") as f:  # one byte of the last tensor changed, size and mtime kept
+        f.seek(st.st_size - 100)
+        byte = f.read(1)
+        f.seek(st.st_size - 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(mine, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert verify(directory) == [f"{mine.resolve()}: checksum mismatch (contents changed)"]
+
+
+def test_a_manifest_window_past_the_file_or_bad_pieces_is_refused(tiny, tmp_path):
+    _, (_, directory, _), _, _ = tiny
+    broken = tmp_path / "broken"
+    shutil.copytree(directory, broken)
+    doc = json.loads((broken / MANIFEST).read_text())
+    doc["units"][1]["start"] = doc["indexes"]["size"]  # aligned or not, past the end
+    doc["units"][1]["start"] -= doc["units"][1]["start"] % 4096
+    (broken / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ShardError, match="lies past the end of m.gguf; re-run"):
+        Manifest.load(broken)
+    doc = json.loads((directory / MANIFEST).read_text())
+    record = next(t for t in doc["units"][1]["tensors"] if t.get("pieces"))
+    record["pieces"][0][1] += 1
+    (broken / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ShardError, match="manifest is corrupt .*bad pieces"):
+        Manifest.load(broken)
+
+
+def test_gemma_norms_go_to_the_side_file(gemma_gguf, tmp_path):
+    """transformers reads Gemma's norms less one: those few tensors are the set's own, the rest the file's."""
+    manifest, directory, _ = shard(gemma_gguf, out=tmp_path / "g", log=lambda m: None)
+    side = [t for u in manifest.units for t in u.tensors if t.side]
+    assert manifest.indexed and side and all("norm" in t.name for t in side)
+    assert (directory / SIDE_FILE).stat().st_size < 1 << 20
+    assert sum(t.nbytes for t in side) < manifest.total_bytes / 500
+
+
+def test_cli_says_indexed_and_cache_ls_says_in_place(tiny, tmp_path):
+    env = {**os.environ, "ROCKETLLM_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run(
+        [sys.executable, "-m", "rocketllm_cli", "shard", str(tiny[0])], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    assert "indexed in place in" in run.stdout
+    ls = subprocess.run(
+        [sys.executable, "-m", "rocketllm_cli", "cache", "ls", "--json"], capture_output=True, text=True, env=env
+    )
+    sets = json.loads(ls.stdout)["sets"]
+    assert [s["indexes"] for s in sets] == [str(tiny[0].resolve())]
+    assert sets[0]["bytes"] < tiny[0].stat().st_size  # the weights are the file's, not the cache's
