@@ -211,3 +211,13 @@ def test_cli_says_indexed_and_cache_ls_says_in_place(tiny, tmp_path):
     sets = json.loads(ls.stdout)["sets"]
     assert [s["indexes"] for s in sets] == [str(tiny[0].resolve())]
     assert sets[0]["bytes"] < tiny[0].stat().st_size  # the weights are the file's, not the cache's
+
+
+def test_an_indexed_set_is_measured_where_its_file_is(tiny):
+    """The profile's storage figures are those of the filesystem the weights stream from: the indexed file's."""
+    from rocketllm_cli.profiles.probe.filesystems import weights_location
+
+    path, (_, directory, _), (_, copy_dir, _), _ = tiny
+    assert weights_location(directory) == path.resolve()
+    assert weights_location(copy_dir) == copy_dir
+    assert weights_location(path) == path

@@ -229,5 +229,3 @@ def set_key(dtype: str, packing: str = "", int4_layout: str = "") -> str:
     "bf16-packed-lanes64")."""
     key = f"{dtype}-{packing}" if packing else dtype
     return f"{key}-{int4_layout}" if packing and int4_layout and int4_layout != "rows" else key
-
-

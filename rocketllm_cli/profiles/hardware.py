@@ -20,7 +20,7 @@ from .cache import profile_dir
 from .probe import capabilities as caps
 from .probe import measure
 from .probe.devices import choose_device, device_memory, torch_accelerators
-from .probe.filesystems import filesystem_of
+from .probe.filesystems import filesystem_of, weights_location
 from .probe.machine import (
     collect_facts,
     cpu_snapshot,
@@ -92,7 +92,7 @@ class HardwareProfile:
     ) -> "HardwareProfile | None":
         log = log or logging.getLogger("rocketllm").info
         fp = fingerprint(fingerprint_facts())
-        fs = filesystem_of(Path(storage_path) if storage_path is not None else cache_dir())
+        fs = filesystem_of(weights_location(Path(storage_path)) if storage_path is not None else cache_dir())
         where = profile_dir(fp)
         if refresh:
             (where / "kernels.json").unlink(missing_ok=True)  # the low-bit kernel probe (packed/probe.py) runs again

@@ -7,6 +7,7 @@ keyed by `Filesystem.key` (mount point, type, source device, st_dev).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ NETWORK_FS = {
     "afs",
 }
 MEMORY_FS = {"tmpfs", "ramfs"}
+INDEXED_MANIFEST_MAX = 16 << 20  # bytes: an indexed set has no experts, and its manifest is far smaller
 STORAGE_KINDS = ("nvme", "ssd", "rotational", "network", "tmpfs", "overlay", "unknown")
 
 
@@ -57,6 +59,19 @@ def filesystem_of(path: Path) -> Filesystem:
     return Filesystem(
         directory, mount_point, fstype, source, f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}", kind, reason
     )
+
+
+def weights_location(path: Path) -> Path:
+    """Where the weights behind PATH are read from: PATH, but for a shard set that indexes a file in place
+    (shard/indexing.py), that file, whose filesystem the set streams from."""
+    manifest = Path(path) / "manifest.json"
+    try:
+        if manifest.stat().st_size > INDEXED_MANIFEST_MAX:  # routed experts' sets: never indexed
+            return Path(path)
+        indexed = (json.loads(manifest.read_text(encoding="utf-8")).get("indexes") or {}).get("path")
+    except (OSError, ValueError, AttributeError):
+        return Path(path)
+    return Path(indexed) if isinstance(indexed, str) else Path(path)
 
 
 def existing_directory(path: Path) -> Path:
