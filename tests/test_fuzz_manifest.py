@@ -173,6 +173,15 @@ NAMED_EDITS = {
         "bad packed format",
     ),
     "aliases missing": (lambda d: d.pop("aliases"), "fields missing or unknown"),
+    "a window in a set of files": (lambda d: d["units"][1].update(start=0), "bad start"),
+    "pieces in a set of files": (
+        lambda d: d["units"][1]["tensors"][0].update(pieces=[[0, 4, None]]),
+        "placed in a set that indexes nothing",
+    ),
+    "indexes without its version": (
+        lambda d: d.update(indexes={"path": "/m.gguf", "size": 1, "mtime_ns": 1}),
+        "bad indexes",
+    ),
 }
 
 

@@ -187,6 +187,17 @@ def test_a_manifest_window_past_the_file_or_bad_pieces_is_refused(tiny, tmp_path
     (broken / MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(ShardError, match="manifest is corrupt .*bad pieces"):
         Manifest.load(broken)
+    for edit, says in (
+        (lambda d: d["units"][1].update(start=d["units"][1]["start"] + 512), "bad start"),
+        (lambda d: d["indexes"].update(path="m.gguf"), "bad indexes"),
+        (lambda d: d["row_orders"].update({k: [0] * len(v) for k, v in d["row_orders"].items()}), "bad row_orders"),
+        (lambda d: d["units"][1]["tensors"][0].update(side="yes"), "bad side"),
+    ):
+        doc = json.loads((directory / MANIFEST).read_text())
+        edit(doc)
+        (broken / MANIFEST).write_text(json.dumps(doc))
+        with pytest.raises(ShardError, match=f"manifest is corrupt .*{says}"):
+            Manifest.load(broken)
 
 
 def test_gemma_norms_go_to_the_side_file(gemma_gguf, tmp_path):

@@ -8,6 +8,7 @@ import re
 from dataclasses import fields
 
 from ..dtypes import SAFETENSORS as SHARD_DTYPES  # manifest dtype -> stored name of its floating tensors
+from ..sizes import ALIGN
 from . import stfile
 from .unitrecords import TensorRecord, UnitRecord
 
@@ -106,7 +107,10 @@ def validate(doc, manifest_fields: set[str]) -> None:
             f"unit {i}: fields missing or unknown",
         )
         start = u.get("start", -1)
-        _require(type(start) is int and (start == -1 if not indexes else _count(start)), f"unit {i}: bad start")
+        _require(
+            type(start) is int and (start == -1 if not indexes else _count(start) and start % ALIGN == 0),
+            f"unit {i}: bad start",
+        )  # a window starts on a page, as O_DIRECT reads it
         name, kind, module, index = u["name"], u["kind"], u["module"], u["index"]
         _require(isinstance(name, str) and isinstance(module, str), f"unit {i}: bad name or module")
         if kind == "layer":
