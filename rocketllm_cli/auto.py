@@ -252,6 +252,9 @@ class AutoModel:
         from .shard.source import check_locatable
 
         check_locatable(model)  # a mistyped path is refused before torch and transformers are imported
+        from .shard.identity import hash_in_background
+
+        hash_in_background(model)  # a GGUF's first content hash runs beside the imports below
 
         from transformers import AutoConfig
 

@@ -147,6 +147,9 @@ def run(
     from ..shard.source import check_locatable
 
     check_locatable(model)  # a mistyped path is refused before the server, torch and transformers are imported
+    from ..shard.identity import hash_in_background
+
+    hash_in_background(model)  # a GGUF's first content hash runs beside the imports below
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

@@ -83,6 +83,9 @@ def run(
     if quantize not in ("auto", "none", "int4", "int8"):
         raise ShardError(f"bad --quantize {quantize!r}: expected auto, int4, int8 or none")
     check_locatable(model)  # a mistyped path is refused before torch and transformers are imported
+    from ..shard.identity import hash_in_background
+
+    hash_in_background(model)  # a GGUF's first content hash runs beside the imports below
 
     from ..checkpoint.manifest import MANIFEST, Manifest
     from ..shard.checks import verify as verify_dir

@@ -33,6 +33,7 @@ from . import journal
 from .checks import DISK_FULL, check_space, free_bytes
 from .discover import Layout, build_meta_model, discover
 from .fusion import FusionPlan, plan_fusion
+from .identity import hashing
 from .completion import finish, manifest_of, summarize, write_indexed
 from .indexing import index
 from .names import SourceMap, map_names, split_experts
@@ -75,23 +76,27 @@ def shard(
     phase = progress or no_progress
     with phase(f"fetching {model}", after=BLINK_S):  # slow only for a hub id, whose download it is
         located = locate(model)
+    source = None
     if out is None and not rebuild:
-        found = find_existing(located, dtype, packing, log)
+        if located.kind == "gguf" and hashing(located.path):
+            # A first contact with this file: its content hash (what finds an existing set) runs on its thread while
+            # its header is read here; a set found after all makes this reading wasted, not wrong.
+            source = _open(located, phase)
+        try:
+            found = find_existing(located, dtype, packing, log)
+        except BaseException:
+            if source is not None:
+                source.close()
+            raise
         if found is not None and copy and found[0].indexed:
             log(f"{found[1]}: indexes the file in place; writing the set's own files (--copy)")
             found, rebuild = None, True
         if found is not None:
+            if source is not None:
+                source.close()
             return found[0], found[1], {"reused": True, **summarize(found[0], 0.0)}
-    # Reading a GGUF's metadata can take seconds: off a terminal its line comes once it lasts ANNOUNCE_AFTER_S,
-    # so a bad input refused at once stays one error line. transformers is imported first: its import (seconds on
-    # a busy machine) is not the reading, and would announce a phase that a bad config then ends at once.
-    import transformers.models.auto.configuration_auto  # noqa: F401
-
-    with phase(f"reading {located.name}", after=BLINK_S):
-        try:
-            source = open_source(located)
-        except KeyboardInterrupt:
-            raise Interrupted(NOTHING_KEPT) from None
+    if source is None:
+        source = _open(located, phase)
     try:
         return _shard(source, out, dtype, progress, log, started, rebuild, packing, fuse, copy)
     except Interrupted:  # the writing said what it kept
@@ -100,6 +105,19 @@ def shard(
         raise Interrupted(NOTHING_KEPT) from None
     finally:
         source.close()
+
+
+def _open(located, phase) -> Source:
+    # Reading a GGUF's metadata can take seconds: off a terminal its line comes once it lasts ANNOUNCE_AFTER_S,
+    # so a bad input refused at once stays one error line. transformers is imported first: its import (seconds on
+    # a busy machine) is not the reading, and would announce a phase that a bad config then ends at once.
+    import transformers.models.auto.configuration_auto  # noqa: F401
+
+    with phase(f"reading {located.name}", after=BLINK_S):
+        try:
+            return open_source(located)
+        except KeyboardInterrupt:
+            raise Interrupted(NOTHING_KEPT) from None
 
 
 def _shard(
