@@ -232,3 +232,54 @@ def test_an_indexed_set_is_measured_where_its_file_is(tiny):
     assert weights_location(directory) == path.resolve()
     assert weights_location(copy_dir) == copy_dir
     assert weights_location(path) == path
+
+
+def test_a_first_contacts_hash_runs_once_beside_the_imports(tiny, tmp_path, monkeypatch):
+    """The content hash a set is found by is begun on a thread as the command starts; the sharder waits for that one
+    rather than hashing the file again, reads the header meanwhile, and the memo keeps the result."""
+    import threading
+
+    from rocketllm_cli.shard import identity
+
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    mine = tmp_path / "fresh.gguf"
+    shutil.copy2(tiny[0], mine)
+    calls, release = [], threading.Event()
+    real = identity.file_digest
+
+    def slow_digest(path):
+        calls.append(path)
+        release.wait(30)  # held until the sharder is waiting for it
+        return real(path)
+
+    monkeypatch.setattr(identity, "file_digest", slow_digest)
+    identity.hash_in_background(mine)
+    identity.hash_in_background(mine)  # once per file state
+    assert identity.hashing(mine) and len(calls) <= 1
+    threading.Timer(0.5, release.set).start()
+    manifest, _, summary = shard(mine, log=lambda m: None)
+    assert len(calls) == 1 and not identity.hashing(mine)
+    assert manifest.source["fingerprint"] == real(mine) == identity.known_fingerprint(mine)
+    assert manifest.indexed and not summary["reused"]
+    identity.hash_in_background(tmp_path / "absent.gguf")  # nothing to hash: nothing started, nothing raised
+    identity.hash_in_background(tiny[1][1])  # not a GGUF
+    assert not identity.hashing(mine)
+
+
+def test_a_streamed_window_is_read_from_storage_each_time_even_from_a_warm_file(tiny):
+    """Windows of one file: a buffered read must neither run ahead into the next window (read twice, or served from
+    the page cache unseen) nor leave the large folios of an earlier whole-file read behind when it evicts. What the
+    ledger says came from storage is what /proc/self/io saw, with the file first read whole by another process."""
+    from rocketllm_cli.stream.model import StreamingModel
+
+    path, (_, directory, _), _, _ = tiny
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # warm, in another process's folios
+    config = EngineConfig(compute_dtype="fp32", prefetch_depth=0, direct_io=False)
+    with StreamingModel(directory, config) as model, torch.inference_mode():
+        ids = torch.tensor([[1, 400, 5000, 77]])
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        summary = model.ledger.summary()
+    if summary["per_token_storage_witnessed"] is None:
+        pytest.skip("/proc/self/io is not readable")
+    served = summary["per_token_served"]["storage"]
+    assert served > 0 and summary["per_token_storage_witnessed"] == pytest.approx(served, rel=0.02)

@@ -19,6 +19,7 @@ from ..checkpoint.manifest import RESHARD
 from ..checkpoint.stfile import DTYPES
 from ..checkpoint.unitrecords import UnitRecord
 from ..errors import ShardError
+from ..profiles.probe.storage import evict_range
 
 
 class RowGathers:
@@ -125,7 +126,7 @@ class RowGathers:
                         != width
                     ):
                         raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
-            os.posix_fadvise(fd, base, record.nbytes, os.POSIX_FADV_DONTNEED)
+            evict_range(fd, base if unit.indexed else 0, record.nbytes if unit.indexed else 0)
         finally:
             os.close(fd)
         self.ledger.add_time("read", time.perf_counter() - started)
@@ -151,7 +152,7 @@ class RowGathers:
                 start = row * row_bytes
                 if pread(fd, view[start : start + row_bytes], base + start, unit.file) != row_bytes:
                     raise ShardError(f"shard file {unit.file} ended early (truncated); {RESHARD}")
-            os.posix_fadvise(fd, base, record.nbytes, os.POSIX_FADV_DONTNEED)
+            evict_range(fd, base if unit.indexed else 0, record.nbytes if unit.indexed else 0)
         finally:
             os.close(fd)
         self.ledger.add_time("read", time.perf_counter() - started)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...sizes import round_up
-from .storage import evict_file
+from .storage import evict_file, evict_range
 
 IN_FLIGHTS = (1, 2, 4, 8)
 SAMPLE_BYTES = 64 * 1024**2  # read per method and count in flight: enough units that a request's latency averages out
@@ -161,7 +161,9 @@ def _read_all(paths: list[tuple[Path, int, int]], direct: bool, k: int, buffers:
                     got += n
                 done += got
                 if not direct:
-                    os.posix_fadvise(fd, base, size, os.POSIX_FADV_DONTNEED)  # as the engine does after a buffered read
+                    evict_range(
+                        fd, base, size if base else 0
+                    )  # as the engine does after a buffered read (base 0: a file)
             finally:
                 os.close(fd)
         return done
