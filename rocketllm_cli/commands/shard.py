@@ -92,36 +92,31 @@ def run(
     from ..shard.sharder import shard, summarize
 
     output = Output(as_json=json)
+
+    def from_model(rebuild: bool = False):
+        return shard(
+            model,
+            out=out,
+            dtype=dtype,
+            progress=output.progress,
+            log=output.log,
+            rebuild=rebuild,
+            packing=quantize,
+            fuse=fuse,
+            copy=copy,
+        )
+
     path = Path(model).expanduser()
     from_source = not (path.is_dir() and (path / MANIFEST).is_file())
     if not from_source:
         manifest, directory = Manifest.load(path), path
         summary = {"reused": True, **summarize(manifest, 0.0)}  # the same fields as a fresh or reused run from a source
     else:
-        manifest, directory, summary = shard(
-            model,
-            out=out,
-            dtype=dtype,
-            progress=output.progress,
-            log=output.log,
-            packing=quantize,
-            fuse=fuse,
-            copy=copy,
-        )
+        manifest, directory, summary = from_model()
     problems = verify_dir(directory) if verify else []
     if problems and from_source:  # the source is at hand: write the set again rather than report a damaged one
         output.log(f"{_count(problems)} not match the manifest ({problems[0]}); sharding again")
-        manifest, directory, summary = shard(
-            model,
-            out=out,
-            dtype=dtype,
-            progress=output.progress,
-            log=output.log,
-            rebuild=True,
-            packing=quantize,
-            fuse=fuse,
-            copy=copy,
-        )
+        manifest, directory, summary = from_model(rebuild=True)
         problems = verify_dir(directory)
     document = {
         "directory": str(directory),
