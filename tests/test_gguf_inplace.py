@@ -19,6 +19,8 @@ from rocketllm_cli.shard.sharder import shard
 from rocketllm_cli.stream.engineconfig import EngineConfig
 from rocketllm_cli.stream.model import StreamingModel
 
+pytestmark = pytest.mark.compat  # transformers' GGUF processors decide what is a piece, a row order or a side tensor
+
 IDS = torch.tensor([[1, 400, 5000, 77, 9000, 12, 300, 41]])
 TIERS = {  # the whole set resident, mapped from the page cache, read from storage on each use
     "device": dict(device_cache_bytes=1 << 40),
