@@ -285,3 +285,19 @@ def test_a_streamed_window_is_read_from_storage_each_time_even_from_a_warm_file(
         pytest.skip("/proc/self/io is not readable")
     served = summary["per_token_served"]["storage"]
     assert served > 0 and summary["per_token_storage_witnessed"] == pytest.approx(served, rel=0.02)
+
+
+def test_a_unit_all_in_the_side_file_reads_and_evicts_nothing(tmp_path, monkeypatch):
+    """Gemma's final norm is changed on its way in: its unit is a window of no bytes, which must not read, map or
+    evict the whole file (a length of 0 means 'to the end' to fadvise and mmap)."""
+    from rocketllm_cli.checkpoint.unitrecords import UnitRecord
+    from rocketllm_cli.stream import windows
+
+    file = tmp_path / "m.gguf"
+    file.write_bytes(b"\0" * 8192)
+    calls = []
+    monkeypatch.setattr(windows.os, "posix_fadvise", lambda *a: calls.append(a))
+    monkeypatch.setattr(windows.os, "open", lambda *a, **k: calls.append(a) or pytest.fail("opened the file"))
+    unit = UnitRecord("norm", "norm", "model.norm", str(file), 0, "0" * 64, [], -1, start=0)
+    windows.read_unit(tmp_path, unit, torch.empty(0, dtype=torch.uint8), evict=True, direct_io=False)
+    assert calls == []

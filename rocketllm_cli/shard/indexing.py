@@ -32,7 +32,7 @@ from ..sizes import ALIGN
 from .fusion import fused_format
 
 WINDOW_SLACK = 0.02  # a window may hold this share of bytes beyond its tensors' (and an aligned page at each end)
-SIDE_LIMIT = 16 << 20  # side file bytes an indexed set may carry (Gemma 3 270M's norms: 46 KiB)
+SIDE_LIMIT = 16 << 20  # side file bytes an indexed set may carry (Gemma 3 270M's norms: 236 KB)
 
 
 @dataclass
@@ -77,7 +77,7 @@ def _index_unit(job, lazy, plan, fingerprint: str, expected: dict, out: Indexed)
             if job.packs.params[n] != "source":
                 return f"{n} is requantized"
             offset, nbytes, order = lazy.place(src)
-            if order is False:
+            if order is False or (order is not None and _looked_up_by_rows(job.model, n)):
                 return f"{n} is changed on its way in"
             fmt = lazy.packed_format(src)
             places[n] = [[offset, nbytes, _order_key(order, out.row_orders)]]
@@ -86,7 +86,7 @@ def _index_unit(job, lazy, plan, fingerprint: str, expected: dict, out: Indexed)
         placed = lazy.place_float(src, expected[n])
         shape = list(job.source.shapes[src][0])
         if placed is None:
-            if plan.kind == "embed":
+            if plan.kind == "embed" or _looked_up_by_rows(job.model, n):  # read by rows from its place in the file
                 return f"its embedding {n} is changed on its way in"
             out.side[n] = job.mapping.read(job.source, n).to(expected[n]).reshape(shape).contiguous()
             records[n] = dict(source=job.mapping.source_name(n), dtype=stfile.NAMES[expected[n]], shape=shape)
@@ -184,6 +184,17 @@ def _order_key(order, orders: dict[str, list[int]]) -> str | None:
     key = hashlib.sha256(str(rows).encode()).hexdigest()[:12]
     orders.setdefault(key, rows)
     return key
+
+
+def _looked_up_by_rows(model, name: str) -> bool:
+    """Whether NAME is an embedding table, which the store reads by rows from its place in the file
+    (stream/rowgathers.py): it must be there as it is, not in pieces or the side file."""
+    owner = name.rpartition(".")[0]
+    try:
+        module = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return False
+    return isinstance(module, torch.nn.Embedding)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -163,6 +163,10 @@ class WeightStore(RowGathers):
         return {name: t.to(self.device) for name, t in views.items()}
 
     def _load_host(self, unit: UnitRecord) -> torch.Tensor:
+        if unit.indexed and not unit.bytes:  # all in the side file: nothing to map (length 0 maps the whole file)
+            buf = torch.empty(0, dtype=torch.uint8)
+            self._host_views[unit.name] = self._host_raw[unit.name] = self._views(unit, buf)
+            return buf
         if self.cuda:
             buf = torch.empty(unit.bytes, dtype=torch.uint8, pin_memory=self.pin)
             self._read(unit, buf, evict=True)

@@ -20,6 +20,8 @@ from .rowgathers import pread
 def read_unit(directory: Path, unit: UnitRecord, into: torch.Tensor, evict: bool, direct_io: bool) -> None:
     """UNIT's bytes into INTO: with O_DIRECT where asked and the buffer allows, else buffered and then dropped from the
     page cache where EVICT (only the unit's window: the rest of an indexed file may be other units' host tier)."""
+    if unit.indexed and not unit.bytes:
+        return  # every tensor of it is in the side file: a window of nothing (and a length 0 would mean the file)
     path = directory / unit.file
     direct = direct_io and into.data_ptr() % ALIGN == 0 and into.numel() >= round_up(unit.bytes)
     try:
