@@ -24,12 +24,12 @@ from ..checkpoint.manifest import Manifest
 from ..checkpoint.stfile import DTYPES
 from ..checkpoint.unitrecords import UnitRecord
 from ..output import BLINK_S, no_progress
-from ..sizes import ALIGN, round_up
+from ..sizes import round_up
 from .buffers import Slot, aligned_buffer
 from .ledger import Ledger
 from .residency import ResidencyPlan
 from .rowgathers import RowGathers
-from .windows import assemble, load_side, read_unit
+from .windows import assemble, load_side, own_copies, read_unit
 
 # Where AutoModel puts its progress for the resident load: StreamingModel builds the store without carrying it.
 LOAD_PROGRESS: ContextVar = ContextVar("rocketllm_load_progress", default=None)
@@ -151,15 +151,8 @@ class WeightStore(RowGathers):
         buf = torch.empty(unit.bytes, dtype=torch.uint8)
         self._read(unit, buf, evict=True)
         views = self._views(unit, buf)
-        if (
-            self.device.type == "cpu"
-            and unit.indexed
-            and (any(t.pieces for t in unit.tensors) or unit.bytes > unit.tensor_bytes + 2 * ALIGN)
-        ):
-            # The window holds bytes no tensor keeps as they are (pieces assembled into copies, a neighbour's bytes):
-            # keep copies of the rest too, so the window's buffer goes.
-            base = buf.untyped_storage().data_ptr()
-            views = {n: t.clone() if t.untyped_storage().data_ptr() == base else t for n, t in views.items()}
+        if self.device.type == "cpu":
+            views = own_copies(unit, views, buf)
         return {name: t.to(self.device) for name, t in views.items()}
 
     def _load_host(self, unit: UnitRecord) -> torch.Tensor:

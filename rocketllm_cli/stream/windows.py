@@ -68,6 +68,15 @@ def assemble(record, buf: torch.Tensor, row_orders: dict[str, torch.Tensor]) -> 
     return parts[0].clone() if len(parts) == 1 and record.pieces[0][2] is None else torch.cat(parts)
 
 
+def own_copies(unit: UnitRecord, views: dict[str, torch.Tensor], buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A resident unit's tensors, kept for good: where its window holds bytes no tensor keeps as they are (pieces
+    assembled into copies, a neighbour's bytes), the rest are copied too, so the window's buffer BUF goes."""
+    if not unit.indexed or not (any(t.pieces for t in unit.tensors) or unit.bytes > unit.tensor_bytes + 2 * ALIGN):
+        return views
+    base = buf.untyped_storage().data_ptr()
+    return {n: t.clone() if t.untyped_storage().data_ptr() == base else t for n, t in views.items()}
+
+
 def load_side(directory: Path, manifest: Manifest, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """An indexed set's side tensors (a few small ones its source stores otherwise), read once, in DTYPE on DEVICE."""
     records = [t for u in manifest.units for t in u.tensors if t.side]
