@@ -97,7 +97,8 @@ class WeightStore(RowGathers):
                 t.pieces or (DTYPES[t.dtype].is_floating_point and DTYPES[t.dtype] != compute_dtype) for t in u.tensors
             )
         }
-        self.row_orders = {k: torch.tensor(v, dtype=torch.long) for k, v in manifest.row_orders.items()}
+        orders = {k: torch.tensor(v, dtype=torch.long) for k, v in manifest.row_orders.items()}
+        self.row_orders = {"cpu": orders, self.device.type: {k: v.to(self.device) for k, v in orders.items()}}
         self._side = load_side(self.directory, manifest, self.dtype, self.device)
         self._held: dict[str, tuple[Slot | None, int, dict[str, torch.Tensor]]] = {}
         # Host-tier units on a CPU are served through their mapping: only units read per use need IO threads.
@@ -172,7 +173,9 @@ class WeightStore(RowGathers):
         self._maps.append(mm)
         buf = torch.frombuffer(mm, dtype=torch.uint8)
         self._host_views[unit.name] = self._views(unit, buf)
-        self._host_raw[unit.name] = self._views(unit, buf, convert=False)  # row gathers convert only the rows they need
+        pieced = any(t.pieces for t in unit.tensors)  # never a table read by rows: no raw views to keep beside
+        # row gathers convert only the rows they need
+        self._host_raw[unit.name] = self._host_views[unit.name] if pieced else self._views(unit, buf, convert=False)
         return buf
 
     def resident(self, name: str) -> dict[str, torch.Tensor]:
@@ -367,7 +370,9 @@ class WeightStore(RowGathers):
             if t.side:
                 out[t.name] = self._side[t.name]
                 continue
-            view = assemble(t, buf, self.row_orders) if t.pieces else buf[t.offset : t.offset + t.nbytes]
+            view = (
+                assemble(t, buf, self.row_orders[buf.device.type]) if t.pieces else buf[t.offset : t.offset + t.nbytes]
+            )
             view = view.view(DTYPES[t.dtype]).view(t.shape)
             if convert and view.is_floating_point() and view.dtype != self.dtype:
                 started = time.perf_counter()

@@ -57,13 +57,14 @@ def window_advice(fd: int, base: int, nbytes: int) -> None:
 
 def assemble(record, buf: torch.Tensor, row_orders: dict[str, torch.Tensor]) -> torch.Tensor:
     """An indexed tensor's bytes made from its pieces of the window BUF: each piece's rows, in its row order where it
-    has one (Llama's Q/K rows as transformers orders them), one after another (the members of a fused weight)."""
+    has one (Llama's Q/K rows as transformers orders them; ROW_ORDERS on BUF's device), one after another (the members
+    of a fused weight)."""
     parts = []
     for offset, nbytes, order in record.pieces:
         piece = buf[offset : offset + nbytes]
         if order is not None:
             rows = row_orders[order]
-            piece = piece.view(len(rows), -1).index_select(0, rows.to(piece.device)).view(-1)
+            piece = piece.view(len(rows), -1).index_select(0, rows).view(-1)
         parts.append(piece)
     return parts[0].clone() if len(parts) == 1 and record.pieces[0][2] is None else torch.cat(parts)
 
