@@ -16,13 +16,11 @@ from pathlib import Path
 from ..errors import ShardError
 from . import stfile
 from .manifestchecks import (  # noqa: F401 - the versions, names and kinds are the manifest's, declared with its checks
-    FIXED_UNIT_NAMES,
     FORMAT_VERSION,
     FUSED_VERSION,
     INDEXED_VERSION,
     INT4_LAYOUTS,
     PACKED_VERSION,
-    PREFIXED_KINDS,
     READABLE_VERSIONS,
     Corrupt,
     fused_name,
@@ -183,8 +181,7 @@ class Manifest:
                 header = stfile.read_header(path)
             except ShardError as exc:
                 raise ShardError(f"shard file {exc}; {RESHARD}") from None
-            stored = {n: (stfile.NAMES[e.dtype], list(e.shape), e.start, e.nbytes) for n, e in header.entries.items()}
-            recorded = {t.name: (t.dtype, list(t.shape), t.offset, t.nbytes) for t in u.tensors}
+            stored, recorded = _as_stored(header), _as_recorded(u.tensors)
             if stored != recorded or header.metadata.get("unit", u.name) != u.name:
                 differs = next(
                     (n for n in sorted(set(stored) | set(recorded)) if stored.get(n) != recorded.get(n)), None
@@ -211,16 +208,25 @@ class Manifest:
         for u in self.units:
             if u.indexed and u.start + u.bytes > st.st_size:
                 raise ShardError(f"unit {u.name} lies past the end of {path.name}; {RESHARD}")
-        side = {t.name: (t.dtype, list(t.shape), t.offset, t.nbytes) for u in self.units for t in u.tensors if t.side}
+        side = _as_recorded(t for u in self.units for t in u.tensors if t.side)
         if not side:
             return
         try:
             header = stfile.read_header(directory / SIDE_FILE)
         except (OSError, ShardError) as exc:
             raise ShardError(f"{SIDE_FILE}: {str(exc)[:200]}; {RESHARD}") from None
-        stored = {n: (stfile.NAMES[e.dtype], list(e.shape), e.start, e.nbytes) for n, e in header.entries.items()}
-        if stored != side:
+        if _as_stored(header) != side:
             raise ShardError(f"{SIDE_FILE} does not match the manifest; {RESHARD}")
+
+
+def _as_stored(header) -> dict:
+    """A safetensors header's tensors as the manifest records them: name -> (dtype, shape, offset, bytes)."""
+    return {n: (stfile.NAMES[e.dtype], list(e.shape), e.start, e.nbytes) for n, e in header.entries.items()}
+
+
+def _as_recorded(tensors) -> dict:
+    """TENSORS' records, for comparing with a header (_as_stored)."""
+    return {t.name: (t.dtype, list(t.shape), t.offset, t.nbytes) for t in tensors}
 
 
 def set_key(dtype: str, packing: str = "", int4_layout: str = "") -> str:

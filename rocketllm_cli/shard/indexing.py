@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import stfile
-from ..checkpoint.manifest import SIDE_FILE
+from ..checkpoint.manifest import SIDE_FILE, fused_name
 from ..checkpoint.unitrecords import TensorRecord, UnitRecord
 from ..sizes import ALIGN
 from .fusion import fused_format
@@ -101,8 +101,6 @@ def _index_unit(job, lazy, plan, fingerprint: str, expected: dict, out: Indexed)
         fmt = fused_format([records[m]["packed"] for m in members])
         if fmt is None:
             continue
-        from ..checkpoint.manifest import fused_name
-
         name = fused_name(members)
         fused[name] = [[m, records[m]["packed"].shape[0]] for m in members]
         places[name] = [p for m in members for p in places.pop(m)]

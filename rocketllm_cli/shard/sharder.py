@@ -88,10 +88,7 @@ def shard(
             if source is not None:
                 source.close()
             raise
-        if found is not None and copy and found[0].indexed:
-            log(f"{found[1]}: indexes the file in place; writing the set's own files (--copy)")
-            found, rebuild = None, True
-        if found is not None:
+        if found is not None and not (copy and found[0].indexed):  # --copy over an indexed set: _shard rewrites it
             if source is not None:
                 source.close()
             return found[0], found[1], {"reused": True, **summarize(found[0], 0.0)}
