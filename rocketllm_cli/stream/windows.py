@@ -12,7 +12,7 @@ from ..checkpoint.manifest import RESHARD, SIDE_FILE, Manifest
 from ..checkpoint.stfile import DTYPES
 from ..checkpoint.unitrecords import UnitRecord
 from ..errors import ShardError
-from ..profiles.probe.storage import evict_range
+from ..profiles.probe.storage import evict_range, window_advice
 from ..sizes import ALIGN, round_up
 from .rowgathers import pread
 
@@ -44,15 +44,6 @@ def read_unit(directory: Path, unit: UnitRecord, into: torch.Tensor, evict: bool
             evict_range(fd, base, unit.bytes if unit.indexed else 0)
     finally:
         os.close(fd)
-
-
-def window_advice(fd: int, base: int, nbytes: int) -> None:
-    """A buffered read of a window inside a larger file reads that window and no more: the kernel's readahead would
-    run on into the neighbouring windows, which the engine reads in another order (a GGUF lists blk.10 after blk.1)
-    or keeps elsewhere, fetching bytes twice or serving them from the page cache unseen. So no readahead on this
-    descriptor, and the window itself asked for at once (one large read ahead of the copies)."""
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    os.posix_fadvise(fd, base, nbytes, os.POSIX_FADV_WILLNEED)
 
 
 def assemble(record, buf: torch.Tensor, row_orders: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -284,6 +284,15 @@ def evict_range(fd: int, offset: int, length: int) -> None:
     os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
+def window_advice(fd: int, base: int, nbytes: int) -> None:
+    """A buffered read of a window inside a larger file reads that window and no more: the kernel's readahead would
+    run on into the neighbouring windows, which the engine reads in another order (a GGUF lists blk.10 after blk.1)
+    or keeps elsewhere, fetching bytes twice or serving them from the page cache unseen. So no readahead on this
+    descriptor, and the window itself asked for at once (one large read ahead of the copies)."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    os.posix_fadvise(fd, base, nbytes, os.POSIX_FADV_WILLNEED)
+
+
 def _io_read_bytes() -> int | None:
     try:
         with open("/proc/self/io", encoding="ascii") as f:

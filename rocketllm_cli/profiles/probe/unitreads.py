@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...sizes import round_up
-from .storage import evict_file, evict_range
+from .storage import evict_file, evict_range, window_advice
 
 IN_FLIGHTS = (1, 2, 4, 8)
 SAMPLE_BYTES = 64 * 1024**2  # read per method and count in flight: enough units that a request's latency averages out
@@ -121,7 +121,7 @@ def measure(
         return None
     sizes = sorted(u.bytes for u in units)
     biggest = round_up(sizes[-1])
-    paths = [(directory / u.file, u.bytes, max(u.start, 0)) for u in units]  # an indexed unit: a window of its file
+    paths = [(directory / u.file, u.bytes, u.start) for u in units]
     configs = [(d, k) for d in ((True, False) if direct_ok else (False,)) for k in in_flights]
     best: dict[tuple[bool, int], UnitReadRow] = {}
     buffers = [mmap.mmap(-1, biggest) for _ in range(max(in_flights))]  # page-aligned, as O_DIRECT needs
@@ -142,16 +142,19 @@ def measure(
 
 
 def _read_all(paths: list[tuple[Path, int, int]], direct: bool, k: int, buffers: list) -> UnitReadRow:
-    for path, size, base in paths:
-        evict_file(path, base, size)
+    for path, size, at in paths:
+        evict_file(path, max(at, 0), size if at >= 0 else 0)
     queue = list(range(len(paths)))
 
     def worker(slot: int) -> int:
         view, done = memoryview(buffers[slot]), 0
         for i in queue[slot::k]:
-            path, size, base = paths[i]
+            path, size, at = paths[i]  # at -1: the unit is a file; else its window starts there
+            base = max(at, 0)
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
             try:
+                if at >= 0 and not direct:
+                    window_advice(fd, base, size)  # as the engine reads a window: exactly it
                 want = round_up(size) if direct else size
                 got = 0
                 while got < size:
@@ -161,9 +164,7 @@ def _read_all(paths: list[tuple[Path, int, int]], direct: bool, k: int, buffers:
                     got += n
                 done += got
                 if not direct:
-                    evict_range(
-                        fd, base, size if base else 0
-                    )  # as the engine does after a buffered read (base 0: a file)
+                    evict_range(fd, base, size if at >= 0 else 0)  # as the engine does after a buffered read
             finally:
                 os.close(fd)
         return done
