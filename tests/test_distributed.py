@@ -420,6 +420,34 @@ def test_plan_override_and_its_refusals():
         plan_stages(ranks, [1, 1], [1, 1], 0, 0, 8)
 
 
+_CLOSE_LEAVES_NO_THREADS = """
+import os, sys
+from rocketllm_cli.distributed.group import StageGroup
+from rocketllm_cli.distributed.torchrun import Launch
+
+group = StageGroup(Launch(0, 1, 0, 1, "127.0.0.1", int(sys.argv[1]), False), 30)
+import torch.distributed.nn.functional  # what loading a tokenizer imports, after the group formed
+group.close(orderly=True)
+print([open(f"/proc/self/task/{t}/comm").read().strip() for t in sorted(os.listdir("/proc/self/task"))])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process's threads from /proc")
+def test_a_closed_group_leaves_no_gloo_or_store_thread_to_meet_the_exit():
+    # a group kept alive past destroy_process_group (torch.distributed.nn binds it as a default argument) left gloo's
+    # and the store's threads running into the interpreter's exit, which now and then aborted rank 0 (SIGABRT)
+    done = subprocess.run(
+        [sys.executable, "-c", _CLOSE_LEAVES_NO_THREADS, str(_port())],
+        env={**_env(0, 1, 0), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    threads = done.stdout.strip().splitlines()[-1]
+    assert "gloo" not in threads and "tcpstore" not in threads, threads
+
+
 def test_stages_that_do_not_fit_are_one_line_from_rank_0(dense):
     results = library(dense, 3, {**FP32, "stages": "1,2"})
     (code0, _, err0), *others = results

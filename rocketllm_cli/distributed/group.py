@@ -14,6 +14,7 @@ and what the layers need beside it (attention mask, position ids, cache position
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import threading
 import time
@@ -124,6 +125,11 @@ class StageGroup:
                 options = dist.ProcessGroupGloo._Options()
                 options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
                 options._timeout = datetime.timedelta(seconds=NEVER_S)
+        # torch.distributed.nn binds group.WORLD as its functions' default argument when first imported (a tokenizer's
+        # load imports it): imported after the group forms, it keeps the group alive past destroy_process_group, and
+        # gloo's threads then meet the interpreter's exit (an abort now and then). Imported first, it binds None.
+        importlib.import_module("torch.distributed.nn.functional")
+
         try:
             dist.init_process_group(
                 self.backend,
