@@ -306,7 +306,11 @@ class Stage:
         return cache
 
     def _new_cache(self):
+        from ..stream.appendcache import appending_cache
+
         cache = self.streamed.new_kv_cache()
+        if cache is None:
+            cache = appending_cache(self.streamed.model.config)  # appended in place, where the model allows
         if cache is None:
             from transformers import DynamicCache
 

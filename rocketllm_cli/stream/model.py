@@ -339,6 +339,7 @@ class StreamingModel:
                 )
             self.constrain(self, args, kwargs, json_schema, grammar)
         if not any(kwargs.get(name) is not None for name in ("cache", "past_key_values")):
+            from .appendcache import appending_cache, run_tokens
             from .kvcache import generate_cache_kwarg
 
             cache = self.new_kv_cache()
@@ -353,6 +354,7 @@ class StreamingModel:
                     kwargs[generate_cache_kwarg()] = cache
                     with graphed(self, kwargs, ids), planless_attention(self.device):
                         return self.model.generate(*args, **kwargs)
+            kwargs.setdefault(generate_cache_kwarg(), appending_cache(self.model.config, run_tokens(args, kwargs)))
         with planless_attention(self.device):
             return self.model.generate(*args, **kwargs)
 

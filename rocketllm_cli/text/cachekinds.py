@@ -5,7 +5,7 @@ answer), and a cache's layers, length, cropping and bytes (what prefix.py keeps 
 from __future__ import annotations
 
 # cache layers crop() handles (a DummyLayer holds nothing)
-CROPPABLE = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"})
+CROPPABLE = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer", "AppendLayer"})
 
 
 def layer_kinds(cache) -> set[str] | None:
@@ -130,6 +130,8 @@ def crop(cache, length: int) -> None:
             continue
         setattr(holder, k_attr, keys[..., :length, :].clone())
         setattr(holder, v_attr, values[..., :length, :].clone())
+        if hasattr(holder, "release_spare"):  # an AppendLayer's buffers, which the clones no longer view
+            holder.release_spare()
     if hasattr(cache, "_seen_tokens"):  # transformers < 4.56 counts tokens separately
         cache._seen_tokens = length
     for layer in getattr(cache, "layers", None) or ():
