@@ -33,6 +33,7 @@ def isolated_user_state(tmp_path_factory):
         patch.setenv("ROCKETLLM_CACHE", str(tmp_path_factory.mktemp("rocketllm-cache")))
         patch.setenv("ROCKETLLM_KEEP_ALIVE", "0")  # generate loads and exits, as before; tests/test_warm.py turns it on
         patch.delenv("XDG_RUNTIME_DIR", raising=False)  # warm servers' sockets under the isolated cache
+        patch.setenv("ROCKETLLM_NATIVE_VARIANTS", "all")  # every native variant this CPU runs, each tested
         yield
 
 

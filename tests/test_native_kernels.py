@@ -29,7 +29,7 @@ import torch
 from rocketllm_cli import native
 from rocketllm_cli.checkpoint.ggmlblocks import SUPPORTED, dequantize_blocks
 from rocketllm_cli.native import build
-from rocketllm_cli.native.kernels import GGML_IDS, NativeKernels
+from rocketllm_cli.native.kernels import GGML_IDS, NO_VARIANT, NativeKernels
 
 TYPES = list(GGML_IDS)  # Q4_0 ... IQ4_XS
 GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # the rest: random codes, modest scales
@@ -48,8 +48,17 @@ F16_FIELDS = {
     "IQ4_XS": (0,),
 }
 VARIANTS = ("avx512", "avx2", "scalar")  # each runs where the CPU can, the scalar one everywhere
-# types with a min (w = a·code + b, b = m or −dmin·mn): where their code bytes are, to find b by zeroing them
-MIN_CODE_BYTES = {"Q4_1": (4, 20), "Q5_1": (4, 24), "Q2_K": (16, 80), "Q4_K": (16, 144), "Q5_K": (16, 176)}
+# types whose int8 kernels sum w = a·code + b as its two parts (b = m, −dmin·mn, or Q4_0 / Q5_0's −OFF·d): where
+# their code bytes are, to find b by zeroing them
+MIN_CODE_BYTES = {
+    "Q4_0": (2, 18),
+    "Q4_1": (4, 20),
+    "Q5_0": (2, 22),
+    "Q5_1": (4, 24),
+    "Q2_K": (16, 80),
+    "Q4_K": (16, 144),
+    "Q5_K": (16, 176),
+}
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +134,19 @@ def min_terms(blocks: torch.Tensor, name: str) -> torch.Tensor:
     return dequantize_blocks(zeroed.view(blocks.shape), name).double()
 
 
+# AVX-512's int8 kernels multiply these signed weights as unsigned codes w / d + 128 and add the offset -128 · d apart
+SIGNED_AS_UNSIGNED = ("Q8_0", "IQ4_NL")
+
+
+def int8_offsets(blocks: torch.Tensor, name: str, isa: str) -> torch.Tensor:
+    """fp64 [N, K]: the offset term a variant's int8 kernel sums apart from the codes' part, |−128 · d|, else 0."""
+    if isa != "avx512" or name not in SIGNED_AS_UNSIGNED:
+        return torch.zeros(1, dtype=torch.float64)
+    n, nbytes = blocks.shape[0], SUPPORTED[name][1]
+    d = blocks.view(n, -1, nbytes)[..., 0:2].contiguous().view(torch.float16).double().squeeze(-1)  # [N, blocks]
+    return (128 * d.abs()).repeat_interleave(32, dim=1)
+
+
 def relative(y: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> float:
     return ((y.double() - ref).abs() / magnitude.clamp_min(1e-300)).max().item()
 
@@ -153,7 +175,8 @@ def test_matches_reference(nk, name, isa, mode):
             dx = d.double().repeat_interleave(qk, dim=1)  # [M, K]
             x_hat = q.double() * dx
             # fp32 sums the integer part a·code and the min part b of each weight apart; they may cancel
-            parts = x_hat.abs() @ (w.abs() + 2 * min_terms(blocks, name).abs()).T  # ≥ Σ|x̂|·(|a·code| + |b|)
+            split = min_terms(blocks, name).abs() + int8_offsets(blocks, name, isa)
+            parts = x_hat.abs() @ (w.abs() + 2 * split).T  # ≥ Σ|x̂|·(|a·code| + |b|)
             assert relative(y, x_hat @ w.T, parts) < 1e-6, where
             magnitude = parts  # for the comparison with the scalar variant below
             bound = (dx / 2) @ w.abs().T * (1 + 1e-5) + 1e-6 * magnitude  # |x − q·d| ≤ d / 2 per element
@@ -262,6 +285,50 @@ def test_bad_inputs_raise_one_line(nk, call, message):
     with pytest.raises(ValueError, match=message) as err:
         call(nk, blocks, x)
     assert "\n" not in str(err.value)
+
+
+def test_a_build_compiles_the_best_variant_this_cpu_runs_and_the_capped_one(monkeypatch):
+    monkeypatch.delenv(build.VARIANTS_ENV, raising=False)
+    monkeypatch.delenv(native.ISA_ENV, raising=False)
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert build.wanted_variants(avx512) == ("avx512",)
+    assert build.wanted_variants(avx512 - {"avx512_vnni"}) == ("avx2",)  # what the library's cpuid check asks
+    assert build.wanted_variants({"sse4_2"}) == build.wanted_variants(set()) == ("scalar",)  # old x86, or not x86
+    monkeypatch.setenv(native.ISA_ENV, "scalar")
+    assert build.wanted_variants(avx512) == ("scalar", "avx512")  # the cap runs too
+    monkeypatch.setenv(build.VARIANTS_ENV, "all")
+    assert build.wanted_variants(avx512) == build.ISAS
+    monkeypatch.setenv(build.VARIANTS_ENV, "avx2, scalar")
+    assert build.wanted_variants(avx512) == ("scalar", "avx2")
+
+
+def test_a_library_of_one_variant_runs_that_one_alone(nk, monkeypatch, tmp_path):
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv(build.VARIANTS_ENV, "scalar")
+    path, reason = build.library()
+    assert path is not None, reason
+    alone, reason = NativeKernels.load(path)
+    assert alone is not None and alone.isas == ("scalar",), reason
+    blocks, x = make_blocks("Q4_K", 8, 256, 0), activations(1, 256, 0)
+    assert torch.equal(alone.matmul(blocks, "Q4_K", x), nk.with_isa("scalar").matmul(blocks, "Q4_K", x))
+    with pytest.raises(ValueError, match="ROCKETLLM_NATIVE_VARIANTS=all"):
+        alone.with_isa("avx2")
+    if nk.isas[0] != "scalar":  # a library of the best variant alone, asked for less
+        monkeypatch.setenv(build.VARIANTS_ENV, nk.isas[0])
+        path, _ = build.library()
+        none, reason = NativeKernels.load(path, isa="scalar")
+        assert none is None and reason.startswith(NO_VARIANT), reason
+
+
+def test_a_build_whose_variant_does_not_run_is_made_again_with_every_variant(nk, monkeypatch):
+    asked, real_load = [], NativeKernels.load
+    monkeypatch.delenv(native.ISA_ENV, raising=False)  # the library as loaded, not a capped view of it
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(build, "library", lambda every=False: asked.append(every) or (Path("lib.so"), ""))
+    loads = iter([(None, f"{NO_VARIANT} at or below avx512 in lib.so (it runs: none)"), (nk, "")])
+    monkeypatch.setattr(NativeKernels, "load", staticmethod(lambda path, isa=None: next(loads)))
+    assert native.kernels() is nk and asked == [False, True]
+    monkeypatch.setattr(NativeKernels, "load", real_load)
 
 
 def test_isa_cap(nk, monkeypatch):

@@ -9,10 +9,11 @@ Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_X
 packed.ggmlblocks (the torch reference these kernels are tested against). Modes: "exact" (gguf's fp32 weights,
 bit for bit, times fp32 x) and "int8" (x quantized to q8 per block as llama.cpp does; integer dot products).
 
-Variants: AVX-512 (F, BW, VL, VNNI), AVX2 (+FMA, F16C) and a portable scalar one, all in one library and chosen
-at run time by the CPU's capabilities; ROCKETLLM_NATIVE_ISA=avx2 or =scalar caps the choice (tests run each).
-The library builds with g++ (no -march, no OpenMP: a small thread pool of its own) into the cache folder, keyed
-by a hash of the sources, the compiler and the flags; without g++ there are simply no kernels.
+Variants: AVX-512 (F, BW, VL, VNNI), AVX2 (+FMA, F16C) and a portable scalar one, chosen at run time by the CPU's
+capabilities; ROCKETLLM_NATIVE_ISA=avx2 or =scalar caps the choice. The library builds with g++ (no -march, no
+OpenMP: a small thread pool of its own) into the cache folder, keyed by a hash of the sources, the compiler, the
+flags and the variants compiled in: by default the best this CPU runs and the capped one (build.py;
+ROCKETLLM_NATIVE_VARIANTS=all builds all three, as the tests do to run each); without g++ there are no kernels.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from __future__ import annotations
 import os
 import threading
 
-from .kernels import ISAS, MODES, NativeKernels
+from .build import ISA_ENV
+from .kernels import ISAS, MODES, NO_VARIANT, NativeKernels
 
-__all__ = ["ISAS", "MODES", "NativeKernels", "build_in_background", "kernels", "why_not"]
-
-ISA_ENV = "ROCKETLLM_NATIVE_ISA"
+__all__ = ["ISAS", "ISA_ENV", "MODES", "NativeKernels", "build_in_background", "kernels", "why_not"]
 
 _lock = threading.Lock()
 _loaded: tuple[NativeKernels | None, str] | None = None  # the library, loaded once per process
@@ -61,6 +61,9 @@ def _resolve(isa: str | None) -> tuple[NativeKernels | None, str]:
 
             path, reason = library()
             _loaded = NativeKernels.load(path) if path is not None else (None, reason)
+            if _loaded[0] is None and NO_VARIANT in _loaded[1]:  # the CPU's flags promised a variant it does not run
+                path, reason = library(every=True)
+                _loaded = NativeKernels.load(path) if path is not None else (None, reason)
     best, reason = _loaded
     if best is None:
         return None, reason
@@ -69,4 +72,7 @@ def _resolve(isa: str | None) -> tuple[NativeKernels | None, str]:
         return best, ""
     if cap not in ISAS:
         return None, f"{ISA_ENV}={cap!r} is not one of {', '.join(ISAS)}"
-    return best.with_isa(next(name for name in best.isas if ISAS.index(name) <= ISAS.index(cap))), ""
+    capped = next((name for name in best.isas if ISAS.index(name) <= ISAS.index(cap)), None)
+    if capped is None:  # a library built before the cap was asked for (build.py builds the capped variant too)
+        return None, f"{ISA_ENV}={cap}: this process's native library has only {', '.join(best.isas)}"
+    return best.with_isa(capped), ""

@@ -8,6 +8,11 @@ function carries its own target attribute and the library picks a variant at run
 CPU of its architecture. The sources compile in parallel (the SIMD files take most of the few seconds) into a
 temporary folder, and the library is renamed into place: two processes building at once each finish their own
 build, and the last rename wins with the same bytes.
+
+Each variant is a file of its own (scalar.cpp, avx2.cpp, avx512.cpp), and by default only the best one this CPU runs
+is compiled (and the one ROCKETLLM_NATIVE_ISA caps at, where set): the others never run here, and compiling them
+cost a first run seconds of its two cores. ROCKETLLM_NATIVE_VARIANTS=all (the tests set it) builds every variant.
+The variant set is part of the key.
 """
 
 from __future__ import annotations
@@ -28,11 +33,20 @@ COMPILER = "g++"
 # explicit intrinsics either way); hidden visibility: only the rl_* entry points are exported (no PLT calls inside)
 FLAGS = ("-O3", "-fPIC", "-std=c++17", "-pthread", "-ffp-contract=off", "-fvisibility=hidden")
 LIBRARY = "librocketllm_native.so"
+ISAS = ("scalar", "avx2", "avx512")  # the variants, each in its own file, in the library's numbering; later is faster
+ISA_ENV = "ROCKETLLM_NATIVE_ISA"  # caps the variant at run time (native/__init__.py): the build includes it
+VARIANTS_ENV = "ROCKETLLM_NATIVE_VARIANTS"  # "all", or a comma-separated list: the variants to compile
+# what the library's own cpuid check asks of each x86 variant (src/api.cpp runnable_isas), as /proc/cpuinfo names it
+NEEDS = {
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+}
 BUILD_TIMEOUT_S = 300
 
 
-def library() -> tuple[Path | None, str]:
-    """The built library's path, building it if needed, or None and why not."""
+def library(every: bool = False) -> tuple[Path | None, str]:
+    """The built library's path, building it if needed, or None and why not. EVERY: with every variant compiled in,
+    whatever wanted_variants() says."""
     if os.name != "posix":
         return None, f"unsupported platform {sys.platform}: the native kernels build with g++ on Linux"
     cxx = shutil.which(COMPILER)
@@ -40,13 +54,14 @@ def library() -> tuple[Path | None, str]:
         return None, f"no C++ compiler: {COMPILER} is not on PATH (install g++ for the native kernels)"
     if not any(SOURCE_DIR.glob("*.cpp")):
         return None, f"the native kernels' C++ sources are not installed (nothing in {SOURCE_DIR})"
+    variants = ISAS if every else wanted_variants()
     try:
-        folder = _cache_folder(cxx)
+        folder = _cache_folder(cxx, variants)
         target = folder / LIBRARY
         if target.is_file():
             return target, ""
         folder.mkdir(parents=True, exist_ok=True)
-        reason = _build(cxx, folder, target)
+        reason = _build(cxx, folder, target, variants)
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"native kernel build failed: {_one_line(str(exc))}"
     return (target, "") if not reason else (None, reason)
@@ -56,7 +71,7 @@ def _sources() -> list[Path]:
     return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h"))
 
 
-def _cache_folder(cxx: str) -> Path:
+def _cache_folder(cxx: str, variants: tuple[str, ...]) -> Path:
     from ..cachehome import cache_dir
 
     digest = hashlib.sha256()
@@ -64,15 +79,57 @@ def _cache_folder(cxx: str) -> Path:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     machine = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True, timeout=30).stdout
-    digest.update(f"{version}\0{machine}\0{' '.join(FLAGS)}".encode())
+    digest.update(f"{version}\0{machine}\0{' '.join(FLAGS)}\0{','.join(variants)}".encode())
     return cache_dir() / "native" / digest.hexdigest()[:20]
 
 
-def _build(cxx: str, folder: Path, target: Path) -> str:
-    """Compile every .cpp to an object in parallel, link them, rename into `target`; "" or the reason."""
+def wanted_variants(flags: set[str] | None = None) -> tuple[str, ...]:
+    """The variants to compile: ROCKETLLM_NATIVE_VARIANTS's, else the best this CPU runs by its flags (FLAGS, default
+    /proc/cpuinfo's; every variant where they cannot be read) and the one ROCKETLLM_NATIVE_ISA caps at."""
+    raw = os.environ.get(VARIANTS_ENV, "").strip().lower()
+    if raw:
+        named = ISAS if raw == "all" else tuple(v for v in ISAS if v in {p.strip() for p in raw.split(",")})
+        if named:
+            return named
+    flags = _cpu_flags() if flags is None else flags
+    if flags is None:
+        return ISAS
+    best = next((v for v in reversed(ISAS) if all(f in flags for f in NEEDS.get(v, ()))), "scalar")
+    cap = os.environ.get(ISA_ENV, "").strip()
+    return tuple(v for v in ISAS if v == best or (v == cap and ISAS.index(cap) < ISAS.index(best)))
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's flags (x86); an empty set on another architecture (its one variant is the scalar one); None where
+    they cannot be read."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return set()
+    return cpuinfo_flags()
+
+
+def cpuinfo_flags() -> set[str] | None:
+    """The first CPU's flags as /proc/cpuinfo lists them ("flags" on x86, "Features" on Arm); None where the file
+    cannot be read or lists none (the machine probe's cpu_flags reads them here too)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        return None
+    return None
+
+
+def _build(cxx: str, folder: Path, target: Path, variants: tuple[str, ...]) -> str:
+    """Compile the shared .cpp files and VARIANTS' to objects in parallel, link them, rename into `target`; "" or
+    the reason."""
+    left_out = {f"{v}.cpp" for v in ISAS if v not in variants}
     with tempfile.TemporaryDirectory(prefix="build-", dir=folder) as scratch:
         objects, jobs = [], []
-        for source in (p for p in _sources() if p.suffix == ".cpp"):
+        for source in (p for p in _sources() if p.suffix == ".cpp" and p.name not in left_out):
             obj = Path(scratch) / (source.stem + ".o")
             objects.append(str(obj))
             cmd = [cxx, *FLAGS, "-c", str(source), "-o", str(obj)]

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
-ISAS = ("scalar", "avx2", "avx512")  # the variants, in the library's numbering; later is faster
+from .build import ISAS  # the variants, in the library's numbering; later is faster
+
 MODES = {"exact": 0, "int8": 1}
+NO_VARIANT = "no variant this CPU runs"
 # name -> GGML type number; the library reports each one's block layout, checked against ggmlblocks.SUPPORTED
 GGML_IDS = {
     "Q4_0": 2,
@@ -60,7 +62,7 @@ class NativeKernels:
         # the build's key (its cache folder: sources, compiler, flags), so measurements follow an edit
         self.build = build
         self.isa = isa  # the variant in use: "avx512", "avx2" or "scalar"
-        self.isas = runnable  # every variant this CPU runs, best first
+        self.isas = runnable  # every variant built in that this CPU runs, best first
         self._isa_id = ISAS.index(isa)
         self._layouts = layouts  # name -> (GGML type number, elements per block, bytes per block)
         self._call = lib.rl_matmul
@@ -98,13 +100,19 @@ class NativeKernels:
         if isa is not None and isa not in ISAS:
             return None, f"unknown native variant {isa!r}: choose one of {', '.join(ISAS)}"
         ceiling = ISAS.index(isa) if isa is not None else len(ISAS) - 1
-        chosen = next(name for name in runnable if ISAS.index(name) <= ceiling)  # scalar always runs
+        chosen = next((name for name in runnable if ISAS.index(name) <= ceiling), None)
+        if chosen is None:  # a build of fewer variants than this CPU's flags promised (build.wanted_variants)
+            compiled = ", ".join(runnable) or "none"
+            return None, f"{NO_VARIANT} at or below {ISAS[ceiling]} in {Path(path).name} (it runs: {compiled})"
         return cls(lib, chosen, runnable, layouts, Path(path).parent.name), ""
 
     def with_isa(self, isa: str) -> NativeKernels:
         """The same library driven by variant `isa`, which this CPU must run (tests use it to cover each one)."""
         if isa not in self.isas:
-            raise ValueError(f"native variant {isa!r} does not run here: this CPU runs {', '.join(self.isas)}")
+            raise ValueError(
+                f"native variant {isa!r} does not run here: this library runs {', '.join(self.isas)} on this CPU "
+                "(ROCKETLLM_NATIVE_VARIANTS=all builds every variant)"
+            )
         return NativeKernels(self._lib, isa, self.isas, self._layouts, self.build)
 
     def supported(self, gguf_type) -> bool:

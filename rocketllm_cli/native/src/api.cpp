@@ -41,7 +41,8 @@ int runnable_isas() {
 const Variant* variant(int isa) {
   static const int runnable = runnable_isas();
   if (isa < 0 || isa >= NUM_ISAS || !(runnable >> isa & 1)) return nullptr;
-  return isa == AVX512 ? avx512_variant() : isa == AVX2 ? avx2_variant() : scalar_variant();
+  const Variant* (*built)() = isa == AVX512 ? avx512_variant : isa == AVX2 ? avx2_variant : scalar_variant;
+  return built != nullptr ? built() : nullptr;  // null: that variant's file was not compiled in
 }
 
 struct Layout { int index, qk, bytes; };
@@ -55,12 +56,19 @@ bool layout(int ggml_type, Layout& out) {
   }
 }
 
-struct QuantizeJob { const Variant* v; const float* x; int64_t k; int qx; int8_t* q; float* d; int16_t* bs; };
+struct QuantizeJob {
+  const Variant* v; const float* x; int64_t k; int qx; int8_t* q; float* d; int16_t* bs;
+  float* ds;  // or null
+};
 
 void quantize_range(void* ctx, int64_t m0, int64_t m1) {
   const auto& j = *static_cast<QuantizeJob*>(ctx);
-  for (int64_t m = m0; m < m1; ++m)
-    j.v->quantize(j.x + m * j.k, j.k, j.qx, j.q + m * j.k, j.d + m * (j.k / j.qx), j.bs + m * (j.k / 16));
+  for (int64_t m = m0; m < m1; ++m) {
+    float* d = j.d + m * (j.k / j.qx);
+    int16_t* bs = j.bs + m * (j.k / 16);
+    j.v->quantize(j.x + m * j.k, j.k, j.qx, j.q + m * j.k, d, bs);
+    if (j.ds != nullptr) block_sums(d, bs, j.k / 32, j.ds + m * (2 * j.k / 32));
+  }
 }
 
 struct RowsJob { RowsFn fn; const Job* job; };
@@ -74,6 +82,7 @@ std::mutex call_mutex;  // one call at a time: the pool and the scratch buffers 
 std::vector<int8_t> scratch_q;
 std::vector<float> scratch_d;
 std::vector<int16_t> scratch_bs;
+std::vector<float> scratch_ds;
 
 constexpr int64_t SMALL = 1 << 16;  // multiply-adds (or values to quantize) under which one thread does it all
 
@@ -111,7 +120,7 @@ RL_EXPORT int rl_type_layout(int ggml_type, int* qk, int* bytes) {
 RL_EXPORT int rl_quantize(int isa, const float* x, int64_t m, int64_t k, int qx, int8_t* q, float* d, int16_t* bs) {
   const Variant* v = variant(isa);
   if (v == nullptr || (qx != 32 && qx != QK_K) || k % qx != 0 || m < 0) return -1;
-  QuantizeJob job{v, x, k, qx, q, d, bs};
+  QuantizeJob job{v, x, k, qx, q, d, bs, nullptr};
   quantize_range(&job, 0, m);
   return 0;
 }
@@ -135,12 +144,14 @@ RL_EXPORT int rl_matmul(int isa, int ggml_type, int mode, const uint8_t* w, int6
       scratch_q.resize(size_t(m * k));
       scratch_d.resize(size_t(m * (k / l.qk)));
       scratch_bs.resize(size_t(m * (k / 16)));
+      if (l.qk == 32) scratch_ds.resize(size_t(m * (2 * k / 32)));
     } catch (const std::bad_alloc&) {
       return -5;
     }
-    QuantizeJob qj{v, x, k, l.qk, scratch_q.data(), scratch_d.data(), scratch_bs.data()};
+    float* ds = l.qk == 32 ? scratch_ds.data() : nullptr;
+    QuantizeJob qj{v, x, k, l.qk, scratch_q.data(), scratch_d.data(), scratch_bs.data(), ds};
     parallel_for(m * k < SMALL ? 1 : threads, m, 1, quantize_range, &qj);
-    job.q8 = {scratch_q.data(), scratch_d.data(), scratch_bs.data()};
+    job.q8 = {scratch_q.data(), scratch_d.data(), scratch_bs.data(), ds};
   }
   if (m * n * k < SMALL) threads = 1;
   // pieces of whole n-tiles, about four per thread so that a slow core does not hold the others up

@@ -4,6 +4,8 @@
 #if defined(__x86_64__) && !defined(RL_SCALAR_ONLY)
 #include <immintrin.h>
 
+#include <type_traits>
+
 namespace rl {
 namespace avx2 {
 
@@ -28,6 +30,29 @@ template <bool SIGNED> RL_INLINE void to_float(__m256i codes, F* out) {
   }
 }
 
+template <class T> RL_INLINE void codes_as_floats(const uint8_t* blk, int c, F* out) {
+  to_float<T::SIGNED>(codes32<T>(blk, c), out);
+}
+// Q4_0 / Q4_1: each 8 bytes of qs zero-extended from memory to 8 lanes give elements 0..7 (8..15) as their low
+// nibbles and 16..23 (24..31) as their high ones: two conversions and four bit operations where the byte codes'
+// split into quarters took five shuffles.
+template <int QS> RL_INLINE void nibble_floats(const uint8_t* blk, F* out) {
+  const __m256i low = _mm256_set1_epi32(15);
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + QS)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + QS + 8)));
+  out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low));
+  out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+  out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+template <> RL_INLINE void codes_as_floats<Q4_0>(const uint8_t* blk, int, F* out) { nibble_floats<2>(blk, out); }
+template <> RL_INLINE void codes_as_floats<Q4_1>(const uint8_t* blk, int, F* out) { nibble_floats<4>(blk, out); }
+
+RL_INLINE void signed_floats(const uint8_t* p, F* out) {  // 32 int8 at p -> fp32, 8 at a time from memory
+  for (int i = 0; i < 4; ++i)
+    out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+}
+
 RL_INLINE void scale_floats(__m256i s, float mult, float* out) {
   const __m256 m = _mm256_set1_ps(mult);
   _mm256_store_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s))), m));
@@ -36,7 +61,7 @@ RL_INLINE void scale_floats(__m256i s, float mult, float* out) {
 
 #include "x86_kernels.h"
 
-// int8: per block and row of x, 8 int32 lanes of Σ sc_g · w_i · q_i over the block (exact), w_i = code − OFF
+// int8, K-quants: per block and row of x, 8 int32 lanes of Σ sc_g · w_i · q_i over the block (exact), w_i = code − OFF
 // (or the int8 weight itself), then one FMA by d · dx; the mins' dmin · Σ mn_g · bs_g go to accumulators of
 // their own.
 
@@ -55,12 +80,12 @@ RL_INLINE __m256i scale_pair(__m256i sc, int c) {  // int16: sc[2c] in the low 1
 
 template <class T, int M>
 RL_TARGET void int8_tile(const Job& j, int64_t n, int64_t m0) {
+  static_assert(T::SCALED, "the 32-element types take int8_tile32");
   const uint8_t* row = j.w + n * j.row_bytes;
   const int64_t nb = j.k / T::QK;
   const int8_t* q = j.q8.q + m0 * j.k;
   __m256 acc[M], mins[M];
-  float mins32[M];  // Q4_1 / Q5_1: m · dx · Σq
-  for (int t = 0; t < M; ++t) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); mins32[t] = 0; }
+  for (int t = 0; t < M; ++t) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * T::BYTES;
     const Scales<T> s = scales_of<T>(blk);
@@ -69,7 +94,7 @@ RL_TARGET void int8_tile(const Job& j, int64_t n, int64_t m0) {
 #pragma GCC unroll 8
     for (int c = 0; c < T::QK / 32; ++c) {
       const __m256i codes = codes32<T>(blk, c);
-      const __m256i scale = T::SCALED ? scale_pair(s.sc, c) : _mm256_set1_epi16(1);
+      const __m256i scale = scale_pair(s.sc, c);
       for (int t = 0; t < M; ++t) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * j.k + b * T::QK + 32 * c));
         isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(pair_products<T>(codes, x), scale));
@@ -80,23 +105,62 @@ RL_TARGET void int8_tile(const Job& j, int64_t n, int64_t m0) {
       const float dx = j.q8.d[row_m * nb + b];
       if (T::MIN) {
         const int16_t* bs = j.q8.bs + row_m * (j.k / 16) + b * (T::QK / 16);
-        if constexpr (T::SCALED) {
-          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs));  // 16 group sums
-          mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, s.mn)), _mm256_set1_ps(s.dmin * dx),
-                                    mins[t]);
-        } else {
-          mins32[t] += s.dmin * dx * float(bs[0] + bs[1]);  // mn = -1: the min adds m · dx · Σq
-        }
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs));  // 16 group sums
+        mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, s.mn)), _mm256_set1_ps(s.dmin * dx),
+                                  mins[t]);
       }
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(s.d * dx), acc[t]);
     }
   }
-  for (int t = 0; t < M; ++t)
-    j.y[(m0 + t) * j.n + n] = hsum256(_mm256_sub_ps(acc[t], mins[t])) + mins32[t];
+  for (int t = 0; t < M; ++t) j.y[(m0 + t) * j.n + n] = hsum256(_mm256_sub_ps(acc[t], mins[t]));
+}
+
+// 32-element types, as avx512.cpp's int8_tile32 one block at a time: y = Σ_b d_b · dx_b · Σ code · q +
+// off_b · dx_b · Σq_b, the block's [d, m] (or [d, d]) converted at once and multiplied by the row's [dx, dx · Σq];
+// consecutive blocks take two sets of accumulators.
+template <class T, int M, int SET>
+RL_INLINE void int8_block32(const Job& j, const uint8_t* blk, int64_t b, int64_t m0, __m256 (*acc)[2],
+                            __m128 (*mins)[2]) {
+  const __m256i codes = codes32<T>(blk, 0), ones = _mm256_set1_epi16(1);
+  const __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128(int(scale_bits<T>(blk))));  // [d, m or d, 0, 0]
+  for (int t = 0; t < M; ++t) {
+    const int64_t r = m0 + t;
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(j.q8.q + r * j.k + b * 32));
+    const __m256i p = T::SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(x, codes))
+                                : _mm256_maddubs_epi16(codes, x);
+    const double* ds = reinterpret_cast<const double*>(j.q8.ds + r * (2 * j.k / 32) + 2 * b);
+    const __m128 both = _mm_mul_ps(scales, _mm_castpd_ps(_mm_load_sd(ds)));  // [d · dx, m · dx · Σq]
+    acc[t][SET] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_broadcastss_ps(both),
+                                  acc[t][SET]);
+    if constexpr (T::MIN || T::OFF) mins[t][SET] = _mm_add_ps(mins[t][SET], both);
+  }
+}
+
+template <class T, int M>
+RL_TARGET void int8_tile32(const Job& j, int64_t n, int64_t m0) {
+  const uint8_t* row = j.w + n * j.row_bytes;
+  const int64_t nb = j.k / 32;
+  __m256 acc[M][2];
+  __m128 mins[M][2];  // lane 1: Σ m · dx · Σq (Q4_1, Q5_1), or Σ d · dx · Σq (Q4_0, Q5_0); lane 3 stays 0
+  for (int t = 0; t < M; ++t) {
+    acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    mins[t][0] = mins[t][1] = _mm_setzero_ps();
+  }
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    int8_block32<T, M, 0>(j, row + b * T::BYTES, b, m0, acc, mins);
+    int8_block32<T, M, 1>(j, row + (b + 1) * T::BYTES, b + 1, m0, acc, mins);
+  }
+  if (b < nb) int8_block32<T, M, 0>(j, row + b * T::BYTES, b, m0, acc, mins);
+  for (int t = 0; t < M; ++t) {
+    const float y = hsum256(_mm256_add_ps(acc[t][0], acc[t][1]));
+    j.y[(m0 + t) * j.n + n] = T::MIN || T::OFF ? y + offset_part<T>(mins[t][0], mins[t][1]) : y;
+  }
 }
 
 template <class T> RL_TARGET void int8_rows(const Job& j, int64_t n0, int64_t n1) {
-  for_each_tile<MT>(j, n0, n1, int8_tile<T, MT>, int8_tile<T, 1>);
+  if constexpr (T::QK == 32) for_each_tile<MT>(j, n0, n1, int8_tile32<T, MT>, int8_tile32<T, 1>);
+  else for_each_tile<MT>(j, n0, n1, int8_tile<T, MT>, int8_tile<T, 1>);
 }
 
 // scalar.cpp's quantize_row, 32 values at a time (the same operations, so the same codes)

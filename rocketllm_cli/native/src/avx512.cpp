@@ -29,6 +29,14 @@ template <bool SIGNED> RL_INLINE void to_float(__m256i codes, F* out) {
     out[i] = _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(halves[i]) : _mm512_cvtepu8_epi32(halves[i]));
 }
 
+template <class T> RL_INLINE void codes_as_floats(const uint8_t* blk, int c, F* out) {
+  to_float<T::SIGNED>(codes32<T>(blk, c), out);
+}
+
+RL_INLINE void signed_floats(const uint8_t* p, F* out) {  // 32 int8 at p -> fp32, each half converted from memory
+  for (int i = 0; i < 2; ++i) out[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(p + 16 * i)));
+}
+
 RL_INLINE void scale_floats(__m256i s, float mult, float* out) {
   _mm512_store_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(s)), _mm512_set1_ps(mult)));
 }
@@ -110,18 +118,20 @@ RL_INLINE void exact_lut_block(const uint8_t* blk, const float* a, const float* 
   }
 }
 
-// the 32-element types' a = d and b (m, or -OFF · d) of blocks [0, count) of `blk`, 16 fp16 conversions at a time
+// the 32-element types' a = d and b (m, or -OFF · d) of blocks [0, count) of `blk`, 16 blocks at a time: one
+// gather of the 32 bits at each block's d (d, then m for a type with a min), converted from fp16 in registers.
+// (Two scalar loads and stores per block, read back as a vector, were a third of a K = 576 row's time.)
 template <class T> RL_INLINE void block_scales(const uint8_t* blk, int count, float* a, float* off) {
-  alignas(64) uint16_t d16[LUT_SPAN], m16[LUT_SPAN];
-  for (int i = 0; i < count; ++i) {
-    d16[i] = u16_at(blk + i * T::BYTES + T::D_AT);
-    if constexpr (T::MIN) m16[i] = u16_at(blk + i * T::BYTES + T::DMIN_AT);
-  }
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(T::BYTES));
   for (int i = 0; i < count; i += 16) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(d16 + i)));
+    const __mmask16 live = count - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - i)) - 1);
+    const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at,
+                                                       blk + i * T::BYTES + T::D_AT, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
     _mm512_store_ps(a + i, d);
-    if constexpr (T::MIN)
-      _mm512_store_ps(off + i, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(m16 + i))));
+    if constexpr (T::MIN)  // Q4_1 / Q5_1: m follows d
+      _mm512_store_ps(off + i, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
     else
       _mm512_store_ps(off + i, _mm512_mul_ps(d, _mm512_set1_ps(-float(T::OFF))));
   }
@@ -176,11 +186,13 @@ RL_INLINE __m512i join(__m256i low, __m256i high) { return _mm512_inserti64x4(_m
 RL_INLINE __m512i signed_like(__m512i x, __m512i w) {  // x where w >= 0, -x where w < 0 (AVX-512 has no vpsignb)
   return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
 }
-// The codes of two 32-element blocks, [first | second] (x86_codes.h's order, two at a time)
+// The codes of two 32-element blocks, [first | second] (x86_codes.h's order, two at a time): each block's 16 bytes
+// broadcast into the two 128-bit lanes of its half (loads, and one blend), the second lane of each shifted down a
+// nibble, then masked. No instruction here needs the shuffle port, which the scales' one permute takes.
 RL_INLINE __m512i nibbles64(const uint8_t* q0, const uint8_t* q1) {
-  const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(q0)), load16(q1), 1);
-  const __m512i both = _mm512_and_si512(join(q, _mm256_srli_epi16(q, 4)), _mm512_set1_epi8(15));  // lo0 lo1 hi0 hi1
-  return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));                                // lo0 hi0 lo1 hi1
+  const __m512i both = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(load16(q0)), 0xFF00, load16(q1));
+  const __m512i shifted = _mm512_srlv_epi64(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+  return _mm512_and_si512(shifted, _mm512_set1_epi8(15));  // lo0 hi0 lo1 hi1
 }
 RL_INLINE __m512i high_bits64(uint32_t qh0, uint32_t qh1) {  // Q5: 0x10 in byte i where bit i is set
   return _mm512_and_si512(_mm512_movm_epi8(uint64_t(qh0) | uint64_t(qh1) << 32), _mm512_set1_epi8(0x10));
@@ -198,111 +210,136 @@ template <> RL_INLINE __m512i pair_codes<Q5_0>(const uint8_t* b0, const uint8_t*
 template <> RL_INLINE __m512i pair_codes<Q5_1>(const uint8_t* b0, const uint8_t* b1) {
   return _mm512_or_si512(nibbles64(b0 + 8, b1 + 8), high_bits64(u32_at(b0 + 4), u32_at(b1 + 4)));
 }
+// Signed weights (Q8_0, IQ4_NL) multiply as unsigned codes w + 128, their -128 · Σq going with the offsets
+// (int8_tile32): VNNI's dot product takes unsigned bytes times signed ones, and its 32-bit sums cannot saturate as
+// AVX2's 16-bit ones would, so no pair needs a sign fix-up (an absolute value, a sign mask and a negation).
+template <class T> constexpr int INT8_OFF = T::SIGNED ? 128 : T::OFF;
+alignas(16) constexpr uint8_t IQ4_UNSIGNED[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                  129, 141, 153, 166, 181, 197, 217, 241};
+constexpr bool iq4_unsigned_is_shifted(int i = 0) {
+  return i == 16 || (IQ4_UNSIGNED[i] == IQ4_VALUES[i] + 128 && iq4_unsigned_is_shifted(i + 1));
+}
+static_assert(iq4_unsigned_is_shifted(), "IQ4_UNSIGNED is the codebook plus 128");
 template <> RL_INLINE __m512i pair_codes<Q8_0>(const uint8_t* b0, const uint8_t* b1) {
-  return join(load32(b0 + 2), load32(b1 + 2));
+  return _mm512_xor_si512(join(load32(b0 + 2), load32(b1 + 2)), _mm512_set1_epi8(char(0x80)));  // + 128 (mod 256)
 }
 template <> RL_INLINE __m512i pair_codes<IQ4_NL>(const uint8_t* b0, const uint8_t* b1) {
-  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES)));
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_UNSIGNED)));
   return _mm512_shuffle_epi8(table, nibbles64(b0 + 2, b1 + 2));
 }
 
-// int32 sums over each 4 bytes of w·q, and int16 sums over byte pairs (as avx2.cpp's pair_products)
-template <class T> RL_INLINE __m512i quad_products(__m512i codes, __m512i q) {
-  const __m512i zero = _mm512_setzero_si512();
-  if constexpr (T::SIGNED) return _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(codes), signed_like(q, codes));
-  const __m512i p = _mm512_dpbusd_epi32(zero, codes, q);
-  return T::OFF ? _mm512_sub_epi32(p, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(char(T::OFF)), q)) : p;
-}
+// int16 sums over byte pairs w·q (as avx2.cpp's pair_products): the K-quants' integer part
 template <class T> RL_INLINE __m512i pair_products(__m512i codes, __m512i q) {
   if constexpr (T::SIGNED) return _mm512_maddubs_epi16(_mm512_abs_epi8(codes), signed_like(q, codes));
   const __m512i p = _mm512_maddubs_epi16(codes, q);
   return T::OFF ? _mm512_sub_epi16(p, _mm512_maddubs_epi16(_mm512_set1_epi8(char(T::OFF)), q)) : p;
 }
 
-// [v(first), v(second) or 0, 0, 0] for the fp16 field at byte `at` of two blocks, and two adjacent floats
-RL_INLINE __m128 fp16_pair(const uint8_t* first, const uint8_t* second, int at) {
-  const uint32_t bits = u16_at(first + at) | (second ? uint32_t(u16_at(second + at)) << 16 : 0u);
-  return _mm_cvtph_ps(_mm_cvtsi32_si128(int(bits)));
-}
-RL_INLINE __m128 float_pair(const float* p, bool single) {
-  return single ? _mm_load_ss(p) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
-}
+// 32-element types. Each weight is d · code + off in its block (blocks.h; off = m, or -OFF · d), so with the block's
+// x scale dx and Σq over the block,
+//   y = Σ_b d_b · dx_b · Σ_i code_i · q_i  +  Σ_b off_b · dx_b · Σq_b.
+// Per block pair: one VNNI dot product (lanes 0..7 block b, 8..15 block b + 1) and one FMA by its d · dx; the
+// pair's fp16 scales convert in one instruction, [d, m (or d)] of each block, and multiply the row's ds
+// ([dx, dx · Σq] per block, Q8Rows) at once, so the min terms are a vector sum too: nothing per block is scalar.
+// Consecutive pairs take two sets of accumulators, so that no FMA waits on the one before. Signed weights' codes
+// are w + 128 (pair_codes), their offset -128 · d.
 
-// 32-element types: blocks b and b + 1 side by side (SINGLE: the last block of an odd count, alone)
-template <class T, int M, bool SINGLE>
-RL_INLINE void int8_pair(const Job& j, const uint8_t* blk, int64_t b, int64_t m0, __m512* acc, float* mins) {
-  const uint8_t* next = SINGLE ? nullptr : blk + T::BYTES;
-  const __m512i codes = pair_codes<T>(blk, SINGLE ? blk : next);  // SINGLE: x's upper half is 0
-  const __m128 d = fp16_pair(blk, next, T::D_AT);
-  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+// blocks b and b + 1 side by side (SINGLE: block b alone, the last of an odd count)
+template <class T, int M, int SET, bool SINGLE>
+RL_INLINE void int8_pair(const Job& j, const uint8_t* blk, int64_t b, int64_t m0, __m512 (*acc)[2],
+                         __m128 (*mins)[2]) {
+  const __m512i codes = pair_codes<T>(blk, SINGLE ? blk : blk + T::BYTES);  // SINGLE: x's upper half is 0
+  const uint64_t bits = scale_bits<T>(blk) | (SINGLE ? 0 : uint64_t(scale_bits<T>(blk + T::BYTES)) << 32);
+  const __m128 scales = _mm_cvtph_ps(_mm_cvtsi64_si128(int64_t(bits)));  // [d, m] of b, then of b + 1
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
   for (int t = 0; t < M; ++t) {
-    const int8_t* q = j.q8.q + (m0 + t) * j.k + b * 32;
+    const int64_t r = m0 + t;
+    const int8_t* q = j.q8.q + r * j.k + b * 32;
     const __m512i x = SINGLE ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q) : _mm512_loadu_si512(q);
-    const __m128 dx = float_pair(j.q8.d + (m0 + t) * (j.k / 32) + b, SINGLE);
-    const __m512 dd = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_mul_ps(d, dx)));
-    const __m512i isum = quad_products<T>(codes, x);  // lanes 0..7 block b, 8..15 b + 1
-    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, acc[t]);
-    if (T::MIN) {  // + m · dx · Σq per block
-      const __m128 mdx = _mm_mul_ps(fp16_pair(blk, next, T::DMIN_AT), dx);
-      const int16_t* bs = j.q8.bs + (m0 + t) * (j.k / 16) + b * 2;
-      mins[t] += _mm_cvtss_f32(mdx) * float(bs[0] + bs[1]);
-      if (!SINGLE) mins[t] += _mm_cvtss_f32(_mm_movehdup_ps(mdx)) * float(bs[2] + bs[3]);
-    }
+    const float* ds = j.q8.ds + r * (2 * j.k / 32) + 2 * b;
+    const __m128 xs = SINGLE ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ds))) : _mm_loadu_ps(ds);
+    const __m128 both = _mm_mul_ps(scales, xs);  // [d · dx, m · dx · Σq] of b, then of b + 1
+    const __m512 dd = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(both));
+    const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x);
+    acc[t][SET] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), dd, acc[t][SET]);
+    if constexpr (T::MIN || INT8_OFF<T>) mins[t][SET] = _mm_add_ps(mins[t][SET], both);
   }
 }
 
-// maddubs' int16 lane l holds elements 2l and 2l + 1 of the 64: group l / 8 of the four
+template <class T, int M>
+RL_TARGET void int8_tile32(const Job& j, int64_t n, int64_t m0) {
+  const uint8_t* row = j.w + n * j.row_bytes;
+  const int64_t nb = j.k / 32;
+  __m512 acc[M][2];
+  __m128 mins[M][2];  // lanes 1 and 3: Σ m · dx · Σq (Q4_1, Q5_1), or Σ d · dx · Σq (the others: times -INT8_OFF)
+  for (int t = 0; t < M; ++t) {
+    acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    mins[t][0] = mins[t][1] = _mm_setzero_ps();
+  }
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    int8_pair<T, M, 0, false>(j, row + b * T::BYTES, b, m0, acc, mins);
+    int8_pair<T, M, 1, false>(j, row + (b + 2) * T::BYTES, b + 2, m0, acc, mins);
+  }
+  if (b + 2 <= nb) {
+    int8_pair<T, M, 0, false>(j, row + b * T::BYTES, b, m0, acc, mins);
+    b += 2;
+  }
+  if (b < nb) int8_pair<T, M, 1, true>(j, row + b * T::BYTES, b, m0, acc, mins);
+  for (int t = 0; t < M; ++t) {
+    const float y = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+    constexpr bool SPLIT = T::MIN || INT8_OFF<T>;
+    j.y[(m0 + t) * j.n + n] = SPLIT ? y + offset_part<T, INT8_OFF<T>>(mins[t][0], mins[t][1]) : y;
+  }
+}
+
+// K-quants: maddubs' int16 lane l holds elements 2l and 2l + 1 of the 64: group l / 8 of the four
 alignas(64) constexpr int16_t LANE_GROUP[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
 
 template <class T, int M>
 RL_TARGET void int8_tile(const Job& j, int64_t n, int64_t m0) {
+  static_assert(T::SCALED, "the 32-element types take int8_tile32");
   const uint8_t* row = j.w + n * j.row_bytes;
   const int64_t nb = j.k / T::QK;
   __m512 acc[M];
-  __m256 mins[M];  // K-quants' dmin · dx · Σ mn · bs
-  float mins32[M];  // Q4_1 / Q5_1's m · dx · Σq
-  for (int t = 0; t < M; ++t) { acc[t] = _mm512_setzero_ps(); mins[t] = _mm256_setzero_ps(); mins32[t] = 0; }
-  if constexpr (T::QK == 32) {
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) int8_pair<T, M, false>(j, row + b * T::BYTES, b, m0, acc, mins32);
-    if (b < nb) int8_pair<T, M, true>(j, row + b * T::BYTES, b, m0, acc, mins32);
-  } else {
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * T::BYTES;
-      const Scales<T> s = scales_of<T>(blk);
-      const __m512i sc = _mm512_castsi256_si512(s.sc);
-      __m512i isum[M];
-      for (int t = 0; t < M; ++t) isum[t] = _mm512_setzero_si512();
+  __m256 mins[M];  // dmin · dx · Σ mn · bs
+  for (int t = 0; t < M; ++t) { acc[t] = _mm512_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * T::BYTES;
+    const Scales<T> s = scales_of<T>(blk);
+    const __m512i sc = _mm512_castsi256_si512(s.sc);
+    __m512i isum[M];
+    for (int t = 0; t < M; ++t) isum[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) {  // elements 64p .. 64p + 63: groups 4p .. 4p + 3
-        const __m512i codes = join(codes32<T>(blk, 2 * p), codes32<T>(blk, 2 * p + 1));
-        const __m512i group = _mm512_add_epi16(_mm512_load_si512(LANE_GROUP), _mm512_set1_epi16(short(4 * p)));
-        const __m512i scale = _mm512_permutexvar_epi16(group, sc);  // sc of each int16 lane
-        for (int t = 0; t < M; ++t) {
-          const __m512i x = _mm512_loadu_si512(j.q8.q + (m0 + t) * j.k + b * QK_K + 64 * p);
-          isum[t] = _mm512_dpwssd_epi32(isum[t], pair_products<T>(codes, x), scale);
-        }
-      }
+    for (int p = 0; p < 4; ++p) {  // elements 64p .. 64p + 63: groups 4p .. 4p + 3
+      const __m512i codes = join(codes32<T>(blk, 2 * p), codes32<T>(blk, 2 * p + 1));
+      const __m512i group = _mm512_add_epi16(_mm512_load_si512(LANE_GROUP), _mm512_set1_epi16(short(4 * p)));
+      const __m512i scale = _mm512_permutexvar_epi16(group, sc);  // sc of each int16 lane
       for (int t = 0; t < M; ++t) {
-        const int64_t row_m = m0 + t;
-        const float dx = j.q8.d[row_m * nb + b];
-        if (T::MIN) {
-          const int16_t* bs = j.q8.bs + row_m * (j.k / 16) + b * 16;
-          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs));
-          mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, s.mn)), _mm256_set1_ps(s.dmin * dx),
-                                    mins[t]);
-        }
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_set1_ps(s.d * dx), acc[t]);
+        const __m512i x = _mm512_loadu_si512(j.q8.q + (m0 + t) * j.k + b * QK_K + 64 * p);
+        isum[t] = _mm512_dpwssd_epi32(isum[t], pair_products<T>(codes, x), scale);
       }
+    }
+    for (int t = 0; t < M; ++t) {
+      const int64_t row_m = m0 + t;
+      const float dx = j.q8.d[row_m * nb + b];
+      if (T::MIN) {
+        const int16_t* bs = j.q8.bs + row_m * (j.k / 16) + b * 16;
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs));
+        mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, s.mn)), _mm256_set1_ps(s.dmin * dx),
+                                  mins[t]);
+      }
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_set1_ps(s.d * dx), acc[t]);
     }
   }
   for (int t = 0; t < M; ++t)
-    j.y[(m0 + t) * j.n + n] = _mm512_reduce_add_ps(acc[t]) - hsum256(mins[t]) + mins32[t];
+    j.y[(m0 + t) * j.n + n] = _mm512_reduce_add_ps(acc[t]) - hsum256(mins[t]);
 }
 
 template <class T> RL_TARGET void int8_rows(const Job& j, int64_t n0, int64_t n1) {
-  for_each_tile<MT>(j, n0, n1, int8_tile<T, MT>, int8_tile<T, 1>);
+  if constexpr (T::QK == 32) for_each_tile<MT>(j, n0, n1, int8_tile32<T, MT>, int8_tile32<T, 1>);
+  else for_each_tile<MT>(j, n0, n1, int8_tile<T, MT>, int8_tile<T, 1>);
 }
 
 // scalar.cpp's quantize_row, 16 values at a time (the same operations, so the same codes)

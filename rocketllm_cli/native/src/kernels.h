@@ -15,7 +15,16 @@ struct Q8Rows {
   const int8_t* q;    // [M, K]
   const float* d;     // [M, K / QX]
   const int16_t* bs;  // [M, K / 16]
+  const float* ds;    // [M, 2 · K / 32], 32-element types only: per block d and d · Σq side by side
 };
+
+// ds of one row from its d and bs (QX = 32): what a block's scales multiply, in the order they are loaded
+inline void block_sums(const float* d, const int16_t* bs, int64_t blocks, float* ds) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    ds[2 * b] = d[b];
+    ds[2 * b + 1] = d[b] * float(bs[2 * b] + bs[2 * b + 1]);  // |Σq| <= 32 · 127: exact in fp32
+  }
+}
 
 struct Job {                           // y = x · Wᵀ
   const uint8_t* w; int64_t row_bytes;  // W: [N, row_bytes], row n = output feature n, K / QK blocks
@@ -51,10 +60,12 @@ struct Variant {
   QuantizeFn quantize;
 };
 
-// The variants built into this library; avx2 / avx512 are null where the platform has no x86 code.
-const Variant* scalar_variant();
-const Variant* avx2_variant();
-const Variant* avx512_variant();
+// The variants built into this library; avx2 / avx512 return null where the platform has no x86 code. Each lives in
+// a file of its own, which the build compiles only where asked (native/build.py: the best this CPU runs, by
+// default): a variant left out is a weak symbol that links to null.
+__attribute__((weak)) const Variant* scalar_variant();
+__attribute__((weak)) const Variant* avx2_variant();
+__attribute__((weak)) const Variant* avx512_variant();
 
 constexpr int N_TILE = 8;  // rows of W per pass over x's m-tiles (their blocks stay in L1 while x's rows cycle)
 
