@@ -212,3 +212,41 @@ def test_no_private_data_in_any_output(tmp_path, tiny_checkpoint):
         assert "Traceback" not in seen
     assert done.returncode == 1 and "~/missing" in done.stderr
     assert (home / ".cache" / "rocketllm" / "profiles").is_dir()  # it did measure under that home
+
+
+def test_native_kernels_section_says_which_path_each_type_takes(monkeypatch):
+    """Each GGUF block type: its path here (the native variant, or the torch reference), both kernel modes' rates on
+    one fixed product and int8's error against exact; measured once per kernel build, read back after."""
+    from rocketllm_cli import native
+    from rocketllm_cli.native.kernels import GGML_IDS
+
+    if native.kernels() is None:
+        pytest.skip(f"no native kernels here: {native.why_not()}")
+    monkeypatch.setenv("ROCKETLLM_KERNEL", "int8")
+    first = doctor("--json")
+    assert first.exit_code == 0, first.output
+    section = json.loads(first.stdout)["native_kernels"]
+    assert section["built"] and section["isa"] == native.kernels().isa and section["kernel"] == "int8"
+    rows = {r["type"]: r for r in section["types"]}
+    assert list(rows) == list(GGML_IDS)
+    for name, row in rows.items():
+        assert row["path"] == f"native ({section['isa']})", name
+        assert row["exact_bps"] > 0 and row["int8_bps"] > 0, name
+        assert 1e-4 < row["int8_rel_error"] < 5e-2, (name, row)  # 8-bit activations: about 5e-3
+    assert "IQ2_XXS" in section["decoder_types"] and "F32" not in section["decoder_types"]
+    again = doctor()
+    assert again.exit_code == 0, again.output
+    for name, row in rows.items():  # the stored figures, not a second measurement
+        line = f"| {name} | {row['path']} | {row['exact_bps'] / 1e9:.2f} | {row['int8_bps'] / 1e9:.2f} | "
+        assert line in again.stdout, name
+    assert "- kernel: int8 (" in again.stdout and "through the torch reference (no kernel): " in again.stdout
+
+
+def test_native_kernels_section_without_a_compiler_says_why_and_what_to_do(monkeypatch):
+    from rocketllm_cli import native
+
+    monkeypatch.setattr(native, "kernels", lambda isa=None: None)
+    monkeypatch.setattr(native, "why_not", lambda isa=None: "g++ is not on PATH")
+    result = doctor()
+    assert result.exit_code == 0, result.output
+    assert "- not built: g++ is not on PATH" in result.stdout and "install g++ and run again" in result.stdout

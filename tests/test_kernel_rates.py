@@ -90,7 +90,7 @@ def test_the_overhead_per_layer_is_the_median_of_what_bench_measured_beyond_the_
     for name, ms, layers, arch in (("a", 14.0, 8, "llama"), ("b", 30.0, 40, "llama"), ("c", 12.0, 2, "gemma3")):
         # (ms - 10) / layers: 0.5, 0.5, 1.0 ms
         manifest = type("M", (), {"units": [], "total_bytes": layers, "source": {"name": name}})()
-        monkeypatch.setattr(decodecompute, "_key", lambda d, m, dtype, n=name: f"{n}-{dtype}")
+        monkeypatch.setattr(decodecompute, "_key", lambda d, m, dtype, kernel="exact", n=name: f"{n}-{dtype}-{kernel}")
         decodecompute.record(
             profile,
             tmp_path / name,
@@ -111,6 +111,16 @@ def test_the_overhead_per_layer_is_the_median_of_what_bench_measured_beyond_the_
     assert attached.layer_overhead["seconds"] == pytest.approx(0.0005)
     own = replace(gguf_facts(), decode_compute={"seconds": 0.02})
     assert decodecompute.with_layer_overhead(profile, own, "fp32") is own
+    # a run on the int8 kernels is a figure of its own: it replaces none of the exact ones, nor stands in for them
+    monkeypatch.setattr(decodecompute, "_key", lambda d, m, dtype, kernel="exact": f"a-{dtype}-{kernel}")
+    manifest = type("M", (), {"units": [], "total_bytes": 8, "source": {"name": "a"}})()
+    facts_a = replace(gguf_facts(), name="a", num_layers=8, architecture="llama")
+    decodecompute.record(profile, tmp_path / "a", manifest, "fp32", {"median": 11.0, "p10": 11.0}, 2, facts_a, "int8")
+    assert decodecompute.lookup(profile, tmp_path / "a", manifest, "fp32")["seconds"] == pytest.approx(0.014)
+    assert decodecompute.lookup(profile, tmp_path / "a", manifest, "fp32", "int8")["seconds"] == pytest.approx(0.011)
+    assert decodecompute.layer_overhead(profile, "fp32")["seconds"] == pytest.approx(0.0005)
+    int8 = decodecompute.layer_overhead(profile, "fp32", kernel="int8")
+    assert int8["seconds"] == pytest.approx(0.000125) and int8["sets"] == ["a"]
 
 
 @pytest.fixture

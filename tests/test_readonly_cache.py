@@ -52,11 +52,10 @@ def stored_profile() -> tuple[dict, dict]:
     profile = HardwareProfile.load()
     where = cache_dir() / "profiles" / profile.fingerprint
     host = json.loads((where / "host.json").read_text())
-    disk = next(
-        json.loads(p.read_text())
-        for p in where.glob("*.json")
-        if p.name not in ("host.json", "kernels.json", "unit-reads.json")
-    )
+    # the filesystem's document: the one beside host.json with measurements (the others are per-set and per-build
+    # records: kernel rates, unit reads, decode times, the native kernels' paths)
+    docs = (json.loads(p.read_text()) for p in sorted(where.glob("*.json")) if p.name != "host.json")
+    disk = next(doc for doc in docs if isinstance(doc, dict) and "measurements" in doc)
     return host, disk
 
 

@@ -197,13 +197,14 @@ def _row(
         flags.setdefault("max_context", memory["tokens"])
     compute = engine_dtype(profile, facts, knobs)
     tiers = plan_tier_bytes(facts, knobs)
-    # keyed as bench records it and doctor reads it: the knob
-    recorded = fmt.decode.get(str(knobs.value("compute_dtype")))
+    # keyed as bench records it and doctor reads it: the knob (the records `decode` holds are the exact kernels')
+    kernel = str(knobs.value("kernel"))
+    recorded = fmt.decode.get(str(knobs.value("compute_dtype"))) if kernel == "exact" else None
     measured = (
         replace(facts, decode_compute=recorded)
         if recorded
         else with_layer_overhead(
-            profile, with_kernel_rates(profile, facts, str(knobs.value("kernel"))), str(knobs.value("compute_dtype"))
+            profile, with_kernel_rates(profile, facts, kernel), str(knobs.value("compute_dtype")), kernel
         )
     )
     speculate = str(knobs.value("speculate"))

@@ -15,10 +15,11 @@ from pathlib import Path
 FILE = "decode-compute.json"
 
 
-def _key(directory: Path, manifest, compute_dtype: str) -> str:
+def _key(directory: Path, manifest, compute_dtype: str, kernel: str = "exact") -> str:
     from .unitreads import set_key
 
-    return f"{set_key(directory, manifest)}-{compute_dtype}"
+    # a run on the int8 kernels is its own figure: it must not stand for the exact default's (nor the other way)
+    return f"{set_key(directory, manifest)}-{compute_dtype}" + ("" if kernel == "exact" else f"-{kernel}")
 
 
 def record(
@@ -46,24 +47,26 @@ def record(
         "tokens": ms.get("n"),
         "threads": threads,
         "compute_dtype": compute_dtype,
+        "kernel": kernel,
         "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()) + " UTC",
     }
     floor = compute_floor(profile, facts, compute_dtype, kernel) if facts is not None and facts.num_layers else None
     if floor is not None:
         entry.update(name=facts.name, architecture=facts.architecture, layers=facts.num_layers, floor_seconds=floor)
-    stored[_key(directory, manifest, compute_dtype)] = entry
+    stored[_key(directory, manifest, compute_dtype, kernel)] = entry
     try:
         write_json(where, stored)
     except OSError:
         pass  # a read-only cache: doctor projects from the matvec floor, and says so
 
 
-def lookup(profile, directory: Path, manifest, compute_dtype: str) -> dict | None:
-    """The stored measurement for this set and compute dtype on this machine, or None."""
+def lookup(profile, directory: Path, manifest, compute_dtype: str, kernel: str = "exact") -> dict | None:
+    """The stored measurement for this set, compute dtype and kernel on this machine, or None."""
     from ...cachehome import read_json
     from ..cache import profile_dir
 
-    entry = (read_json(profile_dir(profile.fingerprint) / FILE) or {}).get(_key(directory, manifest, compute_dtype))
+    stored = read_json(profile_dir(profile.fingerprint) / FILE) or {}
+    entry = stored.get(_key(directory, manifest, compute_dtype, kernel))
     if not isinstance(entry, dict) or not isinstance(entry.get("seconds"), (int, float)) or entry["seconds"] <= 0:
         return None
     return entry
@@ -86,10 +89,10 @@ def compute_floor(profile, facts, compute_dtype: str, kernel: str = "exact") -> 
     ).compute_seconds
 
 
-def layer_overhead(profile, compute_dtype: str, architecture: str = "") -> dict | None:
+def layer_overhead(profile, compute_dtype: str, architecture: str = "", kernel: str = "exact") -> dict | None:
     """What a decoder layer costs here beside its products, from the sets bench measured resident on this machine in
-    COMPUTE_DTYPE, those of ARCHITECTURE where there are any (a Gemma 3 layer's four norms and q/k norms cost 0.7 ms
-    where a Llama layer's two cost 0.27, 2 cores): the median of (measured - floor) / layers,
+    COMPUTE_DTYPE on KERNEL's kernels, those of ARCHITECTURE where there are any (a Gemma 3 layer's four norms and
+    q/k norms cost 0.7 ms where a Llama layer's two cost 0.27, 2 cores): the median of (measured - floor) / layers,
     {"seconds", "sets": [names], "architecture": what they are}; None where none was."""
     from ...cachehome import read_json
     from ..cache import profile_dir
@@ -99,6 +102,7 @@ def layer_overhead(profile, compute_dtype: str, architecture: str = "") -> dict 
         if (
             isinstance(entry, dict)
             and entry.get("compute_dtype") == compute_dtype
+            and entry.get("kernel", "exact") == kernel
             and isinstance(entry.get("layers"), int)
             and entry["layers"] > 0
             and isinstance(entry.get("floor_seconds"), (int, float))
@@ -121,11 +125,11 @@ def layer_overhead(profile, compute_dtype: str, architecture: str = "") -> dict 
     }
 
 
-def with_layer_overhead(profile, facts, compute_dtype: str):
+def with_layer_overhead(profile, facts, compute_dtype: str, kernel: str = "exact"):
     """FACTS with `layer_overhead` where bench measured another set here and not this one (layer_overhead())."""
     from dataclasses import replace
 
     if facts.decode_compute or not facts.num_layers:
         return facts
-    found = layer_overhead(profile, compute_dtype, facts.architecture)
+    found = layer_overhead(profile, compute_dtype, facts.architecture, kernel)
     return replace(facts, layer_overhead=found) if found else facts

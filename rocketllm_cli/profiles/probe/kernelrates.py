@@ -175,16 +175,24 @@ def measure_native(
                 pool_bytes // (k // qk * block_bytes) * (k // qk * block_bytes),
             )
         weights = [pool[i * size : (i + 1) * size].view(n, -1) for i in range(max(1, pool_bytes // size))]
-        x, out = torch.randn(rows, k), torch.empty(rows, n)
-        best = float("inf")
-        for sweep in range(REPEATS + 1):
-            start = time.perf_counter()
-            for w in weights:
-                nk.matmul(w, name, x, mode=mode, out=out, threads=threads)
-            if sweep:
-                best = min(best, time.perf_counter() - start)
-        found[(name, shape)] = size * len(weights) / max(best, 1e-9)
+        found[(name, shape)] = sweep_rate(nk, name, weights, torch.randn(rows, k), mode, threads)
     return found
+
+
+def sweep_rate(nk, name: str, weights: list, x, mode: str, threads: int) -> float:
+    """Weight B/s of X times each of WEIGHTS (blocks of type NAME, one shape) on NK's kernels in MODE with THREADS:
+    the best of REPEATS sweeps over them after a warm-up sweep."""
+    import torch
+
+    out = torch.empty(x.shape[0], weights[0].shape[0])
+    best = float("inf")
+    for sweep in range(REPEATS + 1):
+        start = time.perf_counter()
+        for w in weights:
+            nk.matmul(w, name, x, mode=mode, out=out, threads=threads)
+        if sweep:
+            best = min(best, time.perf_counter() - start)
+    return sum(w.numel() for w in weights) / max(best, 1e-9)
 
 
 def _where(profile):

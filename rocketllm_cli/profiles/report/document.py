@@ -12,6 +12,7 @@ from ..cost import plan_tier_bytes, project
 from ..hardware import BUSY_SHARE, HardwareProfile
 from ..knobs.resolve import resolve_knobs
 from ..probe.machine import package_version
+from ..probe.nativepaths import native_paths
 
 # (distribution, import name, what its absence costs)
 OPTIONAL_PACKAGES = (
@@ -56,6 +57,7 @@ def build(
         "memory": {"ram_total": profile.ram_total, "ram_available": profile.ram_available},
         "accelerators": _accelerators(profile),
         "capabilities": [c.to_dict() for c in profile.capabilities.values()] + list(kernels or ()),
+        "native_kernels": native_paths(profile),  # which path each GGUF block type takes, at what speed
         "optional_packages": [_package(*p) for p in OPTIONAL_PACKAGES],
         "measurements": [m.to_dict() for m in profile.measurements.values()],
         "storage": {k: profile.storage.get(k) for k in ("directory", "mount_point", "fstype", "kind")},
@@ -88,7 +90,7 @@ def build(
             model = _with_decode_compute(profile, model, model_path, knobs)
         model = with_kernel_rates(profile, model, str(knobs.value("kernel")))  # a GGUF's blocks: each type's kernel
         # what other sets' layers cost here
-        model = with_layer_overhead(profile, model, str(knobs.value("compute_dtype")))
+        model = with_layer_overhead(profile, model, str(knobs.value("compute_dtype")), str(knobs.value("kernel")))
         floor = memory_floor(profile, model, knobs, shape=shape)
         tier_bytes = plan_tier_bytes(model, knobs)
         doc["model"] = {**model.to_dict(), "source": model_source, "note": _model_note(model)}
@@ -112,6 +114,8 @@ def build(
                 for regime, tier in (("resident", "device"), ("host", "host"), ("storage", "storage"))
             },
         }
+    chosen = knobs if model is not None else resolve_knobs(profile, None)  # the model's own knobs where one is given
+    doc["native_kernels"]["kernel"] = str(chosen.value("kernel"))
     return redact_tree(doc)
 
 
@@ -127,7 +131,9 @@ def _with_decode_compute(profile: HardwareProfile, model: ModelFacts, model_path
     if not (directory / "manifest.json").is_file():
         return model
     try:
-        measured = lookup(profile, directory, Manifest.load(directory), str(knobs.value("compute_dtype")))
+        measured = lookup(
+            profile, directory, Manifest.load(directory), str(knobs.value("compute_dtype")), str(knobs.value("kernel"))
+        )
     except Exception:  # noqa: BLE001 - an unreadable record: the floor stands
         return model
     return replace(model, decode_compute=measured) if measured else model

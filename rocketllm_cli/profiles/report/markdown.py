@@ -63,6 +63,12 @@ def _capabilities(caps: list) -> list[str]:
     return _table(["capability", "decision", "fallback taken", "why"], rows)
 
 
+def _native_kernels(n: dict) -> list[str]:
+    from ..probe.nativepaths import lines
+
+    return lines(n, n.get("kernel", "exact"))
+
+
 def _optional_packages(pkgs: list) -> list[str]:
     rows = [[p["package"], p["version"] or "missing", "-" if p["installed"] else p["cost_if_missing"]] for p in pkgs]
     return _table(["package", "installed", "cost of its absence"], rows)
@@ -208,6 +214,7 @@ SECTIONS = {
     "memory": ("Memory", _memory),
     "accelerators": ("Accelerators", _accelerators),
     "capabilities": ("Capability decisions", _capabilities),
+    "native_kernels": ("Native kernels (GGUF blocks)", _native_kernels),
     "optional_packages": ("Optional packages", _optional_packages),
     "measurements": ("Measured bandwidths", _measurements),
     "storage": ("Storage", _storage),
