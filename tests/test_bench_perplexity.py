@@ -345,3 +345,18 @@ def test_smollm2_perplexity_on_the_shipped_text(smollm2_gguf):
     assert result.exit_code == 0, result.stderr
     row = json.loads(result.stdout)["rows"][0]
     assert 1 < row["perplexity"] < 100
+
+
+@pytest.mark.realmodel
+def test_the_reference_runs_exact_kernels_so_int8_is_measured_against_them(smollm2_gguf, text_file):
+    """`--kernel int8 --reference MODEL` compares the model's int8 products with the same file's exact ones: the
+    reference row is the exact run's, bit for bit, and the model row differs from it by int8's small error."""
+    flags = ("--regime", "resident", "--compute-dtype", "fp32")
+    exact = _bench(smollm2_gguf, text_file, *flags)["rows"][0]
+    doc = _bench(smollm2_gguf, text_file, *flags, "--kernel", "int8", "--reference", str(smollm2_gguf))
+    rows = {r["role"]: r for r in doc["rows"]}
+    assert rows["reference"]["perplexity"] == exact["perplexity"]
+    assert rows["reference"]["nll_mean"] == exact["nll_mean"]
+    assert rows["model"]["nll_mean"] != exact["nll_mean"]
+    assert 0 < doc["kl_divergence"]["mean"] < 0.02, doc["kl_divergence"]
+    assert doc["agreement"] > 0.9

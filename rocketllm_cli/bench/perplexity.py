@@ -212,7 +212,7 @@ def run_perplexity(req: PerplexityRequest, log, progress=None) -> dict:
             )
             sink = None if meter is None else (meter.keep if role == "model" else meter.compare)
             with phase(f"perplexity: {name}", announce=False):
-                row, result, profile = _score_one(directory, man, ids, window, stride, req, log, sink)
+                row, result, profile = _score_one(directory, man, ids, window, stride, req, log, sink, role)
             row.update(role=role, name=name)
             rows.append(row)
             scored.append(result)
@@ -275,13 +275,23 @@ def _window_and_stride(req: PerplexityRequest, directories: list[Path], n: int) 
 
 
 def _score_one(
-    directory: Path, manifest, ids: list[int], window: int, stride: int, req: PerplexityRequest, log, sink=None
+    directory: Path,
+    manifest,
+    ids: list[int],
+    window: int,
+    stride: int,
+    req: PerplexityRequest,
+    log,
+    sink=None,
+    role: str = "model",
 ):
     from ..auto import AutoModel
     from .regimes import REGIME_KNOBS, regime_overrides
     from .timing import ms_summary
 
     flags = {k: v for k, v in req.knob_flags.items() if k not in REGIME_KNOBS}
+    if role == "reference":  # the truth the model is measured against: GGUF blocks times x in fp32, never int8
+        flags["kernel"] = "exact"
     streamed = AutoModel.from_pretrained(directory, flags=flags, log=log, **regime_overrides(req.regime, manifest))
     try:
         result = score(streamed, ids, window, stride, sink)

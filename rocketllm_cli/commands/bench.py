@@ -90,7 +90,8 @@ ReferenceOpt = Annotated[
         "--reference",
         metavar="REF",
         help="With --perplexity: score REF (same tokenizer) too, and print both perplexities, their difference in %, "
-        "top-1 agreement and the KL divergence KL(REF || MODEL) per scored token (mean, p99, max; nats).",
+        "top-1 agreement and the KL divergence KL(REF || MODEL) per scored token (mean, p99, max; nats). REF runs "
+        "the exact kernels whatever --kernel says: REF = MODEL with --kernel int8 measures what int8 costs.",
         show_default=False,
     ),
 ]
