@@ -104,15 +104,19 @@ def _without_native_kernels(manifest: Manifest, profile) -> str:
 
 def _start_first_run_work(model, refresh: bool) -> None:
     """What a first run needs beside sharding: the native kernels' build begun on the other cores (a GGUF's blocks
-    compute on them), and the profile's measurement of the runtime's memory taken here, before anything is loaded
-    (the imports the load makes anyway, made first). SmolLM2's first generate on a fresh cache spent 3.9 s and 3.3 s
-    on them after its 6.4 s of sharding when both ran after it."""
+    compute on them), the storage probe's file written (a GGUF's filesystem, where not profiled yet: its reads are
+    timed when the profile loads), and the profile's measurement of the runtime's memory taken here, before anything
+    is loaded (the imports the load makes anyway, made first). SmolLM2's first generate on a fresh cache spent 3.9 s
+    and 3.3 s on the build and the runtime's memory after its 6.4 s of sharding when both ran after it."""
     from .profiles import HardwareProfile
 
-    if str(model).endswith(".gguf") or _is_blocks_set(Path(str(model)).expanduser()):
+    gguf = str(model).endswith(".gguf")
+    if gguf or _is_blocks_set(Path(str(model)).expanduser()):
         from .native import build_in_background
 
         build_in_background()
+    if gguf:  # its set indexes it in place: the profile measures the file's filesystem
+        HardwareProfile.write_storage_probe_ahead(Path(str(model)).expanduser(), refresh)
     if refresh or not HardwareProfile.host_cached():
         from .profiles.probe.runtime import start
 

@@ -193,7 +193,7 @@ def test_cpu_flags_come_from_proc_cpuinfo_and_fall_back_to_py_cpuinfo(monkeypatc
         monkeypatch.setitem(sys.modules, "cpuinfo", None)  # not asked: the file answers
         flags, source = facts.cpu_flags()
         assert source.startswith("/proc/cpuinfo") and ("sse4_2" in flags or "avx" in flags)
-    monkeypatch.setattr(facts, "_read_lines", lambda path: [])  # a platform without the file
+    monkeypatch.setattr(facts, "cpuinfo_flags", lambda: None)  # a platform without the file
     monkeypatch.setitem(sys.modules, "cpuinfo", None)
     _, source = facts.cpu_flags()
     assert source == "unavailable: no /proc/cpuinfo flags and py-cpuinfo missing"
@@ -279,3 +279,42 @@ def test_an_isa_ceiling_hides_the_flags_kernels_are_told_not_to_use(monkeypatch)
     assert [f for f in flags if f not in ("avx512_bf16", "avx512_fp16")] == [
         f for f in full_flags if f not in ("avx512_bf16", "avx512_fp16") and not f.startswith("amx")
     ]
+
+
+def test_a_probe_file_written_ahead_is_the_one_measured_then_deleted(tmp_path, monkeypatch):
+    from rocketllm_cli.profiles.probe import storage
+
+    size = storage.probe_bytes()
+    storage.write_ahead([tmp_path], size)  # a first run: beside its imports
+    storage._ahead[0][2].join()
+    written = list(tmp_path.glob(".rocketllm-probe-*"))
+    assert len(written) == 1 and written[0].stat().st_size == size
+    monkeypatch.setattr(storage, "_write_probe", lambda *args: pytest.fail("the probe file was written again"))
+    found, _, cacheable = storage.measure_storage(filesystem_of(tmp_path), size, directories=[tmp_path])
+    assert cacheable and found["page_cache_read"].available and found["page_cache_read"].bytes_moved == size
+    assert not list(tmp_path.glob(".rocketllm-probe-*")) and not storage._ahead
+
+
+def test_a_probe_file_no_measurement_takes_is_deleted_at_exit(tmp_path):
+    from rocketllm_cli.profiles.probe import storage
+
+    storage.write_ahead([tmp_path], storage.probe_bytes())
+    try:
+        storage._discard_ahead()  # atexit's: a write under way stops, a written file goes
+        assert not list(tmp_path.glob(".rocketllm-probe-*")) and not storage._ahead
+        with pytest.raises(OSError, match="stopped"):  # and no probe file is written after it
+            storage._write_probe(tmp_path / "late", storage.probe_bytes())
+    finally:
+        storage._stop_ahead.clear()  # the rest of the session measures as a process that is not leaving
+    storage._write_probe(tmp_path / "again", 1 << 20)
+    assert (tmp_path / "again").stat().st_size == 1 << 20
+
+
+def test_the_probe_file_is_written_ahead_only_where_the_filesystem_is_not_profiled(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(hardware, "write_ahead", lambda directories, size: calls.append(directories))
+    HardwareProfile.load(storage_path=tmp_path)  # this filesystem profiled (or read from the session's cache)
+    HardwareProfile.write_storage_probe_ahead(tmp_path / "model.gguf")
+    assert calls == []
+    HardwareProfile.write_storage_probe_ahead(tmp_path / "model.gguf", refresh=True)
+    assert len(calls) == 1 and calls[0][-1] == filesystem_of(tmp_path).directory

@@ -32,7 +32,7 @@ from .probe.machine import (
 )
 from .probe.runtime import METHOD as RUNTIME_METHOD
 from .probe.runtime import measure_runtime, process_memory
-from .probe.storage import measure_storage, probe_bytes
+from .probe.storage import measure_storage, probe_bytes, wait_written, write_ahead
 from .records import Capability, Measurement
 
 Log = Callable[[str], None]
@@ -79,6 +79,19 @@ class HardwareProfile:
         return replace(
             self, capabilities={**self.capabilities, "compute_dtype": Capability("compute_dtype", dtype, None, reason)}
         )
+
+    @staticmethod
+    def write_storage_probe_ahead(storage_path: Path, refresh: bool = False) -> None:
+        """Where the filesystem of STORAGE_PATH's weights is not profiled yet (or REFRESH), write its probe file now
+        on a thread of its own (a first run: beside the imports); load() then times its reads as always."""
+        fs = filesystem_of(weights_location(Path(storage_path)))
+        if not refresh and read_json(profile_dir(fingerprint(fingerprint_facts())) / f"{fs.key}.json") is not None:
+            return
+        try:  # the cache dir the run makes anyway, made now: the file goes there, never beside a model first
+            cache_dir().mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return  # the measurement writes its own file later, wherever it can
+        write_ahead(_probe_directories(fs), probe_bytes())
 
     @staticmethod
     def host_cached() -> bool:
@@ -258,6 +271,7 @@ def _save(path: Path, doc: dict) -> list[str]:
 
 
 def _measure_host(log: Log) -> dict:
+    wait_written()  # a probe file written ahead has landed: its copies and fsync do not share the timed work
     start, busy = time.perf_counter(), cpu_snapshot()
     log("measuring this machine once (memory, compute; cached afterwards)")
     facts = collect_facts()
@@ -316,13 +330,15 @@ def _guarded(call, fallback):
         return fallback(f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
 
 
+def _probe_directories(fs) -> list[Path]:
+    """Where the probe file goes: the cache dir when it shares the filesystem (never litter a model directory), else
+    beside the weights."""
+    return [cache_dir(), fs.directory] if filesystem_of(cache_dir()).key == fs.key else [fs.directory]
+
+
 def _measure_filesystem(fs, log: Log) -> dict:
     start, busy = time.perf_counter(), cpu_snapshot()
-    # The probe file goes in the cache dir when it shares the filesystem (never litter a model directory),
-    # else beside the weights.
-    directories = [fs.directory]
-    if filesystem_of(cache_dir()).key == fs.key:
-        directories.insert(0, cache_dir())
+    directories = _probe_directories(fs)
     found, decided, cacheable = measure_storage(fs, probe_bytes(), lambda message: log(redact(message)), directories)
     _log_decisions(decided, log)
     return {

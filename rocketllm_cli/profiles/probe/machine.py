@@ -13,6 +13,7 @@ import platform
 import time
 from importlib import metadata
 
+from ...native.build import cpuinfo_flags
 from .cgroup import cpu_quota, memory_limit
 from .nvml import driver_version, nvml_gpus
 
@@ -79,12 +80,7 @@ def cpu_model() -> str:
 def cpu_flags() -> tuple[list[str], str]:
     """(relevant ISA flags present, where they came from): /proc/cpuinfo, else py-cpuinfo (which on Linux reads the
     same file through a subprocess of its own: a second of a first run on 2 cores)."""
-    flags: set[str] = set()
-    for line in _read_lines("/proc/cpuinfo"):
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            flags.update(value.split())
-            break
+    flags = cpuinfo_flags() or set()
     source = "/proc/cpuinfo"
     if not flags:
         try:

@@ -8,8 +8,10 @@ reached the device. The probe file is always deleted.
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,22 +45,77 @@ def measure_storage(
     if size < MIN_PROBE_BYTES:
         why = f"only {format_bytes(free)} free on this filesystem: too little for a meaningful probe file"
         return _all_unavailable(why), {**caps, **_io_caps_unknown(why)}, False
-    error: OSError | None = None
-    for directory in directories or [fs.directory]:
-        path = directory / f".rocketllm-probe-{os.getpid()}-{time.monotonic_ns()}"
-        try:
-            _write_probe(path, size)
-            break
-        except OSError as exc:
-            _remove(path)
-            error = exc
-    else:
+    directories = list(directories or [fs.directory])
+    path, error = _take_written(directories, size) or _written(directories, size)
+    if path is None:
         why = f"cannot write a {format_bytes(size)} probe file on this filesystem ({error.strerror or error})"
         return _all_unavailable(why), {**caps, **_io_caps_unknown(why)}, False
     try:
         return (*_measure_file(path, size, fs, caps, log), True)
     finally:
         _remove(path)
+
+
+def _written(directories: list[Path], size: int) -> tuple[Path | None, OSError | None]:
+    """(the probe file written in the first of DIRECTORIES that takes it, None) or (None, the last error)."""
+    error: OSError | None = None
+    for directory in directories:
+        path = directory / f".rocketllm-probe-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            _write_probe(path, size)
+            return path, None
+        except OSError as exc:
+            _remove(path)
+            error = exc
+    return None, error
+
+
+# A probe file written ahead (write_ahead): (its directories, size, the writing thread, [its (path, error)])
+_ahead: list[tuple[tuple[Path, ...], int, threading.Thread, list]] = []
+_stop_ahead = threading.Event()  # set at exit: a write ahead still under way stops and its file goes
+
+
+def write_ahead(directories: list[Path], size: int) -> None:
+    """Write the probe file now, on a thread of its own, for the measure_storage call to come (a first run: the
+    write is not timed, and takes a second of a disk beside the imports). Only its reads are measured, later, as
+    always. A file no measurement takes is deleted at exit."""
+    if _ahead:
+        return
+    free = _free_bytes(directories[0])
+    if free is not None and free < 2 * size:
+        return  # measure_storage shrinks its file: no file of this size will be asked for
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(_written(directories, size)), name="rocketllm-probe-write")
+    thread.daemon = True
+    _ahead.append((tuple(directories), size, thread, box))
+    atexit.unregister(_discard_ahead)  # registered once, however many files a process writes ahead
+    atexit.register(_discard_ahead)
+    thread.start()
+
+
+def _take_written(directories: list[Path], size: int) -> tuple[Path, None] | None:
+    """The file write_ahead wrote for these DIRECTORIES and SIZE (waiting for it), or None."""
+    if not _ahead or _ahead[0][:2] != (tuple(directories), size):
+        return None
+    _, _, thread, box = _ahead.pop()
+    thread.join()
+    path = box[0][0] if box else None
+    return (path, None) if path is not None else None
+
+
+def wait_written() -> None:
+    """Wait for a probe file being written ahead to land (other measurements must not share the machine with it)."""
+    for _, _, thread, _ in list(_ahead):
+        thread.join()
+
+
+def _discard_ahead() -> None:
+    _stop_ahead.set()
+    while _ahead:
+        _, _, thread, box = _ahead.pop()
+        thread.join(timeout=30)
+        if box and box[0][0] is not None:
+            _remove(box[0][0])
 
 
 def _measure_file(
@@ -139,6 +196,8 @@ def _write_probe(path: Path, size: int) -> None:
     try:
         written = 0
         while written < size:
+            if _stop_ahead.is_set():  # the process is leaving (an error before any measurement): no file to finish
+                raise OSError("the probe file's write was stopped")
             written += os.write(fd, memoryview(block)[: min(len(block), size - written)])
         os.fsync(fd)  # dirty pages cannot be evicted; after fsync they are clean and DONTNEED drops them
     finally:
