@@ -48,16 +48,18 @@ F16_FIELDS = {
     "IQ4_XS": (0,),
 }
 VARIANTS = ("avx512", "avx2", "scalar")  # each runs where the CPU can, the scalar one everywhere
-# types whose int8 kernels sum w = a·code + b as its two parts (b = m, −dmin·mn, or Q4_0 / Q5_0's −OFF·d): where
-# their code bytes are, to find b by zeroing them
+# types whose int8 kernels sum w = a·code + b as its two parts (b = m, −dmin·mn, Q4_0 / Q5_0's −OFF·d, or on AVX2
+# Q3_K / Q6_K's −OFF·d·sc): where their code bytes are, to find b by zeroing them
 MIN_CODE_BYTES = {
     "Q4_0": (2, 18),
     "Q4_1": (4, 20),
     "Q5_0": (2, 22),
     "Q5_1": (4, 24),
     "Q2_K": (16, 80),
+    "Q3_K": (0, 96),
     "Q4_K": (16, 144),
     "Q5_K": (16, 176),
+    "Q6_K": (0, 192),
 }
 
 

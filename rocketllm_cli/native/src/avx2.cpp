@@ -47,6 +47,33 @@ template <int QS> RL_INLINE void nibble_floats(const uint8_t* blk, F* out) {
 }
 template <> RL_INLINE void codes_as_floats<Q4_0>(const uint8_t* blk, int, F* out) { nibble_floats<2>(blk, out); }
 template <> RL_INLINE void codes_as_floats<Q4_1>(const uint8_t* blk, int, F* out) { nibble_floats<4>(blk, out); }
+// Q5_0 / Q5_1: the nibbles as Q4_0's, and bit 4 of element i (bit i of qh) moved into place by a variable shift of
+// qh broadcast: lanes 8g .. 8g + 7 take bits 8g .. 8g + 7. No byte shuffles beyond the two conversions from memory,
+// where building the 32 byte codes and widening them took ten.
+template <int QS, int QH> RL_INLINE void five_bit_floats(const uint8_t* blk, F* out) {
+  const __m256i low = _mm256_set1_epi32(15), bit4 = _mm256_set1_epi32(16);
+  const uint32_t qh = u32_at(blk + QH);
+  const __m256i h4 = _mm256_set1_epi32(int(qh << 4)), h = _mm256_set1_epi32(int(qh));  // bit i at i + 4, at i
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + QS)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + QS + 8)));
+  const __m256i nibble[4] = {_mm256_and_si256(a, low), _mm256_and_si256(b, low), _mm256_srli_epi32(a, 4),
+                             _mm256_srli_epi32(b, 4)};
+  const __m256i high[4] = {_mm256_srlv_epi32(h4, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                           _mm256_srlv_epi32(h4, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)),
+                           _mm256_srlv_epi32(h4, _mm256_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23)),
+                           _mm256_srlv_epi32(h, _mm256_setr_epi32(20, 21, 22, 23, 24, 25, 26, 27))};
+  for (int i = 0; i < 4; ++i) out[i] = _mm256_cvtepi32_ps(_mm256_or_si256(nibble[i], _mm256_and_si256(high[i], bit4)));
+}
+// Q4_K: chunk c is the low (c even) or high nibbles of the 32 bytes at 16 + 32 · (c / 2), widened from memory
+template <> RL_INLINE void codes_as_floats<Q4_K>(const uint8_t* blk, int c, F* out) {
+  const uint8_t* p = blk + 16 + 32 * (c >> 1);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
+    out[i] = _mm256_cvtepi32_ps(c & 1 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)));
+  }
+}
+template <> RL_INLINE void codes_as_floats<Q5_0>(const uint8_t* blk, int, F* out) { five_bit_floats<6, 2>(blk, out); }
+template <> RL_INLINE void codes_as_floats<Q5_1>(const uint8_t* blk, int, F* out) { five_bit_floats<8, 4>(blk, out); }
 
 RL_INLINE void signed_floats(const uint8_t* p, F* out) {  // 32 int8 at p -> fp32, 8 at a time from memory
   for (int i = 0; i < 4; ++i)
@@ -61,16 +88,16 @@ RL_INLINE void scale_floats(__m256i s, float mult, float* out) {
 
 #include "x86_kernels.h"
 
-// int8, K-quants: per block and row of x, 8 int32 lanes of Σ sc_g · w_i · q_i over the block (exact), w_i = code − OFF
-// (or the int8 weight itself), then one FMA by d · dx; the mins' dmin · Σ mn_g · bs_g go to accumulators of
-// their own.
+// int8, K-quants: per block and row of x, 8 int32 lanes of Σ sc_g · code_i · q_i over the block (exact; a signed
+// type's int8 weight itself for code), then one FMA by d · dx; the mins' dmin · Σ mn_g · bs_g, or an offset type's
+// OFF · d · Σ sc_g · bs_g (w = sc · (code − OFF)), go to accumulators of their own from the group sums bs the
+// quantizer keeps: one madd a block where subtracting OFF · q took two operations per 32 codes and row.
 
-// int16 sums of byte pairs w·q (maddubs takes unsigned × signed bytes): unsigned codes as they are, less OFF·q
-// (no saturation: codes ≤ 63, OFF ≤ 32, |q| ≤ 127); signed weights as |w| · (q with w's sign)
+// int16 sums of byte pairs w·q (maddubs takes unsigned × signed bytes): unsigned codes as they are (a type's OFF is
+// summed apart, int8_tile; no saturation: codes ≤ 63, |q| ≤ 127); signed weights as |w| · (q with w's sign)
 template <class T> RL_INLINE __m256i pair_products(__m256i codes, __m256i q) {
   if constexpr (T::SIGNED) return _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(q, codes));
-  const __m256i p = _mm256_maddubs_epi16(codes, q);
-  return T::OFF ? _mm256_sub_epi16(p, _mm256_maddubs_epi16(bytes(T::OFF), q)) : p;
+  return _mm256_maddubs_epi16(codes, q);
 }
 RL_INLINE __m256i scale_pair(__m256i sc, int c) {  // int16: sc[2c] in the low 16 bytes, sc[2c + 1] in the high
   const __m256i pick = _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302, 0x0100010001000100,
@@ -103,11 +130,12 @@ RL_TARGET void int8_tile(const Job& j, int64_t n, int64_t m0) {
     for (int t = 0; t < M; ++t) {
       const int64_t row_m = m0 + t;
       const float dx = j.q8.d[row_m * nb + b];
-      if (T::MIN) {
+      if (T::MIN || T::OFF) {  // dmin · Σ mn_g · bs_g, or (Q3_K, Q6_K) OFF · d · Σ sc_g · bs_g
         const int16_t* bs = j.q8.bs + row_m * (j.k / 16) + b * (T::QK / 16);
         const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs));  // 16 group sums
-        mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, s.mn)), _mm256_set1_ps(s.dmin * dx),
-                                  mins[t]);
+        const __m256i by = T::MIN ? s.mn : s.sc;
+        const float factor = T::MIN ? s.dmin * dx : float(T::OFF) * s.d * dx;
+        mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, by)), _mm256_set1_ps(factor), mins[t]);
       }
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(s.d * dx), acc[t]);
     }
