@@ -72,6 +72,17 @@ template <> RL_INLINE void codes_as_floats<Q4_K>(const uint8_t* blk, int c, F* o
     out[i] = _mm256_cvtepi32_ps(c & 1 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)));
   }
 }
+// Q5_K: Q4_K's nibbles at 48 + 32 · (c / 2), and bit c of qh[i] as bit 4, both widened from memory
+template <> RL_INLINE void codes_as_floats<Q5_K>(const uint8_t* blk, int c, F* out) {
+  const uint8_t* p = blk + 48 + 32 * (c >> 1);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
+    const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 16 + 8 * i)));
+    const __m256i nibble = c & 1 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+    const __m256i bit = c < 4 ? _mm256_slli_epi32(h, 4 - c) : _mm256_srli_epi32(h, c - 4);
+    out[i] = _mm256_cvtepi32_ps(_mm256_or_si256(nibble, _mm256_and_si256(bit, _mm256_set1_epi32(16))));
+  }
+}
 template <> RL_INLINE void codes_as_floats<Q5_0>(const uint8_t* blk, int, F* out) { five_bit_floats<6, 2>(blk, out); }
 template <> RL_INLINE void codes_as_floats<Q5_1>(const uint8_t* blk, int, F* out) { five_bit_floats<8, 4>(blk, out); }
 
