@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from .checkpoint.manifest import MANIFEST, Manifest
 from .output import BLINK_S, no_progress
+from .profiles.knobs.table import native_mode
 from .stream.residency import check_floor
 from .tiers import RESIDENT_KINDS
 
@@ -77,7 +78,7 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         expert_cache_policy=str(knobs.value("expert_cache_policy")),
         # exact: packed Linears compute in the compute dtype; torch: in the dtype its kernel measured fastest in
         packed_dtype="fastest" if knobs.value("kernel") == "torch" else "",
-        native_mode="int8" if knobs.value("kernel") == "int8" else "exact",
+        native_mode=native_mode(str(knobs.value("kernel"))),
         kv_cache_dtype=str(knobs.value("kv_cache_dtype")),
         kv_residual_tokens=int(knobs.value("kv_residual_tokens")),
         decode_graphs="off" if knobs.value("decode_graphs") == "off" else "on",  # graphs.wanted() checks the rest

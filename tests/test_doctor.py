@@ -215,8 +215,8 @@ def test_no_private_data_in_any_output(tmp_path, tiny_checkpoint):
 
 
 def test_native_kernels_section_says_which_path_each_type_takes(monkeypatch):
-    """Each GGUF block type: its path here (the native variant, or the torch reference), both kernel modes' rates on
-    one fixed product and int8's error against exact; measured once per kernel build, read back after."""
+    """Each GGUF block type: its path here (the native variant, or the torch reference), each kernel mode's rate on
+    one fixed product and int16's and int8's errors against exact; measured once per kernel build, read back after."""
     from rocketllm_cli import native
     from rocketllm_cli.native.kernels import GGML_IDS
 
@@ -231,13 +231,17 @@ def test_native_kernels_section_says_which_path_each_type_takes(monkeypatch):
     assert list(rows) == list(GGML_IDS)
     for name, row in rows.items():
         assert row["path"] == f"native ({section['isa']})", name
-        assert row["exact_bps"] > 0 and row["int8_bps"] > 0, name
+        assert row["exact_bps"] > 0 and row["int16_bps"] > 0 and row["int8_bps"] > 0, name
         assert 1e-4 < row["int8_rel_error"] < 5e-2, (name, row)  # 8-bit activations: about 5e-3
+        assert 1e-7 < row["int16_rel_error"] < 1e-4, (name, row)  # 16-bit activations: about 2e-5
     assert "IQ2_XXS" in section["decoder_types"] and "F32" not in section["decoder_types"]
     again = doctor()
     assert again.exit_code == 0, again.output
     for name, row in rows.items():  # the stored figures, not a second measurement
-        line = f"| {name} | {row['path']} | {row['exact_bps'] / 1e9:.2f} | {row['int8_bps'] / 1e9:.2f} | "
+        line = (
+            f"| {name} | {row['path']} | {row['exact_bps'] / 1e9:.2f} | {row['int16_bps'] / 1e9:.2f} | "
+            f"{row['int8_bps'] / 1e9:.2f} | "
+        )
         assert line in again.stdout, name
     assert "- kernel: int8 (" in again.stdout and "through the torch reference (no kernel): " in again.stdout
 

@@ -119,8 +119,10 @@ def _doc(llamacpp: dict, gbps: float | None) -> dict:
         "type": "Q4_K",
         "bits_per_weight": 4.5,
         "exact_gb_per_s": 10.0,
+        "int16_gb_per_s": 12.0,
         "int8_gb_per_s": 15.0,
         "exact_rel_error": 1e-7,
+        "int16_rel_error": 2e-5,
         "int8_rel_error": 6e-3,
         "torch_decoder_gb_per_s": 0.3,
         "llamacpp_gb_per_s": gbps,
@@ -141,12 +143,15 @@ def _doc(llamacpp: dict, gbps: float | None) -> dict:
 
 def test_render_shows_a_dash_and_the_reason_when_llamacpp_is_not_measured():
     text = render_kernels(_doc({"reason": NOT_INSTALLED}, None))
-    assert "| llama.cpp GB/s | our int8 ÷ llama.cpp |" in text
-    assert "| 0.3 | - | - |" in text and f"llama.cpp: not measured: {NOT_INSTALLED}" in text
+    assert "| llama.cpp GB/s | our int16 ÷ llama.cpp | our int8 ÷ llama.cpp |" in text
+    assert "| 0.3 | - | - | - |" in text and f"llama.cpp: not measured: {NOT_INSTALLED}" in text
 
 
 def test_render_shows_llamacpp_its_buffer_our_int8_over_it_and_its_notes():
     text = render_kernels(_doc({"version": "llama-cpp-python 0.3.36 (ggml 0.25.3)", "notes": ["Q6_K: crashed"]}, 20.0))
-    assert "| 0.3 | 20.0 (AMX) | 0.75x |" in text
+    assert (
+        "| 10.0 | 12.0 | 15.0 | 1.20x | 1.50x | 1.0e-07 | 2.0e-05 | 6.0e-03 | 0.3 | 20.0 (AMX) | 0.60x | 0.75x |"
+        in text
+    )
     assert "llama.cpp: llama-cpp-python 0.3.36 (ggml 0.25.3), its own mul_mat" in text
     assert text.endswith("llama.cpp: Q6_K: crashed")

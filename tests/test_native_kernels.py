@@ -9,6 +9,7 @@ each SIMD variant also against the scalar one.
          sums of |x̂|·|a·code| and |x̂|·|b|: the integer dot products are exact, only fp32 sums of per-block
          products round, the integer and the min parts apart), and within the hard bound
          Σ_i |w_i| · d_i / 2 of the exact result (|x − q·d| ≤ d / 2 per element)
+  int16: as int8, with x's 16-bit round trip per 32 elements for the codes' part and x itself for a min's part
 Plus: the quantizer bit for bit, threads and variants agreeing, one-line errors, and no compiler -> None.
 The library builds once per session into the test cache (~10 s on 2 cores).
 """
@@ -61,6 +62,7 @@ MIN_CODE_BYTES = {
     "Q5_K": (16, 176),
     "Q6_K": (0, 192),
 }
+WITH_MIN = ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")  # int16 sums b = m or −dmin·mn against x's own fp32 sums
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +127,22 @@ def q8_reference(x: torch.Tensor, qx: int) -> tuple[torch.Tensor, torch.Tensor, 
     return q, d.view(m, -1), q.view(m, k // 16, 16).sum(-1, dtype=torch.int32).to(torch.int16)
 
 
+def q16_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int16 mode's quantization in torch: per 32 values d = max|x| / 32767, q = round-half-even(x · (1 / d)),
+    the floor and non-finite blocks as q8_reference's; codes int16 [M, K], scales [M, K / 32], fp64 sums of each
+    16 values of x [M, K / 16]."""
+    m, k = x.shape
+    xb = x.view(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    finite = xb.isfinite().all(-1, keepdim=True)
+    zero = ~(amax >= 1e-30) | ~finite
+    d = torch.where(zero, torch.zeros_like(amax), amax / 32767)
+    inv = torch.where(zero, torch.zeros_like(amax), 1 / torch.where(zero, torch.ones_like(d), d))
+    q = torch.where(finite, torch.round(xb * inv), 0).to(torch.int16).view(m, k)
+    d = torch.where(finite, d, float("nan"))
+    return q, d.view(m, -1), x.double().view(m, k // 16, 16).sum(-1)
+
+
 def min_terms(blocks: torch.Tensor, name: str) -> torch.Tensor:
     """fp64 [N, K]: each weight's min term b (0 for types without one): the weights with every code zeroed."""
     if name not in MIN_CODE_BYTES:
@@ -153,7 +171,7 @@ def relative(y: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> flo
     return ((y.double() - ref).abs() / magnitude.clamp_min(1e-300)).max().item()
 
 
-@pytest.mark.parametrize("mode", ["exact", "int8"])
+@pytest.mark.parametrize("mode", ["exact", "int16", "int8"])
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("name", TYPES)
 def test_matches_reference(nk, name, isa, mode):
@@ -172,6 +190,16 @@ def test_matches_reference(nk, name, isa, mode):
         where = f"{name} {isa} {mode} M={m} N={n} K={k}"
         if mode == "exact":
             assert relative(y, ref, magnitude) < 1e-6, where
+        elif mode == "int16":
+            q, d, _ = q16_reference(x)
+            dx = d.double().repeat_interleave(32, dim=1)  # [M, K]
+            x_hat = q.double() * dx
+            b = min_terms(blocks, name) if name in WITH_MIN else torch.zeros_like(w)  # [N, K]
+            parts = x_hat.abs() @ (w - b).abs().T + x.abs().double() @ b.abs().T
+            assert relative(y, x_hat @ (w - b).T + x.double() @ b.T, parts) < 1e-6, where
+            magnitude = parts
+            bound = (dx / 2) @ (w - b).abs().T * (1 + 1e-5) + 1e-6 * magnitude
+            assert ((y.double() - ref).abs() <= bound).all(), where
         else:
             q, d, _ = q8_reference(x, qx=qk)
             dx = d.double().repeat_interleave(qk, dim=1)  # [M, K]
@@ -200,9 +228,14 @@ def test_quantize_bit_for_bit(nk, isa):
         q_ref, d_ref, bs_ref = q8_reference(x, qx)
         assert torch.equal(q, q_ref) and torch.equal(bs, bs_ref), (isa, qx)
         assert torch.equal(d.view(torch.int32), d_ref.view(torch.int32)), (isa, qx)  # NaN's bits too
+    q, d, xs = nk.with_isa(isa).quantize16(x)
+    q_ref, d_ref, xs_ref = q16_reference(x)
+    assert torch.equal(q, q_ref) and torch.equal(d.view(torch.int32), d_ref.view(torch.int32)), isa
+    fine = xs_ref.isfinite()  # x's own sums, in fp32 in the variant's order
+    assert torch.allclose(xs.double()[fine], xs_ref[fine], rtol=1e-6, atol=1e-5) and not xs[~fine].isfinite().any()
 
 
-@pytest.mark.parametrize("mode", ["exact", "int8"])
+@pytest.mark.parametrize("mode", ["exact", "int16", "int8"])
 def test_non_finite_x_gives_nan_rows(nk, mode):
     """inf or NaN in a row of x: that row of y is NaN (int8: its block's scale is NaN); the other rows are not."""
     blocks, x = make_blocks("Q4_K", 8, 512, 0), activations(3, 512, 0)
@@ -217,7 +250,7 @@ def test_threads_and_tiles_agree(nk):
     what the same row alone gives (to fp32 order noise: tiles and single rows keep different accumulators)."""
     blocks, x = make_blocks("Q4_K", 64, 512, 0), activations(6, 512, 0)
     magnitude = x.abs().double() @ dequantize_blocks(blocks, "Q4_K").abs().double().T
-    for mode in ("exact", "int8"):
+    for mode in ("exact", "int16", "int8"):
         one = nk.matmul(blocks, "Q4_K", x, mode=mode, threads=1)
         for threads in (2, 3, 8):
             assert torch.equal(nk.matmul(blocks, "Q4_K", x, mode=mode, threads=threads), one)
@@ -449,17 +482,19 @@ def test_a_build_begun_in_the_background_is_the_one_kernels_returns(monkeypatch)
 
 
 def test_bench_kernels_times_each_type_in_both_modes_and_measures_their_error(nk):
-    """`bench --kernels`: per type, both modes' speed and error against the fp64 product of gguf's own weights:
-    exact to fp32 rounding, int8 to its 8-bit activations (about 5e-3 on these weights), and the torch decoder."""
+    """`bench --kernels`: per type, each mode's speed and error against the fp64 product of gguf's own weights:
+    exact to fp32 rounding, int16 to its 16-bit activations (about 2e-5), int8 to its 8-bit ones (about 5e-3 on
+    these weights), and the torch decoder."""
     from rocketllm_cli.bench.kernels import render_kernels, run_kernels
 
     doc = run_kernels(types=("Q8_0", "Q4_K"))
     assert [r["type"] for r in doc["rows"]] == ["Q8_0", "Q4_K"] and doc["isa"] == nk.isa
     for row in doc["rows"]:
-        assert row["exact_gb_per_s"] > 0 and row["int8_gb_per_s"] > 0 and row["torch_decoder_gb_per_s"] > 0
-        assert row["exact_rel_error"] < 1e-5 < 1e-4 < row["int8_rel_error"] < 5e-2, row
+        assert row["exact_gb_per_s"] > 0 and row["int16_gb_per_s"] > 0 and row["int8_gb_per_s"] > 0
+        assert row["torch_decoder_gb_per_s"] > 0
+        assert row["exact_rel_error"] < 1e-6 < row["int16_rel_error"] < 1e-4 < row["int8_rel_error"] < 5e-2, row
     text = render_kernels(doc)
-    assert "| Q4_K | 4.5 |" in text and "int8 speed-up" in text
+    assert "| Q4_K | 4.5 |" in text and "int16 speed-up" in text and "int8 speed-up" in text
 
 
 def test_bench_kernels_takes_no_model():

@@ -2,12 +2,13 @@
 
 For each type the kernels cover: GB/s of blocks read by one decode-shaped product (one activation row times a
 4096 x 4096 weight, over 64 MiB of such weights, on every thread torch would use), in exact mode (fp32 activations
-times gguf's own fp32 weights) and int8 mode (activations quantized to 8 bits per block, integer dot products, as
-llama.cpp computes); each mode's relative error ||y - y_ref|| / ||y_ref|| against the fp64 product of gguf's own
-dequantized weights, on blocks of realistic scales; the torch decoder's rate (dequantize the blocks, then F.linear in
-fp32), what a type without a kernel, or a machine without a compiler, computes with; and, where llama-cpp-python is
-installed, llama.cpp's own rate on the same product, threads and sweeps (ggmlkernels.py), against our int8 mode,
-which computes as it does.
+times gguf's own fp32 weights), int16 mode (activations quantized to 16 bits per 32, integer dot products) and int8
+mode (activations quantized to 8 bits per block, integer dot products, as llama.cpp computes); each mode's relative
+error ||y - y_ref|| / ||y_ref|| against the fp64 product of gguf's own dequantized weights, on blocks of realistic
+scales; the torch decoder's rate (dequantize the blocks, then F.linear in fp32), what a type without a kernel, or a
+machine without a compiler, computes with; and, where llama-cpp-python is installed, llama.cpp's own rate on the
+same product, threads and sweeps (ggmlkernels.py), against our int8 mode, which computes as it does, and our int16
+mode.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 K = N = 4096
 ERROR_ROWS = 256  # rows of the weight the error is measured on (the product of every row would take seconds)
 POOL_BYTES = 64 << 20  # the weights each type's sweep cycles over
+MODES = ("exact", "int16", "int8")
 AGREE = 5e-2  # llama.cpp's product further than this from ours (relative): its rate is not this product's, say so
 
 
@@ -46,13 +48,12 @@ def run_kernels(log=lambda m: None, types: tuple[str, ...] | None = None) -> dic
             qk, block_bytes = SUPPORTED[name]
             speed = {
                 mode: measure_native(nk, [(name, f"{N}x{K}")], mode, threads, POOL_BYTES)[(name, f"{N}x{K}")]
-                for mode in ("exact", "int8")
+                for mode in MODES
             }
             w = sample_blocks(name, ERROR_ROWS, K, seed=1)
             ref = (x.double() @ dequantize_blocks(w, name).double().T)[0]
             error = {
-                mode: float((nk.matmul(w, name, x, mode=mode)[0].double() - ref).norm() / ref.norm())
-                for mode in ("exact", "int8")
+                mode: float((nk.matmul(w, name, x, mode=mode)[0].double() - ref).norm() / ref.norm()) for mode in MODES
             }
             blocks = sample_blocks(name, N, K, seed=3)
             dequantize_blocks(blocks[:64], name)  # warm
@@ -66,10 +67,8 @@ def run_kernels(log=lambda m: None, types: tuple[str, ...] | None = None) -> dic
                 {
                     "type": name,
                     "bits_per_weight": round(8 * block_bytes / qk, 2),
-                    "exact_gb_per_s": round(speed["exact"] / 1e9, 2),
-                    "int8_gb_per_s": round(speed["int8"] / 1e9, 2),
-                    "exact_rel_error": error["exact"],
-                    "int8_rel_error": error["int8"],
+                    **{f"{mode}_gb_per_s": round(speed[mode] / 1e9, 2) for mode in MODES},
+                    **{f"{mode}_rel_error": error[mode] for mode in MODES},
                     "torch_decoder_gb_per_s": round(torch_bps / 1e9, 2),
                 }
             )
@@ -115,23 +114,29 @@ def render_kernels(doc: dict) -> str:
             else f"llama.cpp: not measured: {theirs['reason']}"
         ),
         "",
-        "| type | bits/weight | exact GB/s | int8 GB/s | int8 speed-up | exact error | int8 error | torch decoder "
-        "GB/s | llama.cpp GB/s | our int8 ÷ llama.cpp |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| type | bits/weight | exact GB/s | int16 GB/s | int8 GB/s | int16 speed-up | int8 speed-up | exact error "
+        "| int16 error | int8 error | torch decoder GB/s | llama.cpp GB/s | our int16 ÷ llama.cpp "
+        "| our int8 ÷ llama.cpp |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         theirs_gbps = r.get("llamacpp_gb_per_s")
         lines.append(
-            f"| {r['type']} | {r['bits_per_weight']} | {r['exact_gb_per_s']} | {r['int8_gb_per_s']} | "
-            f"{r['int8_gb_per_s'] / r['exact_gb_per_s']:.2f}x | {r['exact_rel_error']:.1e} | {r['int8_rel_error']:.1e} "
-            f"| {r['torch_decoder_gb_per_s']} | "
+            f"| {r['type']} | {r['bits_per_weight']} | {r['exact_gb_per_s']} | {r['int16_gb_per_s']} | "
+            f"{r['int8_gb_per_s']} | {r['int16_gb_per_s'] / r['exact_gb_per_s']:.2f}x | "
+            f"{r['int8_gb_per_s'] / r['exact_gb_per_s']:.2f}x | {r['exact_rel_error']:.1e} | "
+            f"{r['int16_rel_error']:.1e} | {r['int8_rel_error']:.1e} | {r['torch_decoder_gb_per_s']} | "
             + (
-                f"{theirs_gbps} ({r['llamacpp_buffer']}) | {r['int8_gb_per_s'] / theirs_gbps:.2f}x |"
+                f"{theirs_gbps} ({r['llamacpp_buffer']}) | {r['int16_gb_per_s'] / theirs_gbps:.2f}x | "
+                f"{r['int8_gb_per_s'] / theirs_gbps:.2f}x |"
                 if theirs_gbps
-                else "- | - |"
+                else "- | - | - |"
             )
         )
-    lines += ["", "exact is the default (`--kernel exact`); int8 trades its error for speed (`--kernel int8`)."]
+    lines += [
+        "",
+        "`--kernel` chooses: exact multiplies fp32 activations; int16 and int8 trade their error above for speed.",
+    ]
     lines += [f"llama.cpp: {note}" for note in theirs.get("notes", ())]
     return "\n".join(lines)
 

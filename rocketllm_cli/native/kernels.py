@@ -2,7 +2,8 @@
 
     nk = NativeKernels.load(path)                      # or rocketllm_cli.native.kernels()
     y = nk.matmul(blocks, "Q4_K", x)                   # uint8 [N, K/256·144], fp32 [M, K] -> fp32 [M, N]
-    nk.matmul(blocks, "Q4_K", x, mode="int8", out=y)   # x quantized to q8 first (lossy, ~1e-3)
+    nk.matmul(blocks, "Q4_K", x, mode="int16")         # x quantized to 16 bits per 32 first (~2e-5 relative)
+    nk.matmul(blocks, "Q4_K", x, mode="int8", out=y)   # x quantized to q8 first (lossy, ~5e-3)
 
 A decode step calls matmul a few hundred times per token, so a call does little in Python: the C function and
 its argument types are bound once, the checks are attribute reads, and with `out` given nothing is allocated.
@@ -18,7 +19,7 @@ import torch
 
 from .build import ISAS  # the variants, in the library's numbering; later is faster
 
-MODES = {"exact": 0, "int8": 1}
+MODES = {"exact": 0, "int8": 1, "int16": 2}
 NO_VARIANT = "no variant this CPU runs"
 # name -> GGML type number; the library reports each one's block layout, checked against ggmlblocks.SUPPORTED
 GGML_IDS = {
@@ -35,7 +36,7 @@ GGML_IDS = {
     "IQ4_NL": 20,
     "IQ4_XS": 23,
 }
-ABI_VERSION = 1
+ABI_VERSION = 2
 _ERRORS = {
     -1: "unsupported type",
     -2: "variant not runnable on this CPU",
@@ -92,6 +93,7 @@ class NativeKernels:
             ctypes.c_int,
         ]
         lib.rl_quantize.argtypes = [ctypes.c_int, _ptr, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
+        lib.rl_quantize16.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr]
         mask = lib.rl_isas()
         runnable = tuple(name for i, name in reversed(list(enumerate(ISAS))) if mask >> i & 1)
         layouts, reason = _layouts(lib)
@@ -130,8 +132,9 @@ class NativeKernels:
     ) -> torch.Tensor:
         """y [M, N] fp32 = x [M, K] fp32 · Wᵀ, W given as its raw GGUF blocks: uint8 [N, K / QK · block bytes],
         contiguous on the CPU (never copied). mode "exact": W's fp32 values (gguf's dequantization, bit for bit)
-        times x in fp32; "int8": x quantized to 8 bits per 32 (256 for the K-quants) elements, integer dot
-        products per block. `out`: a contiguous fp32 [M, N] to write into. `threads`: default torch's."""
+        times x in fp32; "int16": x quantized to 16 bits per 32 elements, integer dot products per 16 or 32
+        (relative error ~2e-5); "int8": x quantized to 8 bits per 32 (256 for the K-quants) elements, integer dot
+        products per block (~5e-3). `out`: a contiguous fp32 [M, N] to write into. `threads`: default torch's."""
         name = str(getattr(gguf_type, "name", gguf_type))
         layout = self._layouts.get(name)
         if layout is None:
@@ -139,7 +142,7 @@ class NativeKernels:
         type_id, qk, block_bytes = layout
         mode_id = MODES.get(mode)
         if mode_id is None:
-            raise ValueError(f"mode must be 'exact' or 'int8', got {mode!r}")
+            raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
         if not (
             isinstance(blocks, torch.Tensor)
             and blocks.dtype == torch.uint8
@@ -199,6 +202,18 @@ class NativeKernels:
         if self._lib.rl_quantize(self._isa_id, x.data_ptr(), m, k, block, q.data_ptr(), d.data_ptr(), bs.data_ptr()):
             raise ValueError(f"cannot quantize x of shape {(m, k)} in blocks of {block}")
         return q, d, bs
+
+    def quantize16(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int16 mode's first step, exposed for tests: fp32 x [M, K] -> codes int16 [M, K], scales fp32 [M, K / 32]
+        (max|x| / 32767 per 32 values), fp32 sums of each 16 values of x [M, K / 16]."""
+        x = x.contiguous()
+        m, k = x.shape
+        q = torch.empty((m, k), dtype=torch.int16)
+        d = torch.empty((m, k // 32), dtype=torch.float32)
+        xs = torch.empty((m, k // 16), dtype=torch.float32)
+        if self._lib.rl_quantize16(self._isa_id, x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), xs.data_ptr()):
+            raise ValueError(f"cannot quantize x of shape {(m, k)} in blocks of 32")
+        return q, d, xs
 
 
 def _layouts(lib: ctypes.CDLL) -> tuple[dict[str, tuple[int, int, int]], str]:

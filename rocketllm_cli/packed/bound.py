@@ -16,7 +16,8 @@ from . import layout
 # int4/int8: torch's kernel computes on the packed weight; native: the native kernels compute on a GGUF type's own
 # blocks (rocketllm_cli/native); scratch: dequantize into the scratch buffer, then F.linear
 PATHS = ("int4", "int8", "native", "scratch")
-NATIVE_MODES = ("exact", "int8")  # native: fp32 activations (exact), or activations quantized to 8 bits per block
+# native: fp32 activations (exact), or activations quantized to 16 bits per 32 (int16) or 8 bits per block (int8)
+NATIVE_MODES = ("exact", "int16", "int8")
 # native, one row, where the thread follower is off (OMP_NUM_THREADS, a caller's own count: threads.py native_pass gives
 # a decode's products every free core otherwise): a weight of fewer bytes runs on the calling thread (SmolLM2's
 # products:

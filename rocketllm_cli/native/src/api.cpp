@@ -71,6 +71,14 @@ void quantize_range(void* ctx, int64_t m0, int64_t m1) {
   }
 }
 
+struct Quantize16Job { const Variant* v; const float* x; int64_t k; int16_t* q; float* d; float* xs; };
+
+void quantize16_range(void* ctx, int64_t m0, int64_t m1) {
+  const auto& j = *static_cast<Quantize16Job*>(ctx);
+  for (int64_t m = m0; m < m1; ++m)
+    j.v->quantize16(j.x + m * j.k, j.k, j.q + m * j.k, j.d + m * (j.k / Q16_BLOCK), j.xs + m * (j.k / 16));
+}
+
 struct RowsJob { RowsFn fn; const Job* job; };
 
 void rows_range(void* ctx, int64_t n0, int64_t n1) {
@@ -83,6 +91,8 @@ std::vector<int8_t> scratch_q;
 std::vector<float> scratch_d;
 std::vector<int16_t> scratch_bs;
 std::vector<float> scratch_ds;
+std::vector<int16_t> scratch_q16;
+std::vector<float> scratch_xs;
 
 constexpr int64_t SMALL = 1 << 16;  // multiply-adds (or values to quantize) under which one thread does it all
 
@@ -96,7 +106,7 @@ using namespace rl;
 extern "C" {
 
 // Bumped whenever a signature below changes, so that Python never calls a stale library wrongly.
-RL_EXPORT int rl_abi_version() { return 1; }
+RL_EXPORT int rl_abi_version() { return 2; }
 
 // Bit mask of the variants compiled in and runnable here: 1 scalar, 2 AVX2, 4 AVX-512.
 RL_EXPORT int rl_isas() {
@@ -125,7 +135,18 @@ RL_EXPORT int rl_quantize(int isa, const float* x, int64_t m, int64_t k, int qx,
   return 0;
 }
 
-// y [m, n] = x [m, k] · Wᵀ, W the raw blocks [n, row_bytes] of GGML type `ggml_type`; mode 0 exact, 1 int8.
+// x [m, k] fp32 -> int16 codes q [m, k], scales d [m, k / 32], sums of 16 xs [m, k / 16] (int16 mode's first
+// step; exposed for the tests). 0, or -1 for a bad argument.
+RL_EXPORT int rl_quantize16(int isa, const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* xs) {
+  const Variant* v = variant(isa);
+  if (v == nullptr || k % Q16_BLOCK != 0 || m < 0) return -1;
+  Quantize16Job job{v, x, k, q, d, xs};
+  quantize16_range(&job, 0, m);
+  return 0;
+}
+
+// y [m, n] = x [m, k] · Wᵀ, W the raw blocks [n, row_bytes] of GGML type `ggml_type`; mode 0 exact, 1 int8,
+// 2 int16.
 // 0, or -1 bad type, -2 variant not runnable here, -3 shapes, -4 mode, -5 out of memory.
 RL_EXPORT int rl_matmul(int isa, int ggml_type, int mode, const uint8_t* w, int64_t n, int64_t row_bytes,
                         const float* x, int64_t m, int64_t k, float* y, int threads) {
@@ -134,11 +155,11 @@ RL_EXPORT int rl_matmul(int isa, int ggml_type, int mode, const uint8_t* w, int6
   const Variant* v = variant(isa);
   if (v == nullptr) return -2;
   if (n < 0 || m < 0 || k < 0 || k % l.qk != 0 || row_bytes != k / l.qk * l.bytes) return -3;
-  if (mode != EXACT && mode != INT8) return -4;
+  if (mode < 0 || mode >= NUM_MODES) return -4;
   if (n == 0 || m == 0) return 0;
   threads = threads < 1 ? 1 : threads > 1024 ? 1024 : threads;
   std::lock_guard<std::mutex> lock(call_mutex);
-  Job job{w, row_bytes, x, m, k, {}, y, n};
+  Job job{w, row_bytes, x, m, k, {}, {}, y, n};
   if (mode == INT8) {
     try {
       scratch_q.resize(size_t(m * k));
@@ -152,6 +173,17 @@ RL_EXPORT int rl_matmul(int isa, int ggml_type, int mode, const uint8_t* w, int6
     QuantizeJob qj{v, x, k, l.qk, scratch_q.data(), scratch_d.data(), scratch_bs.data(), ds};
     parallel_for(m * k < SMALL ? 1 : threads, m, 1, quantize_range, &qj);
     job.q8 = {scratch_q.data(), scratch_d.data(), scratch_bs.data(), ds};
+  } else if (mode == INT16) {
+    try {
+      scratch_q16.resize(size_t(m * k));
+      scratch_d.resize(size_t(m * (k / Q16_BLOCK)));
+      scratch_xs.resize(size_t(m * (k / 16)));
+    } catch (const std::bad_alloc&) {
+      return -5;
+    }
+    Quantize16Job qj{v, x, k, scratch_q16.data(), scratch_d.data(), scratch_xs.data()};
+    parallel_for(m * k < SMALL ? 1 : threads, m, 1, quantize16_range, &qj);
+    job.q16 = {scratch_q16.data(), scratch_d.data(), scratch_xs.data()};
   }
   if (m * n * k < SMALL) threads = 1;
   // pieces of whole n-tiles, about four per thread so that a slow core does not hold the others up

@@ -7,7 +7,7 @@
 
 namespace rl {
 
-enum Mode { EXACT = 0, INT8 = 1 };
+enum Mode { EXACT = 0, INT8 = 1, INT16 = 2, NUM_MODES };
 
 // x quantized for int8 mode, each row on its own: per QX = the weight type's block size (32 or 256) elements one
 // scale d = max|x| / 127 and codes q = round-half-even(x / d); per 16 elements the sum of the codes.
@@ -26,17 +26,29 @@ inline void block_sums(const float* d, const int16_t* bs, int64_t blocks, float*
   }
 }
 
+// x quantized for int16 mode, each row on its own: per 32 elements one scale d = max|x| / 32767 and codes
+// q = round-half-even(x / d); per 16 elements the fp32 sum of x itself (what a block's min or offset multiplies).
+// A weight's code times q needs no more than int32 over a group: |code| <= 127, so 16 products stay under 2^26.
+constexpr int Q16_BLOCK = 32;
+constexpr float Q16_MAX = 32767.0f;
+struct Q16Rows {
+  const int16_t* q;  // [M, K]
+  const float* d;    // [M, K / 32]
+  const float* xs;   // [M, K / 16]
+};
+
 struct Job {                           // y = x · Wᵀ
   const uint8_t* w; int64_t row_bytes;  // W: [N, row_bytes], row n = output feature n, K / QK blocks
   const float* x; int64_t m, k;         // x: [M, K] fp32, contiguous
   Q8Rows q8;                            // int8 mode only
+  Q16Rows q16;                          // int16 mode only
   float* y; int64_t n;                  // y: [M, N] fp32, contiguous
 };
 
 // int8 mode's scale of one block of x from its max |x|: d = amax / 127, codes round(x · inv) with inv = 1 / d.
 // A block whose max is under 1e-30 gets d = 0 (all codes 0, and 1 / d stays finite); one holding inf or NaN gets
 // all codes 0 and d = NaN, so that every output it reaches is NaN, as in exact mode. Shared by every quantizer.
-inline float q8_scale(float amax, bool finite, float* inv) {
+inline float code_scale(float amax, bool finite, float max_code, float* inv) {
   if (!finite) {
     *inv = 0;
     return std::numeric_limits<float>::quiet_NaN();
@@ -45,19 +57,23 @@ inline float q8_scale(float amax, bool finite, float* inv) {
     *inv = 0;
     return 0;
   }
-  const float d = amax / 127.0f;
+  const float d = amax / max_code;
   *inv = 1.0f / d;
   return d;
 }
+inline float q8_scale(float amax, bool finite, float* inv) { return code_scale(amax, finite, 127.0f, inv); }
 constexpr float FLT_BIG = std::numeric_limits<float>::max();  // |x| > this, or unordered: inf or NaN
 
 using RowsFn = void (*)(const Job&, int64_t n0, int64_t n1);  // y[:, n0:n1]
 // one row of x [K] -> q [K], d [K / qx], bs [K / 16]
 using QuantizeFn = void (*)(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_t* bs);
+// one row of x [K] -> int16 codes q [K], scales d [K / 32], sums xs [K / 16]
+using Quantize16Fn = void (*)(const float* x, int64_t k, int16_t* q, float* d, float* xs);
 
 struct Variant {
-  RowsFn rows[2][NUM_TYPES];  // [mode][type]
+  RowsFn rows[NUM_MODES][NUM_TYPES];  // [mode][type]
   QuantizeFn quantize;
+  Quantize16Fn quantize16;
 };
 
 // The variants built into this library; avx2 / avx512 return null where the platform has no x86 code. Each lives in

@@ -134,6 +134,61 @@ void int8_rows(const Job& j, int64_t n0, int64_t n1) {
   }
 }
 
+// int16: per 32 elements one dx; per group, the integer dot product of the codes less their offset with x's int16
+// codes, times the group's fp32 a_g · dx, plus the min's b_g times the group's fp32 sum of x itself
+//   y += Σ_g a_g · dx · Σ_i (code_i − OFF)·q_i  −  dmin · Σ_g mn_g · xs_g
+template <class T>
+void int16_rows(const Job& j, int64_t n0, int64_t n1) {
+  const int64_t nb = j.k / T::QK;
+  std::vector<float> acc(size_t(j.m));
+  uint8_t c[T::QK];
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = j.w + n * j.row_bytes + b * T::BYTES;
+      Head h;
+      head_of<T>(blk, h);
+      codes<T>(blk, c);
+      const float d = d_of<T>(blk), dmin = dmin_of<T>(blk);
+      for (int64_t m = 0; m < j.m; ++m) {
+        const int16_t* q = j.q16.q + m * j.k + b * T::QK;
+        const float* dx = j.q16.d + m * (j.k / Q16_BLOCK) + b * (T::QK / Q16_BLOCK);
+        const float* xs = j.q16.xs + m * (j.k / 16) + b * (T::QK / 16);
+        float sum = 0, msum = 0;
+        for (int g = 0; g < T::QK / 16; ++g) {
+          int32_t dot = 0;
+          for (int i = 16 * g; i < 16 * g + 16; ++i) dot += (code_value<T>(c[i]) - T::OFF) * q[i];
+          sum += d * float(scale_of<T>(h, g)) * dx[g / 2] * float(dot);
+          if (T::MIN) msum += float(min_of<T>(h, g)) * xs[g];
+        }
+        acc[size_t(m)] += sum - dmin * msum;
+      }
+    }
+    for (int64_t m = 0; m < j.m; ++m) j.y[m * j.n + n] = acc[size_t(m)];
+  }
+}
+
+// One row of x -> int16 codes (kernels.h's Q16Rows): per 32 elements d and round-half-even(x · (1 / d)), per 16
+// the fp32 sum of x
+void quantize16_row(const float* x, int64_t k, int16_t* q, float* d, float* xs) {
+  for (int64_t b = 0; b < k / Q16_BLOCK; ++b) {
+    const float* xb = x + b * Q16_BLOCK;
+    float amax = 0, inv;
+    bool finite = true;
+    for (int i = 0; i < Q16_BLOCK; ++i) {
+      amax = std::fmax(amax, std::fabs(xb[i]));
+      finite = finite && std::fabs(xb[i]) <= FLT_BIG;
+    }
+    d[b] = code_scale(amax, finite, Q16_MAX, &inv);
+    for (int i = 0; i < Q16_BLOCK; ++i) q[b * Q16_BLOCK + i] = finite ? int16_t(std::nearbyint(xb[i] * inv)) : 0;
+  }
+  for (int64_t g = 0; g < k / 16; ++g) {
+    float sum = 0;
+    for (int i = 0; i < 16; ++i) sum += x[16 * g + i];
+    xs[g] = sum;
+  }
+}
+
 // One row of x -> q8 (kernels.h's q8_scale): per qx elements d and codes round-half-even(x · (1 / d)); per 16
 // elements the sum of the codes.
 void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_t* bs) {
@@ -160,10 +215,12 @@ void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_
 const Variant* scalar_variant() {
   static const Variant v = [] {
     Variant t{};
-#define RL_FILL(name, id) t.rows[EXACT][T_##name] = exact_rows<name>; t.rows[INT8][T_##name] = int8_rows<name>;
+#define RL_FILL(name, id) t.rows[EXACT][T_##name] = exact_rows<name>; t.rows[INT8][T_##name] = int8_rows<name>; \
+    t.rows[INT16][T_##name] = int16_rows<name>;
     RL_FOR_EACH_TYPE(RL_FILL)
 #undef RL_FILL
     t.quantize = quantize_row;
+    t.quantize16 = quantize16_row;
     return t;
   }();
   return &v;

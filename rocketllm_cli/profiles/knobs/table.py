@@ -19,7 +19,20 @@ EXPERT_CACHE_POLICIES = ("lfu", "lru")  # most often routed, most recently route
 # auto: on where a pass streams layers (running.py speculate)
 SPECULATION_MODES = ("auto", "off", "prompt-lookup", "draft")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int4")  # auto: the dtype the model computes in
-KERNEL_PATHS = ("exact", "int8", "torch")  # packed Linears: exact, int8 activations (native), torch's fastest dtype
+KERNEL_PATHS = (
+    "exact",
+    "int16",
+    "int8",
+    "torch",
+)  # packed Linears: exact, int16/int8 activations (native), torch's dtype
+
+
+def native_mode(kernel: str) -> str:
+    """The native kernels' mode for the `kernel` knob's value: its own where it names one, else exact (torch's path
+    leaves the GGUF types it does not cover to the exact kernels)."""
+    return kernel if kernel in ("exact", "int16", "int8") else "exact"
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -118,8 +131,9 @@ KNOB_SPECS: tuple[KnobSpec, ...] = (
         "kernel",
         "choice",
         "How packed (low-bit) Linears compute: exact, in the compute dtype (a GGUF type's own blocks on the native "
-        "kernels in fp32); int8, those kernels with activations quantized to 8 bits per block as llama.cpp does "
-        "(faster, ~1e-3 relative error per product); or torch, torch's int4 kernel in the activation dtype it runs "
+        "kernels in fp32); int16, those kernels with activations quantized to 16 bits per 32 (integer dot products, "
+        "~2e-5 relative error per product); int8, with activations quantized to 8 bits per block as llama.cpp does "
+        "(faster still, ~5e-3); or torch, torch's int4 kernel in the activation dtype it runs "
         "fastest in (bf16 on x86: on an fp32 forward each product is rounded to bf16).",
         choices=KERNEL_PATHS,
     ),

@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from ..knobs.table import native_mode
+
 FILE = "kernel-rates.json"
 # at most this much weight per shape: more than most caches, less than a small machine's RAM
 POOL_BYTES = 256 * 1024 * 1024
@@ -43,7 +45,7 @@ def with_kernel_rates(profile, facts, mode: str = "exact"):
     blocks = getattr(facts, "block_bytes", None) or {}
     if not blocks or not profile.is_cpu or getattr(facts, "decode_compute", None):
         return facts
-    found = rates(profile, blocks, "int8" if mode == "int8" else "exact")
+    found = rates(profile, blocks, native_mode(mode))
     return replace(facts, kernel_rates=found) if found else facts
 
 
@@ -55,7 +57,7 @@ def pass_extra_seconds(profile, facts, mode: str, positions: int) -> tuple[float
     blocks = getattr(facts, "block_bytes", None) or {}
     if positions <= 1 or not blocks or not profile.is_cpu:
         return None
-    mode = "int8" if mode == "int8" else "exact"
+    mode = native_mode(mode)
     one, many = rates(profile, blocks, mode), rates(profile, blocks, mode, rows=positions)
     if not one or not many:
         return None

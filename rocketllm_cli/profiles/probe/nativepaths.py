@@ -4,10 +4,11 @@ A GGUF type the native kernels cover computes on its own blocks (native/, the va
 the other types the sharder reads (the IQ1-3 grids, TQ, MXFP4), and every type where the kernels cannot be built
 (no compiler: native.why_not() says so), decode through the torch reference (blocks dequantized per use, then an
 fp32 product). For each covered type one fixed product, [1, K] x [N, K] of well-formed random blocks
-(native/sample.py), is timed in both modes over a small pool of copies of it, on every core this process may use;
-and int8's error is measured against exact on it, ||y_int8 - y_exact|| / ||y_exact||. Measured once per machine and
-kernel build (under two seconds), kept beside the profile in one small JSON file, written atomically; a read-only
-cache measures again in the next process. A set's own products, at its own shapes, are kernelrates.py's.
+(native/sample.py), is timed in each mode over a small pool of copies of it, on every core this process may use;
+and int16's and int8's errors are measured against exact on it, ||y_mode - y_exact|| / ||y_exact||. Measured once
+per machine and kernel build (about two seconds), kept beside the profile in one small JSON file, written
+atomically; a read-only cache measures again in the next process. A set's own products, at its own shapes, are
+kernelrates.py's.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from __future__ import annotations
 FILE = "native-paths.json"
 N, K = 1024, 4096  # the fixed product: one activation row, a 1024 x 4096 weight
 POOL_BYTES = 16 << 20  # weights of that shape swept per timing (the rate per byte is the same over more)
-VERSION = 1  # of the method: another way of measuring is measured again
-FLOATS = ("F32", "F16", "BF16")  # not blocks: a float tensor is multiplied as it is stored
+VERSION = 2  # of the method: another way of measuring is measured again
+FLOATS = ("F32", "F16", "BF16")
+MODES = ("exact", "int16", "int8")  # not blocks: a float tensor is multiplied as it is stored
 
 
 def native_paths(profile) -> dict:
     """{"built", "why_not", "isa", "isas", "build", "threads", "shape", "types": [{"type", "path", "exact_bps",
-    "int8_bps", "int8_rel_error"}], "decoder_types": [names]}: measured where not yet stored for this build."""
+    "int16_bps", "int8_bps", "int16_rel_error", "int8_rel_error"}], "decoder_types": [names]}: measured where not yet
+    stored for this build."""
     from ... import native
     from ...checkpoint.ggmlblocks import SUPPORTED
     from ...native.kernels import GGML_IDS
@@ -87,12 +90,11 @@ def _measure(nk, threads: int) -> dict:
             continue
         w = sample_blocks(name, N, K, seed=1)
         pool = [w.clone() for _ in range(max(1, POOL_BYTES // w.numel()))]  # read from memory, as a decode does
-        exact, int8 = nk.matmul(w, name, x)[0].double(), nk.matmul(w, name, x, mode="int8")[0].double()
-        found[name] = {
-            "exact_bps": sweep_rate(nk, name, pool, x, "exact", threads),
-            "int8_bps": sweep_rate(nk, name, pool, x, "int8", threads),
-            "int8_rel_error": float((int8 - exact).norm() / exact.norm()) if float(exact.norm()) > 0 else 0.0,
-        }
+        exact = nk.matmul(w, name, x)[0].double()
+        found[name] = {f"{mode}_bps": sweep_rate(nk, name, pool, x, mode, threads) for mode in MODES}
+        for mode in MODES[1:]:
+            y = nk.matmul(w, name, x, mode=mode)[0].double()
+            found[name][f"{mode}_rel_error"] = float((y - exact).norm() / exact.norm()) if exact.norm() > 0 else 0.0
     return found
 
 
@@ -121,7 +123,7 @@ def _save(profile, stored: dict) -> None:
 
 def lines(doc: dict, kernel: str = "exact") -> list[str]:
     """The doctor section: the library and its variant (or why there is none), the kernel knob, and per type its
-    path and both modes' rates and int8's error."""
+    path, each mode's rate and the error of the two that quantize the activations."""
     if not doc["built"]:
         if doc["types"] and doc["types"][0]["path"] != "torch decoder":  # another compute device
             return [f"- not used: {doc['why_not']}; GGUF blocks decode there (the torch reference) per use"]
@@ -133,21 +135,30 @@ def lines(doc: dict, kernel: str = "exact") -> list[str]:
     out = [
         f"- variant: {doc['isa']} (built here: {', '.join(doc['isas'])}; ROCKETLLM_NATIVE_ISA caps it), "
         f"library build {doc['build']}, {doc['threads']} thread{'s' if doc['threads'] != 1 else ''}",
-        f"- kernel: {kernel} (exact: the blocks' own fp32 weights times fp32 activations; int8: activations quantized "
-        "to 8 bits per block as llama.cpp does, faster, at the error below; `--kernel` or ROCKETLLM_KERNEL chooses)",
-        f"- one product {doc['shape']} per type, GB/s of blocks read; int8's error ||y_int8 - y_exact|| / ||y_exact||:",
+        f"- kernel: {kernel} (exact: the blocks' own fp32 weights times fp32 activations; int16: activations "
+        "quantized to 16 bits per 32, integer dot products, at the error below; int8: to 8 bits per block as llama.cpp "
+        "does, faster still, at its larger error; `--kernel` or ROCKETLLM_KERNEL chooses)",
+        f"- one product {doc['shape']} per type, GB/s of blocks read; errors ||y_mode - y_exact|| / ||y_exact||:",
         "",
-        "| type | path | exact GB/s | int8 GB/s | int8 speed-up | int8 error |",
-        "|---|---|---|---|---|---|",
+        "| type | path | exact GB/s | int16 GB/s | int8 GB/s | int16 speed-up | int8 speed-up | int16 error "
+        "| int8 error |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in doc["types"]:
-        exact, int8, error = row.get("exact_bps"), row.get("int8_bps"), row.get("int8_rel_error")
-        speedup = f"{int8 / exact:.2f}x" if exact and int8 else "-"
-        shown = f"{error:.1e}" if error is not None else "-"
-        out.append(f"| {row['type']} | {row['path']} | {_gbps(exact)} | {_gbps(int8)} | {speedup} | {shown} |")
+        exact = row.get("exact_bps")
+        rates = " | ".join(_gbps(row.get(f"{mode}_bps")) for mode in MODES)
+        speedups = " | ".join(
+            f"{row[f'{mode}_bps'] / exact:.2f}x" if exact and row.get(f"{mode}_bps") else "-" for mode in MODES[1:]
+        )
+        errors = " | ".join(_error(row.get(f"{mode}_rel_error")) for mode in MODES[1:])
+        out.append(f"| {row['type']} | {row['path']} | {rates} | {speedups} | {errors} |")
     if doc.get("decoder_types"):
         out += ["", f"- through the torch reference (no kernel): {', '.join(doc['decoder_types'])}"]
     return out
+
+
+def _error(value: float | None) -> str:
+    return f"{value:.1e}" if value is not None else "-"
 
 
 def _gbps(bps: float | None) -> str:
