@@ -352,7 +352,7 @@ def test_the_reference_runs_exact_kernels_so_int8_is_measured_against_them(smoll
     """`--kernel int8 --reference MODEL` compares the model's int8 products with the same file's exact ones: the
     reference row is the exact run's, bit for bit, and the model row differs from it by int8's small error."""
     flags = ("--regime", "resident", "--compute-dtype", "fp32")
-    exact = _bench(smollm2_gguf, text_file, *flags)["rows"][0]
+    exact = _bench(smollm2_gguf, text_file, *flags, "--kernel", "exact")["rows"][0]
     doc = _bench(smollm2_gguf, text_file, *flags, "--kernel", "int8", "--reference", str(smollm2_gguf))
     rows = {r["role"]: r for r in doc["rows"]}
     assert rows["reference"]["perplexity"] == exact["perplexity"]

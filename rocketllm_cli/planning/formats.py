@@ -42,7 +42,8 @@ class WeightFormat:
     facts: ModelFacts
     kl: float | None  # KL divergence per token against the unquantised weights, where known (0: they are those weights)
     kl_note: str = ""
-    decode: dict = field(default_factory=dict)  # compute dtype -> this set's resident decode as bench measured it here
+    # compute dtype (exact kernels) or "<dtype>-<kernel>" -> this set's resident decode as bench measured it here
+    decode: dict = field(default_factory=dict)
     # speculation mode -> this set's tokens per pass as bench measured it here
     speculation: dict = field(default_factory=dict)
 
@@ -65,7 +66,7 @@ class ModelSource:
     quantized: str = ""  # what quantized the stored weights ("gguf-Q4_1", "gptq" ...); "" for floats
     experts: int | None = None
     config: dict = field(default_factory=dict)
-    # a shard set: compute dtype -> its resident decode measured by bench here
+    # a shard set: compute dtype (or "<dtype>-<kernel>", kernel not exact) -> its resident decode measured by bench here
     decode: dict = field(default_factory=dict)
     # a shard set: speculation mode -> its tokens per pass measured by bench here
     speculation: dict = field(default_factory=dict)
@@ -158,7 +159,13 @@ def with_measured_decode(source: ModelSource, profile) -> ModelSource:
 
     try:
         manifest = Manifest.load(directories[0])
-        found = {dtype: lookup(profile, directories[0], manifest, dtype) for dtype in NAMES}
+        # keyed as the planner reads them: the compute dtype for the exact kernels, "<dtype>-<kernel>" for the others
+        found = {
+            dtype if kernel == "exact" else f"{dtype}-{kernel}": lookup(profile, set_dir, manifest, dtype, kernel)
+            for set_dir in directories[:1]
+            for dtype in NAMES
+            for kernel in ("exact", "int16", "int8")
+        }
         speculation = acceptance.lookup(directories[0], manifest, SPECULATION_MODES)
         # the set's own units read cold (measured once per machine, as a streaming load measures them): its rows
         # stream at that rate and their read knobs derive from it, as they will when it runs

@@ -197,9 +197,9 @@ def _row(
         flags.setdefault("max_context", memory["tokens"])
     compute = engine_dtype(profile, facts, knobs)
     tiers = plan_tier_bytes(facts, knobs)
-    # keyed as bench records it and doctor reads it: the knob (the records `decode` holds are the exact kernels')
-    kernel = str(knobs.value("kernel"))
-    recorded = fmt.decode.get(str(knobs.value("compute_dtype"))) if kernel == "exact" else None
+    # keyed as bench records it and doctor reads it: the compute dtype, and the kernel where it is not exact
+    kernel, dtype_knob = str(knobs.value("kernel")), str(knobs.value("compute_dtype"))
+    recorded = fmt.decode.get(dtype_knob if kernel == "exact" else f"{dtype_knob}-{kernel}")
     measured = (
         replace(facts, decode_compute=recorded)
         if recorded

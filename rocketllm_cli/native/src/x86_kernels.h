@@ -177,6 +177,31 @@ template <> RL_INLINE void codes16<IQ4_NL>(const uint8_t* blk, int, __m256i& lo,
 template <> RL_INLINE void codes16<IQ4_XS>(const uint8_t* blk, int c, __m256i& lo, __m256i& hi) {
   nibble_codes16<8, true>(blk + 16 * c, lo, hi);
 }
+// Q5_0 / Q5_1: Q4_0's nibbles, and bit 4 of element i from bit i of qh, tested per 16-bit lane
+template <int QS, int QH, int OFF> RL_INLINE void five_bit_codes16(const uint8_t* blk, __m256i& lo, __m256i& hi) {
+  nibble_codes16<QS, false>(blk, lo, hi);
+  const uint32_t qh = u32_at(blk + QH);
+  const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                        int16_t(0x8000));
+  const __m256i h0 = _mm256_set1_epi16(int16_t(qh & 0xFFFF)), h1 = _mm256_set1_epi16(int16_t(qh >> 16));
+  const __m256i sixteen = _mm256_set1_epi16(16);
+  lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h0, bit), bit), sixteen));
+  hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h1, bit), bit), sixteen));
+  if constexpr (OFF != 0) {
+    lo = _mm256_sub_epi16(lo, sixteen);
+    hi = _mm256_sub_epi16(hi, sixteen);
+  }
+}
+template <> RL_INLINE void codes16<Q5_0>(const uint8_t* blk, int, __m256i& lo, __m256i& hi) {
+  five_bit_codes16<6, 2, 16>(blk, lo, hi);
+}
+template <> RL_INLINE void codes16<Q5_1>(const uint8_t* blk, int, __m256i& lo, __m256i& hi) {
+  five_bit_codes16<8, 4, 0>(blk, lo, hi);
+}
+template <> RL_INLINE void codes16<Q8_0>(const uint8_t* blk, int, __m256i& lo, __m256i& hi) {
+  lo = _mm256_cvtepi8_epi16(load16(blk + 2));  // signed bytes widened from memory
+  hi = _mm256_cvtepi8_epi16(load16(blk + 18));
+}
 // Q4_K: chunk c is the low (c even) or high nibbles of the 32 bytes at 16 + 32 · (c / 2), each half widened
 template <> RL_INLINE void codes16<Q4_K>(const uint8_t* blk, int c, __m256i& lo, __m256i& hi) {
   const uint8_t* p = blk + 16 + 32 * (c >> 1);
@@ -188,6 +213,19 @@ template <> RL_INLINE void codes16<Q4_K>(const uint8_t* blk, int c, __m256i& lo,
     lo = _mm256_and_si256(a, _mm256_set1_epi16(15));
     hi = _mm256_and_si256(b, _mm256_set1_epi16(15));
   }
+}
+// Q5_K: Q4_K's nibbles at 48 + 32 · (c / 2), and bit c of qh[i] (bytes 16..47) as bit 4
+template <> RL_INLINE void codes16<Q5_K>(const uint8_t* blk, int c, __m256i& lo, __m256i& hi) {
+  const uint8_t* p = blk + 48 + 32 * (c >> 1);
+  const __m256i a = _mm256_cvtepu8_epi16(load16(p)), b = _mm256_cvtepu8_epi16(load16(p + 16));
+  const __m256i ha = _mm256_cvtepu8_epi16(load16(blk + 16)), hb = _mm256_cvtepu8_epi16(load16(blk + 32));
+  const __m256i low = _mm256_set1_epi16(15), bit4 = _mm256_set1_epi16(16);
+  lo = c & 1 ? _mm256_srli_epi16(a, 4) : _mm256_and_si256(a, low);
+  hi = c & 1 ? _mm256_srli_epi16(b, 4) : _mm256_and_si256(b, low);
+  const __m256i sa = c < 4 ? _mm256_slli_epi16(ha, 4 - c) : _mm256_srli_epi16(ha, c - 4);
+  const __m256i sb = c < 4 ? _mm256_slli_epi16(hb, 4 - c) : _mm256_srli_epi16(hb, c - 4);
+  lo = _mm256_or_si256(lo, _mm256_and_si256(sa, bit4));
+  hi = _mm256_or_si256(hi, _mm256_and_si256(sb, bit4));
 }
 
 RL_INLINE __m256i dot16(__m256i lo, __m256i hi, const int16_t* q) {  // Σ code · q over 32 elements, 8 int32 lanes
@@ -232,8 +270,10 @@ RL_TARGET void int16_tile32(const Job& j, int64_t n, int64_t m0) {
   for (int t = 0; t < M; ++t) j.y[(m0 + t) * j.n + n] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1])) + mins[t];
 }
 
-// K-quants: per chunk of 32, its two groups' a_g · dx (one where a type's scale spans 32: Q4_K, Q5_K, IQ4_XS);
-// chunks (or a chunk's two groups) alternate between two accumulators
+// K-quants: each chunk of 32 gives one FMA by d · sc · dx (a Q4_K, Q5_K or IQ4_XS scale spans the chunk) or, where
+// the scale changes every 16 (Q2_K, Q3_K, Q6_K), by d · dx, its codes multiplied by their group's scale in int16
+// first (|sc · (code − OFF)| ≤ 128 · 32: 4 such products times |q| ≤ 32767 per int32 lane); consecutive chunks
+// alternate between two accumulators
 template <class T> constexpr bool SCALE_PER_32 = std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K> ||
                                                  std::is_same_v<T, IQ4_XS>;
 
@@ -248,24 +288,24 @@ RL_TARGET void int16_tile(const Job& j, int64_t n, int64_t m0) {
     const uint8_t* blk = row + b * T::BYTES;
     const Scales<T> s = scales_of<T>(blk);
     alignas(64) float a[16];
-    scale_floats(s.sc, s.d, a);
+    alignas(32) int16_t sc[16];
+    if constexpr (SCALE_PER_32<T>) scale_floats(s.sc, s.d, a);
+    else _mm256_store_si256(reinterpret_cast<__m256i*>(sc), s.sc);
 #pragma GCC unroll 8
     for (int c = 0; c < T::QK / 32; ++c) {
       __m256i lo, hi;
       codes16<T>(blk, c, lo, hi);
+      if constexpr (!SCALE_PER_32<T>) {
+        lo = _mm256_mullo_epi16(lo, _mm256_set1_epi16(sc[2 * c]));
+        hi = _mm256_mullo_epi16(hi, _mm256_set1_epi16(sc[2 * c + 1]));
+      }
+      const float scale = SCALE_PER_32<T> ? a[2 * c] : s.d;
       for (int t = 0; t < M; ++t) {
         const int64_t r = m0 + t;
         const int16_t* q = j.q16.q + r * j.k + b * T::QK + 32 * c;
         const float dx = j.q16.d[r * (j.k / 32) + b * (T::QK / 32) + c];
-        if constexpr (SCALE_PER_32<T>) {
-          acc[t][c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(lo, hi, q)), _mm256_set1_ps(a[2 * c] * dx),
-                                          acc[t][c & 1]);
-        } else {
-          const __m256i pl = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-          const __m256i ph = _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
-          acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_set1_ps(a[2 * c] * dx), acc[t][0]);
-          acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_set1_ps(a[2 * c + 1] * dx), acc[t][1]);
-        }
+        acc[t][c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(lo, hi, q)), _mm256_set1_ps(scale * dx),
+                                        acc[t][c & 1]);
       }
     }
     if constexpr (T::MIN) {  // dmin · Σ_g mn_g · xs_g

@@ -23,9 +23,14 @@ def compute_dtype(c: Context) -> Derivation:
 
 
 def kernel(c: Context) -> Derivation:
+    inputs: dict = {"device_kind": c.profile.compute_device.split(":")[0]}
+    formula = "'int16' if device_kind == 'cpu' else 'exact'"
+    if c.model is not None:  # a set without GGUF blocks has nothing the native kernels compute on
+        inputs["gguf_blocks"] = int(bool(c.model.gguf_blocks))
+        formula = "'int16' if device_kind == 'cpu' and gguf_blocks else 'exact'"
     return Derivation(
-        "'int16' if device_kind == 'cpu' else 'exact'",
-        {"device_kind": c.profile.compute_device.split(":")[0]},
+        formula,
+        inputs,
         note="int16: a GGUF type's own blocks times activations held to 16 bits per 32 values (~2e-5 relative error "
         "per product, 1.4-2x the exact kernels' rate; mean KL against exact under 1e-6 nats per token on real "
         "models, `bench --perplexity --reference` measures it); exact multiplies fp32 activations, int8 is faster "
