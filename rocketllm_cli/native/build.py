@@ -9,7 +9,8 @@ CPU of its architecture. The sources compile in parallel (the SIMD files take mo
 temporary folder, and the library is renamed into place: two processes building at once each finish their own
 build, and the last rename wins with the same bytes.
 
-Each variant is a file of its own (scalar.cpp, avx2.cpp, avx512.cpp), and by default only the best one this CPU runs
+Each variant is a file of its own (scalar.cpp, avx2.cpp, avx512.cpp; an x86 one's int16 kernels in a second,
+avx2_int16.cpp and avx512_int16.cpp, so that they compile in parallel), and by default only the best one this CPU runs
 is compiled (and the one ROCKETLLM_NATIVE_ISA caps at, where set): the others never run here, and compiling them
 cost a first run seconds of its two cores. ROCKETLLM_NATIVE_VARIANTS=all (the tests set it) builds every variant.
 The variant set is part of the key.
@@ -126,10 +127,9 @@ def cpuinfo_flags() -> set[str] | None:
 def _build(cxx: str, folder: Path, target: Path, variants: tuple[str, ...]) -> str:
     """Compile the shared .cpp files and VARIANTS' to objects in parallel, link them, rename into `target`; "" or
     the reason."""
-    left_out = {f"{v}.cpp" for v in ISAS if v not in variants}
     with tempfile.TemporaryDirectory(prefix="build-", dir=folder) as scratch:
         objects, jobs = [], []
-        for source in (p for p in _sources() if p.suffix == ".cpp" and p.name not in left_out):
+        for source in (p for p in _sources() if p.suffix == ".cpp" and _variant_of(p) in (None, *variants)):
             obj = Path(scratch) / (source.stem + ".o")
             objects.append(str(obj))
             cmd = [cxx, *FLAGS, "-c", str(source), "-o", str(obj)]
@@ -158,6 +158,11 @@ def _build(cxx: str, folder: Path, target: Path, variants: tuple[str, ...]) -> s
             return f"native kernel link failed: {_first_error(link.stderr)}"
         os.replace(linked, target)  # atomic: a reader sees no library or a whole one
     return ""
+
+
+def _variant_of(source: Path) -> str | None:
+    """The variant a source file belongs to: `avx2.cpp` and `avx2_int16.cpp` are avx2's; None for a shared file."""
+    return next((v for v in ISAS if source.stem == v or source.stem.startswith(f"{v}_")), None)
 
 
 def _finish(job: subprocess.Popen) -> str | None:

@@ -139,7 +139,7 @@ RL_EXPORT int rl_quantize(int isa, const float* x, int64_t m, int64_t k, int qx,
 // step; exposed for the tests). 0, or -1 for a bad argument.
 RL_EXPORT int rl_quantize16(int isa, const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* xs) {
   const Variant* v = variant(isa);
-  if (v == nullptr || k % Q16_BLOCK != 0 || m < 0) return -1;
+  if (v == nullptr || v->quantize16 == nullptr || k % Q16_BLOCK != 0 || m < 0) return -1;
   Quantize16Job job{v, x, k, q, d, xs};
   quantize16_range(&job, 0, m);
   return 0;
@@ -155,7 +155,8 @@ RL_EXPORT int rl_matmul(int isa, int ggml_type, int mode, const uint8_t* w, int6
   const Variant* v = variant(isa);
   if (v == nullptr) return -2;
   if (n < 0 || m < 0 || k < 0 || k % l.qk != 0 || row_bytes != k / l.qk * l.bytes) return -3;
-  if (mode < 0 || mode >= NUM_MODES) return -4;
+  if (mode < 0 || mode >= NUM_MODES || v->rows[mode][l.index] == nullptr) return -4;
+  if (mode == INT16 && v->quantize16 == nullptr) return -4;
   if (n == 0 || m == 0) return 0;
   threads = threads < 1 ? 1 : threads > 1024 ? 1024 : threads;
   std::lock_guard<std::mutex> lock(call_mutex);

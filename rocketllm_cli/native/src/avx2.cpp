@@ -241,12 +241,11 @@ const Variant* avx2_variant() {
   static const Variant v = [] {
     Variant t{};
 #define RL_FILL(name, id) t.rows[EXACT][T_##name] = avx2::exact_rows<name>; \
-    t.rows[INT8][T_##name] = avx2::int8_rows<name>; \
-    t.rows[INT16][T_##name] = avx2::int16_rows<name>;
+    t.rows[INT8][T_##name] = avx2::int8_rows<name>;
     RL_FOR_EACH_TYPE(RL_FILL)
 #undef RL_FILL
     t.quantize = avx2::quantize_row;
-    t.quantize16 = avx2::quantize16_row;
+    if (&avx2_int16_fill != nullptr) avx2_int16_fill(t);  // null where its file is not built
     return t;
   }();
   return &v;

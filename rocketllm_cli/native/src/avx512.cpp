@@ -371,12 +371,11 @@ const Variant* avx512_variant() {
   static const Variant v = [] {
     Variant t{};
 #define RL_FILL(name, id) t.rows[EXACT][T_##name] = avx512::exact_any_rows<name>; \
-    t.rows[INT8][T_##name] = avx512::int8_rows<name>; \
-    t.rows[INT16][T_##name] = avx512::int16_rows<name>;
+    t.rows[INT8][T_##name] = avx512::int8_rows<name>;
     RL_FOR_EACH_TYPE(RL_FILL)
 #undef RL_FILL
     t.quantize = avx512::quantize_row;
-    t.quantize16 = avx512::quantize16_row;
+    if (&avx512_int16_fill != nullptr) avx512_int16_fill(t);  // null where its file is not built
     return t;
   }();
   return &v;

@@ -82,6 +82,9 @@ struct Variant {
 __attribute__((weak)) const Variant* scalar_variant();
 __attribute__((weak)) const Variant* avx2_variant();
 __attribute__((weak)) const Variant* avx512_variant();
+// Each x86 variant's int16 kernels, in files of their own (avx2_int16.cpp, avx512_int16.cpp): fill t's int16 entries
+__attribute__((weak)) void avx2_int16_fill(Variant& t);
+__attribute__((weak)) void avx512_int16_fill(Variant& t);
 
 constexpr int N_TILE = 8;  // rows of W per pass over x's m-tiles (their blocks stay in L1 while x's rows cycle)
 

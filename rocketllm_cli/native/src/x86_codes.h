@@ -114,3 +114,15 @@ template <> RL_INLINE void scales16<IQ4_XS>(const uint8_t* b, __m256i& sc, __m25
   const __m128i v = _mm_sub_epi8(_mm_or_si128(lows, _mm_slli_epi16(highs, 4)), _mm_set1_epi8(32));
   sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
 }
+
+// A block's fp16 d and dmin, and a SCALED type's scales and mins in registers
+template <class T> struct Scales {
+  float d, dmin;
+  __m256i sc, mn;
+};
+template <class T> RL_INLINE Scales<T> scales_of(const uint8_t* blk) {
+  Scales<T> s{fp16(u16_at(blk + T::D_AT)), T::MIN ? fp16(u16_at(blk + T::DMIN_AT)) : 0.0f, _mm256_setzero_si256(),
+              _mm256_setzero_si256()};
+  if constexpr (T::SCALED) scales16<T>(blk, s.sc, s.mn);
+  return s;
+}

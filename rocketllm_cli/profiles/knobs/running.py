@@ -32,7 +32,7 @@ def kernel(c: Context) -> Derivation:
         formula,
         inputs,
         note="int16: a GGUF type's own blocks times activations held to 16 bits per 32 values (~2e-5 relative error "
-        "per product, 1.4-2x the exact kernels' rate; mean KL against exact under 1e-6 nats per token on real "
+        "per product, 1.1-2.1x the exact kernels' rate; mean KL against exact under 1e-6 nats per token on real "
         "models, `bench --perplexity --reference` measures it); exact multiplies fp32 activations, int8 is faster "
         "still at ~5e-3; other packed Linears compute in the compute dtype either way, and torch trades that for "
         "speed where its low-bit kernel runs faster in another dtype (bf16 on x86)",
