@@ -111,36 +111,35 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
-def q8_reference(x: torch.Tensor, qx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The int8 mode's quantization in torch: per qx values d = max|x| / 127, q = round-half-even(x · (1 / d));
-    a block with max under 1e-30 has d = 0 and one with inf or NaN d = NaN, both all codes 0. Codes int8 [M, K],
-    scales [M, K / qx], sums of 16 codes int16 [M, K / 16]."""
+def code_reference(x: torch.Tensor, qx: int, max_code: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantizer's codes in torch: per qx values d = max|x| / max_code, q = round-half-even(x · (1 / d)); a block
+    with max under 1e-30 has d = 0 and one with inf or NaN d = NaN, both all codes 0. Codes [M, K] of `dtype`,
+    scales [M, K / qx]."""
     m, k = x.shape
     xb = x.view(m, k // qx, qx)
     amax = xb.abs().amax(-1, keepdim=True)
     finite = xb.isfinite().all(-1, keepdim=True)
     zero = ~(amax >= 1e-30) | ~finite
-    d = torch.where(zero, torch.zeros_like(amax), amax / 127)
+    d = torch.where(zero, torch.zeros_like(amax), amax / max_code)
     inv = torch.where(zero, torch.zeros_like(amax), 1 / torch.where(zero, torch.ones_like(d), d))
-    q = torch.where(finite, torch.round(xb * inv), 0).to(torch.int8).view(m, k)
-    d = torch.where(finite, d, float("nan"))
-    return q, d.view(m, -1), q.view(m, k // 16, 16).sum(-1, dtype=torch.int32).to(torch.int16)
+    q = torch.where(finite, torch.round(xb * inv), 0).to(dtype).view(m, k)
+    return q, torch.where(finite, d, float("nan")).view(m, -1)
+
+
+def q8_reference(x: torch.Tensor, qx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 mode's quantization in torch: codes int8 [M, K] and scales [M, K / qx] (max|x| / 127 per qx
+    values), sums of 16 codes int16 [M, K / 16]."""
+    m, k = x.shape
+    q, d = code_reference(x, qx, 127, torch.int8)
+    return q, d, q.view(m, k // 16, 16).sum(-1, dtype=torch.int32).to(torch.int16)
 
 
 def q16_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The int16 mode's quantization in torch: per 32 values d = max|x| / 32767, q = round-half-even(x · (1 / d)),
-    the floor and non-finite blocks as q8_reference's; codes int16 [M, K], scales [M, K / 32], fp64 sums of each
-    16 values of x [M, K / 16]."""
+    """The int16 mode's quantization in torch: codes int16 [M, K] and scales [M, K / 32] (max|x| / 32767 per 32
+    values), fp64 sums of each 16 values of x [M, K / 16]."""
     m, k = x.shape
-    xb = x.view(m, k // 32, 32)
-    amax = xb.abs().amax(-1, keepdim=True)
-    finite = xb.isfinite().all(-1, keepdim=True)
-    zero = ~(amax >= 1e-30) | ~finite
-    d = torch.where(zero, torch.zeros_like(amax), amax / 32767)
-    inv = torch.where(zero, torch.zeros_like(amax), 1 / torch.where(zero, torch.ones_like(d), d))
-    q = torch.where(finite, torch.round(xb * inv), 0).to(torch.int16).view(m, k)
-    d = torch.where(finite, d, float("nan"))
-    return q, d.view(m, -1), x.double().view(m, k // 16, 16).sum(-1)
+    q, d = code_reference(x, 32, 32767, torch.int16)
+    return q, d, x.double().view(m, k // 16, 16).sum(-1)
 
 
 def min_terms(blocks: torch.Tensor, name: str) -> torch.Tensor:

@@ -204,20 +204,12 @@ template <class T> RL_TARGET void int8_rows(const Job& j, int64_t n0, int64_t n1
 
 // scalar.cpp's quantize_row, 32 values at a time (the same operations, so the same codes)
 RL_TARGET void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_t* bs) {
-  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_BIG);
   for (int64_t b = 0; b < k / qx; ++b) {
     const float* xb = x + b * qx;
-    __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int i = 0; i < qx; i += 8) {
-      const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i));
-      vmax = _mm256_max_ps(vmax, a);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const bool finite = _mm256_movemask_ps(bad) == 0;
+    bool finite;
     float inv;
-    d[b] = q8_scale(_mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))), finite, &inv);
+    const float amax = abs_max(xb, qx, &finite);  // before `finite` is read
+    d[b] = q8_scale(amax, finite, &inv);
     const __m256 vinv = _mm256_set1_ps(inv);
     for (int i = 0; i < qx; i += 32) {
       __m256i v[4];

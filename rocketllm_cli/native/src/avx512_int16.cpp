@@ -1,31 +1,7 @@
-// The AVX-512 (F, BW, VL, VNNI) variant's int16 kernels (x86_int16.h) in a translation unit of their own,
-// compiled beside avx512.cpp; its table takes them through avx512_int16_fill (a weak symbol: null where this
-// file is not built).
-#include "kernels.h"
-
-#if defined(__x86_64__) && !defined(RL_SCALAR_ONLY)
-#include <immintrin.h>
-
-#include <type_traits>
-
-namespace rl {
-namespace avx512 {
-
-#define RL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-#include "x86_codes.h"
-
-constexpr int MT = 4;  // rows of x per tile, as avx512.cpp's kernels take them
-
+// The AVX-512 (F, BW, VL, VNNI) variant's int16 kernels (x86_int16.h), compiled beside avx512.cpp: its table
+// takes them through avx512_int16_fill (a weak symbol: null where this file is not built).
+#define RL_INT16_NS avx512
+#define RL_INT16_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+#define RL_INT16_MT 4
+#define RL_INT16_FILL avx512_int16_fill
 #include "x86_int16.h"
-
-}  // namespace avx512
-
-void avx512_int16_fill(Variant& t) {
-#define RL_FILL(name, id) t.rows[INT16][T_##name] = avx512::int16_rows<name>;
-  RL_FOR_EACH_TYPE(RL_FILL)
-#undef RL_FILL
-  t.quantize16 = avx512::quantize16_row;
-}
-
-}  // namespace rl
-#endif

@@ -100,10 +100,10 @@ void exact_rows(const Job& j, int64_t n0, int64_t n1) {
   }
 }
 
-// int8: per block, integer dot products of the weights' integer parts with x's q8 codes, then
-//   y += d·dx · Σ_g sc_g · Σ_i (code_i − OFF)·q_i  −  dmin·dx · Σ_g mn_g · bs_g
-template <class T>
-void int8_rows(const Job& j, int64_t n0, int64_t n1) {
+// The integer modes' loop: each block of W's rows n0..n1 decoded once (codes, scales, d, dmin), then for every row
+// m of x `part(m, b, codes, head, d, dmin)` gives the block's share of y[m, n], summed in fp32
+template <class T, class Part>
+void integer_rows(const Job& j, int64_t n0, int64_t n1, Part part) {
   const int64_t nb = j.k / T::QK;
   std::vector<float> acc(size_t(j.m));
   uint8_t c[T::QK];
@@ -115,23 +115,35 @@ void int8_rows(const Job& j, int64_t n0, int64_t n1) {
       head_of<T>(blk, h);
       codes<T>(blk, c);
       const float d = d_of<T>(blk), dmin = dmin_of<T>(blk);
-      for (int64_t m = 0; m < j.m; ++m) {
-        const int8_t* q = j.q8.q + m * j.k + b * T::QK;
-        const int16_t* bs = j.q8.bs + m * (j.k / 16) + b * (T::QK / 16);
-        int32_t isum = 0, msum = 0;
-        for (int g = 0; g < T::QK / 16; ++g) {
-          int32_t dot = 0;
-          for (int i = 16 * g; i < 16 * g + 16; ++i) dot += (code_value<T>(c[i]) - T::OFF) * q[i];
-          isum += scale_of<T>(h, g) * dot;
-          if (T::MIN) msum += min_of<T>(h, g) * bs[g];
-        }
-        const float dx = j.q8.d[m * nb + b];
-        acc[size_t(m)] += d * dx * float(isum);
-        if (T::MIN) acc[size_t(m)] -= dmin * dx * float(msum);
-      }
+      for (int64_t m = 0; m < j.m; ++m) acc[size_t(m)] += part(m, b, c, h, d, dmin);
     }
     for (int64_t m = 0; m < j.m; ++m) j.y[m * j.n + n] = acc[size_t(m)];
   }
+}
+
+// Σ_i (code_i − OFF) · q_i over group g of a block's codes, exactly
+template <class T, class Q> int32_t group_dot(const uint8_t* c, const Q* q, int g) {
+  int32_t dot = 0;
+  for (int i = 16 * g; i < 16 * g + 16; ++i) dot += (code_value<T>(c[i]) - T::OFF) * q[i];
+  return dot;
+}
+
+// int8: per block, integer dot products of the weights' integer parts with x's q8 codes, then
+//   y += d·dx · Σ_g sc_g · Σ_i (code_i − OFF)·q_i  −  dmin·dx · Σ_g mn_g · bs_g
+template <class T>
+void int8_rows(const Job& j, int64_t n0, int64_t n1) {
+  const int64_t nb = j.k / T::QK;
+  integer_rows<T>(j, n0, n1, [&](int64_t m, int64_t b, const uint8_t* c, const Head& h, float d, float dmin) {
+    const int8_t* q = j.q8.q + m * j.k + b * T::QK;
+    const int16_t* bs = j.q8.bs + m * (j.k / 16) + b * (T::QK / 16);
+    int32_t isum = 0, msum = 0;
+    for (int g = 0; g < T::QK / 16; ++g) {
+      isum += scale_of<T>(h, g) * group_dot<T>(c, q, g);
+      if (T::MIN) msum += min_of<T>(h, g) * bs[g];
+    }
+    const float dx = j.q8.d[m * nb + b];
+    return d * dx * float(isum) - (T::MIN ? dmin * dx * float(msum) : 0.0f);
+  });
 }
 
 // int16: per 32 elements one dx; per group, the integer dot product of the codes less their offset with x's int16
@@ -139,33 +151,17 @@ void int8_rows(const Job& j, int64_t n0, int64_t n1) {
 //   y += Σ_g a_g · dx · Σ_i (code_i − OFF)·q_i  −  dmin · Σ_g mn_g · xs_g
 template <class T>
 void int16_rows(const Job& j, int64_t n0, int64_t n1) {
-  const int64_t nb = j.k / T::QK;
-  std::vector<float> acc(size_t(j.m));
-  uint8_t c[T::QK];
-  for (int64_t n = n0; n < n1; ++n) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = j.w + n * j.row_bytes + b * T::BYTES;
-      Head h;
-      head_of<T>(blk, h);
-      codes<T>(blk, c);
-      const float d = d_of<T>(blk), dmin = dmin_of<T>(blk);
-      for (int64_t m = 0; m < j.m; ++m) {
-        const int16_t* q = j.q16.q + m * j.k + b * T::QK;
-        const float* dx = j.q16.d + m * (j.k / Q16_BLOCK) + b * (T::QK / Q16_BLOCK);
-        const float* xs = j.q16.xs + m * (j.k / 16) + b * (T::QK / 16);
-        float sum = 0, msum = 0;
-        for (int g = 0; g < T::QK / 16; ++g) {
-          int32_t dot = 0;
-          for (int i = 16 * g; i < 16 * g + 16; ++i) dot += (code_value<T>(c[i]) - T::OFF) * q[i];
-          sum += d * float(scale_of<T>(h, g)) * dx[g / 2] * float(dot);
-          if (T::MIN) msum += float(min_of<T>(h, g)) * xs[g];
-        }
-        acc[size_t(m)] += sum - dmin * msum;
-      }
+  integer_rows<T>(j, n0, n1, [&](int64_t m, int64_t b, const uint8_t* c, const Head& h, float d, float dmin) {
+    const int16_t* q = j.q16.q + m * j.k + b * T::QK;
+    const float* dx = j.q16.d + m * (j.k / Q16_BLOCK) + b * (T::QK / Q16_BLOCK);
+    const float* xs = j.q16.xs + m * (j.k / 16) + b * (T::QK / 16);
+    float sum = 0, msum = 0;
+    for (int g = 0; g < T::QK / 16; ++g) {
+      sum += d * float(scale_of<T>(h, g)) * dx[g / 2] * float(group_dot<T>(c, q, g));
+      if (T::MIN) msum += float(min_of<T>(h, g)) * xs[g];
     }
-    for (int64_t m = 0; m < j.m; ++m) j.y[m * j.n + n] = acc[size_t(m)];
-  }
+    return sum - dmin * msum;
+  });
 }
 
 // One row of x -> int16 codes (kernels.h's Q16Rows): per 32 elements d and round-half-even(x · (1 / d)), per 16

@@ -73,6 +73,22 @@ RL_INLINE float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// max |x| over N values (a multiple of 8), and whether all of them are finite (|x| <= FLT_MAX, not NaN): what a
+// quantizer's scale of one block comes from (kernels.h code_scale)
+RL_INLINE float abs_max(const float* x, int n, bool* finite) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_BIG);
+  __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) {
+    const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+    vmax = _mm256_max_ps(vmax, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  *finite = _mm256_movemask_ps(bad) == 0;
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // SCALED types' integer scales (sc) and mins (mn), one int16 per 16 elements, straight into registers (scalar
 // stores read back as a vector would stall on store forwarding). blocks.h's head() is the reference.
 template <class T> RL_INLINE void scales16(const uint8_t* b, __m256i& sc, __m256i& mn);

@@ -1,7 +1,23 @@
-// The x86 int16 kernels, written once with 256-bit vectors: included by avx2_int16.cpp and avx512_int16.cpp inside
-// their namespace after x86_codes.h and their constexpr int MT (rows of x per tile). A file of their own, so that a
-// first run compiles them beside the exact and int8 kernels rather than after them.
-// (No include guard on purpose.)
+// The x86 int16 kernels, written once with 256-bit vectors, and the translation unit that holds them: avx2_int16.cpp
+// and avx512_int16.cpp define RL_INT16_NS (the variant's namespace), RL_INT16_TARGET (its target attribute),
+// RL_INT16_MT (rows of x per tile, as its other kernels take them) and RL_INT16_FILL (the weak fill function of
+// kernels.h), then include this. A file of their own per variant, so that a first run compiles them beside the
+// exact and int8 kernels rather than after them.
+#pragma once
+#include "kernels.h"
+
+#if defined(__x86_64__) && !defined(RL_SCALAR_ONLY)
+#include <immintrin.h>
+
+#include <type_traits>
+
+namespace rl {
+namespace RL_INT16_NS {
+
+#define RL_TARGET __attribute__((target(RL_INT16_TARGET)))
+#include "x86_codes.h"
+
+constexpr int MT = RL_INT16_MT;
 
 // int16: x's codes per 32 elements (kernels.h's Q16Rows) against each chunk's 32 weight codes widened to int16 less
 // their offset; madd gives 8 int32 lanes of Σ (code − OFF) · q per 16 elements, exactly, and one FMA by the
@@ -210,21 +226,14 @@ template <class T> RL_TARGET void int16_rows(const Job& j, int64_t n0, int64_t n
 
 // scalar.cpp's quantize16_row, 32 values at a time (the same codes and scales; x's sums in another order)
 RL_TARGET void quantize16_row(const float* x, int64_t k, int16_t* q, float* d, float* xs) {
-  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_BIG);
   for (int64_t b = 0; b < k / Q16_BLOCK; ++b) {
     const float* xb = x + b * Q16_BLOCK;
-    __m256 v[4], vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int r = 0; r < 4; ++r) {
-      v[r] = _mm256_loadu_ps(xb + 8 * r);
-      const __m256 a = _mm256_andnot_ps(sign, v[r]);
-      vmax = _mm256_max_ps(vmax, a);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const bool finite = _mm256_movemask_ps(bad) == 0;
+    bool finite;
     float inv;
-    d[b] = code_scale(_mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))), finite, Q16_MAX, &inv);
+    const float amax = abs_max(xb, Q16_BLOCK, &finite);  // before `finite` is read
+    d[b] = code_scale(amax, finite, Q16_MAX, &inv);
+    __m256 v[4];
+    for (int r = 0; r < 4; ++r) v[r] = _mm256_loadu_ps(xb + 8 * r);
     const __m256 vinv = _mm256_set1_ps(inv);
     __m256i c[4];
     for (int r = 0; r < 4; ++r)
@@ -236,3 +245,15 @@ RL_TARGET void quantize16_row(const float* x, int64_t k, int16_t* q, float* d, f
     xs[2 * b + 1] = hsum256(_mm256_add_ps(v[2], v[3]));
   }
 }
+
+}  // namespace RL_INT16_NS
+
+void RL_INT16_FILL(Variant& t) {
+#define RL_FILL(name, id) t.rows[INT16][T_##name] = RL_INT16_NS::int16_rows<name>;
+  RL_FOR_EACH_TYPE(RL_FILL)
+#undef RL_FILL
+  t.quantize16 = RL_INT16_NS::quantize16_row;
+}
+
+}  // namespace rl
+#endif
