@@ -157,19 +157,19 @@ def with_measured_decode(source: ModelSource, profile) -> ModelSource:
     from ..profiles.probe.machine import is_this_machine
     from ..profiles.probe.unitreads import load_or_measure
 
+    directory = directories[0]
     try:
-        manifest = Manifest.load(directories[0])
+        manifest = Manifest.load(directory)
         # keyed as the planner reads them: the compute dtype for the exact kernels, "<dtype>-<kernel>" for the others
         found = {
-            dtype if kernel == "exact" else f"{dtype}-{kernel}": lookup(profile, set_dir, manifest, dtype, kernel)
-            for set_dir in directories[:1]
+            dtype if kernel == "exact" else f"{dtype}-{kernel}": lookup(profile, directory, manifest, dtype, kernel)
             for dtype in NAMES
             for kernel in ("exact", "int16", "int8")
         }
-        speculation = acceptance.lookup(directories[0], manifest, SPECULATION_MODES)
+        speculation = acceptance.lookup(directory, manifest, SPECULATION_MODES)
         # the set's own units read cold (measured once per machine, as a streaming load measures them): its rows
         # stream at that rate and their read knobs derive from it, as they will when it runs
-        reads = load_or_measure(profile, directories[0], manifest) if is_this_machine(profile) else None
+        reads = load_or_measure(profile, directory, manifest) if is_this_machine(profile) else None
     except Exception:  # noqa: BLE001 - an unreadable record or set: the floor stands
         return source
     facts = replace(source.facts, unit_reads=reads.to_dict()) if reads is not None else source.facts
