@@ -45,7 +45,8 @@ struct Job {                           // y = x · Wᵀ
   float* y; int64_t n;                  // y: [M, N] fp32, contiguous
 };
 
-// int8 mode's scale of one block of x from its max |x|: d = amax / 127, codes round(x · inv) with inv = 1 / d.
+// A quantizer's scale of one block of x from its max |x|: d = amax / max_code (127 for int8 mode, 32767 for int16),
+// codes round(x · inv) with inv = 1 / d.
 // A block whose max is under 1e-30 gets d = 0 (all codes 0, and 1 / d stays finite); one holding inf or NaN gets
 // all codes 0 and d = NaN, so that every output it reaches is NaN, as in exact mode. Shared by every quantizer.
 inline float code_scale(float amax, bool finite, float max_code, float* inv) {
