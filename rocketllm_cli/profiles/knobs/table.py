@@ -19,18 +19,14 @@ EXPERT_CACHE_POLICIES = ("lfu", "lru")  # most often routed, most recently route
 # auto: on where a pass streams layers (running.py speculate)
 SPECULATION_MODES = ("auto", "off", "prompt-lookup", "draft")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int4")  # auto: the dtype the model computes in
-KERNEL_PATHS = (
-    "exact",
-    "int16",
-    "int8",
-    "torch",
-)  # packed Linears: exact, int16/int8 activations (native), torch's dtype
+NATIVE_KERNELS = ("exact", "int16", "int8")  # the native kernels' modes: fp32, 16-bit or 8-bit activations
+KERNEL_PATHS = (*NATIVE_KERNELS, "torch")  # how packed Linears compute; torch: its int4 kernel in its fastest dtype
 
 
 def native_mode(kernel: str) -> str:
     """The native kernels' mode for the `kernel` knob's value: its own where it names one, else exact (torch's path
     leaves the GGUF types it does not cover to the exact kernels)."""
-    return kernel if kernel in ("exact", "int16", "int8") else "exact"
+    return kernel if kernel in NATIVE_KERNELS else "exact"
 
 
 _TRUE = {"1", "true", "yes", "on"}
