@@ -247,6 +247,23 @@ def test_without_a_model_the_forms_are_model_free_and_say_what_is_missing():
     assert_recomputes(knobs)
 
 
+def test_the_kernel_is_int16_for_a_gguf_sets_blocks_on_a_cpu_and_exact_elsewhere():
+    """int16 where the native kernels compute on GGUF blocks (a CPU); exact for a set without blocks (its bench
+    records keep their key) and on a GPU; the formula recomputes from the printed inputs, and a flag still wins."""
+    from dataclasses import replace
+
+    floats, blocks = ModelFacts.from_size(8e9, 16), replace(ModelFacts.from_size(8e9, 4), gguf_blocks=True)
+    cpu, gpu = synthetic(), synthetic("cuda:0", vram_free=40 * GiB)
+    assert resolve_knobs(cpu, blocks, env={}).value("kernel") == "int16"
+    assert resolve_knobs(cpu, floats, env={}).value("kernel") == "exact"
+    assert resolve_knobs(gpu, blocks, env={}).value("kernel") == "exact"
+    no_model = resolve_knobs(cpu, None, env={})
+    assert no_model.value("kernel") == "int16" and no_model["kernel"].inputs == {"device_kind": "cpu"}
+    assert resolve_knobs(cpu, blocks, flags={"kernel": "exact"}, env={}).value("kernel") == "exact"
+    for knobs in (resolve_knobs(cpu, blocks, env={}), resolve_knobs(gpu, floats, env={}), no_model):
+        assert_recomputes(knobs)
+
+
 def test_unmeasured_storage_falls_back_to_a_stated_default():
     knobs = resolve_knobs(synthetic(storage_bps=None), ModelFacts.from_size(8e9, 16), env={})
     assert knobs["prefetch_depth"].source == "default" and "unmeasured" in knobs["prefetch_depth"].note
