@@ -16,10 +16,12 @@ from __future__ import annotations
 import os
 import time
 
+from ..profiles.knobs.table import NATIVE_KERNELS
+
 K = N = 4096
 ERROR_ROWS = 256  # rows of the weight the error is measured on (the product of every row would take seconds)
 POOL_BYTES = 64 << 20  # the weights each type's sweep cycles over
-MODES = ("exact", "int16", "int8")
+MODES = NATIVE_KERNELS  # exact, int16, int8
 AGREE = 5e-2  # llama.cpp's product further than this from ours (relative): its rate is not this product's, say so
 
 

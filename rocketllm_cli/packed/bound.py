@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.packedformat import PackedFormat, PackedTensor
+from ..profiles.knobs.table import NATIVE_KERNELS
 from ..threads import COMPUTE_THREADS
 from . import layout
 
@@ -17,7 +18,7 @@ from . import layout
 # blocks (rocketllm_cli/native); scratch: dequantize into the scratch buffer, then F.linear
 PATHS = ("int4", "int8", "native", "scratch")
 # native: fp32 activations (exact), or activations quantized to 16 bits per 32 (int16) or 8 bits per block (int8)
-NATIVE_MODES = ("exact", "int16", "int8")
+NATIVE_MODES = NATIVE_KERNELS
 # native, one row, where the thread follower is off (OMP_NUM_THREADS, a caller's own count: threads.py native_pass gives
 # a decode's products every free core otherwise): a weight of fewer bytes runs on the calling thread (SmolLM2's
 # products:

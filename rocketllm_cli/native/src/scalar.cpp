@@ -164,30 +164,10 @@ void int16_rows(const Job& j, int64_t n0, int64_t n1) {
   });
 }
 
-// One row of x -> int16 codes (kernels.h's Q16Rows): per 32 elements d and round-half-even(x · (1 / d)), per 16
-// the fp32 sum of x
-void quantize16_row(const float* x, int64_t k, int16_t* q, float* d, float* xs) {
-  for (int64_t b = 0; b < k / Q16_BLOCK; ++b) {
-    const float* xb = x + b * Q16_BLOCK;
-    float amax = 0, inv;
-    bool finite = true;
-    for (int i = 0; i < Q16_BLOCK; ++i) {
-      amax = std::fmax(amax, std::fabs(xb[i]));
-      finite = finite && std::fabs(xb[i]) <= FLT_BIG;
-    }
-    d[b] = code_scale(amax, finite, Q16_MAX, &inv);
-    for (int i = 0; i < Q16_BLOCK; ++i) q[b * Q16_BLOCK + i] = finite ? int16_t(std::nearbyint(xb[i] * inv)) : 0;
-  }
-  for (int64_t g = 0; g < k / 16; ++g) {
-    float sum = 0;
-    for (int i = 0; i < 16; ++i) sum += x[16 * g + i];
-    xs[g] = sum;
-  }
-}
-
-// One row of x -> q8 (kernels.h's q8_scale): per qx elements d and codes round-half-even(x · (1 / d)); per 16
-// elements the sum of the codes.
-void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_t* bs) {
+// Per qx elements of x: d = code_scale(max|x|, max_code) and codes round-half-even(x · (1 / d)), all 0 in a block
+// holding inf or NaN (kernels.h code_scale). Both quantizers' first step.
+template <class Code>
+void quantize_codes(const float* x, int64_t k, int qx, float max_code, Code* q, float* d) {
   for (int64_t b = 0; b < k / qx; ++b) {
     const float* xb = x + b * qx;
     float amax = 0, inv;
@@ -196,9 +176,24 @@ void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_
       amax = std::fmax(amax, std::fabs(xb[i]));
       finite = finite && std::fabs(xb[i]) <= FLT_BIG;
     }
-    d[b] = q8_scale(amax, finite, &inv);
-    for (int i = 0; i < qx; ++i) q[b * qx + i] = finite ? int8_t(std::nearbyint(xb[i] * inv)) : 0;
+    d[b] = code_scale(amax, finite, max_code, &inv);
+    for (int i = 0; i < qx; ++i) q[b * qx + i] = finite ? Code(std::nearbyint(xb[i] * inv)) : 0;
   }
+}
+
+// One row of x -> int16 codes (kernels.h's Q16Rows): per 32 elements d and codes; per 16 the fp32 sum of x
+void quantize16_row(const float* x, int64_t k, int16_t* q, float* d, float* xs) {
+  quantize_codes(x, k, Q16_BLOCK, Q16_MAX, q, d);
+  for (int64_t g = 0; g < k / 16; ++g) {
+    float sum = 0;
+    for (int i = 0; i < 16; ++i) sum += x[16 * g + i];
+    xs[g] = sum;
+  }
+}
+
+// One row of x -> q8 (kernels.h's q8_scale): per qx elements d and codes; per 16 elements the sum of the codes
+void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_t* bs) {
+  quantize_codes(x, k, qx, 127.0f, q, d);
   for (int64_t g = 0; g < k / 16; ++g) {
     int sum = 0;
     for (int i = 0; i < 16; ++i) sum += q[16 * g + i];

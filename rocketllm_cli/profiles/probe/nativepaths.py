@@ -13,12 +13,14 @@ kernelrates.py's.
 
 from __future__ import annotations
 
+from ..knobs.table import NATIVE_KERNELS
+
 FILE = "native-paths.json"
 N, K = 1024, 4096  # the fixed product: one activation row, a 1024 x 4096 weight
 POOL_BYTES = 16 << 20  # weights of that shape swept per timing (the rate per byte is the same over more)
 VERSION = 2  # of the method: another way of measuring is measured again
-FLOATS = ("F32", "F16", "BF16")
-MODES = ("exact", "int16", "int8")  # not blocks: a float tensor is multiplied as it is stored
+FLOATS = ("F32", "F16", "BF16")  # not blocks: a float tensor is multiplied as it is stored
+MODES = NATIVE_KERNELS  # exact, int16, int8: the table's columns in that order
 
 
 def native_paths(profile) -> dict:
