@@ -295,6 +295,20 @@ def test_a_probe_file_written_ahead_is_the_one_measured_then_deleted(tmp_path, m
     assert not list(tmp_path.glob(".rocketllm-probe-*")) and not storage._ahead
 
 
+def test_a_probe_file_written_ahead_is_taken_however_its_directory_was_spelled(tmp_path, monkeypatch):
+    from rocketllm_cli.profiles.probe import storage
+
+    (tmp_path / "models").mkdir()
+    spelled = tmp_path / "models" / ".." / "models"  # `generate ../models/m.gguf`; the set's manifest resolves it
+    storage.write_ahead([spelled], storage.probe_bytes())
+    monkeypatch.setattr(storage, "_write_probe", lambda *args: pytest.fail("the probe file was written again"))
+    found, _, cacheable = storage.measure_storage(
+        filesystem_of(tmp_path), storage.probe_bytes(), directories=[tmp_path / "models"]
+    )
+    assert cacheable and found["page_cache_read"].available and not storage._ahead
+    assert not list((tmp_path / "models").glob(".rocketllm-probe-*"))
+
+
 def test_a_probe_file_no_measurement_takes_is_deleted_at_exit(tmp_path):
     from rocketllm_cli.profiles.probe import storage
 

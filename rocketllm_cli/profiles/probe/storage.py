@@ -87,7 +87,7 @@ def write_ahead(directories: list[Path], size: int) -> None:
     box: list = []
     thread = threading.Thread(target=lambda: box.append(_written(directories, size)), name="rocketllm-probe-write")
     thread.daemon = True
-    _ahead.append((tuple(directories), size, thread, box))
+    _ahead.append((_real(directories), size, thread, box))
     atexit.unregister(_discard_ahead)  # registered once, however many files a process writes ahead
     atexit.register(_discard_ahead)
     thread.start()
@@ -95,12 +95,19 @@ def write_ahead(directories: list[Path], size: int) -> None:
 
 def _take_written(directories: list[Path], size: int) -> tuple[Path, None] | None:
     """The file write_ahead wrote for these DIRECTORIES and SIZE (waiting for it), or None."""
-    if not _ahead or _ahead[0][:2] != (tuple(directories), size):
+    if not _ahead or _ahead[0][:2] != (_real(directories), size):
         return None
     _, _, thread, box = _ahead.pop()
     thread.join()
     path = box[0][0] if box else None
     return (path, None) if path is not None else None
+
+
+def _real(directories: list[Path]) -> tuple[str, ...]:
+    """DIRECTORIES as the one spelling each has: `generate ../models/m.gguf` wrote ahead in `/a/b/../models`, and
+    the profile asked for `/a/models` (resolved by the set's manifest): unmatched, the file was written twice, the
+    second time while the first run waited (0.8 s of SmolLM2's)."""
+    return tuple(os.path.realpath(d) for d in directories)
 
 
 def wait_written() -> None:
