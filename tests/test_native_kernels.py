@@ -214,6 +214,20 @@ def test_matches_reference(nk, name, isa, mode):
             assert relative(y, scalar.matmul(blocks, name, x, mode=mode), magnitude) < 1e-6, where
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_is_the_reference_bit_for_bit(nk, name):
+    """Every variant's decoder (a prefill's dense path) gives gguf's own fp32 weights, on odd shapes and with out."""
+    qk = SUPPORTED[name][0]
+    for n, k in ((1, qk), (7, 7 * qk if qk == 32 else 3 * qk), (130, qk)):
+        blocks = make_blocks(name, n, k, seed=n)
+        reference = dequantize_blocks(blocks, name).float()
+        for kernels in variants(nk):
+            assert torch.equal(kernels.dequantize(blocks, name, k), reference), (kernels.isa, n, k)
+            out = torch.full((n, k), float("nan"))
+            assert kernels.dequantize(blocks, name, k, out=out, threads=2) is out and torch.equal(out, reference)
+    assert nk.dequantize(torch.empty((0, SUPPORTED[name][1]), dtype=torch.uint8), name, qk).shape == (0, qk)
+
+
 @pytest.mark.parametrize("isa", VARIANTS)
 def test_quantize_bit_for_bit(nk, isa):
     if isa not in nk.isas:
@@ -312,6 +326,10 @@ def test_supported_and_layouts(nk):
         (lambda nk, b, x: nk.matmul(b, "Q4_0", x, out=torch.empty(2, 3)), "out must be"),
         (lambda nk, b, x: nk.matmul(b, "Q4_0", x, out=torch.empty(16, 2).T), "out must be"),
         (lambda nk, b, x: nk.matmul(b.T.contiguous().T, "Q4_0", x), "contiguous"),
+        (lambda nk, b, x: nk.dequantize(b, "Q4_0", 48), "multiple of 32"),
+        (lambda nk, b, x: nk.dequantize(b, "Q8_0", 64), "do not hold"),
+        (lambda nk, b, x: nk.dequantize(b, "IQ2_XXS", 64), "no native kernel"),
+        (lambda nk, b, x: nk.dequantize(b, "Q4_0", 64, out=torch.empty(64, 16)), "out must be"),
     ],
 )
 def test_bad_inputs_raise_one_line(nk, call, message):

@@ -4,6 +4,7 @@
     y = nk.matmul(blocks, "Q4_K", x)                   # uint8 [N, K/256·144], fp32 [M, K] -> fp32 [M, N]
     nk.matmul(blocks, "Q4_K", x, mode="int16")         # x quantized to 16 bits per 32 first (~2e-5 relative)
     nk.matmul(blocks, "Q4_K", x, mode="int8", out=y)   # x quantized to q8 first (lossy, ~5e-3)
+    w = nk.dequantize(blocks, "Q4_K")                  # fp32 [N, K]: exact mode's weights (a prefill's dense path)
 
 A decode step calls matmul a few hundred times per token, so a call does little in Python: the C function and
 its argument types are bound once, the checks are attribute reads, and with `out` given nothing is allocated.
@@ -36,7 +37,7 @@ GGML_IDS = {
     "IQ4_NL": 20,
     "IQ4_XS": 23,
 }
-ABI_VERSION = 2
+ABI_VERSION = 3
 _ERRORS = {
     -1: "unsupported type",
     -2: "variant not runnable on this CPU",
@@ -92,6 +93,7 @@ class NativeKernels:
             _ptr,
             ctypes.c_int,
         ]
+        lib.rl_dequantize.argtypes = [ctypes.c_int, ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
         lib.rl_quantize.argtypes = [ctypes.c_int, _ptr, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
         lib.rl_quantize16.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr]
         mask = lib.rl_isas()
@@ -135,33 +137,14 @@ class NativeKernels:
         times x in fp32; "int16": x quantized to 16 bits per 32 elements, integer dot products per 16 or 32
         (relative error ~2e-5); "int8": x quantized to 8 bits per 32 (256 for the K-quants) elements, integer dot
         products per block (~5e-3). `out`: a contiguous fp32 [M, N] to write into. `threads`: default torch's."""
-        name = str(getattr(gguf_type, "name", gguf_type))
-        layout = self._layouts.get(name)
-        if layout is None:
-            raise ValueError(f"no native kernel for GGUF type {name!r}; these have one: {', '.join(self._layouts)}")
-        type_id, qk, block_bytes = layout
+        name, type_id = self._type_of(gguf_type)
         mode_id = MODES.get(mode)
         if mode_id is None:
             raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
-        if not (
-            isinstance(blocks, torch.Tensor)
-            and blocks.dtype == torch.uint8
-            and blocks.dim() == 2
-            and blocks.is_cpu
-            and blocks.is_contiguous()
-        ):
-            raise ValueError(f"{name} blocks must be a contiguous 2-D uint8 CPU tensor, got {_describe(blocks)}")
         if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() == 2 and x.is_cpu):
             raise ValueError(f"x must be a 2-D float32 CPU tensor [M, K], got {_describe(x)}")
-        n, row_bytes = blocks.shape
         m, k = x.shape
-        if k % qk:
-            raise ValueError(f"{name} needs K a multiple of {qk}, got x of shape {tuple(x.shape)}")
-        if row_bytes != k // qk * block_bytes:
-            raise ValueError(
-                f"{name} blocks of {row_bytes} bytes per row do not hold K = {k} "
-                f"({k // qk} blocks of {block_bytes} bytes = {k // qk * block_bytes})"
-            )
+        n, row_bytes = self._check_blocks(name, blocks, k, f"x of shape {tuple(x.shape)}")
         if out is None:
             out = torch.empty((m, n), dtype=torch.float32)
         elif not (
@@ -190,6 +173,58 @@ class NativeKernels:
         if rc:
             raise RuntimeError(f"native {name} matmul failed: {_ERRORS.get(rc, rc)}")
         return out
+
+    def dequantize(
+        self, blocks: torch.Tensor, gguf_type, k: int, out: torch.Tensor | None = None, threads: int | None = None
+    ) -> torch.Tensor:
+        """W [N, K] fp32 from its raw GGUF blocks (uint8 [N, K / QK · block bytes], contiguous on the CPU): the
+        weights exact mode multiplies by, each a · code + b rounded once (Q8_0's d · code exactly). `out`: a
+        contiguous fp32 [N, K] to write into. `threads`: default torch's."""
+        name, type_id = self._type_of(gguf_type)
+        n, row_bytes = self._check_blocks(name, blocks, k, f"K = {k}")
+        if out is None:
+            out = torch.empty((n, k), dtype=torch.float32)
+        elif not (
+            isinstance(out, torch.Tensor)
+            and out.dtype == torch.float32
+            and out.is_cpu
+            and out.shape == (n, k)
+            and out.is_contiguous()
+        ):
+            raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {(n, k)}, got {_describe(out)}")
+        used = torch.get_num_threads() if threads is None else threads
+        rc = self._lib.rl_dequantize(self._isa_id, type_id, blocks.data_ptr(), n, row_bytes, k, out.data_ptr(), used)
+        if rc:
+            raise RuntimeError(f"native {name} dequantize failed: {_ERRORS.get(rc, rc)}")
+        return out
+
+    def _type_of(self, gguf_type) -> tuple[str, int]:
+        name = str(getattr(gguf_type, "name", gguf_type))
+        layout = self._layouts.get(name)
+        if layout is None:
+            raise ValueError(f"no native kernel for GGUF type {name!r}; these have one: {', '.join(self._layouts)}")
+        return name, layout[0]
+
+    def _check_blocks(self, name: str, blocks, k: int, what: str) -> tuple[int, int]:
+        """(N, row bytes) of `blocks`, checked to be NAME's blocks of rows K long; WHAT names K's source."""
+        _, qk, block_bytes = self._layouts[name]
+        if not (
+            isinstance(blocks, torch.Tensor)
+            and blocks.dtype == torch.uint8
+            and blocks.dim() == 2
+            and blocks.is_cpu
+            and blocks.is_contiguous()
+        ):
+            raise ValueError(f"{name} blocks must be a contiguous 2-D uint8 CPU tensor, got {_describe(blocks)}")
+        n, row_bytes = blocks.shape
+        if k % qk:
+            raise ValueError(f"{name} needs K a multiple of {qk}, got {what}")
+        if row_bytes != k // qk * block_bytes:
+            raise ValueError(
+                f"{name} blocks of {row_bytes} bytes per row do not hold K = {k} "
+                f"({k // qk} blocks of {block_bytes} bytes = {k // qk * block_bytes})"
+            )
+        return n, row_bytes
 
     def quantize(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """int8 mode's first step, exposed for tests: fp32 x [M, K] -> codes int8 [M, K], scales fp32

@@ -17,6 +17,7 @@ from ..checkpoint.packedformat import PackedFormat, PackedTensor
 from . import dense, layout
 from .bound import BoundWeight, native_kernels
 from .dequant import dequantize_into
+from .nativeprobe import native_dense_rows
 from .probe import capabilities
 from .scratch import SCRATCH, Scratch
 
@@ -51,8 +52,11 @@ def bind(
     kernel=False always dequantizes into scratch. `mode` is the native kernels' (bound.py NATIVE_MODES)."""
     device = torch.device(device)
     path = kernel_path(packed.format, dtype, device) if kernel else "scratch"
-    if path == "native":
-        return BoundWeight(packed.format, dtype, device, path, portable=packed, mode=mode)
+    if path == "native":  # from the probe's row count on, a pass multiplies exact fp32 weights densely
+        rows = native_dense_rows(device)
+        return BoundWeight(
+            packed.format, dtype, device, path, portable=packed, mode=mode, dense_rows=rows, dense_dtype=torch.float32
+        )
     if path in ("int4", "int8"):
         rows, in_dtype = dense_plan(path, dtype, device)
         made = layout.for_kernel(path, packed, dtype, device)
@@ -87,7 +91,12 @@ def linear(
             bias = bias.to(weight.dtype)
     path = weight.path
     if path == "native":
-        out = weight.fast(x if x.is_contiguous() else x.contiguous())
+        x = x if x.is_contiguous() else x.contiguous()
+        rows = x.numel() // k
+        if rows and dense.dense_now(weight, rows):  # a prompt's many rows: exact weights, torch's fp32 GEMM
+            out = dense.dense_linear(x.view(rows, k), weight, scratch).view(*x.shape[:-1], n)
+        else:
+            out = weight.fast(x)
         if bias is not None:
             out = out + bias
         return out if out.dtype == out_dtype else out.to(out_dtype)
@@ -99,7 +108,7 @@ def linear(
     kernel = weight.kernel
     if rows.shape[0] == 0:
         out = rows.new_zeros((0, n))
-    elif weight.dense_rows and rows.shape[0] >= weight.dense_rows:
+    elif dense.dense_now(weight, rows.shape[0]):
         out = dense.dense_linear(rows, weight, scratch)
     elif path == "int4":
         out = layout.int4_mm(rows, kernel, weight.format.group)

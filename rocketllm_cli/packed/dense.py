@@ -10,12 +10,21 @@ below it the kernel runs, as it does for every decode step.
 
 The weight never exists whole in float: CHUNK_VALUES of it at a time are dequantized into the scratch buffer and
 multiplied, so the extra memory is a few MiB whatever the layer's size.
+
+GGUF blocks on the native kernels (path native) too: a chunk of rows dequantized by the kernels' own decoder to
+exact mode's fp32 weights (gguf's, bit for bit) and multiplied by torch's fp32 GEMM. That product is exact mode's
+up to the order of its sums, whatever the kernel mode: a prompt computed densely is never less exact than its
+decode steps. `kernel_passes()` keeps every pass on the kernel mode instead, for a measurement of what that mode
+costs (bench --perplexity scores whole windows in one pass).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+import threading
+from contextlib import contextmanager
 
 from . import cpulayout
 from .kernelform import MIDPOINT
@@ -25,12 +34,34 @@ CHUNK_VALUES = 1 << 20  # weight values dequantized at a time (4 MiB in fp32)
 ROW_ALIGN = 64  # row blocks start at multiples of every CPU int4 layout's block of rows, so each is a weight of its own
 
 
+_KERNEL_ONLY = threading.local()  # kernel_passes() in force on this thread
+
+
 def supported(path: str, device: torch.device) -> bool:
-    """Whether a weight bound for `path` (int4/int8) on `device` can be dequantized from its kernel form here: the
-    CPU int4 kernel's code order must be one cpulayout knows (other devices' kernels keep their own)."""
+    """Whether a weight bound for `path` (int4/int8/native) on `device` can be dequantized from its kernel form here:
+    the CPU int4 kernel's code order must be one cpulayout knows (other devices' kernels keep their own)."""
     if torch.device(device).type != "cpu":
         return False
-    return path == "int8" or (path == "int4" and cpulayout.cpu_layout() is not None)
+    return path in ("int8", "native") or (path == "int4" and cpulayout.cpu_layout() is not None)
+
+
+@contextmanager
+def kernel_passes():
+    """Within it, this thread's passes of many rows over GGUF blocks run on the native kernel's mode, not densely."""
+    before = getattr(_KERNEL_ONLY, "on", False)
+    _KERNEL_ONLY.on = True
+    try:
+        yield
+    finally:
+        _KERNEL_ONLY.on = before
+
+
+def dense_now(weight, rows: int) -> bool:
+    """Whether ROWS rows of x multiply by WEIGHT densely: as many as its dense_rows (for GGUF blocks on the native
+    kernels, outside kernel_passes())."""
+    if not weight.dense_rows or rows < weight.dense_rows:
+        return False
+    return weight.path != "native" or not getattr(_KERNEL_ONLY, "on", False)
 
 
 def dense_linear(x: torch.Tensor, weight, scratch: Scratch = SCRATCH) -> torch.Tensor:
@@ -60,7 +91,9 @@ def _dense(x: torch.Tensor, weight, scratch: Scratch, dtype: torch.dtype) -> tor
         stop = min(n, start + rows)
         count = stop - start
         block = work[: count * k].view(count, k)
-        if weight.path == "int4":
+        if weight.path == "native":
+            _native_rows(weight, start, stop, block)
+        elif weight.path == "int4":
             _int4_rows(
                 weight,
                 start,
@@ -89,6 +122,15 @@ def _int4_rows(weight, start: int, stop: int, block: torch.Tensor, scale: torch.
     shift.copy_(sz[:, start:stop, 1].t()).sub_(scale, alpha=MIDPOINT)
     grouped = block.view(block.shape[0], scale.shape[1], -1)
     grouped.mul_(scale.unsqueeze(-1)).add_(shift.unsqueeze(-1))
+
+
+def _native_rows(weight, start: int, stop: int, block: torch.Tensor) -> None:
+    """Rows start:stop of a GGUF type's blocks as exact mode's fp32 weights into `block`, by the native kernels."""
+    from .bound import native_kernels
+
+    native_kernels(weight.format, weight.device).dequantize(
+        weight.portable.parts["blocks"][start:stop], weight.format.gguf_type, weight.format.shape[1], out=block
+    )
 
 
 def _int8_rows(weight, start: int, stop: int, block: torch.Tensor) -> None:

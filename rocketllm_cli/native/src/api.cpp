@@ -106,7 +106,7 @@ using namespace rl;
 extern "C" {
 
 // Bumped whenever a signature below changes, so that Python never calls a stale library wrongly.
-RL_EXPORT int rl_abi_version() { return 2; }
+RL_EXPORT int rl_abi_version() { return 3; }
 
 // Bit mask of the variants compiled in and runnable here: 1 scalar, 2 AVX2, 4 AVX-512.
 RL_EXPORT int rl_isas() {
@@ -192,6 +192,25 @@ RL_EXPORT int rl_matmul(int isa, int ggml_type, int mode, const uint8_t* w, int6
   chunk = (chunk + N_TILE - 1) / N_TILE * N_TILE;
   RowsJob rj{v->rows[mode][l.index], &job};
   parallel_for(threads, n, chunk, rows_range, &rj);
+  return 0;
+}
+
+// out [n, k] = W's weights in fp32, W the raw blocks [n, row_bytes] of GGML type `ggml_type`: exact mode's weights,
+// for a prefill's dense multiply. 0, or -1 bad type, -2 variant not runnable here, -3 shapes.
+RL_EXPORT int rl_dequantize(int isa, int ggml_type, const uint8_t* w, int64_t n, int64_t row_bytes, int64_t k,
+                            float* out, int threads) {
+  Layout l;
+  if (!layout(ggml_type, l)) return -1;
+  const Variant* v = variant(isa);
+  if (v == nullptr || v->dequant[l.index] == nullptr) return -2;
+  if (n < 0 || k < 0 || k % l.qk != 0 || row_bytes != k / l.qk * l.bytes) return -3;
+  if (n == 0 || k == 0) return 0;
+  threads = threads < 1 ? 1 : threads > 1024 ? 1024 : threads;
+  if (n * k < SMALL) threads = 1;
+  std::lock_guard<std::mutex> lock(call_mutex);
+  Job job{w, row_bytes, nullptr, 0, k, {}, {}, out, n};
+  RowsJob rj{v->dequant[l.index], &job};
+  parallel_for(threads, n, (n + 4 * threads - 1) / (4 * threads), rows_range, &rj);
   return 0;
 }
 

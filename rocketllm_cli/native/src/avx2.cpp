@@ -21,6 +21,7 @@ RL_INLINE F fload(const float* p) { return _mm256_loadu_ps(p); }
 RL_INLINE F fadd(F a, F b) { return _mm256_add_ps(a, b); }
 RL_INLINE F ffma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
 RL_INLINE float fsum(F v) { return hsum256(v); }
+RL_INLINE void fstore(float* p, F v) { _mm256_storeu_ps(p, v); }
 
 template <bool SIGNED> RL_INLINE void to_float(__m256i codes, F* out) {
   const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
@@ -233,7 +234,8 @@ const Variant* avx2_variant() {
   static const Variant v = [] {
     Variant t{};
 #define RL_FILL(name, id) t.rows[EXACT][T_##name] = avx2::exact_rows<name>; \
-    t.rows[INT8][T_##name] = avx2::int8_rows<name>;
+    t.rows[INT8][T_##name] = avx2::int8_rows<name>; \
+    t.dequant[T_##name] = avx2::dequant_rows<name>;
     RL_FOR_EACH_TYPE(RL_FILL)
 #undef RL_FILL
     t.quantize = avx2::quantize_row;

@@ -22,6 +22,7 @@ RL_INLINE F fload(const float* p) { return _mm512_loadu_ps(p); }
 RL_INLINE F fadd(F a, F b) { return _mm512_add_ps(a, b); }
 RL_INLINE F ffma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 RL_INLINE float fsum(F v) { return _mm512_reduce_add_ps(v); }
+RL_INLINE void fstore(float* p, F v) { _mm512_storeu_ps(p, v); }
 
 template <bool SIGNED> RL_INLINE void to_float(__m256i codes, F* out) {
   const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
@@ -371,7 +372,8 @@ const Variant* avx512_variant() {
   static const Variant v = [] {
     Variant t{};
 #define RL_FILL(name, id) t.rows[EXACT][T_##name] = avx512::exact_any_rows<name>; \
-    t.rows[INT8][T_##name] = avx512::int8_rows<name>;
+    t.rows[INT8][T_##name] = avx512::int8_rows<name>; \
+    t.dequant[T_##name] = avx512::dequant_rows<name>;
     RL_FOR_EACH_TYPE(RL_FILL)
 #undef RL_FILL
     t.quantize = avx512::quantize_row;

@@ -73,6 +73,7 @@ using Quantize16Fn = void (*)(const float* x, int64_t k, int16_t* q, float* d, f
 
 struct Variant {
   RowsFn rows[NUM_MODES][NUM_TYPES];  // [mode][type]
+  RowsFn dequant[NUM_TYPES];          // W's rows n0..n1 as fp32 into y [N, K]: the weights exact mode multiplies by
   QuantizeFn quantize;
   Quantize16Fn quantize16;
 };

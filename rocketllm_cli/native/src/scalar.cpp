@@ -100,6 +100,26 @@ void exact_rows(const Job& j, int64_t n0, int64_t n1) {
   }
 }
 
+// W's rows n0..n1 as fp32 into y [N, K], each weight as exact_rows computes it
+template <class T>
+void dequant_rows(const Job& j, int64_t n0, int64_t n1) {
+  uint8_t c[T::QK];
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < j.k / T::QK; ++b) {
+      const uint8_t* blk = j.w + n * j.row_bytes + b * T::BYTES;
+      float* w = j.y + n * j.k + b * T::QK;
+      Head h;
+      head_of<T>(blk, h);
+      codes<T>(blk, c);
+      const float d = d_of<T>(blk), dmin = dmin_of<T>(blk);
+      for (int g = 0; g < T::QK / 16; ++g) {
+        const float a = d * float(scale_of<T>(h, g));
+        const float off = T::MIN ? -(dmin * float(min_of<T>(h, g))) : -float(T::OFF) * a;
+        for (int i = 16 * g; i < 16 * g + 16; ++i) w[i] = a * float(code_value<T>(c[i])) + off;
+      }
+    }
+}
+
 // The integer modes' loop: each block of W's rows n0..n1 decoded once (codes, scales, d, dmin), then for every row
 // m of x `part(m, b, codes, head, d, dmin)` gives the block's share of y[m, n], summed in fp32
 template <class T, class Part>
@@ -207,7 +227,8 @@ const Variant* scalar_variant() {
   static const Variant v = [] {
     Variant t{};
 #define RL_FILL(name, id) t.rows[EXACT][T_##name] = exact_rows<name>; t.rows[INT8][T_##name] = int8_rows<name>; \
-    t.rows[INT16][T_##name] = int16_rows<name>;
+    t.rows[INT16][T_##name] = int16_rows<name>; \
+    t.dequant[T_##name] = dequant_rows<name>;
     RL_FOR_EACH_TYPE(RL_FILL)
 #undef RL_FILL
     t.quantize = quantize_row;

@@ -1,6 +1,6 @@
 // The x86 exact kernels, written once over the variant's float vector F (FW lanes), and included by avx2.cpp and
 // avx512.cpp inside their namespace after x86_codes.h and these ops of theirs:
-//   F fzero(), fset(float), fload(const float*), fadd(F, F), ffma(F, F, F); float fsum(F)
+//   F fzero(), fset(float), fload(const float*), fadd(F, F), ffma(F, F, F); float fsum(F); fstore(float*, F)
 //   to_float<SIGNED>(__m256i codes, F out[32 / FW]): the 32 codes as fp32, unsigned or signed bytes
 //   scale_floats(__m256i s, float mult, float out[16]): out[g] = mult · s[g] for 16 int16 s (64-byte aligned out)
 //   signed_floats(const uint8_t* p, F out[32 / FW]): the 32 int8 at p as fp32
@@ -90,6 +90,36 @@ RL_TARGET void exact_q8_tile(const Job& j, int64_t n, int64_t m0) {
   }
   if (b < nb) exact_q8_block<M, 0>(row + b * Q8_0::BYTES, x + b * 32, j.k, acc);
   for (int t = 0; t < M; ++t) j.y[(m0 + t) * j.n + n] = fsum(fadd(acc[t][0], acc[t][1]));
+}
+
+// W's rows n0..n1 as fp32 into y [N, K], each weight exact_block's a · code + b (Q8_0: d · code, exact either way):
+// what a prefill multiplies densely (native_dense.py), a chunk of rows at a time.
+template <class T> RL_TARGET void dequant_rows(const Job& j, int64_t n0, int64_t n1) {
+  constexpr int NV = 32 / FW;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = j.w + n * j.row_bytes;
+    float* out = j.y + n * j.k;
+    for (int64_t b = 0; b < j.k / T::QK; ++b) {
+      const uint8_t* blk = row + b * T::BYTES;
+      const Scales<T> s = scales_of<T>(blk);
+      alignas(64) float a[16], off[16];
+      if constexpr (T::SCALED) {
+        scale_floats(s.sc, s.d, a);
+        if (T::MIN) scale_floats(s.mn, -s.dmin, off); else scale_floats(s.sc, -float(T::OFF) * s.d, off);
+      } else {
+        a[0] = a[1] = s.d;
+        off[0] = off[1] = T::MIN ? s.dmin : -float(T::OFF) * s.d;
+      }
+      for (int c = 0; c < T::QK / 32; ++c) {
+        F w[NV];
+        codes_as_floats<T>(blk, c, w);
+        for (int v = 0; v < NV; ++v) {
+          const int g = 2 * c + v * FW / 16;
+          fstore(out + b * T::QK + 32 * c + FW * v, ffma(fset(a[g]), w[v], fset(off[g])));
+        }
+      }
+    }
+  }
 }
 
 template <class T> RL_TARGET void exact_rows(const Job& j, int64_t n0, int64_t n1) {

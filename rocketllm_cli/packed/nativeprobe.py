@@ -1,0 +1,113 @@
+"""From how many rows of x GGUF blocks multiply faster densely than on the native kernel: a chunk of rows dequantized
+to exact mode's fp32 weights by the kernels' own decoder, then torch's fp32 GEMM (dense.py), against the kernel in
+the CPU's default mode (int16). Timed in turns on one thread as probe.py times the int4/int8 crossover, on Q4_0
+blocks at its TIMING_SHAPE, from DENSE_ROWS rows down while dense stays faster; once per machine and kernel build
+(a fraction of a second), kept in kernels.json beside the profile under the build's key.
+
+    rows = native_dense_rows("cpu")   # 0: every pass on the kernel (no kernels, another device, never faster)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .probe import DENSE_ROUNDS, DENSE_ROWS, TIMING_SHAPE, _best_in_turns, stored_path
+
+KEY = "native-dense"  # kernels.json's entry: {"build": the kernel build's key, "rows": the crossover, "format": ...}
+FORMAT = 1  # of the method: another way of measuring is measured again
+TYPE, MODE = "Q4_0", "int16"  # the blocks timed, and the mode the kernel runs them in (the CPU's default)
+
+_CACHE: dict[str, int] = {}  # kernel build -> rows, this process's
+
+
+def native_dense_rows(device) -> int:
+    """Rows of x from which a native-kernel weight multiplies densely on `device` (0: never): stored, else measured
+    now and stored."""
+    if torch.device(device).type != "cpu":
+        return 0
+    from ..native import kernels
+
+    nk = kernels()
+    if nk is None or not nk.supported(TYPE):
+        return 0
+    if nk.build not in _CACHE:
+        rows = _stored(nk.build)
+        if rows is None:
+            rows = _measure()
+            _store(nk.build, rows)
+        _CACHE[nk.build] = rows
+    return _CACHE[nk.build]
+
+
+def stored_row(device) -> dict | None:
+    """doctor's row for the crossover where one is stored for this machine's kernel build (never measured here: a
+    report does not build the kernels), else None."""
+    if torch.device(device).type != "cpu":
+        return None
+    from ..native import kernels
+
+    nk = kernels()
+    rows = _CACHE.get(nk.build, _stored(nk.build)) if nk is not None else None
+    if rows is None:
+        return None
+    return {
+        "name": "packed_native_dense",
+        "value": f"from {rows} rows" if rows else "never",
+        "fallback_taken": None,
+        "reason": (
+            f"GGUF blocks: a pass of {rows} rows of x or more (a prefill) is multiplied as exact fp32 weights by "
+            f"torch's GEMM, measured faster than the native {MODE} kernel on {TYPE} [{TIMING_SHAPE[0]}, "
+            f"{TIMING_SHAPE[1]}] in turns on one thread; fewer rows, and every decode step, take the kernel"
+            if rows
+            else f"GGUF blocks: every pass on the native kernel (a dense multiply was not faster than {MODE} on "
+            f"{TYPE} at {DENSE_ROWS[0]} rows)"
+        ),
+    }
+
+
+def _measure() -> int:
+    from ..checkpoint.packedformat import PackedFormat, PackedTensor
+    from ..native.sample import sample_blocks
+    from . import dense
+    from .bound import BoundWeight
+    from .scratch import Scratch
+
+    n, k = TIMING_SHAPE
+    blocks = sample_blocks(TYPE, n, k, seed=2)
+    fmt = PackedFormat("gguf", (n, k), 32, gguf_type=TYPE, block_bytes=blocks.shape[1] // (k // 32))
+    weight = BoundWeight(
+        fmt, torch.float32, torch.device("cpu"), "native", portable=PackedTensor(fmt, {"blocks": blocks}), mode=MODE
+    )
+    scratch, found = Scratch(), 0
+    for rows in DENSE_ROWS:
+        x = torch.randn(rows, k)
+        runs = {"kernel": lambda x=x: weight.fast(x), "dense": lambda x=x: dense.dense_linear(x, weight, scratch)}
+        best = _best_in_turns(runs, "cpu", DENSE_ROUNDS)
+        if best["dense"] >= best["kernel"]:
+            break
+        found = rows
+    return found
+
+
+def _stored(build: str) -> int | None:
+    from ..cachehome import read_json
+
+    try:
+        doc = (read_json(stored_path()) or {}).get(KEY) or {}
+        if doc.get("build") == build and doc.get("format") == FORMAT:
+            return int(doc["rows"])
+    except (OSError, KeyError, TypeError, ValueError):
+        pass
+    return None
+
+
+def _store(build: str, rows: int) -> None:
+    from ..cachehome import read_json, write_json
+
+    try:
+        path = stored_path()
+        doc = read_json(path) or {}
+        doc[KEY] = {"build": build, "rows": rows, "format": FORMAT}
+        write_json(path, doc)
+    except OSError:
+        pass  # a read-only cache: the answer stays this process's
