@@ -376,7 +376,7 @@ def test_gguf_blocks_multiply_densely_as_exact_weights_from_the_measured_row_cou
     assert (bound.path, bound.dense_rows, bound.dense_dtype, measured) == ("native", 5, torch.float32, [1])
     monkeypatch.setattr(nativeprobe, "_CACHE", {})  # a new process: the stored answer, not a second measurement
     assert bind(packed, "cpu", torch.float32, mode="int16").dense_rows == 5 and measured == [1]
-    row = probe_module.report_rows("cpu")[-1]
+    row = nativeprobe.stored_row("cpu")
     assert row["name"] == "packed_native_dense" and row["value"] == "from 5 rows"
     weights = dequantize_blocks(packed.parts["blocks"], "Q4_1").float()
     x = torch.randn(2, 6, 96, generator=torch.Generator().manual_seed(4))

@@ -72,11 +72,13 @@ def run(
     COMPUTE_THREADS.poll()  # the first sample: the report's own, at its end, says what others used meanwhile
     out = Output(as_json=json_output)
     profile = HardwareProfile.load(storage_path=model, refresh=refresh, log=out.log)
+    from ..packed.nativeprobe import stored_row
     from ..packed.probe import report_rows
 
-    document = report.build(
-        profile, facts, source, model_path=model, log=out.log, kernels=report_rows(profile.compute_device)
-    )
+    # the packed kernels' probe, and once a GGUF set has measured it, from how many rows its blocks multiply densely
+    native = stored_row(profile.compute_device)
+    kernels = report_rows(profile.compute_device) + ([native] if native else [])
+    document = report.build(profile, facts, source, model_path=model, log=out.log, kernels=kernels)
     from ..distributed.torchrun import launched
 
     launch = launched()  # under torchrun: every rank measures itself and its link; rank 0 reports the stage plan

@@ -20,11 +20,11 @@ costs (bench --perplexity scores whole windows in one pass).
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 import threading
 from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
 
 from . import cpulayout
 from .kernelform import MIDPOINT

@@ -243,8 +243,7 @@ def _key(device) -> str:
 
 def report_rows(device: str) -> list[dict]:
     """What packed (int4/int8) weights compute with on the compute device: this probe's answer,
-    the activation dtype it chose and each dtype's timed call, so a report shows a slow choice at a glance; and,
-    once a GGUF set has measured it, from how many rows GGUF blocks multiply densely (nativeprobe.py)."""
+    the activation dtype it chose and each dtype's timed call, so a report shows a slow choice at a glance."""
     n, k = TIMING_SHAPE
     try:
         caps = capabilities(device)
@@ -286,7 +285,4 @@ def report_rows(device: str) -> list[dict]:
                 f"thread: {calls}{dense}",
             }
         )
-    from .nativeprobe import stored_row
-
-    native = stored_row(device)
-    return rows + ([native] if native else [])
+    return rows

@@ -104,9 +104,8 @@ def _take_written(directories: list[Path], size: int) -> tuple[Path, None] | Non
 
 
 def _real(directories: list[Path]) -> tuple[str, ...]:
-    """DIRECTORIES as the one spelling each has: `generate ../models/m.gguf` wrote ahead in `/a/b/../models`, and
-    the profile asked for `/a/models` (resolved by the set's manifest): unmatched, the file was written twice, the
-    second time while the first run waited (0.8 s of SmolLM2's)."""
+    """One spelling per directory: a file written ahead in `/a/b/../m` is the one the profile asks for in `/a/m`
+    (unmatched, the first run waited 0.8 s on writing a second one)."""
     return tuple(os.path.realpath(d) for d in directories)
 
 
