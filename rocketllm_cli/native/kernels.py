@@ -145,16 +145,7 @@ class NativeKernels:
             raise ValueError(f"x must be a 2-D float32 CPU tensor [M, K], got {_describe(x)}")
         m, k = x.shape
         n, row_bytes = self._check_blocks(name, blocks, k, f"x of shape {tuple(x.shape)}")
-        if out is None:
-            out = torch.empty((m, n), dtype=torch.float32)
-        elif not (
-            isinstance(out, torch.Tensor)
-            and out.dtype == torch.float32
-            and out.is_cpu
-            and out.shape == (m, n)
-            and out.is_contiguous()
-        ):
-            raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {(m, n)}, got {_describe(out)}")
+        out = _out(out, (m, n))
         if not x.is_contiguous():
             x = x.contiguous()  # activations are small; W is never copied
         rc = self._call(
@@ -182,16 +173,7 @@ class NativeKernels:
         contiguous fp32 [N, K] to write into. `threads`: default torch's."""
         name, type_id = self._type_of(gguf_type)
         n, row_bytes = self._check_blocks(name, blocks, k, f"K = {k}")
-        if out is None:
-            out = torch.empty((n, k), dtype=torch.float32)
-        elif not (
-            isinstance(out, torch.Tensor)
-            and out.dtype == torch.float32
-            and out.is_cpu
-            and out.shape == (n, k)
-            and out.is_contiguous()
-        ):
-            raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {(n, k)}, got {_describe(out)}")
+        out = _out(out, (n, k))
         used = torch.get_num_threads() if threads is None else threads
         rc = self._lib.rl_dequantize(self._isa_id, type_id, blocks.data_ptr(), n, row_bytes, k, out.data_ptr(), used)
         if rc:
@@ -265,6 +247,21 @@ def _layouts(lib: ctypes.CDLL) -> tuple[dict[str, tuple[int, int, int]], str]:
             return {}, f"the native library's {name} blocks ({qk.value}, {nbytes.value}) differ from {SUPPORTED[name]}"
         layouts[name] = (type_id, qk.value, nbytes.value)
     return layouts, ""
+
+
+def _out(out, shape: tuple[int, int]) -> torch.Tensor:
+    """`out`, checked to be a contiguous fp32 CPU tensor of SHAPE, or a new one where None."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32)
+    if not (
+        isinstance(out, torch.Tensor)
+        and out.dtype == torch.float32
+        and out.is_cpu
+        and out.shape == shape
+        and out.is_contiguous()
+    ):
+        raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {shape}, got {_describe(out)}")
+    return out
 
 
 def _describe(value) -> str:

@@ -69,26 +69,31 @@ template <> void codes<IQ4_XS>(const uint8_t* b, uint8_t* out) {  // 8 runs of 1
 
 template <class T> int code_value(uint8_t c) { return T::SIGNED ? int(int8_t(c)) : int(c); }
 
+// One block's QK weights a_g · code_i + b_g as fp32 into w
+template <class T>
+void block_weights(const uint8_t* blk, float* w) {
+  uint8_t c[T::QK];
+  Head h;
+  head_of<T>(blk, h);
+  codes<T>(blk, c);
+  const float d = d_of<T>(blk), dmin = dmin_of<T>(blk);
+  for (int g = 0; g < T::QK / 16; ++g) {
+    const float a = d * float(scale_of<T>(h, g));
+    const float off = T::MIN ? -(dmin * float(min_of<T>(h, g))) : -float(T::OFF) * a;
+    for (int i = 16 * g; i < 16 * g + 16; ++i) w[i] = a * float(code_value<T>(c[i])) + off;
+  }
+}
+
 // exact: y[m, n] = Σ_blocks Σ_i (a_g · code_i + b_g) · x[m, i], each block's sum in fp32, the row's in fp64
 template <class T>
 void exact_rows(const Job& j, int64_t n0, int64_t n1) {
   const int64_t nb = j.k / T::QK;
   std::vector<double> acc(size_t(j.m));
-  uint8_t c[T::QK];
   float w[T::QK];
   for (int64_t n = n0; n < n1; ++n) {
     std::fill(acc.begin(), acc.end(), 0.0);
     for (int64_t b = 0; b < nb; ++b) {  // each block decoded once, then used by every row of x
-      const uint8_t* blk = j.w + n * j.row_bytes + b * T::BYTES;
-      Head h;
-      head_of<T>(blk, h);
-      codes<T>(blk, c);
-      const float d = d_of<T>(blk), dmin = dmin_of<T>(blk);
-      for (int g = 0; g < T::QK / 16; ++g) {
-        const float a = d * float(scale_of<T>(h, g));
-        const float off = T::MIN ? -(dmin * float(min_of<T>(h, g))) : -float(T::OFF) * a;
-        for (int i = 16 * g; i < 16 * g + 16; ++i) w[i] = a * float(code_value<T>(c[i])) + off;
-      }
+      block_weights<T>(j.w + n * j.row_bytes + b * T::BYTES, w);
       for (int64_t m = 0; m < j.m; ++m) {
         const float* x = j.x + m * j.k + b * T::QK;
         float sum = 0;
@@ -103,21 +108,9 @@ void exact_rows(const Job& j, int64_t n0, int64_t n1) {
 // W's rows n0..n1 as fp32 into y [N, K], each weight as exact_rows computes it
 template <class T>
 void dequant_rows(const Job& j, int64_t n0, int64_t n1) {
-  uint8_t c[T::QK];
   for (int64_t n = n0; n < n1; ++n)
-    for (int64_t b = 0; b < j.k / T::QK; ++b) {
-      const uint8_t* blk = j.w + n * j.row_bytes + b * T::BYTES;
-      float* w = j.y + n * j.k + b * T::QK;
-      Head h;
-      head_of<T>(blk, h);
-      codes<T>(blk, c);
-      const float d = d_of<T>(blk), dmin = dmin_of<T>(blk);
-      for (int g = 0; g < T::QK / 16; ++g) {
-        const float a = d * float(scale_of<T>(h, g));
-        const float off = T::MIN ? -(dmin * float(min_of<T>(h, g))) : -float(T::OFF) * a;
-        for (int i = 16 * g; i < 16 * g + 16; ++i) w[i] = a * float(code_value<T>(c[i])) + off;
-      }
-    }
+    for (int64_t b = 0; b < j.k / T::QK; ++b)
+      block_weights<T>(j.w + n * j.row_bytes + b * T::BYTES, j.y + n * j.k + b * T::QK);
 }
 
 // The integer modes' loop: each block of W's rows n0..n1 decoded once (codes, scales, d, dmin), then for every row
