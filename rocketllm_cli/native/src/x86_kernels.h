@@ -93,7 +93,7 @@ RL_TARGET void exact_q8_tile(const Job& j, int64_t n, int64_t m0) {
 }
 
 // W's rows n0..n1 as fp32 into y [N, K], each weight exact_block's a · code + b (Q8_0: d · code, exact either way):
-// what a prefill multiplies densely (native_dense.py), a chunk of rows at a time.
+// what a prefill multiplies densely (packed/dense.py), a chunk of rows at a time.
 template <class T> RL_TARGET void dequant_rows(const Job& j, int64_t n0, int64_t n1) {
   constexpr int NV = 32 / FW;
   for (int64_t n = n0; n < n1; ++n) {
