@@ -4,7 +4,7 @@
     y = nk.matmul(blocks, "Q4_K", x)                   # uint8 [N, K/256·144], fp32 [M, K] -> fp32 [M, N]
     nk.matmul(blocks, "Q4_K", x, mode="int16")         # x quantized to 16 bits per 32 first (~2e-5 relative)
     nk.matmul(blocks, "Q4_K", x, mode="int8", out=y)   # x quantized to q8 first (lossy, ~5e-3)
-    w = nk.dequantize(blocks, "Q4_K")                  # fp32 [N, K]: exact mode's weights (a prefill's dense path)
+    w = nk.dequantize(blocks, "Q4_K", k)               # fp32 [N, K]: exact mode's weights (a prefill's dense path)
 
 A decode step calls matmul a few hundred times per token, so a call does little in Python: the C function and
 its argument types are bound once, the checks are attribute reads, and with `out` given nothing is allocated.
