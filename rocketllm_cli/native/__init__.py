@@ -7,7 +7,9 @@
 
 Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; everything else stays with
 packed.ggmlblocks (the torch reference these kernels are tested against). Modes: "exact" (gguf's fp32 weights,
-bit for bit, times fp32 x) and "int8" (x quantized to q8 per block as llama.cpp does; integer dot products).
+bit for bit, times fp32 x), "int16" (x held to 16 bits per 32 values; integer dot products, ~2e-5 relative) and
+"int8" (x quantized to q8 per block as llama.cpp does; integer dot products). `dequantize` writes exact mode's fp32
+weights, for a prefill's dense multiply (packed/dense.py).
 
 Variants: AVX-512 (F, BW, VL, VNNI), AVX2 (+FMA, F16C) and a portable scalar one, chosen at run time by the CPU's
 capabilities; ROCKETLLM_NATIVE_ISA=avx2 or =scalar caps the choice. The library builds with g++ (no -march, no
