@@ -78,10 +78,11 @@ def variants(nk: NativeKernels) -> list[NativeKernels]:
 
 
 def shapes(name: str) -> list[tuple[int, int, int]]:
-    """(M, N, K): K = 7 blocks (224, not a multiple of 256; AVX-512 takes blocks in pairs, and the odd one alone)
-    for the 32-element types, 3 · 256 for the K-quants; N = 4096 with one block per row, to stay fast."""
+    """(M, N, K): K = 11 blocks (352, not a multiple of 256; AVX-512 takes blocks in pairs, and the odd one alone;
+    int16 takes a min's part eight blocks at a time, and the other three one by one) for the 32-element types,
+    3 · 256 for the K-quants; N = 4096 with one block per row, to stay fast."""
     qk = SUPPORTED[name][0]
-    k, k_small = (224, 32) if qk == 32 else (768, 256)
+    k, k_small = (352, 32) if qk == 32 else (768, 256)
     return [(1, 7, k), (3, 1, k), (17, 7, k), (1, 4096, k_small), (17, 4096, k_small)]
 
 

@@ -140,7 +140,7 @@ RL_INLINE __m256i dot16(__m256i lo, __m256i hi, const int16_t* q) {
 
 // 32-element types: y = Σ_b d_b · dx_b · Σ (code − OFF) · q  +  Σ_b m_b · Σ x_b; consecutive blocks take two sets of
 // accumulators. The min's part (Q4_1, Q5_1) eight blocks at a time: their m gathered and converted, times x's block
-// sums, one FMA of 8 lanes. A scalar sum per block was a chain of dependent adds beside the dot products: 7-30% of
+// sums, one FMA of 8 lanes. A scalar sum per block was a chain of dependent adds beside the dot products: 3-17% of
 // Q4_1's and Q5_1's rate on a 2-core Xeon. (d the same way measured 2-9% slower for the other types: d stays
 // per block.)
 template <class T> RL_INLINE __m256 mins8(const uint8_t* row, int64_t b) {  // 8 blocks' m (bytes 2..3), as fp32
