@@ -10,8 +10,9 @@ each SIMD variant also against the scalar one.
          products round, the integer and the min parts apart), and within the hard bound
          Σ_i |w_i| · d_i / 2 of the exact result (|x − q·d| ≤ d / 2 per element)
   int16: as int8, with x's 16-bit round trip per 32 elements for the codes' part and x itself for a min's part
-Plus: the quantizer bit for bit, threads and variants agreeing, one-line errors, and no compiler -> None.
-The library builds once per session into the test cache (~10 s on 2 cores).
+Plus: the quantizer bit for bit, threads and variants agreeing, one-line errors, no compiler -> None, and the
+install's build (setup.py) found and used with no compiler. The tests take the install's library; an edited source
+builds once per session into the test cache (~10 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -397,16 +398,21 @@ def test_isa_cap(nk, monkeypatch):
         nk.with_isa("itanium")
 
 
-def test_no_compiler_gives_none_and_a_reason(monkeypatch):
+def test_no_compiler_gives_none_and_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "PREBUILT_DIR", tmp_path)  # no install build either
     monkeypatch.setattr(build.shutil, "which", lambda name: None)
     path, reason = build.library()
     assert path is None and "g++" in reason and "\n" not in reason
 
 
 def test_no_compiler_in_a_fresh_process(tmp_path):
-    """PATH without g++ and an empty cache: kernels() is None, why_not() names the compiler, nothing raises."""
+    """PATH without g++, an empty cache and no install build: kernels() is None, why_not() names the compiler,
+    nothing raises."""
     env = {**os.environ, "PATH": str(tmp_path), "ROCKETLLM_CACHE": str(tmp_path / "cache")}
-    code = "from rocketllm_cli.native import kernels, why_not; print(kernels() is None); print(why_not())"
+    code = (
+        "from pathlib import Path; from rocketllm_cli.native import build, kernels, why_not; "
+        f"build.PREBUILT_DIR = Path({str(tmp_path)!r}); print(kernels() is None); print(why_not())"
+    )
     run = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
@@ -418,6 +424,41 @@ def test_no_compiler_in_a_fresh_process(tmp_path):
     assert run.returncode == 0, run.stderr
     is_none, reason = run.stdout.splitlines()
     assert is_none == "True" and "g++ is not on PATH" in reason
+
+
+def test_an_install_build_runs_without_a_compiler_and_only_for_its_own_sources(nk, monkeypatch, tmp_path):
+    """What setup.py does at install: every variant into the package under a name keyed by the sources and flags.
+    library() then takes it with no g++ on PATH and no cache; an edit to the sources, or a subset of variants asked
+    for, builds in the cache instead."""
+    if build.shutil.which(build.COMPILER) is None:
+        pytest.skip("no g++")
+    target = tmp_path / "package" / build.prebuilt_name()
+    assert build.install(target) == "" and target.is_file()
+    assert not [p for p in target.parent.iterdir() if p != target]  # the scratch folder is gone
+    monkeypatch.setattr(build, "PREBUILT_DIR", target.parent)
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(build.VARIANTS_ENV, raising=False)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)  # no compiler from here on
+    path, reason = build.library()
+    assert path == target, reason
+    installed, reason = NativeKernels.load(path)
+    assert installed is not None and set(installed.isas) == set(nk.isas), reason
+    assert installed.build == "install-" + target.stem.rpartition("-")[2]
+    blocks, x = make_blocks("Q6_K", 9, 256, 1), activations(3, 256, 1)
+    for isa in installed.isas:
+        assert torch.equal(
+            installed.with_isa(isa).matmul(blocks, "Q6_K", x), nk.with_isa(isa).matmul(blocks, "Q6_K", x)
+        )
+    assert not (tmp_path / "cache").exists()  # nothing compiled, nothing cached
+    monkeypatch.setenv(build.VARIANTS_ENV, "scalar")  # a build of one variant asked for: not the install's
+    assert build.library()[0] is None
+    monkeypatch.delenv(build.VARIANTS_ENV)
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for source in build.SOURCE_DIR.iterdir():
+        (sources / source.name).write_bytes(source.read_bytes() + (b"// edited\n" if source.name == "api.cpp" else b""))
+    monkeypatch.setattr(build, "SOURCE_DIR", sources)  # an edited checkout: the install's build is stale
+    assert build.prebuilt() is None and build.library()[0] is None
 
 
 def test_build_failure_gives_the_first_error(tmp_path, monkeypatch):
@@ -462,18 +503,14 @@ def test_a_machine_without_a_compiler_runs_gguf_blocks_and_says_why_it_is_slow(s
         "ROCKETLLM_CACHE": str(tmp_path / "cache"),
         "ROCKETLLM_KEEP_ALIVE": "0",
     }
+    # the command as `rocketllm` runs it, in a process that sees no install build either
+    code = (
+        "import sys; from pathlib import Path; from rocketllm_cli.native import build; "
+        f"build.PREBUILT_DIR = Path({str(tmp_path)!r}); from rocketllm_cli.app import main; "
+        "sys.argv = ['rocketllm', *sys.argv[1:]]; main()"
+    )
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rocketllm_cli",
-            "generate",
-            str(smollm2_gguf),
-            "The capital of France is",
-            "--raw",
-            "-n",
-            "3",
-        ],
+        [sys.executable, "-c", code, "generate", str(smollm2_gguf), "The capital of France is", "--raw", "-n", "3"],
         capture_output=True,
         text=True,
         env=env,

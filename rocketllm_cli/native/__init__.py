@@ -1,4 +1,4 @@
-"""Native CPU kernels: y = x · Wᵀ straight from GGUF's quantized blocks, built from the C++ in ./src on first use.
+"""Native CPU kernels: y = x · Wᵀ straight from GGUF's quantized blocks, built from the C++ in ./src at install.
 
     from rocketllm_cli.native import kernels, why_not
     nk = kernels()                       # NativeKernels, or None (then why_not() says why in one line)
@@ -13,9 +13,11 @@ weights, for a prefill's dense multiply (packed/dense.py).
 
 Variants: AVX-512 (F, BW, VL, VNNI), AVX2 (+FMA, F16C) and a portable scalar one, chosen at run time by the CPU's
 capabilities; ROCKETLLM_NATIVE_ISA=avx2 or =scalar caps the choice. The library builds with g++ (no -march, no
-OpenMP: a small thread pool of its own) into the cache folder, keyed by a hash of the sources, the compiler, the
-flags and the variants compiled in: by default the best this CPU runs and the capped one (build.py;
-ROCKETLLM_NATIVE_VARIANTS=all builds all three, as the tests do to run each); without g++ there are no kernels.
+OpenMP: a small thread pool of its own). An install compiles every variant into this package (setup.py), keyed by a
+hash of the sources and flags; where that build is missing or stale (sources edited since), the first use builds
+into the cache folder, keyed by the sources, the compiler, the flags and the variants compiled in: by default the
+best this CPU runs and the capped one (build.py; ROCKETLLM_NATIVE_VARIANTS=all builds all three). Without either
+library and without g++ there are no kernels.
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ avx2_int16.cpp and avx512_int16.cpp, so that they compile in parallel), and by d
 is compiled (and the one ROCKETLLM_NATIVE_ISA caps at, where set): the others never run here, and compiling them
 cost a first run seconds of its two cores. ROCKETLLM_NATIVE_VARIANTS=all (the tests set it) builds every variant.
 The variant set is part of the key.
+
+An install builds it first (setup.py calls `install`): every variant, into the package as
+librocketllm_native-<key>.so, the key a hash of the sources and the flags. `library()` takes that one when its key is
+the installed sources' (an edited checkout's is not), so a first run neither waits for g++ nor needs it; without a
+compiler at install the build waits for first use, as before. ROCKETLLM_NATIVE_VARIANTS set to less than all asks for
+a build of those variants, in the cache.
 """
 
 from __future__ import annotations
@@ -25,8 +31,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-from ..threads import background_priority
 
 SOURCE_DIR = Path(__file__).with_name("src")
 COMPILER = "g++"
@@ -43,6 +47,7 @@ NEEDS = {
     "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
 }
 BUILD_TIMEOUT_S = 300
+PREBUILT_DIR = Path(__file__).parent  # where an install puts its build (setup.py)
 
 
 def library(every: bool = False) -> tuple[Path | None, str]:
@@ -50,11 +55,16 @@ def library(every: bool = False) -> tuple[Path | None, str]:
     whatever wanted_variants() says."""
     if os.name != "posix":
         return None, f"unsupported platform {sys.platform}: the native kernels build with g++ on Linux"
+    if not any(SOURCE_DIR.glob("*.cpp")):
+        return None, f"the native kernels' C++ sources are not installed (nothing in {SOURCE_DIR})"
+    raw = os.environ.get(VARIANTS_ENV, "").strip().lower()
+    if raw in ("", "all") or every:
+        installed = prebuilt()
+        if installed is not None:
+            return installed, ""
     cxx = shutil.which(COMPILER)
     if cxx is None:
         return None, f"no C++ compiler: {COMPILER} is not on PATH (install g++ for the native kernels)"
-    if not any(SOURCE_DIR.glob("*.cpp")):
-        return None, f"the native kernels' C++ sources are not installed (nothing in {SOURCE_DIR})"
     variants = ISAS if every else wanted_variants()
     try:
         folder = _cache_folder(cxx, variants)
@@ -62,10 +72,45 @@ def library(every: bool = False) -> tuple[Path | None, str]:
         if target.is_file():
             return target, ""
         folder.mkdir(parents=True, exist_ok=True)
-        reason = _build(cxx, folder, target, variants)
+        from ..threads import background_priority
+
+        reason = _build(cxx, folder, target, variants, background_priority)
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"native kernel build failed: {_one_line(str(exc))}"
     return (target, "") if not reason else (None, reason)
+
+
+def prebuilt() -> Path | None:
+    """The library an install built from these very sources, or None (no install build, or sources edited since)."""
+    path = PREBUILT_DIR / prebuilt_name()
+    return path if path.is_file() else None
+
+
+def prebuilt_name() -> str:
+    """The file name an install gives its build: the key hashes the sources and the flags (every variant is in)."""
+    digest = hashlib.sha256()
+    for path in _sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(f"{' '.join(FLAGS)}\0{','.join(ISAS)}".encode())
+    return f"{Path(LIBRARY).stem}-{digest.hexdigest()[:20]}.so"
+
+
+def build_id(path: Path) -> str:
+    """A built library's key, for measurements kept per build: its cache folder's name, or an install's file key."""
+    path = Path(path)
+    return path.parent.name if path.name == LIBRARY else "install-" + path.stem.rpartition("-")[2]
+
+
+def install(target: Path) -> str:
+    """Build every variant into `target` (setup.py, at install); "" or the one-line reason it could not."""
+    cxx = shutil.which(COMPILER)
+    if os.name != "posix" or cxx is None:
+        return f"no C++ compiler ({COMPILER} not on PATH)"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return _build(cxx, target.parent, target, ISAS)  # its scratch folder beside the target: renamed in place
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"native kernel build failed: {_one_line(str(exc))}"
 
 
 def _sources() -> list[Path]:
@@ -124,9 +169,9 @@ def cpuinfo_flags() -> set[str] | None:
     return None
 
 
-def _build(cxx: str, folder: Path, target: Path, variants: tuple[str, ...]) -> str:
-    """Compile the shared .cpp files and VARIANTS' to objects in parallel, link them, rename into `target`; "" or
-    the reason."""
+def _build(cxx: str, folder: Path, target: Path, variants: tuple[str, ...], priority=None) -> str:
+    """Compile the shared .cpp files and VARIANTS' to objects in parallel (each compiler started under `priority`, a
+    preexec function), link them, rename into `target`; "" or the reason."""
     with tempfile.TemporaryDirectory(prefix="build-", dir=folder) as scratch:
         objects, jobs = [], []
         for source in (p for p in _sources() if p.suffix == ".cpp" and _variant_of(p) in (None, *variants)):
@@ -139,7 +184,7 @@ def _build(cxx: str, folder: Path, target: Path, variants: tuple[str, ...]) -> s
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.PIPE,
                     text=True,
-                    preexec_fn=background_priority,
+                    preexec_fn=priority,
                 )
             )
         errors = [_finish(job) for job in jobs]
@@ -152,7 +197,7 @@ def _build(cxx: str, folder: Path, target: Path, variants: tuple[str, ...]) -> s
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,
-            preexec_fn=background_priority,
+            preexec_fn=priority,
         )
         if link.returncode != 0:
             return f"native kernel link failed: {_first_error(link.stderr)}"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .build import ISAS  # the variants, in the library's numbering; later is faster
+from .build import ISAS, build_id  # the variants, in the library's numbering; later is faster
 
 MODES = {"exact": 0, "int8": 1, "int16": 2}
 NO_VARIANT = "no variant this CPU runs"
@@ -108,7 +108,7 @@ class NativeKernels:
         if chosen is None:  # a build of fewer variants than this CPU's flags promised (build.wanted_variants)
             compiled = ", ".join(runnable) or "none"
             return None, f"{NO_VARIANT} at or below {ISAS[ceiling]} in {Path(path).name} (it runs: {compiled})"
-        return cls(lib, chosen, runnable, layouts, Path(path).parent.name), ""
+        return cls(lib, chosen, runnable, layouts, build_id(path)), ""
 
     def with_isa(self, isa: str) -> NativeKernels:
         """The same library driven by variant `isa`, which this CPU must run (tests use it to cover each one)."""
