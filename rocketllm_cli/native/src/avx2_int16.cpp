@@ -3,6 +3,7 @@
 #define RL_INT16_NS avx2
 #define RL_INT16_TARGET "avx2,fma,f16c"
 #define RL_INT16_MT 2
+#define RL_INT16_MASKS 0
 #define RL_INT16_VNNI 0
 #define RL_INT16_FILL avx2_int16_fill
 #include "x86_int16.h"

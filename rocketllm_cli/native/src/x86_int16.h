@@ -1,7 +1,7 @@
 // The x86 int16 kernels, written once with 256-bit vectors, and the translation unit that holds them: avx2_int16.cpp
 // and avx512_int16.cpp define RL_INT16_NS (the variant's namespace), RL_INT16_TARGET (its target attribute),
-// RL_INT16_MT (rows of x per tile, as its other kernels take them), RL_INT16_VNNI (1 where the target has AVX-512
-// VNNI) and RL_INT16_FILL (the weak fill function of kernels.h), then include this. A file of their own per variant,
+// RL_INT16_MT (rows of x per tile, as its other kernels take them), RL_INT16_MASKS (1 where the target has AVX-512 BW
+// and VL: lane masks), RL_INT16_VNNI (1 where it has AVX-512 VNNI) and RL_INT16_FILL (the weak fill function of kernels.h), then include this. A file of their own per variant,
 // so that a first run compiles them beside the exact and int8 kernels rather than after them.
 #pragma once
 #include "kernels.h"
@@ -75,10 +75,25 @@ template <> RL_INLINE void codes16<IQ4_NL>(const uint8_t* blk, int, __m256i& lo,
 template <> RL_INLINE void codes16<IQ4_XS>(const uint8_t* blk, int c, __m256i& lo, __m256i& hi) {
   nibble_codes16<8, true>(blk + 16 * c, lo, hi);
 }
-// Q5_0 / Q5_1: Q4_0's nibbles, and bit 4 of element i from bit i of qh, tested per 16-bit lane
+// Q5_0 / Q5_1: Q4_0's nibbles, and bit 4 of element i from bit i of qh, tested per 16-bit lane; with AVX-512 BW and
+// VL each half of qh is the lane mask of one masked add (Q5_1: + 16 where the bit is set) or subtract (Q5_0: − 16
+// where it is clear, so the offset comes with it), where AVX2 spends a broadcast, a test, a select and an add or
+// subtract per half
 template <int QS, int QH, int OFF> RL_INLINE void five_bit_codes16(const uint8_t* blk, __m256i& lo, __m256i& hi) {
   nibble_codes16<QS, false>(blk, lo, hi);
   const uint32_t qh = u32_at(blk + QH);
+#if RL_INT16_MASKS
+  static_assert(OFF == 0 || OFF == 16, "a set bit 4 adds 16; Q5_0's offset is that 16");
+  const __m256i sixteen = _mm256_set1_epi16(16);
+  const __mmask16 k0 = __mmask16(qh & 0xFFFF), k1 = __mmask16(qh >> 16);
+  if constexpr (OFF != 0) {
+    lo = _mm256_mask_sub_epi16(lo, __mmask16(~k0), lo, sixteen);
+    hi = _mm256_mask_sub_epi16(hi, __mmask16(~k1), hi, sixteen);
+  } else {
+    lo = _mm256_mask_add_epi16(lo, k0, lo, sixteen);
+    hi = _mm256_mask_add_epi16(hi, k1, hi, sixteen);
+  }
+#else
   const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
                                         int16_t(0x8000));
   const __m256i h0 = _mm256_set1_epi16(int16_t(qh & 0xFFFF)), h1 = _mm256_set1_epi16(int16_t(qh >> 16));
@@ -89,6 +104,7 @@ template <int QS, int QH, int OFF> RL_INLINE void five_bit_codes16(const uint8_t
     lo = _mm256_sub_epi16(lo, sixteen);
     hi = _mm256_sub_epi16(hi, sixteen);
   }
+#endif
 }
 template <> RL_INLINE void codes16<Q5_0>(const uint8_t* blk, int, __m256i& lo, __m256i& hi) {
   five_bit_codes16<6, 2, 16>(blk, lo, hi);
