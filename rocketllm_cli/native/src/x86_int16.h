@@ -1,8 +1,9 @@
 // The x86 int16 kernels, written once with 256-bit vectors, and the translation unit that holds them: avx2_int16.cpp
 // and avx512_int16.cpp define RL_INT16_NS (the variant's namespace), RL_INT16_TARGET (its target attribute),
 // RL_INT16_MT (rows of x per tile, as its other kernels take them), RL_INT16_MASKS (1 where the target has AVX-512 BW
-// and VL: lane masks), RL_INT16_VNNI (1 where it has AVX-512 VNNI) and RL_INT16_FILL (the weak fill function of kernels.h), then include this. A file of their own per variant,
-// so that a first run compiles them beside the exact and int8 kernels rather than after them.
+// and VL: lane masks), RL_INT16_VNNI (1 where it has AVX-512 VNNI) and RL_INT16_FILL (the weak fill function of
+// kernels.h), then include this. A file of their own per variant, so that a first run compiles them beside the exact
+// and int8 kernels rather than after them.
 #pragma once
 #include "kernels.h"
 
