@@ -92,3 +92,59 @@ def test_the_config_view_counts_the_vocabulary_instead_of_listing_it(smollm2_ggu
     with reader.for_config():
         assert reader.fields is not None and set(reader.fields) == set(fields)
     assert "tokenizer.ggml.merges" in reader.fields  # restored on the way out
+
+
+def _tiny(tmp_path, smollm2_gguf, name: str, qtype: str) -> Path:
+    from rocketllm_cli.synthetic.gguf import write_llama_gguf
+
+    shape = dict(hidden=64, layers=1, intermediate=128, heads=2, kv_heads=1)
+    return write_llama_gguf(tmp_path / name, smollm2_gguf, qtype=qtype, **shape)
+
+
+def test_the_tokenizer_digest_is_the_tokenizer_entries_alone(smollm2_gguf, tmp_path):
+    """Two quantizations of one model share a digest; the shared model (another config, other tensors) shares it
+    too, having the same tokenizer entries; a changed entry (the BOS flag) or another salt does not; a file that
+    is no GGUF has none."""
+    from rocketllm_cli.checkpoint.ggufheader import tokenizer_digest
+
+    q4, q8 = _tiny(tmp_path, smollm2_gguf, "a.gguf", "Q4_0"), _tiny(tmp_path, smollm2_gguf, "b.gguf", "Q8_0")
+    digest = tokenizer_digest(q4, "salt")
+    assert digest is not None and digest == tokenizer_digest(q8, "salt") == tokenizer_digest(smollm2_gguf, "salt")
+    assert tokenizer_digest(q4, "other salt") != digest
+    data = bytearray(q4.read_bytes())
+    key = b"tokenizer.ggml.add_bos_token"
+    at = data.index(key) + len(key) + 4  # the bool after its value type
+    data[at] ^= 1
+    flipped = tmp_path / "flipped.gguf"
+    flipped.write_bytes(bytes(data))
+    assert tokenizer_digest(flipped, "salt") not in (None, digest)
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04" + bytes(64))
+    assert tokenizer_digest(tmp_path / "not.gguf") is None
+
+
+def test_a_converted_tokenizer_is_kept_and_serves_the_next_file_of_the_model(smollm2_gguf, tmp_path, monkeypatch):
+    """set_tokenizer converts once per tokenizer (another quantization copies the cache's files), and what a set
+    gets from the cache encodes as the conversion does."""
+    from transformers import AutoTokenizer
+
+    from rocketllm_cli.shard import tokenizers
+
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path / "cache"))
+    converted, real = [], tokenizers.gguf_tokenizer
+    monkeypatch.setattr(tokenizers, "gguf_tokenizer", lambda path, reader=None: converted.append(path) or real(path))
+    q4, q8 = _tiny(tmp_path, smollm2_gguf, "a.gguf", "Q4_0"), _tiny(tmp_path, smollm2_gguf, "b.gguf", "Q8_0")
+    first = tokenizers.set_tokenizer(q4)
+    second = tokenizers.set_tokenizer(q8)
+    assert converted == [q4], "the second file of the model converted its tokenizer again"
+    assert isinstance(first, tokenizers.SavedTokenizer) and second.folder == first.folder
+    assert first.folder.parent == tmp_path / "cache" / "tokenizers"
+    assert not [p for p in first.folder.parent.iterdir() if p.name.startswith(".")]  # no scratch folder left
+    for made in ("set-a", "set-b"):
+        assert tokenizers.save_gguf_tokenizer(q8, tmp_path / made)
+    direct = real(q8)
+    direct.save_pretrained(tmp_path / "direct")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "set-b")
+    text = "The capital of France is Paris. <|im_start|>user\nÇa va? 12345<|im_end|>"
+    assert loaded(text).input_ids == direct(text).input_ids
+    assert getattr(loaded, "add_bos_token", None) == getattr(direct, "add_bos_token", None)
+    assert (tmp_path / "set-a" / "tokenizer.json").read_bytes() == (tmp_path / "set-b" / "tokenizer.json").read_bytes()

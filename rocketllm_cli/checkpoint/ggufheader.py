@@ -325,6 +325,34 @@ def _parse_header(mm, size: int) -> tuple[dict[str, object], dict[str, int], dic
     return meta, {name: end - start for (start, name), end in zip(offsets, ends)}, infos
 
 
+def tokenizer_digest(path: Path, salt: str = "") -> str | None:
+    """A hash of the `tokenizer.*` entries of the GGUF at `path`, as stored (the vocabulary, scores, merges, special
+    ids and flags, chat template), and SALT; None where the header cannot be read. Two files of one model in other
+    quantizations give the same digest: a tokenizer converted from one serves the other."""
+    import hashlib
+
+    digest = hashlib.sha256(salt.encode() + b"\0")
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if mm[:4] != b"GGUF":
+                return None
+            _, _, n_kv = struct.unpack_from("<IQQ", mm, 4)
+            if n_kv > 10**6:
+                return None
+            pos, found = 24, False
+            for _ in range(n_kv):
+                start = pos
+                key, pos = _string(mm, pos)
+                (vtype,) = struct.unpack_from("<I", mm, pos)
+                _, pos = _value(mm, pos + 4, vtype)
+                if key.startswith("tokenizer."):
+                    digest.update(mm[start:pos])
+                    found = True
+    except (OSError, ValueError, IndexError, struct.error):
+        return None
+    return digest.hexdigest()[:24] if found else None
+
+
 def _string(mm, pos: int) -> tuple[str, int]:
     (n,) = struct.unpack_from("<Q", mm, pos)
     if n > 1 << 24:

@@ -18,7 +18,7 @@ from ..checkpoint.manifest import MANIFEST, RESHARD, UNIT_FILE
 from ..errors import ModelError, ShardError
 from .quantconfig import check_declared, quantization_config
 from .quantsource import open_quantized
-from .tokenizers import gguf_tokenizer
+from .tokenizers import set_tokenizer
 
 if TYPE_CHECKING:  # torch is imported where tensors are read, so locating a model stays cheap
     import torch
@@ -316,7 +316,7 @@ def _open_gguf_shared(path: Path, AutoConfig, reader) -> Source:
     from .discover import build_meta_model
     from .ggufsource import open_lazy
 
-    tokenizer = gguf_tokenizer(path, reader)  # before open_lazy lets the vocabulary's metadata go
+    tokenizer = set_tokenizer(path, reader)  # before open_lazy lets the vocabulary's metadata go
     meta = build_meta_model(config)
     lazy = open_lazy(path, config, meta)
     if lazy is not None:

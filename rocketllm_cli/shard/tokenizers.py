@@ -1,5 +1,9 @@
 """The tokenizer a shard set carries: a checkpoint's own files copied, or a GGUF's vocabulary converted by
-transformers and saved portable, with the special-token flags the GGUF gives (add_bos_token and friends)."""
+transformers and saved portable, with the special-token flags the GGUF gives (add_bos_token and friends).
+
+A GGUF's conversion is kept in the cache (tokenizers/<digest>/), keyed by its `tokenizer.*` entries as stored and the
+transformers version: another quantization of the same model (or the same file re-indexed) copies those files instead
+of converting again, which took Gemma 3's 262,144-token vocabulary 3-5 s of a 2-core machine."""
 
 from __future__ import annotations
 
@@ -60,6 +64,77 @@ def _portable_tokenizer_class(dest: Path) -> None:
         path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
+TOKENIZER_CACHE_FORMAT = 1  # of what is kept in tokenizers/<digest>/: bumped when the files saved there change
+
+
+class SavedTokenizer:
+    """A GGUF's converted tokenizer as the cache holds it: its files, copied into a set as they are."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def save_pretrained(self, dest) -> None:
+        import shutil
+
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in self.folder.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, dest / f.name)
+
+
+def set_tokenizer(path: Path, reader=None):
+    """What a set of the GGUF at `path` saves as its tokenizer: the cache's conversion of it (a SavedTokenizer),
+    made first where the cache has none (gguf_tokenizer); None when the file has no tokenizer. `reader`:
+    ggufsource.shared_reader's, in effect around the call."""
+    cached = _tokenizer_cache(path)
+    if cached is not None and (cached / "tokenizer_config.json").is_file():
+        return SavedTokenizer(cached)
+    tokenizer = gguf_tokenizer(path, reader)
+    if tokenizer is not None and cached is not None:
+        kept = _keep(tokenizer, cached)
+        if kept is not None:
+            return kept
+    return tokenizer
+
+
+def _tokenizer_cache(path: Path) -> Path | None:
+    """Where the cache keeps the conversion of this GGUF's tokenizer, or None (no tokenizer entries, unreadable)."""
+    import transformers
+
+    from ..cachehome import cache_root
+    from ..checkpoint.ggufheader import tokenizer_digest
+
+    digest = tokenizer_digest(path, f"{TOKENIZER_CACHE_FORMAT} transformers {transformers.__version__}")
+    return None if digest is None else cache_root() / "tokenizers" / digest
+
+
+def _keep(tokenizer, folder: Path) -> SavedTokenizer | None:
+    """Save TOKENIZER into FOLDER whole or not at all (a temporary folder renamed into place); None where the cache
+    cannot be written (the set then saves the tokenizer itself)."""
+    import shutil
+    import tempfile
+
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    except OSError:
+        return None
+    try:
+        tokenizer.save_pretrained(scratch)
+        _portable_tokenizer_class(scratch)
+        try:
+            scratch.rename(folder)
+        except OSError:  # another process kept the same conversion first: theirs serves
+            if not (folder / "tokenizer_config.json").is_file():
+                return None
+    except OSError:
+        return None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return SavedTokenizer(folder)
+
+
 def gguf_tokenizer(path: Path, reader=None):
     """The tokenizer in the GGUF at `path` as transformers converts it, with the file's own BOS/EOS flags; None
     when it has none. `reader`: ggufsource.shared_reader's, in effect around the call."""
@@ -97,11 +172,12 @@ def _reads_vocabulary_itself() -> bool:
 def save_gguf_tokenizer(path: Path, dest: Path, tokenizer=None) -> bool:
     """The tokenizer in the GGUF at `path` (or `tokenizer`, already converted from it), saved in `dest` as
     transformers files; False when it has none."""
-    tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(path)
+    tokenizer = tokenizer if tokenizer is not None else set_tokenizer(path)
     if tokenizer is None:
         return False
     tokenizer.save_pretrained(dest)
-    _portable_tokenizer_class(dest)
+    if not isinstance(tokenizer, SavedTokenizer):  # the cache's files are portable already
+        _portable_tokenizer_class(dest)
     return True
 
 
