@@ -103,8 +103,8 @@ def _tiny(tmp_path, smollm2_gguf, name: str, qtype: str) -> Path:
 
 def test_the_tokenizer_digest_is_the_tokenizer_entries_alone(smollm2_gguf, tmp_path):
     """Two quantizations of one model share a digest; the shared model (another config, other tensors) shares it
-    too, having the same tokenizer entries; a changed entry (the BOS flag) or another salt does not; a file that
-    is no GGUF has none."""
+    too, having the same tokenizer entries; a changed entry (the BOS flag), another architecture (transformers picks
+    the tokenizer's class by it) or another salt does not; a file that is no GGUF has none."""
     from rocketllm_cli.checkpoint.ggufheader import tokenizer_digest
 
     q4, q8 = _tiny(tmp_path, smollm2_gguf, "a.gguf", "Q4_0"), _tiny(tmp_path, smollm2_gguf, "b.gguf", "Q8_0")
@@ -118,6 +118,13 @@ def test_the_tokenizer_digest_is_the_tokenizer_entries_alone(smollm2_gguf, tmp_p
     flipped = tmp_path / "flipped.gguf"
     flipped.write_bytes(bytes(data))
     assert tokenizer_digest(flipped, "salt") not in (None, digest)
+    data = bytearray(q4.read_bytes())
+    at = data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8  # the string after its length
+    assert data[at : at + 5] == b"llama"
+    data[at : at + 5] = b"llamb"  # another architecture, the same tokenizer entries
+    other = tmp_path / "other-architecture.gguf"
+    other.write_bytes(bytes(data))
+    assert tokenizer_digest(other, "salt") not in (None, digest)
     (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04" + bytes(64))
     assert tokenizer_digest(tmp_path / "not.gguf") is None
 

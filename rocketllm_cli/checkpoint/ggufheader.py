@@ -327,8 +327,9 @@ def _parse_header(mm, size: int) -> tuple[dict[str, object], dict[str, int], dic
 
 def tokenizer_digest(path: Path, salt: str = "") -> str | None:
     """A hash of the `tokenizer.*` entries of the GGUF at `path`, as stored (the vocabulary, scores, merges, special
-    ids and flags, chat template), and SALT; None where the header cannot be read. Two files of one model in other
-    quantizations give the same digest: a tokenizer converted from one serves the other."""
+    ids and flags, chat template), its `general.architecture` (transformers picks the tokenizer's class by it), and
+    SALT; None where the header cannot be read. Two files of one model in other quantizations give the same digest:
+    a tokenizer converted from one serves the other."""
     import hashlib
 
     digest = hashlib.sha256(salt.encode() + b"\0")
@@ -345,9 +346,9 @@ def tokenizer_digest(path: Path, salt: str = "") -> str | None:
                 key, pos = _string(mm, pos)
                 (vtype,) = struct.unpack_from("<I", mm, pos)
                 _, pos = _value(mm, pos + 4, vtype)
-                if key.startswith("tokenizer."):
+                if key.startswith("tokenizer.") or key == "general.architecture":
                     digest.update(mm[start:pos])
-                    found = True
+                    found = found or key.startswith("tokenizer.")
     except (OSError, ValueError, IndexError, struct.error):
         return None
     return digest.hexdigest()[:24] if found else None
