@@ -289,10 +289,8 @@ def _parse_header(mm, size: int) -> tuple[dict[str, object], dict[str, int], dic
         raise ValueError("unsupported header")
     pos = 24
     meta: dict[str, object] = {}
-    for _ in range(n_kv):
-        key, pos = _string(mm, pos)
-        (vtype,) = struct.unpack_from("<I", mm, pos)
-        meta[key], pos = _value(mm, pos + 4, vtype)
+    for key, value, _, pos in _entries(mm, n_kv):
+        meta[key] = value
     offsets: list[tuple[int, str]] = []
     infos: dict[str, tuple[int, tuple[int, ...]]] = {}
     exact: dict[str, int] = {}  # stored bytes, where the type's block size is known
@@ -340,18 +338,25 @@ def tokenizer_digest(path: Path, salt: str = "") -> str | None:
             _, _, n_kv = struct.unpack_from("<IQQ", mm, 4)
             if n_kv > 10**6:
                 return None
-            pos, found = 24, False
-            for _ in range(n_kv):
-                start = pos
-                key, pos = _string(mm, pos)
-                (vtype,) = struct.unpack_from("<I", mm, pos)
-                _, pos = _value(mm, pos + 4, vtype)
+            found = False
+            for key, _, start, end in _entries(mm, n_kv):
                 if key.startswith("tokenizer.") or key == "general.architecture":
-                    digest.update(mm[start:pos])
+                    digest.update(mm[start:end])
                     found = found or key.startswith("tokenizer.")
     except (OSError, ValueError, IndexError, struct.error):
         return None
     return digest.hexdigest()[:24] if found else None
+
+
+def _entries(mm, n_kv: int):
+    """The header's N_KV key-value entries, from byte 24: (key, value, start, end), [start, end) the entry's bytes."""
+    pos = 24
+    for _ in range(n_kv):
+        start = pos
+        key, pos = _string(mm, pos)
+        (vtype,) = struct.unpack_from("<I", mm, pos)
+        value, pos = _value(mm, pos + 4, vtype)
+        yield key, value, start, pos
 
 
 def _string(mm, pos: int) -> tuple[str, int]:

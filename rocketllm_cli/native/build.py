@@ -57,8 +57,8 @@ def library(every: bool = False) -> tuple[Path | None, str]:
         return None, f"unsupported platform {sys.platform}: the native kernels build with g++ on Linux"
     if not any(SOURCE_DIR.glob("*.cpp")):
         return None, f"the native kernels' C++ sources are not installed (nothing in {SOURCE_DIR})"
-    raw = os.environ.get(VARIANTS_ENV, "").strip().lower()
-    if raw in ("", "all") or every:
+    named = _named_variants()
+    if every or named is None or named == ISAS:  # no subset of the variants asked for: the install's build serves
         installed = prebuilt()
         if installed is not None:
             return installed, ""
@@ -88,9 +88,7 @@ def prebuilt() -> Path | None:
 
 def prebuilt_name() -> str:
     """The file name an install gives its build: the key hashes the sources and the flags (every variant is in)."""
-    digest = hashlib.sha256()
-    for path in _sources():
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest = _sources_digest()
     digest.update(f"{' '.join(FLAGS)}\0{','.join(ISAS)}".encode())
     return f"{Path(LIBRARY).stem}-{digest.hexdigest()[:20]}.so"
 
@@ -117,12 +115,18 @@ def _sources() -> list[Path]:
     return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h"))
 
 
-def _cache_folder(cxx: str, variants: tuple[str, ...]) -> Path:
-    from ..cachehome import cache_dir
-
+def _sources_digest():
+    """A sha256 of the sources' names and bytes, for a key to add its own inputs to."""
     digest = hashlib.sha256()
     for path in _sources():
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest
+
+
+def _cache_folder(cxx: str, variants: tuple[str, ...]) -> Path:
+    from ..cachehome import cache_dir
+
+    digest = _sources_digest()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     machine = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True, timeout=30).stdout
     digest.update(f"{version}\0{machine}\0{' '.join(FLAGS)}\0{','.join(variants)}".encode())
@@ -132,17 +136,24 @@ def _cache_folder(cxx: str, variants: tuple[str, ...]) -> Path:
 def wanted_variants(flags: set[str] | None = None) -> tuple[str, ...]:
     """The variants to compile: ROCKETLLM_NATIVE_VARIANTS's, else the best this CPU runs by its flags (FLAGS, default
     /proc/cpuinfo's; every variant where they cannot be read) and the one ROCKETLLM_NATIVE_ISA caps at."""
-    raw = os.environ.get(VARIANTS_ENV, "").strip().lower()
-    if raw:
-        named = ISAS if raw == "all" else tuple(v for v in ISAS if v in {p.strip() for p in raw.split(",")})
-        if named:
-            return named
+    named = _named_variants()
+    if named is not None:
+        return named
     flags = _cpu_flags() if flags is None else flags
     if flags is None:
         return ISAS
     best = next((v for v in reversed(ISAS) if all(f in flags for f in NEEDS.get(v, ()))), "scalar")
     cap = os.environ.get(ISA_ENV, "").strip()
     return tuple(v for v in ISAS if v == best or (v == cap and ISAS.index(cap) < ISAS.index(best)))
+
+
+def _named_variants() -> tuple[str, ...] | None:
+    """The variants ROCKETLLM_NATIVE_VARIANTS names ("all": every one), or None where it names none."""
+    raw = os.environ.get(VARIANTS_ENV, "").strip().lower()
+    if not raw:
+        return None
+    named = ISAS if raw == "all" else tuple(v for v in ISAS if v in {p.strip() for p in raw.split(",")})
+    return named or None
 
 
 def _cpu_flags() -> set[str] | None:
