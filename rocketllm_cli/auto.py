@@ -82,6 +82,7 @@ def engine_config(profile, knobs, manifest: Manifest) -> tuple[EngineConfig, lis
         kv_cache_dtype=str(knobs.value("kv_cache_dtype")),
         kv_residual_tokens=int(knobs.value("kv_residual_tokens")),
         decode_graphs="off" if knobs.value("decode_graphs") == "off" else "on",  # graphs.wanted() checks the rest
+        decode_attention=str(knobs.value("decode_attention")),
     )
     return config, notes
 

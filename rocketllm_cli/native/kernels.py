@@ -5,6 +5,7 @@
     nk.matmul(blocks, "Q4_K", x, mode="int16")         # x quantized to 16 bits per 32 first (~2e-5 relative)
     nk.matmul(blocks, "Q4_K", x, mode="int8", out=y)   # x quantized to q8 first (lossy, ~5e-3)
     w = nk.dequantize(blocks, "Q4_K", k)               # fp32 [N, K]: exact mode's weights (a prefill's dense path)
+    o = nk.attend(q, k, v, scale)                      # a decode step's attention: fp32 [H, D], [KH, L, D] x2
 
 A decode step calls matmul a few hundred times per token, so a call does little in Python: the C function and
 its argument types are bound once, the checks are attribute reads, and with `out` given nothing is allocated.
@@ -37,13 +38,13 @@ GGML_IDS = {
     "IQ4_NL": 20,
     "IQ4_XS": 23,
 }
-ABI_VERSION = 3
+ABI_VERSION = 4
 _ERRORS = {
     -1: "unsupported type",
     -2: "variant not runnable on this CPU",
     -3: "shapes do not match",
     -4: "unknown mode",
-    -5: "out of memory for the quantized activations",
+    -5: "out of memory for the scratch buffers",
 }
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -96,6 +97,10 @@ class NativeKernels:
         lib.rl_dequantize.argtypes = [ctypes.c_int, ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
         lib.rl_quantize.argtypes = [ctypes.c_int, _ptr, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
         lib.rl_quantize16.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr]
+        # isa, q, heads, q_head, k, kv_heads, length, k_head, k_row, v, v_head, v_row, dim, scale, out, out_head,
+        # threads
+        lib.rl_attend.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, *[_i64] * 4, _ptr, _i64, _i64, _i64]
+        lib.rl_attend.argtypes += [ctypes.c_float, _ptr, _i64, ctypes.c_int]
         mask = lib.rl_isas()
         runnable = tuple(name for i, name in reversed(list(enumerate(ISAS))) if mask >> i & 1)
         layouts, reason = _layouts(lib)
@@ -178,6 +183,67 @@ class NativeKernels:
         rc = self._lib.rl_dequantize(self._isa_id, type_id, blocks.data_ptr(), n, row_bytes, k, out.data_ptr(), used)
         if rc:
             raise RuntimeError(f"native {name} dequantize failed: {_ERRORS.get(rc, rc)}")
+        return out
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+        threads: int | None = None,
+    ) -> torch.Tensor:
+        """A decode step's attention: out [H, D] fp32 = softmax(scale · q Kᵀ) V for one query position per head,
+        q [H, D], k and v [KH, L, D] (H a multiple of KH: query head h reads key/value head h // (H / KH)), all fp32
+        on the CPU with each row's D values contiguous (a view of a longer cache is read in place). Exact softmax in
+        fp32 (an exponential within ~2 ulp), the cache split in chunks the threads share. `out`: an fp32 [H, D] to
+        write into (its rows contiguous). `threads`: default torch's."""
+        for name, t, dims in (("q", q, 2), ("k", k, 3), ("v", v, 3)):
+            if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == dims and t.is_cpu):
+                raise ValueError(f"{name} must be a {dims}-D float32 CPU tensor, got {_describe(t)}")
+            if t.stride(-1) != 1 and t.shape[-1] > 1:
+                raise ValueError(f"{name}'s last dimension must be contiguous, got strides {t.stride()}")
+        heads, dim = q.shape
+        kv_heads, length, _ = k.shape
+        if k.shape[2] != dim or v.shape != k.shape or kv_heads < 1 or heads % kv_heads or length < 1:
+            raise ValueError(
+                f"attend needs q [H, D] and k, v [KH, L, D] with H a multiple of KH and L >= 1, got q "
+                f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if out is None:
+            out = torch.empty((heads, dim), dtype=torch.float32)
+        elif not (
+            isinstance(out, torch.Tensor)
+            and out.dtype == torch.float32
+            and out.is_cpu
+            and out.shape == (heads, dim)
+            and out.stride(-1) == 1
+        ):
+            raise ValueError(
+                f"out must be a float32 CPU tensor [{heads}, {dim}] with contiguous rows, got {_describe(out)}"
+            )
+        rc = self._lib.rl_attend(
+            self._isa_id,
+            q.data_ptr(),
+            heads,
+            q.stride(0),
+            k.data_ptr(),
+            kv_heads,
+            length,
+            k.stride(0),
+            k.stride(1),
+            v.data_ptr(),
+            v.stride(0),
+            v.stride(1),
+            dim,
+            float(scale),
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads() if threads is None else threads,
+        )
+        if rc:
+            raise RuntimeError(f"native attention failed: {_ERRORS.get(rc, rc)}")
         return out
 
     def _type_of(self, gguf_type) -> tuple[str, int]:

@@ -37,10 +37,11 @@ class EngineConfig:
     kv_residual_tokens: int = KV_INT4_GROUP  # int4: the most recent tokens kept in the compute dtype
     decode_graphs: str = "off"  # "on": a resident decode on a CUDA GPU runs as CUDA graphs where it can (graphs.py)
     native_mode: str = "exact"  # GGUF blocks on the native kernels: fp32 activations, or "int8" (packed/compute.py)
+    decode_attention: str = "torch"  # "native": a decode on the native kernels attends on them (decodeattention.py)
 
     def __post_init__(self) -> None:
         # Ranges and choices are the knob table's.
-        for name in ("compute_dtype", "expert_cache_policy", "kv_cache_dtype", "decode_graphs"):
+        for name in ("compute_dtype", "expert_cache_policy", "kv_cache_dtype", "decode_graphs", "decode_attention"):
             spec = KNOBS_BY_NAME[name]
             if getattr(self, name) not in spec.choices:
                 raise KnobError(f"bad {name} {getattr(self, name)!r}: expected {spec.accepted()}")

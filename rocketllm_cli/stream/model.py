@@ -27,6 +27,7 @@ from ..threads import COMPUTE_THREADS
 from .assets import load_generation_config, load_processor, load_tokenizer
 from .attention import planless_attention
 from .binding import Binding, assign, called_site, is_lookup, move_buffers
+from .decodeattention import attention_path
 from .engineconfig import EngineConfig
 from .graphs import graphs_excluded
 from .ledger import Ledger
@@ -124,12 +125,9 @@ class StreamingModel:
         # A vision-language model's processor turns pictures into the tensors its tower takes (text/images.py)
         self.processor, self.processor_error = load_processor(self.directory) if self.manifest.vision else (None, None)
         self.knobs = self.profile = self.facts = None  # filled in by AutoModel.from_pretrained
-        # the resident draft model speculative decoding drafts with (AutoModel loads it); closed with this one
-        self.draft = None
-        # under torchrun: this rank's place in the pipeline (distributed/stages.py); None in one process
-        self.stage = None
-        # the first sample: the first pass half a second on sets the thread count by the free cores
-        COMPUTE_THREADS.poll()
+        self.draft = None  # the resident draft model speculation drafts with (AutoModel loads it); closed with this
+        self.stage = None  # under torchrun: this rank's place in the pipeline (distributed/stages.py)
+        COMPUTE_THREADS.poll()  # the first sample: the first pass half a second on sets the thread count
 
     # -- wiring -----------------------------------------------------------------------
     def _bind(self, model: nn.Module) -> None:
@@ -189,6 +187,8 @@ class StreamingModel:
         self._native_products = (
             self.device.type == "cpu" and self.manifest.packing == "blocks" and kernels() is not None
         )
+        # ... and attends on them too where the knob says so (decodeattention.py: the decode case alone)
+        self.decode_attention = attention_path(model, self.config_engine.decode_attention, self._native_products)
         # A unit only ever looked up by rows is never read whole: no read-ahead, and no buffer sized for it.
         self.store.read_whole_only(hooked)
 

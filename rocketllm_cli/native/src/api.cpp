@@ -1,4 +1,5 @@
 // The C entry points the Python side loads with ctypes, and the choice of variant by the CPU's capabilities.
+#include <cmath>
 #include <mutex>
 #include <new>
 #include <vector>
@@ -93,6 +94,35 @@ std::vector<int16_t> scratch_bs;
 std::vector<float> scratch_ds;
 std::vector<int16_t> scratch_q16;
 std::vector<float> scratch_xs;
+std::vector<float> scratch_part;
+
+struct AttendRun { const Variant* v; const AttendJob* job; };
+
+void attend_range(void* ctx, int64_t i0, int64_t i1) {
+  const auto& r = *static_cast<AttendRun*>(ctx);
+  r.v->attend(*r.job, i0, i1);
+}
+
+// out for query head h = Σ_c e^(m_c − M) · acc_c / Σ_c e^(m_c − M) · l_c over the chunks c of its key/value head
+void attend_merge(const AttendJob& j, int64_t chunks, float* out, int64_t out_head) {
+  const int64_t group = j.heads / j.kv_heads, dim = j.dim, stride = group * (dim + 2);
+  for (int64_t h = 0; h < j.kv_heads; ++h)
+    for (int64_t g = 0; g < group; ++g) {
+      const float* first = j.part + h * chunks * stride + g * (dim + 2);
+      float most = first[0];
+      for (int64_t c = 1; c < chunks; ++c) most = std::fmax(most, first[c * stride]);
+      float* o = out + (h * group + g) * out_head;
+      float total = 0;
+      for (int64_t d = 0; d < dim; ++d) o[d] = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* p = first + c * stride;
+        const float w = chunks == 1 ? 1.0f : std::exp(p[0] - most);
+        total += w * p[1];
+        for (int64_t d = 0; d < dim; ++d) o[d] += w * p[2 + d];
+      }
+      for (int64_t d = 0; d < dim; ++d) o[d] /= total;
+    }
+}
 
 constexpr int64_t SMALL = 1 << 16;  // multiply-adds (or values to quantize) under which one thread does it all
 
@@ -106,7 +136,7 @@ using namespace rl;
 extern "C" {
 
 // Bumped whenever a signature below changes, so that Python never calls a stale library wrongly.
-RL_EXPORT int rl_abi_version() { return 3; }
+RL_EXPORT int rl_abi_version() { return 4; }
 
 // Bit mask of the variants compiled in and runnable here: 1 scalar, 2 AVX2, 4 AVX-512.
 RL_EXPORT int rl_isas() {
@@ -211,6 +241,32 @@ RL_EXPORT int rl_dequantize(int isa, int ggml_type, const uint8_t* w, int64_t n,
   Job job{w, row_bytes, nullptr, 0, k, {}, {}, out, n};
   RowsJob rj{v->dequant[l.index], &job};
   parallel_for(threads, n, (n + 4 * threads - 1) / (4 * threads), rows_range, &rj);
+  return 0;
+}
+
+// A decode step's attention (attend.h): out [heads, dim] = softmax(scale · q Kᵀ) V, one query position per head,
+// query head h on key/value head h / (heads / kv_heads); q, K, V and out fp32 with each row's dim values contiguous,
+// at the given strides in floats. 0, or -2 variant not runnable here, -3 shapes, -5 out of memory.
+RL_EXPORT int rl_attend(int isa, const float* q, int64_t heads, int64_t q_head, const float* k, int64_t kv_heads,
+                        int64_t length, int64_t k_head, int64_t k_row, const float* v, int64_t v_head, int64_t v_row,
+                        int64_t dim, float scale, float* out, int64_t out_head, int threads) {
+  const Variant* var = variant(isa);
+  if (var == nullptr || var->attend == nullptr) return -2;
+  if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0 || length < 1 || dim < 1) return -3;
+  const int64_t chunks = (length + ATTEND_CHUNK - 1) / ATTEND_CHUNK, items = kv_heads * chunks;
+  threads = threads < 1 ? 1 : threads > 1024 ? 1024 : threads;
+  if (2 * heads * length * dim < SMALL) threads = 1;
+  std::lock_guard<std::mutex> lock(call_mutex);
+  try {
+    scratch_part.resize(size_t(items * (heads / kv_heads) * (dim + 2)));
+  } catch (const std::bad_alloc&) {
+    return -5;
+  }
+  const AttendJob job{q, q_head, k, k_head, k_row, v, v_head, v_row, heads, kv_heads, length, dim, scale,
+                      scratch_part.data()};
+  AttendRun run{var, &job};
+  parallel_for(threads, items, 1, attend_range, &run);
+  attend_merge(job, chunks, out, out_head);
   return 0;
 }
 

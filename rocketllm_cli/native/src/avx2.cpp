@@ -228,6 +228,9 @@ RL_TARGET void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float*
   }
 }
 
+#define RL_ATTEND_TARGET RL_TARGET
+#include "attend.h"
+
 }  // namespace avx2
 
 const Variant* avx2_variant() {
@@ -239,6 +242,7 @@ const Variant* avx2_variant() {
     RL_FOR_EACH_TYPE(RL_FILL)
 #undef RL_FILL
     t.quantize = avx2::quantize_row;
+    t.attend = avx2::attend_items;
     if (&avx2_int16_fill != nullptr) avx2_int16_fill(t);  // null where its file is not built
     return t;
   }();

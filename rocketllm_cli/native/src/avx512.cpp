@@ -366,6 +366,9 @@ RL_TARGET void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float*
   }
 }
 
+#define RL_ATTEND_TARGET RL_TARGET
+#include "attend.h"
+
 }  // namespace avx512
 
 const Variant* avx512_variant() {
@@ -377,6 +380,7 @@ const Variant* avx512_variant() {
     RL_FOR_EACH_TYPE(RL_FILL)
 #undef RL_FILL
     t.quantize = avx512::quantize_row;
+    t.attend = avx512::attend_items;
     if (&avx512_int16_fill != nullptr) avx512_int16_fill(t);  // null where its file is not built
     return t;
   }();

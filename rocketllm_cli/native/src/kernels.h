@@ -71,11 +71,26 @@ using QuantizeFn = void (*)(const float* x, int64_t k, int qx, int8_t* q, float*
 // one row of x [K] -> int16 codes q [K], scales d [K / 32], sums xs [K / 16]
 using Quantize16Fn = void (*)(const float* x, int64_t k, int16_t* q, float* d, float* xs);
 
+// A decode step's attention (attend.h): q [heads, dim], K and V [kv_heads, length, dim], each row's dim values
+// contiguous at the given strides (in floats); per work item (a key/value head and ATTEND_CHUNK positions) part holds,
+// per query head of its group, its scores' max, the sum of their exponentials and the dim weighted values.
+constexpr int64_t ATTEND_CHUNK = 64;
+struct AttendJob {
+  const float* q; int64_t q_head;
+  const float* k; int64_t k_head, k_row;
+  const float* v; int64_t v_head, v_row;
+  int64_t heads, kv_heads, length, dim;
+  float scale;
+  float* part;  // [kv_heads · chunks, heads / kv_heads, dim + 2]
+};
+using AttendFn = void (*)(const AttendJob&, int64_t i0, int64_t i1);  // work items i0..i1
+
 struct Variant {
   RowsFn rows[NUM_MODES][NUM_TYPES];  // [mode][type]
   RowsFn dequant[NUM_TYPES];          // W's rows n0..n1 as fp32 into y [N, K]: the weights exact mode multiplies by
   QuantizeFn quantize;
   Quantize16Fn quantize16;
+  AttendFn attend;
 };
 
 // The variants built into this library; avx2 / avx512 return null where the platform has no x86 code. Each lives in

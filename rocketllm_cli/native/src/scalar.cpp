@@ -214,6 +214,18 @@ void quantize_row(const float* x, int64_t k, int qx, int8_t* q, float* d, int16_
   }
 }
 
+#define RL_ATTEND_TARGET
+using F = float;  // attend.h's vector: one lane
+constexpr int FW = 1;
+inline F fzero() { return 0; }
+inline F fset(float v) { return v; }
+inline F fload(const float* p) { return *p; }
+inline void fstore(float* p, F v) { *p = v; }
+inline F fadd(F a, F b) { return a + b; }
+inline F ffma(F a, F b, F c) { return a * b + c; }
+inline float fsum(F v) { return v; }
+#include "attend.h"
+
 }  // namespace
 
 const Variant* scalar_variant() {
@@ -226,6 +238,7 @@ const Variant* scalar_variant() {
 #undef RL_FILL
     t.quantize = quantize_row;
     t.quantize16 = quantize16_row;
+    t.attend = attend_items;
     return t;
   }();
   return &v;

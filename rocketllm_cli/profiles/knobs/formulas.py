@@ -21,6 +21,7 @@ from .memory import (
 from .reads import direct_io, io_workers, pin_memory, prefetch_depth
 from .running import (
     compute_dtype,
+    decode_attention,
     decode_graphs,
     default_max_tokens,
     draft_model,
@@ -39,6 +40,7 @@ DERIVATIONS = {
     "runtime_bytes": runtime_bytes,
     "compute_dtype": compute_dtype,
     "kernel": kernel,
+    "decode_attention": decode_attention,
     "kv_cache_dtype": kv_cache_dtype,
     "kv_residual_tokens": kv_residual_tokens,
     "kv_cache_bytes": kv_cache_bytes,

@@ -134,6 +134,14 @@ KNOB_SPECS: tuple[KnobSpec, ...] = (
         choices=KERNEL_PATHS,
     ),
     KnobSpec(
+        "decode_attention",
+        "choice",
+        "How a decode step on the native kernels attends (one position of one sequence, fp32, no mask): native, "
+        "their own fp32 attention on their threads, the cache split between the cores; torch, transformers' SDPA "
+        "on torch's one thread. Every other attention call is SDPA either way.",
+        choices=("native", "torch"),
+    ),
+    KnobSpec(
         "kv_cache_dtype",
         "choice",
         "What the KV cache stores keys and values in: auto (the compute dtype), a float dtype, or int4 (K per channel, "
