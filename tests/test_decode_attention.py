@@ -104,7 +104,7 @@ def tiny_gguf_set(smollm2_gguf, tmp_path_factory):
     return shard(path, out=root / "s", dtype="fp32", log=lambda m: None)[1]
 
 
-def decode(directory, attention, ids, counts):
+def decode(directory, attention, ids):
     config = EngineConfig(compute_dtype="fp32", native_mode="int16", decode_attention=attention)
     with StreamingModel(directory, config) as model, torch.inference_mode():
         out = model.generate(
@@ -129,9 +129,9 @@ def test_a_gguf_model_decodes_the_same_tokens_attending_natively(nk, tiny_gguf_s
 
     monkeypatch.setattr(NativeKernels, "attend", counted)
     ids = torch.randint(5, 40000, (1, 90), generator=torch.Generator().manual_seed(0))  # two chunks of the cache
-    path_torch, tokens_torch, scores_torch = decode(tiny_gguf_set, "torch", ids, calls)
+    path_torch, tokens_torch, scores_torch = decode(tiny_gguf_set, "torch", ids)
     assert (path_torch, calls["native"]) == ("torch", 0)
-    path_native, tokens_native, scores_native = decode(tiny_gguf_set, "native", ids, calls)
+    path_native, tokens_native, scores_native = decode(tiny_gguf_set, "native", ids)
     assert path_native == "native"
     assert calls["native"] == 2 * 7  # each layer of each decode step; the prefill is SDPA's
     assert torch.equal(tokens_native, tokens_torch)
@@ -145,3 +145,45 @@ def test_a_set_without_gguf_blocks_keeps_sdpa(tiny_checkpoint, tmp_path):
     with StreamingModel(directory, EngineConfig(compute_dtype="fp32", decode_attention="native")) as model:
         assert model.decode_attention == "torch (its products are not on the native kernels)"
         assert model.model.config.get_text_config()._attn_implementation != decodeattention.NAME
+
+
+def test_masks_that_hide_no_key_attend_natively_and_others_go_to_sdpa(nk, monkeypatch):
+    """transformers hands a sliding window's layer an all-true mask while its cache holds the window alone: that is
+    no mask. A mask that hides a key, a batch of two or a prefill is SDPA's call, bit for bit."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    monkeypatch.setattr(decodeattention, "_kernels", nk)
+    calls, attend = [], NativeKernels.attend
+    monkeypatch.setattr(NativeKernels, "attend", lambda self, *a, **k: calls.append(1) or attend(self, *a, **k))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 1, 64, generator=g), torch.randn(1, 2, 50, 64, generator=g), torch.randn(1, 2, 50, 64)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    hidden = torch.ones(1, 1, 1, 50, dtype=torch.bool)
+    hidden[..., 7] = False
+    bias = torch.zeros(1, 1, 1, 50)
+    bias[..., 7] = float("-inf")
+    cases = {
+        "none": (None, True),
+        "all true": (torch.ones(1, 1, 1, 50, dtype=torch.bool), True),
+        "zeros": (torch.zeros(1, 1, 1, 50), True),
+        "one hidden": (hidden, False),
+        "one -inf": (bias, False),
+    }
+    for name, (mask, native_expected) in cases.items():
+        calls.clear()
+        got, _ = decodeattention.attention(module, q, k, v, mask, scaling=0.125)
+        want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)
+        assert bool(calls) is native_expected, name
+        assert got.shape == want.shape == (1, 1, 4, 64)
+        if native_expected:
+            assert float((got - want).abs().max()) < 1e-5, name
+        else:
+            assert torch.equal(got, want), name
+    calls.clear()
+    batch = (q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
+    assert torch.equal(
+        decodeattention.attention(module, *batch, None, scaling=0.125)[0],
+        sdpa_attention_forward(module, *batch, None, scaling=0.125)[0],
+    )
+    assert not calls

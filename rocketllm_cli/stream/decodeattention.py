@@ -5,11 +5,12 @@ A decode step on the native kernels gives them the cores and torch one thread (t
 SDPA reads each layer's whole KV cache on one core: the shared SmolLM2 on 2 cores went from 18 ms a token at 16
 positions to 31 at 2,000, where llama.cpp went from 8 to 12. `rl_attend` (native/src/attend.h) computes the same
 softmax(scale · q Kᵀ) V in fp32 on the kernels' pool, the cache split in chunks the cores share, reading transformers'
-cache tensors in place. Only that case changes, one query position of one sequence with no mask, fp32 on the CPU, of
-a model whose products run on the native kernels; every other call (a prefill, a batch, a mask, a sliding window's
-mask, soft-capping, attention sinks, a value width unlike the key's) goes to transformers' SDPA function unchanged,
-and so does every call of a model that never asked for this one. The masks are SDPA's own (the mask interface
-under the same name).
+cache tensors in place. Only that case changes: one query position of one sequence that sees every key (no mask,
+or one that hides none, as a sliding window's layer gets while its cache holds the window alone), fp32 on the CPU, of
+a model whose products run on the native kernels. Every other call (a prefill, a batch, a mask that hides a key,
+soft-capping, attention sinks, a value width unlike the key's) goes to transformers' SDPA function unchanged, and so
+does every call of a model that never asked for this one. The masks are SDPA's own (the mask interface under the
+same name).
 
     use_native_attention(model)   # '' once the text config's attention implementation is NAME, else why not
 """
@@ -68,10 +69,19 @@ def use_native_attention(model) -> str:
     return ""
 
 
+def _no_mask(mask, length: int) -> bool:
+    """Whether MASK lets one query position see every one of LENGTH keys: None, or a [1, 1, 1, L] mask that hides
+    none (a sliding window's layer, whose cache holds the window alone, is handed an all-true one)."""
+    if mask is None:
+        return True
+    if mask.shape != (1, 1, 1, length):
+        return False
+    return bool(mask.all()) if mask.dtype == torch.bool else not bool(mask.any())  # float: 0 where visible
+
+
 def _native_case(query, key, value, attention_mask, dropout, kwargs) -> bool:
     return (
-        attention_mask is None
-        and not dropout
+        not dropout
         and query.dim() == 4
         and query.shape[0] == 1
         and query.shape[2] == 1
@@ -82,6 +92,7 @@ def _native_case(query, key, value, attention_mask, dropout, kwargs) -> bool:
         and query.shape[1] % key.shape[1] == 0
         and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
         and not any(kwargs.get(name) is not None for name in _CHANGES)
+        and _no_mask(attention_mask, key.shape[2])
     )
 
 
