@@ -71,6 +71,18 @@ def tiny_arch(request) -> str:
     return request.param
 
 
+@pytest.fixture(scope="module")
+def nk():
+    """The native kernels (every variant this CPU runs: ROCKETLLM_NATIVE_VARIANTS=all above), or a skip saying why
+    there are none."""
+    from rocketllm_cli import native
+
+    kernels = native.kernels()
+    if kernels is None:
+        pytest.skip(f"no native kernels here: {native.why_not()}")
+    return kernels
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF: $ROCKETLLM_TEST_GGUF, else ../shared/models/ beside the repository, else the

@@ -23,14 +23,6 @@ from rocketllm_cli.stream.model import StreamingModel
 SHAPES = [(9, 3, 64, 1), (9, 3, 64, 64), (9, 3, 64, 65), (4, 1, 256, 300), (8, 8, 72, 130), (32, 8, 80, 2050)]
 
 
-@pytest.fixture(scope="module")
-def nk() -> NativeKernels:
-    kernels = native.kernels()
-    if kernels is None:
-        pytest.skip(f"no native kernels here: {native.why_not()}")
-    return kernels
-
-
 def reference(q, k, v, scale):
     group = q.shape[0] // k.shape[0]
     kk, vv = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)

@@ -23,14 +23,6 @@ ROWS, COLS = 64, 1024
 needs_llamacpp = pytest.mark.skipif(not installed(), reason=NOT_INSTALLED)
 
 
-@pytest.fixture(scope="module")
-def nk():
-    kernels = native.kernels()
-    if kernels is None:
-        pytest.skip(f"no native kernels here: {native.why_not()}")
-    return kernels
-
-
 @needs_llamacpp
 def test_llamacpp_computes_the_product_ours_does(nk):
     x = torch.randn(1, COLS, generator=torch.Generator().manual_seed(2))

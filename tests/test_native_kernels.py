@@ -66,14 +66,6 @@ MIN_CODE_BYTES = {
 WITH_MIN = ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")  # int16 sums b = m or −dmin·mn against x's own fp32 sums
 
 
-@pytest.fixture(scope="module")
-def nk() -> NativeKernels:
-    kernels = native.kernels()
-    if kernels is None:
-        pytest.skip(f"no native kernels here: {native.why_not()}")
-    return kernels
-
-
 def variants(nk: NativeKernels) -> list[NativeKernels]:
     return [nk.with_isa(isa) for isa in nk.isas]
 
