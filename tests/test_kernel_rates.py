@@ -134,10 +134,12 @@ def native():
 
 
 def test_rates_are_measured_once_and_kept_beside_the_profile(native, tmp_path, monkeypatch):
+    from rocketllm_cli.profiles.probe import machine
     from rocketllm_cli.profiles.probe.machine import fingerprint, fingerprint_facts
 
     monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
     monkeypatch.setattr(kernelrates, "_memo", {})
+    monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.0)  # an idle machine: kept
     profile = cpu_profile(fingerprint(fingerprint_facts()))  # this machine's
     blocks = {"Q8_0": {"256x512": 256 * 544}, "Q4_K": {"128x1024": 128 * 576}, "IQ2_XXS": {"64x256": 64 * 66}}
     found = kernelrates.rates(profile, blocks, "exact")
@@ -209,3 +211,26 @@ def test_a_rows_projection_adds_the_extra_compute_of_its_positions(monkeypatch):
     monkeypatch.setattr(kernelrates, "pass_extra_seconds", lambda *a: None)
     _, formula, inputs, note = projection(profile, facts, tiers, "fp32", 1, 2.5, positions=5)
     assert "pass_extra_s" not in inputs and "costed as one" in note
+
+
+def test_rates_measured_on_a_busy_machine_serve_this_process_and_are_measured_again_by_the_next(
+    native, tmp_path, monkeypatch
+):
+    """Other processes on a quarter of the CPUs or more while the products are timed: the rates are low, so they are
+    not written for later processes to project from."""
+    from rocketllm_cli.profiles.probe import machine
+    from rocketllm_cli.profiles.probe.machine import fingerprint, fingerprint_facts
+
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernelrates, "_memo", {})
+    profile = cpu_profile(fingerprint(fingerprint_facts()))
+    blocks = {"Q8_0": {"256x512": 256 * 544}}
+    stored = tmp_path / "profiles" / profile.fingerprint / kernelrates.FILE
+    monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.6)
+    busy = kernelrates.rates(profile, blocks, "exact")
+    assert busy["rates"]["Q8_0"]["256x512"] > 0 and not stored.exists()
+    assert kernelrates.rates(profile, blocks, "exact") == busy  # this process: measured once
+    monkeypatch.setattr(kernelrates, "_memo", {})  # the next process
+    monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.05)
+    kernelrates.rates(profile, blocks, "exact")
+    assert stored.is_file()

@@ -22,6 +22,7 @@ from .probe import measure
 from .probe.devices import choose_device, device_memory, torch_accelerators
 from .probe.filesystems import filesystem_of, weights_location
 from .probe.machine import (
+    BUSY_SHARE,
     collect_facts,
     cpu_snapshot,
     fingerprint,
@@ -36,7 +37,6 @@ from .probe.storage import measure_storage, probe_bytes, wait_written, write_ahe
 from .records import Capability, Measurement
 
 Log = Callable[[str], None]
-BUSY_SHARE = 0.25  # other processes using this share of the CPUs while measuring make the figures suspect
 
 
 @dataclass

@@ -203,6 +203,9 @@ def collect_facts() -> dict:
     }
 
 
+BUSY_SHARE = 0.25  # other processes using this share of the CPUs while measuring make the figures suspect
+
+
 def cpu_snapshot() -> tuple[float, float, float] | None:
     """(busy CPU-seconds of the whole machine, CPU-seconds of this process, wall time), or None without /proc/stat."""
     fields = _read_lines("/proc/stat")[:1]
