@@ -3,10 +3,10 @@
 //
 // Each variant's file includes this inside its namespace, after defining RL_ATTEND_TARGET (its target attribute,
 // empty for the portable one) and its float vector F of FW lanes with fzero, fset, fload, fstore, fadd, ffma and fsum
-// (the portable variant's F is one float). A work item is one key/value head
-// and ATTEND_CHUNK positions of the cache: its keys and values are read from memory once (each group's query reads
-// them again from L1), and it leaves per query head its scores' max m, the sum l of e^(s − m) and Σ e^(s − m) · v,
-// which api.cpp's rl_attend merges across chunks (flash-decoding's split of the cache, so two cores share one head).
+// (the portable variant's F is one float). A work item is one key/value head and ATTEND_CHUNK positions of the cache:
+// its keys and values are read from memory once (each query head of the group reads them again from L1), and it
+// leaves per query head its scores' max m, the sum l of e^(s − m) and Σ e^(s − m) · v, which api.cpp's rl_attend
+// merges across chunks (flash-decoding's split of the cache, so that two cores share one head).
 #pragma once
 #include <cstdint>
 #include <cstring>
