@@ -123,17 +123,7 @@ def test_the_overhead_per_layer_is_the_median_of_what_bench_measured_beyond_the_
     assert int8["seconds"] == pytest.approx(0.000125) and int8["sets"] == ["a"]
 
 
-@pytest.fixture
-def native():
-    from rocketllm_cli.native import kernels, why_not
-
-    nk = kernels()
-    if nk is None:
-        pytest.skip(f"no native kernels here: {why_not()}")
-    return nk
-
-
-def test_rates_are_measured_once_and_kept_beside_the_profile(native, tmp_path, monkeypatch):
+def test_rates_are_measured_once_and_kept_beside_the_profile(nk, tmp_path, monkeypatch):
     from rocketllm_cli.profiles.probe import machine
     from rocketllm_cli.profiles.probe.machine import fingerprint, fingerprint_facts
 
@@ -143,7 +133,7 @@ def test_rates_are_measured_once_and_kept_beside_the_profile(native, tmp_path, m
     profile = cpu_profile(fingerprint(fingerprint_facts()))  # this machine's
     blocks = {"Q8_0": {"256x512": 256 * 544}, "Q4_K": {"128x1024": 128 * 576}, "IQ2_XXS": {"64x256": 64 * 66}}
     found = kernelrates.rates(profile, blocks, "exact")
-    assert found["isa"] == native.isa and set(found["rates"]) == {"Q8_0", "Q4_K", "IQ2_XXS"}
+    assert found["isa"] == nk.isa and set(found["rates"]) == {"Q8_0", "Q4_K", "IQ2_XXS"}
     # a grid type has no kernel: it is timed on the torch decoder the engine then runs, far slower
     assert found["paths"] == {"Q8_0": "native", "Q4_K": "native", "IQ2_XXS": "torch decoder"}
     assert all(bps > 0 for shapes in found["rates"].values() for bps in shapes.values())
@@ -162,7 +152,7 @@ def test_rates_are_measured_once_and_kept_beside_the_profile(native, tmp_path, m
     assert kernelrates.with_kernel_rates(profile, facts).kernel_rates["rates"]["Q8_0"] == found["rates"]["Q8_0"]
 
 
-def test_a_pass_of_several_positions_adds_its_products_measured_at_that_row_count(native, tmp_path, monkeypatch):
+def test_a_pass_of_several_positions_adds_its_products_measured_at_that_row_count(nk, tmp_path, monkeypatch):
     """A verified draft or a batch computes M positions a pass: each block product is timed here at M rows too (kept
     under its own key), and the pass's compute grows by the products' time at M less their time at one."""
     from rocketllm_cli.profiles.probe.machine import fingerprint, fingerprint_facts
@@ -214,7 +204,7 @@ def test_a_rows_projection_adds_the_extra_compute_of_its_positions(monkeypatch):
 
 
 def test_rates_measured_on_a_busy_machine_serve_this_process_and_are_measured_again_by_the_next(
-    native, tmp_path, monkeypatch
+    nk, tmp_path, monkeypatch
 ):
     """Other processes on a quarter of the CPUs or more while the products are timed: the rates are low, so they are
     not written for later processes to project from."""
