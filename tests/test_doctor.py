@@ -79,9 +79,10 @@ def no_bench_records(tmp_path, monkeypatch):
 
 
 def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint, tmp_path, no_bench_records):
-    """Until bench has measured a set, compute is the matvec floor and the report says what that leaves out; once
-    bench recorded its resident decode here, every regime is projected from it: compute as measured, io as before;
-    and another set of this machine is projected with the per-layer work that measurement found beyond the floor."""
+    """Until bench has measured a set, compute is the matvec floor plus the layers' own work as the probe measured it
+    on tiny models of the architecture, and the report says so; once bench recorded its resident decode here, every
+    regime is projected from it: compute as measured, io as before; and another set of this machine is projected with
+    the per-layer work that measurement found beyond the floor."""
     import shutil
 
     from rocketllm_cli.checkpoint.manifest import Manifest
@@ -92,10 +93,14 @@ def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint
     shards = tmp_path / "set"
     assert CliRunner().invoke(app, ["shard", str(tiny_checkpoint), "--out", str(shards)]).exit_code == 0
     before = json.loads(doctor("--model", str(shards), "--json").stdout)
-    assert "left out until `rocketllm bench` measures this set" in before["model"]["note"]
+    note, probed = before["model"]["note"], before["model"]["layer_overhead"]
+    assert "the work the probe measured on tiny models of its architecture" in note
+    assert "until `rocketllm bench` measures this set" in note
+    assert probed["source"] == "probe" and probed["architecture"] == "llama" and probed["seconds"] > 0
     assert before["projection"]["compute_bandwidth"].startswith("decode-shaped matvec")
+    assert "models of tiny width" in before["projection"]["compute_bandwidth"]
     text = doctor("--model", str(shards)).stdout
-    assert "(an upper bound: per-layer work is left out" in text
+    assert "(per-layer work as the probe measured it on tiny models of the architecture" in text
 
     resident = before["projection"]["regimes"]["resident"]  # each of bench's regimes, measured or not
     assert (
@@ -127,8 +132,8 @@ def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint
     other = tmp_path / "other"  # a copy of the set at another place: no decode of its own recorded
     shutil.copytree(shards, other)
     elsewhere = json.loads(doctor("--model", str(other), "--json").stdout)["projection"]
-    floor = before["projection"]["compute_seconds"]
     layers = after["model"]["num_layers"]
+    floor = before["projection"]["compute_seconds"] - layers * probed["seconds"] - probed["token_seconds"]
     # (0.040 - the floor as the engine computes) / layers
     measured = layer_overhead(HardwareProfile.load(), compute_dtype)
     assert 0 < measured["seconds"] * layers < 0.040

@@ -17,11 +17,20 @@ limit     = max(io, compute floor): io of each weight byte once (the plan's uniq
 from __future__ import annotations
 
 
-def projection(profile, facts, tier_bytes: dict[str, int], kernel: str = "exact") -> dict:
+def projection(profile, facts, tier_bytes: dict[str, int], kernel: str = "exact", compute_dtype: str = "") -> dict:
+    """The cost model's projection on TIER_BYTES: the products on KERNEL's kernels, plus (given COMPUTE_DTYPE) the
+    layers' own work as the probe measured it for the architecture (never this set's own bench figures: the
+    projection is what was known before the run)."""
     from ..profiles import project
+    from ..profiles.probe.decodecompute import with_layer_overhead
     from ..profiles.probe.kernelrates import with_kernel_rates
+    from ..stream.layerprobe import measure
 
-    p = project(profile, with_kernel_rates(profile, facts, kernel), tier_bytes)
+    facts = with_kernel_rates(profile, facts, kernel)
+    products = project(profile, facts, tier_bytes).compute_seconds
+    if compute_dtype:
+        facts = with_layer_overhead(profile, facts, compute_dtype, kernel, measured=False, measure=measure)
+    p = project(profile, facts, tier_bytes)
     return {
         "tiers": {
             t: {"bytes": c.bytes, "bandwidth_bps": c.bandwidth_bps, "bandwidth": c.bandwidth, "seconds": c.seconds}
@@ -29,6 +38,9 @@ def projection(profile, facts, tier_bytes: dict[str, int], kernel: str = "exact"
         },
         "io_seconds": p.io_seconds,
         "compute_seconds": p.compute_seconds,
+        "products_seconds": products,  # the products alone: the physical floor where no engine's run is one
+        # what the layers' own work (the probe's, layercost.py) adds to them: compute = products + this
+        "layer_work_seconds": p.compute_seconds - products if p.compute_seconds is not None and products else 0.0,
         "compute_bandwidth": p.compute_bandwidth,
         "compute_bandwidth_bps": profile.matvec_bps() or profile.device_memory_bps,
         "serial_seconds": p.serial_seconds,
@@ -59,7 +71,7 @@ def compute_floor(
         if others:
             mine = [(own, "compute = this row's own p10, faster than the other engines'")] if own is not None else []
             return min(others + mine, key=lambda c: c[0])
-        return proj["compute_seconds"], "compute = the weights' products at measured speeds (no baseline ran)"
+        return _products(proj), "compute = the weights' products at measured speeds (no baseline ran)"
     candidates = others + [
         (s, basis)
         for s, basis in (
@@ -70,7 +82,11 @@ def compute_floor(
     ]
     if engines:
         return min(candidates, key=lambda c: c[0])
-    return proj["compute_seconds"], "compute = the weights' products at measured speeds (resident regime did not run)"
+    return _products(proj), "compute = the weights' products at measured speeds (resident regime did not run)"
+
+
+def _products(proj: dict) -> float | None:
+    return proj.get("products_seconds", proj["compute_seconds"])
 
 
 def _engine(name: str) -> str:
@@ -111,7 +127,13 @@ def finish_rows(rows: list[dict], profile, facts) -> None:
         same = ours.get(row["regime"]) or row  # baselines are judged on the bytes our plan for the same budget serves
         tier_bytes = same.get("bytes_per_token") or {}
         proj = (
-            projection(profile, facts, tier_bytes, str((same.get("knobs") or {}).get("kernel") or "exact"))
+            projection(
+                profile,
+                facts,
+                tier_bytes,
+                str((same.get("knobs") or {}).get("kernel") or "exact"),
+                str((same.get("knobs") or {}).get("compute_dtype") or ""),
+            )
             if tier_bytes
             else None
         )

@@ -167,8 +167,16 @@ def _notes(rows: list[dict]) -> list[str]:
                 if disk and row.get("disk_now_limit_ms")
                 else ""
             )
+            proj = row.get("projection") or {}
+            projected = (
+                f"projected {row['projected_ms']} ms = products {1000 * proj['products_seconds']:.1f} ms + the layers' "
+                f"own work {1000 * proj['layer_work_seconds']:.1f} ms as the probe measured it on tiny models of the "
+                "architecture; "
+                if proj.get("layer_work_seconds") and proj.get("products_seconds") and row.get("projected_ms")
+                else ""
+            )
             out.append(
-                f"- {row['regime']}: limit {row.get('limit_basis')}{now}; per-token phases {phases}; "
+                f"- {row['regime']}: {projected}limit {row.get('limit_basis')}{now}; per-token phases {phases}; "
                 f"{experts}{speculation}{threads}{row.get('residency_text', '')}"
             )
         elif row["status"] == "measured" and row.get("llamacpp"):

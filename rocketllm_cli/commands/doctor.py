@@ -78,7 +78,11 @@ def run(
     # the packed kernels' probe, and once a GGUF set has measured it, from how many rows its blocks multiply densely
     native = stored_row(profile.compute_device)
     kernels = report_rows(profile.compute_device) + ([native] if native else [])
-    document = report.build(profile, facts, source, model_path=model, log=out.log, kernels=kernels)
+    from ..stream.layerprobe import measure as measure_layers
+
+    document = report.build(
+        profile, facts, source, model_path=model, log=out.log, kernels=kernels, measure_layers=measure_layers
+    )
     from ..distributed.torchrun import launched
 
     launch = launched()  # under torchrun: every rank measures itself and its link; rank 0 reports the stage plan

@@ -27,6 +27,7 @@ from ..profiles.knobs.resolve import Knobs, resolve_knobs
 from ..profiles.probe.decodecompute import with_layer_overhead
 from ..profiles.probe.kernelrates import with_kernel_rates
 from ..sizes import format_bytes
+from ..stream.layerprobe import measure as measure_layers
 from .formats import ModelSource, WeightFormat, with_measured_decode
 from .projection import (
     engine_dtype,
@@ -204,7 +205,11 @@ def _row(
         replace(facts, decode_compute=recorded)
         if recorded
         else with_layer_overhead(
-            profile, with_kernel_rates(profile, facts, kernel), str(knobs.value("compute_dtype")), kernel
+            profile,
+            with_kernel_rates(profile, facts, kernel),
+            str(knobs.value("compute_dtype")),
+            kernel,
+            measure=measure_layers,
         )
     )
     speculate = str(knobs.value("speculate"))

@@ -105,17 +105,24 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
             "any set measures it), so this is a floor"
         )
     if overhead and compute is not None and not model.decode_compute:
-        compute += model.num_layers * float(overhead["seconds"])
-        of = (
-            f"{overhead['architecture']} sets"
-            if overhead.get("architecture", "any") != "any"
-            else ("sets of any architecture")
-        )
-        how += (
-            f"; plus {model.num_layers} layers x {1000 * float(overhead['seconds']):.3f} ms of per-layer work, the "
-            f"median of "
-            f"what bench measured beyond the products for {of} on this machine ({', '.join(overhead['sets'])})"
-        )
+        outside = float(overhead.get("token_seconds") or 0.0)
+        compute += model.num_layers * float(overhead["seconds"]) + outside
+        how += f"; plus {model.num_layers} layers x {1000 * float(overhead['seconds']):.3f} ms of per-layer work"
+        if overhead.get("source") == "probe":
+            how += (
+                f" and {1000 * outside:.3f} ms a token outside the layers, measured here on {overhead['architecture']} "
+                "models of tiny width, of one layer and of two (no set of it benched here yet)"
+            )
+        else:
+            of = (
+                f"{overhead['architecture']} sets"
+                if overhead.get("architecture", "any") != "any"
+                else ("sets of any architecture")
+            )
+            how += (
+                f", the median of what bench measured beyond the products for {of} on this machine "
+                f"({', '.join(overhead['sets'])})"
+            )
     measured = model.decode_compute
     if measured and total:
         floor = f"; the matvec floor alone: {1000 * compute:.1f} ms" if compute else ""

@@ -125,11 +125,23 @@ def layer_overhead(profile, compute_dtype: str, architecture: str = "", kernel: 
     }
 
 
-def with_layer_overhead(profile, facts, compute_dtype: str, kernel: str = "exact"):
-    """FACTS with `layer_overhead` where bench measured another set here and not this one (layer_overhead())."""
+def with_layer_overhead(profile, facts, compute_dtype: str, kernel: str = "exact", measured: bool = True, measure=None):
+    """FACTS with `layer_overhead` where bench measured another set here and not this one (layer_overhead(); not
+    where MEASURED is False), else what the probe measured for its architecture (layercost.py; MEASURE, the layers
+    above's stream/layerprobe.py measure, measures it where it is not kept yet)."""
     from dataclasses import replace
+
+    from .layercost import layer_cost
 
     if facts.decode_compute or not facts.num_layers:
         return facts
-    found = layer_overhead(profile, compute_dtype, facts.architecture, kernel)
+    found = layer_overhead(profile, compute_dtype, facts.architecture, kernel) if measured else None
+    if not found:
+        from ..knobs.derivation import engine_compute_dtype
+
+        from ..knobs.table import NATIVE_KERNELS
+
+        engine = engine_compute_dtype(compute_dtype, False, facts.dtype, profile.compute_device, facts.gguf_blocks)
+        native = kernel if facts.gguf_blocks and kernel in NATIVE_KERNELS else ""
+        found = layer_cost(profile, facts.architecture, engine, native, measure)
     return replace(facts, layer_overhead=found) if found else facts

@@ -41,10 +41,12 @@ def build(
     model_path=None,
     log=None,
     kernels: list[dict] | None = None,
+    measure_layers=None,
 ) -> dict:
     """Every field of the report; strings are redacted (no home path, user or host name, secrets). `model_path`: the
     shard set the facts describe, whose own reads are measured where it streams from storage. `kernels`: rows the
-    layers above add to the capabilities (the packed-kernel probe's, packed/probe.py report_rows)."""
+    layers above add to the capabilities (the packed-kernel probe's, packed/probe.py report_rows). `measure_layers`:
+    the layers above's measure of a decoder layer's own work (stream/layerprobe.py), for a model's projection."""
     facts = profile.facts
     doc = {
         "versions": {
@@ -90,7 +92,9 @@ def build(
             model = _with_decode_compute(profile, model, model_path, knobs)
         model = with_kernel_rates(profile, model, str(knobs.value("kernel")))  # a GGUF's blocks: each type's kernel
         # what other sets' layers cost here
-        model = with_layer_overhead(profile, model, str(knobs.value("compute_dtype")), str(knobs.value("kernel")))
+        model = with_layer_overhead(
+            profile, model, str(knobs.value("compute_dtype")), str(knobs.value("kernel")), measure=measure_layers
+        )
         floor = memory_floor(profile, model, knobs, shape=shape)
         tier_bytes = plan_tier_bytes(model, knobs)
         doc["model"] = {**model.to_dict(), "source": model_source, "note": _model_note(model)}
@@ -156,8 +160,13 @@ def _model_note(model: ModelFacts) -> str:
                 if model.kernel_rates
                 else ""
             )
-            + "at the matvec floor, and per layer what bench measured beyond the products for other sets here, until "
-            "`rocketllm bench` measures this set once (doctor then projects from that)"
+            + "at the matvec floor, and per layer "
+            + (
+                "the work the probe measured on tiny models of its architecture here"
+                if model.layer_overhead.get("source") == "probe"
+                else "what bench measured beyond the products for other sets here"
+            )
+            + ", until `rocketllm bench` measures this set once (doctor then projects from that)"
         )
     elif model.kernel_rates and not model.decode_compute:
         notes[0] = (

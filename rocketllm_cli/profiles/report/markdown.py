@@ -229,6 +229,11 @@ def _compute_caveat(how: str) -> str:
     """What a projection's compute term leaves to a measurement of the set itself."""
     if "rocketllm bench" in how:
         return ""
+    if "models of tiny width" in how:
+        return (
+            " (per-layer work as the probe measured it on tiny models of the architecture; `rocketllm bench` of this "
+            "set measures its own)"
+        )
     if "per-layer work" in how:
         return (
             " (per-layer work as bench measured it for other sets here; `rocketllm bench` of this set measures its own)"

@@ -1,0 +1,136 @@
+"""A decoder layer's own work measured on tiny models of an architecture (stream/layerprobe.py: a real measurement,
+the engine's products and attention bound as on a GGUF set), kept beside the profile (profiles/probe/layercost.py),
+and added per layer to a projection where bench has measured no set of this machine yet."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from test_kernel_rates import KERNELS, MiB, cpu_profile, gguf_facts
+from torch import nn
+
+from rocketllm_cli.profiles import project
+from rocketllm_cli.profiles.probe import decodecompute, layercost, machine
+from rocketllm_cli.profiles.probe.machine import fingerprint, fingerprint_facts
+from rocketllm_cli.stream import layerprobe
+
+
+def this_machine():
+    return cpu_profile(fingerprint(fingerprint_facts()))
+
+
+def test_a_layer_and_a_token_of_the_architecture_are_measured_on_tiny_models():
+    found = layerprobe.measure("llama", "fp32")
+    assert found["seconds"] > 0 and found["token_seconds"] > 0, found
+    # a whole decoder layer's Python and small ops take tens of µs at least, a tiny model's token under a second
+    assert 1e-5 < found["seconds"] < 0.05 and found["token_seconds"] < 1.0, found
+    assert set(layerprobe.measure("no-such-architecture", "fp32")) == {"reason"}
+
+
+def test_the_tiny_model_computes_on_the_native_kernels_as_a_gguf_set_does(nk):
+    import torch
+
+    from rocketllm_cli.stream.packedbind import _PackedForward
+
+    model = layerprobe._tiny_model("llama", 1, torch.float32)
+    head = model.get_output_embeddings()
+    assert layerprobe._as_engine(model, "int16")
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
+    assert linears and all(isinstance(m, _PackedForward) for m in linears)  # q, k, v, o, gate, up, down
+    assert all(m.packed_weight.path == "native" and m.packed_weight.mode == "int16" for m in linears)
+    assert not isinstance(head, _PackedForward)  # the head is the set's own product, counted apart
+    assert model.config._attn_implementation == "rocketllm_decode"  # decode_attention's formula for int16
+    ids = torch.arange(3, 11).unsqueeze(0)
+    assert layerprobe._decode(model, ids, 3) > 0  # it decodes
+
+
+def test_measured_once_kept_and_not_for_another_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(layercost, "_memo", {})
+    monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.0)  # an idle machine: kept
+    calls = []
+
+    def measure(architecture, dtype, kernel=""):
+        calls.append((architecture, dtype, kernel))
+        return {"seconds": 0.0003, "token_seconds": 0.0005}
+
+    profile = this_machine()
+    assert layercost.layer_cost(profile, "llama", "fp32", "int16") is None  # nothing kept, nothing to measure with
+    found = layercost.layer_cost(profile, "llama", "fp32", "int16", measure)
+    assert found == {
+        "seconds": 0.0003,
+        "token_seconds": 0.0005,
+        "architecture": "llama",
+        "sets": [],
+        "source": "probe",
+    }
+    assert (tmp_path / "profiles" / profile.fingerprint / layercost.FILE).is_file()
+    monkeypatch.setattr(layercost, "_memo", {})
+    assert layercost.layer_cost(profile, "llama", "fp32", "int16") == found  # read back from the file
+    assert calls == [("llama", "fp32", "int16")]
+    layercost.layer_cost(profile, "llama", "fp32", "", measure)  # the torch path is a measurement of its own
+    assert calls[-1] == ("llama", "fp32", "")
+    other = cpu_profile("another-machine")  # plan --profile FILE: nothing of it can be measured here
+    assert layercost.layer_cost(other, "llama", "fp32", "", measure) is None
+    assert layercost.layer_cost(profile, "", "fp32", "", measure) is None  # no architecture named
+
+
+def test_a_failure_is_kept_with_its_reason_and_a_busy_machine_keeps_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(layercost, "_memo", {})
+    monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.0)
+    profile = this_machine()
+    failing = lambda a, d, k="": {"reason": "ValueError: no tiny form"}  # noqa: E731
+    assert layercost.layer_cost(profile, "mamba2", "fp32", "", failing) is None
+    assert "no tiny form" in str(layercost._load(profile))  # not tried again
+
+    monkeypatch.setattr(layercost, "_memo", {})
+    monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.6)  # others held the cores
+    busy = lambda a, d, k="": {"seconds": 0.002, "token_seconds": 0.001}  # noqa: E731
+    assert layercost.layer_cost(profile, "gemma3", "fp32", "", busy)["seconds"] == 0.002  # this process uses it
+    monkeypatch.setattr(layercost, "_memo", {})
+    assert not any("gemma3" in key for key in layercost._load(profile))  # the file did not keep it
+
+
+def test_a_projection_adds_the_probes_layers_and_token_where_bench_measured_no_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
+    probed = {"seconds": 0.0003, "token_seconds": 0.0005, "architecture": "llama", "sets": [], "source": "probe"}
+    seen = []
+
+    def layer_cost(profile, architecture, dtype, kernel="", measure=None):
+        seen.append((architecture, dtype, kernel, measure))
+        return probed
+
+    monkeypatch.setattr(layercost, "layer_cost", layer_cost)
+    facts = replace(gguf_facts(), kernel_rates=KERNELS, architecture="llama")
+    attached = decodecompute.with_layer_overhead(cpu_profile(), facts, "bf16", "int16", measure=layerprobe.measure)
+    assert attached.layer_overhead == probed
+    # a GGUF set's blocks compute in fp32 on a CPU, on its kernel's mode; the layer above's measure is handed down
+    assert seen == [("llama", "fp32", "int16", layerprobe.measure)]
+    p = project(cpu_profile(), attached, {"device": facts.total_bytes})
+    products = 90 * MiB / 9e9 + 10 * MiB / 5e9 + 1 * MiB / 10e9
+    assert p.compute_seconds == pytest.approx(products + 4 * 0.0003 + 0.0005)
+    assert "4 layers x 0.300 ms" in p.compute_bandwidth and "0.500 ms a token outside the layers" in p.compute_bandwidth
+    assert "models of tiny width" in p.compute_bandwidth and "a floor" not in p.compute_bandwidth
+    exact = decodecompute.with_layer_overhead(cpu_profile(), facts, "fp32", "torch")
+    assert exact.layer_overhead == probed and seen[-1] == ("llama", "fp32", "", None)  # the torch path: no mode
+
+
+def test_bench_projects_with_the_probe_and_keeps_the_products_as_the_limit(monkeypatch):
+    from rocketllm_cli.bench import accounting
+
+    probed = {"seconds": 0.001, "token_seconds": 0.002, "architecture": "llama", "sets": [], "source": "probe"}
+    monkeypatch.setattr(layercost, "layer_cost", lambda profile, a, d, k="", measure=None: probed)
+    # bench's own records never stand in: the projection is what was known before the run
+    monkeypatch.setattr(decodecompute, "layer_overhead", lambda *a, **k: pytest.fail("bench records were read"))
+    facts = replace(gguf_facts(), kernel_rates=KERNELS, architecture="llama")
+    tiers = {"device": facts.total_bytes}
+    proj = accounting.projection(cpu_profile(), facts, tiers, "int16", "fp32")
+    products = 90 * MiB / 9e9 + 10 * MiB / 5e9 + 1 * MiB / 10e9
+    assert proj["products_seconds"] == pytest.approx(products)
+    assert proj["compute_seconds"] == pytest.approx(products + 4 * 0.001 + 0.002)
+    floor, basis = accounting.compute_floor("resident", {}, proj)
+    assert floor == pytest.approx(products) and "products" in basis
+    bare = accounting.projection(cpu_profile(), facts, tiers, "int16")  # no compute dtype: the products alone
+    assert bare["compute_seconds"] == pytest.approx(products)
