@@ -148,7 +148,10 @@ class ComputeThreads:
         cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
         with open(os.path.join(self.proc, "self", "stat")) as f:
             after_name = f.read().rsplit(")", 1)[1].split()
-        own = int(after_name[11]) + int(after_name[12])  # utime, stime (fields 14 and 15): every thread of the process
+        # utime, stime (fields 14 and 15): every thread of the process; cutime, cstime (16 and 17): the children it
+        # has waited for (the runtime probe's interpreter, the native build's compilers), its own work too. Read as
+        # others they left a first doctor one thread for the kernel rates it measured right after.
+        own = sum(int(v) for v in after_name[11:15])
         return busy, own, max(1, cpus)
 
     def _get(self) -> int:

@@ -25,9 +25,13 @@ class FakeProc:
         self.now = 100.0
         self.write()
 
-    def advance(self, seconds: float, others_cores: float, own_cores: float, steal_cores: float = 0.0) -> None:
+    def advance(
+        self, seconds: float, others_cores: float, own_cores: float, steal_cores: float = 0.0, child_cores: float = 0.0
+    ) -> None:
         self.now += seconds
         self.own += round(own_cores * seconds * HZ)
+        self.children = getattr(self, "children", 0) + round(child_cores * seconds * HZ)
+        self.busy += round(child_cores * seconds * HZ)
         self.busy += round((others_cores + own_cores) * seconds * HZ)
         self.steal = getattr(self, "steal", 0) + round(steal_cores * seconds * HZ)
         self.write()
@@ -38,8 +42,8 @@ class FakeProc:
         lines = [f"cpu  {self.busy} 0 0 {idle} 0 0 0 {steal} 0 0"]
         lines += [f"cpu{i} 0 0 0 0 0 0 0 0 0 0" for i in range(self.cpus)]
         (self.root / "stat").write_text("\n".join(lines) + "\nintr 0\n")
-        # pid (comm with ) and spaces) state ppid ... utime(14) stime(15)
-        rest = ["S"] + ["0"] * 10 + [str(self.own), "0"] + ["0"] * 30
+        # pid (comm with ) and spaces) state ppid ... utime(14) stime(15) cutime(16) cstime(17)
+        rest = ["S"] + ["0"] * 10 + [str(self.own), "0", str(getattr(self, "children", 0)), "0"] + ["0"] * 28
         (self.root / "self" / "stat").write_text(f"4242 (python (x) y) {' '.join(rest)}\n")
 
 
@@ -80,6 +84,16 @@ def test_an_idle_machine_keeps_every_thread_and_a_busy_one_gets_one(machine):
     proc.advance(1.0, others_cores=0.1, own_cores=1.0)  # it ended
     ct.poll()
     assert state["sets"] == [1, 2, 1, 2]
+
+
+def test_a_child_this_process_waited_for_is_its_own_work(machine):
+    """The runtime probe's interpreter or the native build's compilers, once waited for, are this process's own CPU
+    time (cutime, cstime), not another process's: the cores stay ours."""
+    proc, ct, state = machine
+    ct.poll()
+    proc.advance(1.0, others_cores=0.05, own_cores=0.3, child_cores=1.0)
+    ct.poll()
+    assert state["threads"] == 2 and ct.others < 0.1
 
 
 def test_samples_are_at_most_every_interval_and_steal_counts_as_others(machine):
