@@ -1,7 +1,7 @@
 """A decoder layer's own work on this machine, measured on models of an architecture at tiny width, as the engine
 runs them: what profiles/probe/layercost.py keeps and projections add per layer.
 
-transformers builds the architecture from its own config with every width tiny (hidden 64, 4 heads of 16, vocabulary
+transformers builds the architecture from its default config with every width tiny (hidden 64, 4 heads of 16, vocabulary
 512), with one layer and with two. Where the set's products run on the native kernels (a GGUF set on a CPU), each
 Linear but the head computes on Q8_0 blocks through the engine's own binding (packedbind.py, packed/bound.py) in the
 kernel's mode, its decode attention takes the decode_attention knob's path, and the decode runs on the engine's
