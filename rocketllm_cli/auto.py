@@ -231,6 +231,7 @@ class AutoModel:
         progress=None,
         log=None,
         run_tokens=None,
+        measured_speed: bool = False,
         **knob_overrides,
     ) -> StreamingModel:
         """Shard MODEL once (or reuse its shards) and open it streamed, every knob derived from this machine's profile.
@@ -252,6 +253,7 @@ class AutoModel:
         margin),
             or a function of the set's tokenizer giving them: the KV cache is sized for those, not for any request, and
             the weights get what that frees (profiles/knobs resolve_knobs). None (a server, a session): any request.
+        measured_speed: knobs that project a token's time take this machine's measured speed (layerprobe.py).
         knob_overrides: any knob by name (device_cache_bytes="4GiB", io_workers=2, ...); beats ROCKETLLM_<NAME> and the
         derivation.
         """
@@ -312,6 +314,10 @@ class AutoModel:
             )
 
         knobs = resolve(facts)
+        if measured_speed:
+            from .stream.layerprobe import with_measured_speed
+
+            knobs = resolve(facts := with_measured_speed(profile, facts, directory, manifest, knobs))
         # Streamed from storage: the read method and depth come from the set's own units read cold (once per set).
         with (progress or no_progress)(
             "measuring this set's reads once (cached afterwards)", after=BLINK_S, announce=False

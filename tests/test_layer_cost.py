@@ -134,3 +134,30 @@ def test_bench_projects_with_the_probe_and_keeps_the_products_as_the_limit(monke
     assert floor == pytest.approx(products) and "products" in basis
     bare = accounting.projection(cpu_profile(), facts, tiers, "int16")  # no compute dtype: the products alone
     assert bare["compute_seconds"] == pytest.approx(products)
+
+
+def test_serve_derives_its_default_reply_from_the_measured_speed(tmp_path, monkeypatch):
+    """AutoModel.from_pretrained(measured_speed=True), as serve opens a model: the knobs resolve on the set's speed as
+    this machine measured it (bench's record, else kernel rates and the probe's layer work), so default_max_tokens is
+    what a minute of real tokens holds, not a minute at the products' floor."""
+    from types import SimpleNamespace
+
+    from rocketllm_cli.profiles import resolve_knobs
+
+    probed = {"seconds": 0.004, "token_seconds": 0.002, "architecture": "llama", "sets": [], "source": "probe"}
+    monkeypatch.setattr(layercost, "layer_cost", lambda profile, a, d, k="", measure=None: probed)
+    monkeypatch.setattr(decodecompute, "lookup", lambda *a, **k: None)
+    knobs = SimpleNamespace(value={"compute_dtype": "fp32", "kernel": "int16"}.get)
+    facts = replace(gguf_facts(), kernel_rates=KERNELS, architecture="llama")
+    profile = cpu_profile()
+    measured = layerprobe.with_measured_speed(profile, facts, tmp_path, None, knobs)
+    assert measured.layer_overhead == probed
+    floor = resolve_knobs(profile, facts)["default_max_tokens"]
+    real = resolve_knobs(profile, measured)["default_max_tokens"]
+    products = 90 * MiB / 9e9 + 10 * MiB / 5e9 + 1 * MiB / 10e9
+    assert real.inputs["seconds_per_token"] == pytest.approx(products + 4 * 0.004 + 0.002, rel=1e-4)
+    assert real.value < floor.value  # fewer tokens fit a minute at the speed a run really has
+    monkeypatch.setattr(decodecompute, "lookup", lambda *a, **k: {"seconds": 0.05})  # bench measured the set
+    recorded = layerprobe.with_measured_speed(profile, facts, tmp_path, None, knobs)
+    assert recorded.decode_compute == {"seconds": 0.05}
+    assert resolve_knobs(profile, recorded)["default_max_tokens"].inputs["seconds_per_token"] == pytest.approx(0.05)

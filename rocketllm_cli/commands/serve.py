@@ -205,7 +205,10 @@ def _serve(
     from ..server.state import ServerState
     from ..server.worker import STOP_WAIT_S
 
-    streamed = AutoModel.from_pretrained(model, flags=knob_flags, progress=output.progress, log=output.log)
+    # a request without max_tokens gets what the measured speed fits in a minute (default_max_tokens)
+    streamed = AutoModel.from_pretrained(
+        model, flags=knob_flags, progress=output.progress, log=output.log, measured_speed=True
+    )
     state = None
     try:
         state = ServerState(

@@ -69,6 +69,23 @@ def measure(architecture: str, compute_dtype: str, kernel: str = "") -> dict:
     return {"seconds": per_layer, "token_seconds": max(0.0, best[1] - per_layer)}
 
 
+def with_measured_speed(profile, facts, directory, manifest, knobs):
+    """FACTS as this machine measured the set's speed, for KNOBS' compute dtype and kernel: bench's record of the set
+    (its resident decode), else its block products at the kernels' measured rates and the layers' own work as the
+    probe measured it (measured now where not yet), so a knob that projects a token's time (serve's
+    default_max_tokens) takes the token a run takes here, not the products' floor."""
+    from dataclasses import replace
+
+    from ..profiles.probe.decodecompute import lookup, with_layer_overhead
+    from ..profiles.probe.kernelrates import with_kernel_rates
+
+    dtype, kernel = str(knobs.value("compute_dtype")), str(knobs.value("kernel"))
+    recorded = lookup(profile, directory, manifest, dtype, kernel)
+    if recorded:
+        return replace(facts, decode_compute=recorded)
+    return with_layer_overhead(profile, with_kernel_rates(profile, facts, kernel), dtype, kernel, measure=measure)
+
+
 def _tiny_model(architecture: str, layers: int, dtype):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
