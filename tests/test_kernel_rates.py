@@ -128,7 +128,7 @@ def test_rates_are_measured_once_and_kept_beside_the_profile(nk, tmp_path, monke
     from rocketllm_cli.profiles.probe.machine import fingerprint, fingerprint_facts
 
     monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernelrates, "_memo", {})
+    monkeypatch.setattr(kernelrates.KEPT, "memo", {})
     monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.0)  # an idle machine: kept
     profile = cpu_profile(fingerprint(fingerprint_facts()))  # this machine's
     blocks = {"Q8_0": {"256x512": 256 * 544}, "Q4_K": {"128x1024": 128 * 576}, "IQ2_XXS": {"64x256": 64 * 66}}
@@ -143,7 +143,7 @@ def test_rates_are_measured_once_and_kept_beside_the_profile(nk, tmp_path, monke
         raise AssertionError("measured again")
 
     monkeypatch.setattr(kernelrates, "measure_native", no_measuring)
-    monkeypatch.setattr(kernelrates, "_memo", {})
+    monkeypatch.setattr(kernelrates.KEPT, "memo", {})
     assert kernelrates.rates(profile, blocks, "exact") == found  # read back from the file
     other = cpu_profile("another-machine")  # plan --profile FILE: nothing of it can be measured here
     assert kernelrates.rates(other, blocks, "exact") is None
@@ -158,13 +158,13 @@ def test_a_pass_of_several_positions_adds_its_products_measured_at_that_row_coun
     from rocketllm_cli.profiles.probe.machine import fingerprint, fingerprint_facts
 
     monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernelrates, "_memo", {})
+    monkeypatch.setattr(kernelrates.KEPT, "memo", {})
     profile = cpu_profile(fingerprint(fingerprint_facts()))
     blocks = {"Q8_0": {"256x512": 256 * 544}, "Q4_K": {"128x1024": 128 * 576}}
     facts = replace(gguf_facts(), total_bytes=sum(b for s in blocks.values() for b in s.values()), block_bytes=blocks)
     one, four = kernelrates.rates(profile, blocks, "exact"), kernelrates.rates(profile, blocks, "exact", rows=4)
     assert one["rows"] == 1 and four["rows"] == 4
-    stored = kernelrates._load(profile)
+    stored = kernelrates.KEPT.load(profile)
     assert sum(k.endswith("-m4") for k in stored) == 2 and len(stored) == 4  # one key per shape and row count
 
     extra, how = kernelrates.pass_extra_seconds(profile, facts, "exact", 4)
@@ -212,7 +212,7 @@ def test_rates_measured_on_a_busy_machine_serve_this_process_and_are_measured_ag
     from rocketllm_cli.profiles.probe.machine import fingerprint, fingerprint_facts
 
     monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernelrates, "_memo", {})
+    monkeypatch.setattr(kernelrates.KEPT, "memo", {})
     profile = cpu_profile(fingerprint(fingerprint_facts()))
     blocks = {"Q8_0": {"256x512": 256 * 544}}
     stored = tmp_path / "profiles" / profile.fingerprint / kernelrates.FILE
@@ -220,7 +220,7 @@ def test_rates_measured_on_a_busy_machine_serve_this_process_and_are_measured_ag
     busy = kernelrates.rates(profile, blocks, "exact")
     assert busy["rates"]["Q8_0"]["256x512"] > 0 and not stored.exists()
     assert kernelrates.rates(profile, blocks, "exact") == busy  # this process: measured once
-    monkeypatch.setattr(kernelrates, "_memo", {})  # the next process
+    monkeypatch.setattr(kernelrates.KEPT, "memo", {})  # the next process
     monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.05)
     kernelrates.rates(profile, blocks, "exact")
     assert stored.is_file()

@@ -47,7 +47,7 @@ def test_the_tiny_model_computes_on_the_native_kernels_as_a_gguf_set_does(nk):
 
 def test_measured_once_kept_and_not_for_another_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(layercost, "_memo", {})
+    monkeypatch.setattr(layercost.KEPT, "memo", {})
     monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.0)  # an idle machine: kept
     calls = []
 
@@ -66,7 +66,7 @@ def test_measured_once_kept_and_not_for_another_machine(tmp_path, monkeypatch):
         "source": "probe",
     }
     assert (tmp_path / "profiles" / profile.fingerprint / layercost.FILE).is_file()
-    monkeypatch.setattr(layercost, "_memo", {})
+    monkeypatch.setattr(layercost.KEPT, "memo", {})
     assert layercost.layer_cost(profile, "llama", "fp32", "int16") == found  # read back from the file
     assert calls == [("llama", "fp32", "int16")]
     layercost.layer_cost(profile, "llama", "fp32", "", measure)  # the torch path is a measurement of its own
@@ -78,19 +78,19 @@ def test_measured_once_kept_and_not_for_another_machine(tmp_path, monkeypatch):
 
 def test_a_failure_is_kept_with_its_reason_and_a_busy_machine_keeps_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("ROCKETLLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(layercost, "_memo", {})
+    monkeypatch.setattr(layercost.KEPT, "memo", {})
     monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.0)
     profile = this_machine()
     failing = lambda a, d, k="": {"reason": "ValueError: no tiny form"}  # noqa: E731
     assert layercost.layer_cost(profile, "mamba2", "fp32", "", failing) is None
-    assert "no tiny form" in str(layercost._load(profile))  # not tried again
+    assert "no tiny form" in str(layercost.KEPT.load(profile))  # not tried again
 
-    monkeypatch.setattr(layercost, "_memo", {})
+    monkeypatch.setattr(layercost.KEPT, "memo", {})
     monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.6)  # others held the cores
     busy = lambda a, d, k="": {"seconds": 0.002, "token_seconds": 0.001}  # noqa: E731
     assert layercost.layer_cost(profile, "gemma3", "fp32", "", busy)["seconds"] == 0.002  # this process uses it
-    monkeypatch.setattr(layercost, "_memo", {})
-    assert not any("gemma3" in key for key in layercost._load(profile))  # the file did not keep it
+    monkeypatch.setattr(layercost.KEPT, "memo", {})
+    assert not any("gemma3" in key for key in layercost.KEPT.load(profile))  # the file did not keep it
 
 
 def test_a_projection_adds_the_probes_layers_and_token_where_bench_measured_no_set(tmp_path, monkeypatch):

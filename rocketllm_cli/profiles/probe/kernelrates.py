@@ -20,14 +20,14 @@ import time
 from dataclasses import replace
 
 from ..knobs.table import native_mode
+from .keptfile import KeptFile
 
 FILE = "kernel-rates.json"
 # at most this much weight per shape: more than most caches, less than a small machine's RAM
 POOL_BYTES = 256 * 1024 * 1024
 REPEATS = 2  # timed sweeps after a warm-up one; the faster counts
 VERSION = 2  # of the method: a measurement made otherwise (one thread for a small product) is made again
-# the file as read or written in this process, per profile fingerprint (a read-only cache keeps only these)
-_memo: dict[str, dict] = {}
+KEPT = KeptFile(FILE)  # the file as read or written in this process, per profile fingerprint
 
 
 def block_shapes_of(facts) -> dict[str, dict[str, int]]:
@@ -87,7 +87,7 @@ def rates(profile, blocks: dict[str, dict[str, int]], mode: str, rows: int = 1) 
 
     threads = torch.get_num_threads()
     pool = _pool_bytes(sum(b for shapes in blocks.values() for b in shapes.values()))
-    stored = _load(profile)
+    stored = KEPT.load(profile)
     paths = {t: "native" if nk is not None and nk.supported(t) else "torch decoder" for t in blocks if _decodable(t)}
     isa = nk.isa if nk is not None else "none"
     build = nk.build if nk is not None else ""
@@ -109,7 +109,7 @@ def rates(profile, blocks: dict[str, dict[str, int]], mode: str, rows: int = 1) 
         others = others_cpu_share(before, cpu_snapshot())
         # a busy machine measures low (a Q4_1 product at 1.6 GB/s beside a test run, 12-20 idle): this process
         # uses what it measured, and the next one measures again rather than projecting from it for good
-        _save(profile, stored, keep=others is None or others < BUSY_SHARE)
+        KEPT.save(profile, stored, keep=others is None or others < BUSY_SHARE)
     found: dict[str, dict[str, float]] = {}
     for (t, shape), k in keys.items():
         found.setdefault(t, {})[shape] = float(stored[k])
@@ -199,35 +199,6 @@ def sweep_rate(nk, name: str, weights: list, x, mode: str, threads: int) -> floa
         if sweep:
             best = min(best, time.perf_counter() - start)
     return sum(w.numel() for w in weights) / max(best, 1e-9)
-
-
-def _where(profile):
-    from ..cache import profile_dir
-
-    return profile_dir(profile.fingerprint) / FILE
-
-
-def _load(profile) -> dict:
-    from ...cachehome import read_json
-
-    if profile.fingerprint not in _memo:  # read once per process: a plan asks for every row
-        stored = read_json(_where(profile)) or {}
-        stored.pop("cache_format", None)
-        _memo[profile.fingerprint] = stored
-    return dict(_memo[profile.fingerprint])
-
-
-def _save(profile, stored: dict, keep: bool = True) -> None:
-    """STORED for this process, and in the file unless not KEEP."""
-    from ...cachehome import write_json
-
-    _memo[profile.fingerprint] = dict(stored)
-    if not keep:
-        return
-    try:
-        write_json(_where(profile), stored)
-    except OSError:
-        pass  # a read-only cache: measured again by the next process
 
 
 def type_rates(kernel_rates: dict, blocks: dict[str, dict[str, int]]) -> dict[str, tuple[int, float]]:

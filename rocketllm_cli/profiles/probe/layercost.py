@@ -15,9 +15,11 @@ way keeps the reason, and its projection stays the products' floor.
 
 from __future__ import annotations
 
+from .keptfile import KeptFile
+
 FILE = "layer-cost.json"
 VERSION = 1  # of the method: a figure measured otherwise is measured again
-_memo: dict[str, dict] = {}  # the file as read or written in this process, per profile fingerprint
+KEPT = KeptFile(FILE)  # the file as read or written in this process, per profile fingerprint
 
 
 def layer_cost(profile, architecture: str, compute_dtype: str, kernel: str = "", measure=None) -> dict | None:
@@ -35,7 +37,7 @@ def layer_cost(profile, architecture: str, compute_dtype: str, kernel: str = "",
 
     threads, version = torch.get_num_threads(), package_version("transformers")
     key = f"{VERSION}-{architecture}-{compute_dtype}-{kernel or 'torch'}-t{threads}-transformers{version}"
-    stored = _load(profile)
+    stored = KEPT.load(profile)
     entry = stored.get(key)
     if entry is None:
         if measure is None or not is_this_machine(profile):
@@ -44,7 +46,7 @@ def layer_cost(profile, architecture: str, compute_dtype: str, kernel: str = "",
         entry = measure(architecture, compute_dtype, kernel)
         others = others_cpu_share(before, cpu_snapshot())
         stored[key] = entry
-        _save(profile, stored, keep=others is None or others < BUSY_SHARE)
+        KEPT.save(profile, stored, keep=others is None or others < BUSY_SHARE)
     if not isinstance(entry, dict) or not isinstance(entry.get("seconds"), (int, float)):
         return None
     return {
@@ -54,32 +56,3 @@ def layer_cost(profile, architecture: str, compute_dtype: str, kernel: str = "",
         "sets": [],
         "source": "probe",
     }
-
-
-def _where(profile):
-    from ..cache import profile_dir
-
-    return profile_dir(profile.fingerprint) / FILE
-
-
-def _load(profile) -> dict:
-    from ...cachehome import read_json
-
-    if profile.fingerprint not in _memo:
-        stored = read_json(_where(profile)) or {}
-        stored.pop("cache_format", None)
-        _memo[profile.fingerprint] = stored
-    return dict(_memo[profile.fingerprint])
-
-
-def _save(profile, stored: dict, keep: bool = True) -> None:
-    """STORED for this process, and in the file unless not KEEP."""
-    from ...cachehome import write_json
-
-    _memo[profile.fingerprint] = dict(stored)
-    if not keep:
-        return
-    try:
-        write_json(_where(profile), stored)
-    except OSError:
-        pass  # a read-only cache: measured again by the next process
