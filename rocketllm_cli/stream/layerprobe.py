@@ -1,15 +1,15 @@
 """A decoder layer's own work on this machine, measured on models of an architecture at tiny width, as the engine
 runs them: what profiles/probe/layercost.py keeps and projections add per layer.
 
-transformers builds the architecture from its default config with every width tiny (hidden 64, 4 heads of 16, vocabulary
-512), with one layer and with two. Where the set's products run on the native kernels (a GGUF set on a CPU), each
-Linear but the head computes on Q8_0 blocks through the engine's own binding (packedbind.py, packed/bound.py) in the
-kernel's mode, its decode attention takes the decode_attention knob's path, and the decode runs on the engine's
-threads (torch one, the kernels the free cores); the KV cache is the one the engine gives generate (appendcache.py).
-Each model greedy-decodes a few tokens, in turns. The two-layer model's token less the one-layer model's is one
-layer's work; the one-layer token less that is a token's work outside the layers (the embedding, the final norm, the
-generation loop). The products of tiny widths cost next to nothing, and the set's own are counted apart (the kernel
-rates), so nothing is counted twice. About half a second after the imports.
+transformers builds the architecture from its default config with every width tiny (hidden 64, 4 heads of 16,
+vocabulary 512), with one layer and with two. Where the set's products run on the native kernels (a GGUF set on a
+CPU), each Linear but the head computes on Q8_0 blocks through the engine's own binding (packedbind.py,
+packed/bound.py) in the kernel's mode, its decode attention takes the decode_attention knob's path, and the decode
+runs on the engine's threads (torch one, the kernels the free cores); the KV cache is the one the engine gives
+generate (appendcache.py). Each model greedy-decodes a few tokens, in turns. The two-layer model's token less the
+one-layer model's is one layer's work; the one-layer token less that is a token's work outside the layers (the
+embedding, the final norm, the generation loop). The products of tiny widths cost next to nothing, and the set's own
+are counted apart (the kernel rates), so nothing is counted twice. About half a second after the imports.
 """
 
 from __future__ import annotations
@@ -157,10 +157,6 @@ def _decode(model, ids, tokens: int) -> float:
         return time.perf_counter() - start
     finally:
         logging.set_verbosity(verbosity)
-
-
-def _short(exc: Exception) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
 
 
 def _short(exc: Exception) -> str:

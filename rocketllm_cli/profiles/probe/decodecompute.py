@@ -138,7 +138,6 @@ def with_layer_overhead(profile, facts, compute_dtype: str, kernel: str = "exact
     found = layer_overhead(profile, compute_dtype, facts.architecture, kernel) if measured else None
     if not found:
         from ..knobs.derivation import engine_compute_dtype
-
         from ..knobs.table import NATIVE_KERNELS
 
         engine = engine_compute_dtype(compute_dtype, False, facts.dtype, profile.compute_device, facts.gguf_blocks)
