@@ -114,6 +114,7 @@ def _as_engine(model, kernel: str) -> bool:
     from ..native import kernels
     from ..native.sample import sample_blocks
     from ..packed.bound import BoundWeight
+    from ..profiles.knobs.table import NATIVE_ATTENTION_KERNELS
     from .decodeattention import use_native_attention
     from .packedbind import make_packed
 
@@ -135,7 +136,7 @@ def _as_engine(model, kernel: str) -> bool:
             portable=PackedTensor(fmt, {"blocks": blocks}),
             mode=kernel,
         )
-    if kernel in ("int16", "int8"):  # decode_attention's formula (knobs/running.py)
+    if kernel in NATIVE_ATTENTION_KERNELS:  # decode_attention's formula (knobs/running.py)
         use_native_attention(model)
     return True
 

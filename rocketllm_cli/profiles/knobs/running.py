@@ -13,6 +13,7 @@ from .derivation import (
     Context,
     Derivation,
 )
+from .table import NATIVE_ATTENTION_KERNELS
 
 
 def compute_dtype(c: Context) -> Derivation:
@@ -41,7 +42,7 @@ def kernel(c: Context) -> Derivation:
 
 def decode_attention(c: Context) -> Derivation:
     return Derivation(
-        "'native' if kernel in ('int16', 'int8') else 'torch'",
+        f"'native' if kernel in {NATIVE_ATTENTION_KERNELS!r} else 'torch'",
         {"kernel": c.values["kernel"]},
         note="a decode on the native kernels gives them the cores and torch one thread: SDPA then reads each layer's "
         "KV cache on one core (SmolLM2 135M on 2 cores, 18 ms a token at 16 positions, 31 at 2,000); the native "

@@ -20,6 +20,8 @@ EXPERT_CACHE_POLICIES = ("lfu", "lru")  # most often routed, most recently route
 SPECULATION_MODES = ("auto", "off", "prompt-lookup", "draft")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int4")  # auto: the dtype the model computes in
 NATIVE_KERNELS = ("exact", "int16", "int8")  # the native kernels' modes: fp32, 16-bit or 8-bit activations
+# the modes whose decode attends on the native kernels too (decode_attention's formula, running.py)
+NATIVE_ATTENTION_KERNELS = ("int16", "int8")
 KERNEL_PATHS = (*NATIVE_KERNELS, "torch")  # how packed Linears compute; torch: its int4 kernel in its fastest dtype
 
 

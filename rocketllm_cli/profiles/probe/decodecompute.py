@@ -78,11 +78,9 @@ def compute_floor(profile, facts, compute_dtype: str, kernel: str = "exact") -> 
     from dataclasses import replace
 
     from ..cost import project
-    from ..knobs.derivation import engine_compute_dtype
     from .kernelrates import with_kernel_rates
 
-    engine = engine_compute_dtype(compute_dtype, False, facts.dtype, profile.compute_device, facts.gguf_blocks)
-    as_computed = profile.computing_in(engine, "the engine's")
+    as_computed = profile.computing_in(_engine_dtype(profile, facts, compute_dtype), "the engine's")
     bare = replace(facts, decode_compute=None, layer_overhead=None)
     return project(
         as_computed, with_kernel_rates(profile, bare, kernel), {"device": facts.bytes_per_token}
@@ -137,10 +135,16 @@ def with_layer_overhead(profile, facts, compute_dtype: str, kernel: str = "exact
         return facts
     found = layer_overhead(profile, compute_dtype, facts.architecture, kernel) if measured else None
     if not found:
-        from ..knobs.derivation import engine_compute_dtype
         from ..knobs.table import NATIVE_KERNELS
 
-        engine = engine_compute_dtype(compute_dtype, False, facts.dtype, profile.compute_device, facts.gguf_blocks)
         native = kernel if facts.gguf_blocks and kernel in NATIVE_KERNELS else ""
-        found = layer_cost(profile, facts.architecture, engine, native, measure)
+        found = layer_cost(profile, facts.architecture, _engine_dtype(profile, facts, compute_dtype), native, measure)
     return replace(facts, layer_overhead=found) if found else facts
+
+
+def _engine_dtype(profile, facts, compute_dtype: str) -> str:
+    """The dtype the engine computes FACTS' set in where the compute_dtype knob says COMPUTE_DTYPE (a GGUF's blocks on
+    a CPU: fp32)."""
+    from ..knobs.derivation import engine_compute_dtype
+
+    return engine_compute_dtype(compute_dtype, False, facts.dtype, profile.compute_device, facts.gguf_blocks)
