@@ -94,13 +94,13 @@ def test_a_set_bench_measured_is_projected_from_that_measurement(tiny_checkpoint
     assert CliRunner().invoke(app, ["shard", str(tiny_checkpoint), "--out", str(shards)]).exit_code == 0
     before = json.loads(doctor("--model", str(shards), "--json").stdout)
     note, probed = before["model"]["note"], before["model"]["layer_overhead"]
-    assert "the work the probe measured on tiny models of its architecture" in note
+    assert "the work the probe measured on small models of its architecture" in note
     assert "until `rocketllm bench` measures this set" in note
     assert probed["source"] == "probe" and probed["architecture"] == "llama" and probed["seconds"] > 0
     assert before["projection"]["compute_bandwidth"].startswith("decode-shaped matvec")
-    assert "models of tiny width" in before["projection"]["compute_bandwidth"]
+    assert "models of the set's widths" in before["projection"]["compute_bandwidth"]
     text = doctor("--model", str(shards)).stdout
-    assert "(per-layer work as the probe measured it on tiny models of the architecture" in text
+    assert "(per-layer work as the probe measured it on small models of the architecture" in text
 
     resident = before["projection"]["regimes"]["resident"]  # each of bench's regimes, measured or not
     assert (

@@ -141,5 +141,13 @@ def test_plan_offers_no_int4_kv_for_a_model_with_sliding_window_layers(gemma_ggu
 
     facts = model_facts_from_path(gemma_gguf)
     assert facts.kv_window_values > 0 and facts.kv_growing_layers == facts.num_layers  # the KV never undercounted
+    # the widths the layer-cost probe builds its models to, from the header as from a set's config
+    assert facts.layer_shape == {
+        "hidden_size": 640,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 262144,
+    }
     doc = json.loads(invoke("plan", gemma_gguf, "--json").stdout)
     assert doc["rows"] and all(row["kv_cache_dtype"] != "int4" for row in doc["rows"])

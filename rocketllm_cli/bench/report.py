@@ -170,8 +170,8 @@ def _notes(rows: list[dict]) -> list[str]:
             proj = row.get("projection") or {}
             projected = (
                 f"projected {row['projected_ms']} ms = products {1000 * proj['products_seconds']:.1f} ms + the layers' "
-                f"own work {1000 * proj['layer_work_seconds']:.1f} ms as the probe measured it on tiny models of the "
-                "architecture; "
+                f"own work {1000 * proj['layer_work_seconds']:.1f} ms as the probe measured it on small models of the "
+                "architecture at the set's widths; "
                 if proj.get("layer_work_seconds") and proj.get("products_seconds") and row.get("projected_ms")
                 else ""
             )

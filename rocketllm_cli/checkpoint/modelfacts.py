@@ -59,6 +59,8 @@ class ModelFacts:
     kv_growing_layers: int = 0
     kv_window_values: int = 0
     kv_head_dim: int = 0
+    # The widths a layer's and a token's own work grow with, where the config gives them (the layer-cost probe's)
+    layer_shape: dict | None = None
     # How this machine reads the set's own units cold (profiles/probe/unitreads.py, UnitReads.to_dict()), where the
     # model streams from storage and it was measured; None: the storage probe's 16 MiB figures stand.
     unit_reads: dict | None = None
@@ -103,9 +105,6 @@ class ModelFacts:
             max_positions=131_072,
             dtype=f"{weight_bits:g}bit",
         )
-
-
-# -- what a config says ------------------------------------------------------------------------
 
 
 # -- the one builder ---------------------------------------------------------------------------
@@ -154,6 +153,8 @@ def build_facts(
     itemsize = ITEMSIZE.get(compute_dtype or dtype, 2)
     growing, windowed, window = _kv_layer_kinds(config, kv_layers)
     per_layer = 2 * kv_heads * head_dim  # K and V values of one layer for one token
+    shape = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    shape["vocab_size"] = config_int(config, ("vocab_size",)) or 0
     return ModelFacts(
         name=name,
         total_bytes=total,
@@ -172,6 +173,7 @@ def build_facts(
         kv_growing_layers=growing,
         kv_window_values=windowed * window * per_layer,
         kv_head_dim=head_dim,
+        layer_shape={k: v for k, v in shape.items() if v} or None,
     )
 
 
@@ -335,6 +337,8 @@ def _from_gguf(path: Path) -> ModelFacts:
         "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv", heads),
         "head_dim": get("attention.key_length") or (get("embedding_length", 0) // heads if heads else None),
+        "hidden_size": get("embedding_length"),
+        "vocab_size": get("vocab_size") or (infos["token_embd.weight"][1][-1] if "token_embd.weight" in infos else 0),
     }
     dtype = "gguf-" + FILE_TYPES.get(meta.get("general.file_type"), str(meta.get("general.file_type", "?")))
     kept = kept_as_blocks(infos)

@@ -111,7 +111,7 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
         if overhead.get("source") == "probe":
             how += (
                 f" and {1000 * outside:.3f} ms a token outside the layers, measured here on {overhead['architecture']} "
-                "models of tiny width, of one layer and of two (no set of it benched here yet)"
+                "models of the set's widths, of one layer and of two (no set of it benched here yet)"
             )
         else:
             of = (

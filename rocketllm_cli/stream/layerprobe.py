@@ -1,23 +1,34 @@
-"""A decoder layer's own work on this machine, measured on models of an architecture at tiny width, as the engine
+"""A decoder layer's own work on this machine, measured on models of an architecture at small width, as the engine
 runs them: what profiles/probe/layercost.py keeps and projections add per layer.
 
-transformers builds the architecture from its default config with every width tiny (hidden 64, 4 heads of 16,
-vocabulary 512), with one layer and with two. Where the set's products run on the native kernels (a GGUF set on a
-CPU), each Linear but the head computes on Q8_0 blocks through the engine's own binding (packedbind.py,
-packed/bound.py) in the kernel's mode, its decode attention takes the decode_attention knob's path, and the decode
-runs on the engine's threads (torch one, the kernels the free cores); the KV cache is the one the engine gives
-generate (appendcache.py). Each model greedy-decodes a few tokens, in turns. The two-layer model's token less the
-one-layer model's is one layer's work; the one-layer token less that is a token's work outside the layers (the
-embedding, the final norm, the generation loop). The products of tiny widths cost next to nothing, and the set's own
-are counted apart (the kernel rates), so nothing is counted twice. About half a second after the imports.
+transformers builds the architecture from its default config with the set's attention shape (its heads, KV heads and
+head size, its hidden width up to MAX_HIDDEN) and every other width tiny (an MLP of 128, a vocabulary of 512), with one
+layer and with two. Where the set's products run on the native kernels (a GGUF set on a CPU), each Linear but the head
+computes on Q8_0 blocks through the engine's own binding (packedbind.py, packed/bound.py) in the kernel's mode, its
+decode attention takes the decode_attention knob's path, and the decode runs on the engine's threads (torch one, the
+kernels the free cores); the KV cache is the one the engine gives generate (appendcache.py). Each model greedy-decodes
+a few tokens, in turns. The two-layer model's token less the one-layer model's is one layer's work; the one-layer
+model's token less that is a token's work outside the layers (the embedding, the final norm, the generation loop).
+
+The set's products are counted apart (the kernel rates), so the probe's own are timed and taken off, all but each
+call's fixed cost (a call into the kernels, its activations' quantization: timed on a 32-wide product), which the
+rates leave out. Tiny widths everywhere measured Gemma 3's layer at 0.40 ms where it costs 0.52 in the model: its
+norms, rotary and attention work on 640-wide states and four 256-wide heads, not on 64 and 16. What the set's
+vocabulary adds to a token (its logits: a greedy argmax over Gemma's 262,144 is 0.25 ms on one thread) comes from two
+more one-layer models at tiny width, of 512 entries and of the set's. Half a second to a second after the imports.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 TOKENS = 24  # decode tokens per timed run (and 4 for the short one whose time is taken off)
 ROUNDS = 3  # runs of each model, in turns; the fastest counts
+# The set's attention shape that the probe's model takes (its hidden width capped at MAX_HIDDEN: a 4096-wide model's
+# probe would build and bind 100 MB of weights a layer for norms that cost little beside its products).
+SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+MAX_HIDDEN = 1024
 TINY = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -32,19 +43,34 @@ TINY = {
 }
 
 
-def measure(architecture: str, compute_dtype: str, kernel: str = "") -> dict:
+def measure(architecture: str, compute_dtype: str, kernel: str = "", shape: dict | None = None) -> dict:
     """{"seconds", "token_seconds"} of ARCHITECTURE in COMPUTE_DTYPE here (the module docstring's method), its
-    products on the native kernels in mode KERNEL where given, or {"reason": why it could not be measured}. The
-    profile's probe (profiles/probe/layercost.py layer_cost) takes it as its measure and keeps what it returns."""
+    products on the native kernels in mode KERNEL where given, its attention SHAPE (SHAPE_KEYS: the set's config's)
+    where given, or {"reason": why it could not be measured}. The profile's probe (profiles/probe/layercost.py
+    layer_cost) takes it as its measure and keeps what it returns."""
     import torch
 
     from ..dtypes import torch_dtype
     from ..threads import COMPUTE_THREADS
 
+    clock = _Clock()
+    vocab = int((shape or {}).get("vocab_size") or 0)
     try:
         dtype = torch_dtype(compute_dtype)
-        models = {layers: _tiny_model(architecture, layers, dtype) for layers in (1, 2)}
-        native = bool(kernel) and all(_as_engine(model, kernel) for model in models.values())
+        try:
+            models = {layers: _tiny_model(architecture, layers, dtype, shape) for layers in (1, 2)}
+        except Exception:  # noqa: BLE001 - widths this architecture's config refuses: its tiny ones, as before
+            models = {layers: _tiny_model(architecture, layers, dtype) for layers in (1, 2)}
+        if vocab > TINY["vocab_size"]:  # what the set's vocabulary adds to a token (its logits), at tiny width
+            models["small"], models["vocab"] = (_tiny_model(architecture, 1, dtype, None, v) for v in (0, vocab))
+        native = bool(kernel) and all(
+            _as_engine(model, kernel, head=layers == "vocab") for layers, model in models.items()
+        )
+        fixed = _fixed_linear(dtype)
+        if native:
+            _as_engine(fixed, kernel)
+        for layers, model in (*models.items(), (0, fixed)):
+            clock.time_products(model, head=layers == "vocab")
     except Exception as exc:  # noqa: BLE001 - any architecture transformers cannot build small: the floor stands
         return {"reason": _short(exc)}
     ids = torch.arange(3, 11).unsqueeze(0)
@@ -54,11 +80,13 @@ def measure(architecture: str, compute_dtype: str, kernel: str = "") -> dict:
         # a decode on the native kernels runs as the engine's does: torch on one thread, the kernels on the free cores
         COMPUTE_THREADS.poll(native_decode=native)
         with torch.inference_mode():
+            clock.fixed = _call_seconds(fixed, dtype)
             for model in models.values():
                 _decode(model, ids, 2)  # first calls: lazy imports and allocations
             for _ in range(ROUNDS):
                 for layers, model in models.items():
-                    long, short = _decode(model, ids, TOKENS), _decode(model, ids, 4)
+                    long = clock.less_products(_decode, model, ids, TOKENS)
+                    short = clock.less_products(_decode, model, ids, 4)
                     best[layers] = min(best[layers], max(0.0, long - short) / (TOKENS - 4))
     except Exception as exc:  # noqa: BLE001 - a forward that fails at tiny width: the floor stands
         return {"reason": _short(exc)}
@@ -66,7 +94,8 @@ def measure(architecture: str, compute_dtype: str, kernel: str = "") -> dict:
         COMPUTE_THREADS.native_pass = False
         torch.set_num_threads(threads)
     per_layer = max(0.0, best[2] - best[1])
-    return {"seconds": per_layer, "token_seconds": max(0.0, best[1] - per_layer)}
+    logits = max(0.0, best["vocab"] - best["small"]) if "vocab" in best else 0.0
+    return {"seconds": per_layer, "token_seconds": max(0.0, best[1] - per_layer) + logits}
 
 
 def with_measured_speed(profile, facts, directory, manifest, knobs):
@@ -86,16 +115,71 @@ def with_measured_speed(profile, facts, directory, manifest, knobs):
     return with_layer_overhead(profile, with_kernel_rates(profile, facts, kernel), dtype, kernel, measure=measure)
 
 
-def _tiny_model(architecture: str, layers: int, dtype):
+class _Clock:
+    """The probe's products' time: each Linear's forward timed (`time_products`), and a decode's seconds less what its
+    products spent beyond each call's fixed cost (`fixed`, seconds a call)."""
+
+    def __init__(self) -> None:
+        self.spent, self.calls, self.fixed = 0.0, 0, 0.0
+
+    def time_products(self, model, head: bool = False) -> None:
+        """Time MODEL's Linears, its head too where HEAD (bound as the set's is: its product is the set's, counted
+        apart)."""
+        from torch import nn
+
+        left_out = None if head else _head(model)
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module is not left_out:
+                module.forward = self._timed(module.forward)
+
+    def _timed(self, forward):
+        def timed(x):
+            start = time.perf_counter()
+            y = forward(x)
+            self.spent += time.perf_counter() - start
+            self.calls += 1
+            return y
+
+        return timed
+
+    def less_products(self, run, *args) -> float:
+        self.spent, self.calls = 0.0, 0
+        seconds = run(*args)
+        return seconds - max(0.0, self.spent - self.calls * self.fixed)
+
+
+def _fixed_linear(dtype):
+    """A 32-wide Linear in a module, bound as the probe's models are: a product call's cost with no bytes to read."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(32, 32, bias=False, dtype=dtype))
+
+
+def _call_seconds(module, dtype, calls: int = 64) -> float:
+    import torch
+
+    x = torch.ones(1, 32, dtype=dtype)
+    linear = module[0]
+    linear.forward(x)
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        linear.forward(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _tiny_model(architecture: str, layers: int, dtype, shape: dict | None = None, vocab: int = 0):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..compat import dtype_kwargs
 
-    config = AutoConfig.for_model(architecture, num_hidden_layers=layers, **TINY)
+    widths = {**TINY, **_widths(shape), **({"vocab_size": vocab} if vocab else {})}
+    config = AutoConfig.for_model(architecture, num_hidden_layers=layers, **widths)
     text = config.get_text_config()
     if text is not config:  # a composite model's config: its decoder's model type, built alone
-        config = AutoConfig.for_model(text.model_type, num_hidden_layers=layers, **TINY)
+        config = AutoConfig.for_model(text.model_type, num_hidden_layers=layers, **widths)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(dtype))
@@ -103,10 +187,24 @@ def _tiny_model(architecture: str, layers: int, dtype):
     return model.eval()
 
 
-def _as_engine(model, kernel: str) -> bool:
-    """Bind MODEL's Linears (its head aside) to Q8_0 blocks on the native kernels in mode KERNEL, as the engine binds
-    a GGUF set's, and route its decode attention as the decode_attention knob's formula does; False (MODEL unchanged)
-    where the kernels are not built here."""
+def _widths(shape: dict | None) -> dict:
+    """The set's attention shape as the probe's model takes it (SHAPE_KEYS, the hidden width capped), {} for none."""
+    found = {k: int(v) for k, v in (shape or {}).items() if k in SHAPE_KEYS[:4] and isinstance(v, int) and v > 0}
+    if "hidden_size" in found:  # capped at a multiple of the heads (configs that derive a head's size check it) and
+        # of a block's 32 (a Linear the kernels take)
+        step = math.lcm(found.get("num_attention_heads", 1), 32)
+        found["hidden_size"] = min(found["hidden_size"], max(step, MAX_HIDDEN // step * step))
+    return found
+
+
+def _head(model):
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
+def _as_engine(model, kernel: str, head: bool = False) -> bool:
+    """Bind MODEL's Linears (its head aside, but where HEAD) to Q8_0 blocks on the native kernels in mode KERNEL, as
+    the engine binds a GGUF set's, and route its decode attention as the decode_attention knob's formula does; False
+    (MODEL unchanged) where the kernels are not built here."""
     import torch
     from torch import nn
 
@@ -120,9 +218,9 @@ def _as_engine(model, kernel: str) -> bool:
 
     if kernels() is None:
         return False
-    head = model.get_output_embeddings()
+    left_out = None if head else _head(model)
     for name, module in model.named_modules():
-        if type(module) is not nn.Linear or module is head or module.in_features % 32:
+        if type(module) is not nn.Linear or module is left_out or module.in_features % 32:
             continue
         n, k = module.out_features, module.in_features
         blocks = sample_blocks("Q8_0", n, k, seed=0)
@@ -136,7 +234,7 @@ def _as_engine(model, kernel: str) -> bool:
             portable=PackedTensor(fmt, {"blocks": blocks}),
             mode=kernel,
         )
-    if kernel in NATIVE_ATTENTION_KERNELS:  # decode_attention's formula (knobs/running.py)
+    if kernel in NATIVE_ATTENTION_KERNELS and hasattr(model, "config"):  # decode_attention's formula (running.py)
         use_native_attention(model)
     return True
 

@@ -138,7 +138,8 @@ def with_layer_overhead(profile, facts, compute_dtype: str, kernel: str = "exact
         from ..knobs.table import NATIVE_KERNELS
 
         native = kernel if facts.gguf_blocks and kernel in NATIVE_KERNELS else ""
-        found = layer_cost(profile, facts.architecture, _engine_dtype(profile, facts, compute_dtype), native, measure)
+        dtype = _engine_dtype(profile, facts, compute_dtype)
+        found = layer_cost(profile, facts.architecture, dtype, native, measure, facts.layer_shape)
     return replace(facts, layer_overhead=found) if found else facts
 
 

@@ -162,7 +162,7 @@ def _model_note(model: ModelFacts) -> str:
             )
             + "at the matvec floor, and per layer "
             + (
-                "the work the probe measured on tiny models of its architecture here"
+                "the work the probe measured on small models of its architecture here"
                 if model.layer_overhead.get("source") == "probe"
                 else "what bench measured beyond the products for other sets here"
             )

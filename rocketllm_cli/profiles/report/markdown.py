@@ -229,9 +229,9 @@ def _compute_caveat(how: str) -> str:
     """What a projection's compute term leaves to a measurement of the set itself."""
     if "rocketllm bench" in how:
         return ""
-    if "models of tiny width" in how:
+    if "models of the set's widths" in how:
         return (
-            " (per-layer work as the probe measured it on tiny models of the architecture; `rocketllm bench` of this "
+            " (per-layer work as the probe measured it on small models of the architecture; `rocketllm bench` of this "
             "set measures its own)"
         )
     if "per-layer work" in how:
