@@ -224,3 +224,25 @@ def test_rates_measured_on_a_busy_machine_serve_this_process_and_are_measured_ag
     monkeypatch.setattr(machine, "others_cpu_share", lambda before, after: 0.05)
     kernelrates.rates(profile, blocks, "exact")
     assert stored.is_file()
+
+
+def test_a_table_a_token_only_looks_rows_up_in_is_no_product():
+    """An untied input embedding (a file with its own head) is held by a tier but multiplied by nothing: a token reads
+    one row of it. Left out of the products, on the kernels and at the matvec alike; named from the module tree (a
+    set's embed unit no head is tied to) or, before sharding, from the checkpoint's own tensor names."""
+    from rocketllm_cli.checkpoint.units import lookup_tables, named_lookup_tables
+
+    profile = cpu_profile()
+    table = 20 * MiB  # kept as its blocks, so not among the products' block shapes either
+    facts = replace(gguf_facts(), total_bytes=121 * MiB, lookup_bytes=table, kernel_rates=KERNELS)
+    p = project(profile, facts, {"device": facts.total_bytes})
+    assert p.compute_seconds == pytest.approx(90 * MiB / 9e9 + 10 * MiB / 5e9 + 1 * MiB / 10e9)
+    assert "20.0 MiB embedding table is looked up by rows" in p.compute_bandwidth
+    floor = replace(facts, kernel_rates=None)  # no kernels measured: the matvec floor leaves it out too
+    assert project(profile, floor, {"device": facts.total_bytes}).compute_seconds == pytest.approx(101 * MiB / 10e9)
+
+    units = [("embed", ["model.embed_tokens.weight"]), ("norm", ["model.norm.weight"]), ("lm_head", ["lm_head.weight"])]
+    assert lookup_tables(units, {}) == {"model.embed_tokens.weight"}
+    assert lookup_tables(units[:2], {"lm_head.weight": "model.embed_tokens.weight"}) == set()  # tied: the head's
+    assert named_lookup_tables(["model.embed_tokens.weight", "lm_head.weight"]) == {"model.embed_tokens.weight"}
+    assert named_lookup_tables(["model.embed_tokens.weight", "model.norm.weight"]) == set()  # no head of its own

@@ -43,6 +43,7 @@ def projection(profile, facts, tier_bytes: dict[str, int], kernel: str = "exact"
         "layer_work_seconds": p.compute_seconds - products if p.compute_seconds is not None and products else 0.0,
         "compute_bandwidth": p.compute_bandwidth,
         "compute_bandwidth_bps": profile.matvec_bps() or profile.device_memory_bps,
+        "lookup_bytes": facts.lookup_bytes,  # served by a tier, no product: tables a token looks rows up in
         "serial_seconds": p.serial_seconds,
         "overlapped_seconds": p.overlapped_seconds,
         "reason": p.reason,

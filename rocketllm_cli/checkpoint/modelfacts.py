@@ -9,9 +9,8 @@ Reading a path touches only headers and configs, never torch or transformers, so
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..dtypes import ITEMSIZE, short_name
@@ -27,9 +26,7 @@ from .ggufheader import (
     shard_sizes,
 )
 from .stfile import read_header
-
-# a repeated stack: "<prefix>.<index>.<rest>", e.g. model.layers.3.mlp..., transformer.h.3..., blk.3...
-_STACK = re.compile(r"^(?P<prefix>(?:.*\.)?(?:layers|h|blocks|block|blk))\.(?P<index>\d+)\.")
+from .units import Units, lookup_tables, manifest_units, named_lookup_tables, tensor_units
 
 
 @dataclass(frozen=True)
@@ -61,6 +58,8 @@ class ModelFacts:
     kv_head_dim: int = 0
     # The widths a layer's and a token's own work grow with, where the config gives them (the layer-cost probe's)
     layer_shape: dict | None = None
+    # Bytes of the tables a token only looks rows up in (an untied input embedding, units.py): no product
+    lookup_bytes: int = 0
     # How this machine reads the set's own units cold (profiles/probe/unitreads.py, UnitReads.to_dict()), where the
     # model streams from storage and it was measured; None: the storage probe's 16 MiB figures stand.
     unit_reads: dict | None = None
@@ -110,16 +109,6 @@ class ModelFacts:
 # -- the one builder ---------------------------------------------------------------------------
 
 
-@dataclass
-class Units:
-    """A model's weights in bytes, grouped as streaming reads them."""
-
-    layers: dict[int, int] = field(default_factory=dict)  # decoder layer index -> its dense part
-    # layer index -> (its routed experts' bytes, how many)
-    experts: dict[int, tuple[int, int]] = field(default_factory=dict)
-    others: list[int] = field(default_factory=list)  # embed, norm, lm_head, extras, another stack's layers
-
-
 def build_facts(
     name: str,
     units: Units,
@@ -128,6 +117,7 @@ def build_facts(
     compute_dtype: str | None = None,
     gguf_blocks: bool = False,
     block_bytes: dict | None = None,
+    lookup_bytes: int = 0,
 ) -> ModelFacts:
     """`config`: a mapping or a transformers config object, read only through config_int."""
     if not units.layers:
@@ -174,6 +164,7 @@ def build_facts(
         kv_window_values=windowed * window * per_layer,
         kv_head_dim=head_dim,
         layer_shape={k: v for k, v in shape.items() if v} or None,
+        lookup_bytes=lookup_bytes,
     )
 
 
@@ -209,8 +200,10 @@ def _kv_layer_kinds(config, kv_layers: int) -> tuple[int, int, int]:
 def facts_from_manifest(manifest, config, compute_dtype: str | None = None) -> ModelFacts:
     """ModelFacts of a loaded shard set (a Manifest); `config` is its config.json as a mapping, or the
     transformers config object (AutoConfig.from_pretrained(directory))."""
-    units = _manifest_units((u.kind, u.tensor_bytes) for u in manifest.units)
-    blocks = _block_bytes((t.packed, t.nbytes) for u in manifest.units for t in u.tensors)
+    units = manifest_units((u.kind, u.tensor_bytes) for u in manifest.units)
+    tensors = [t for u in manifest.units for t in u.tensors]
+    looked = lookup_tables(((u.kind, [t.name for t in u.tensors]) for u in manifest.units), manifest.aliases)
+    blocks = _block_bytes((t.packed, t.nbytes) for t in tensors if t.name not in looked)
     return build_facts(
         manifest.source.get("name") or "model",
         units,
@@ -219,6 +212,7 @@ def facts_from_manifest(manifest, config, compute_dtype: str | None = None) -> M
         compute_dtype,
         manifest.packing == "blocks",
         blocks,
+        sum(t.nbytes for t in tensors if t.name in looked),
     )
 
 
@@ -267,8 +261,12 @@ def _from_shard_dir(path: Path) -> ModelFacts:
     # need
     try:
         doc = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-        units = _manifest_units((u["kind"], sum(t["nbytes"] for t in u["tensors"])) for u in doc["units"])
-        blocks = _block_bytes((t.get("packed"), t["nbytes"]) for u in doc["units"] for t in u["tensors"])
+        units = manifest_units((u["kind"], sum(t["nbytes"] for t in u["tensors"])) for u in doc["units"])
+        tensors = [t for u in doc["units"] for t in u["tensors"]]
+        looked = lookup_tables(
+            ((u["kind"], [t["name"] for t in u["tensors"]]) for u in doc["units"]), doc.get("aliases") or {}
+        )
+        blocks = _block_bytes((t.get("packed"), t["nbytes"]) for t in tensors if t["name"] not in looked)
         dtype = short_name(doc.get("dtype", "")) or str(doc.get("dtype", ""))
         name = (doc.get("source") or {}).get("name") or path.name
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -276,22 +274,9 @@ def _from_shard_dir(path: Path) -> ModelFacts:
     if not units.layers:
         raise ModelError(f"{path.name}/manifest.json lists no decoder layers")
     config = read_config(path / "config.json") if (path / "config.json").is_file() else {}
-    return build_facts(name, units, config, dtype, gguf_blocks=doc.get("packing") == "blocks", block_bytes=blocks)
-
-
-def _manifest_units(rows) -> Units:
-    """(kind, bytes) per unit in manifest order: an expert belongs to the layer before it."""
-    units = Units()
-    for kind, nbytes in rows:
-        if kind == "layer":
-            units.layers[len(units.layers)] = nbytes
-        elif kind == "expert":
-            layer = len(units.layers) - 1
-            total, count = units.experts.get(layer, (0, 0))
-            units.experts[layer] = (total + nbytes, count + 1)
-        else:
-            units.others.append(nbytes)
-    return units
+    looked_bytes = sum(t["nbytes"] for t in tensors if t["name"] in looked)
+    packing = doc.get("packing") == "blocks"
+    return build_facts(name, units, config, dtype, gguf_blocks=packing, block_bytes=blocks, lookup_bytes=looked_bytes)
 
 
 def _from_hf_dir(path: Path, files: list[Path]) -> ModelFacts:
@@ -317,6 +302,7 @@ def _from_hf_dir(path: Path, files: list[Path]) -> ModelFacts:
         tensor_units(path.name, sizes, expert_count(config)),
         config,
         dtype or short_name(config_dtype(config)) or "bf16",
+        lookup_bytes=sum(sizes[n] for n in named_lookup_tables(sizes)),
     )
 
 
@@ -341,7 +327,9 @@ def _from_gguf(path: Path) -> ModelFacts:
         "vocab_size": get("vocab_size") or (infos["token_embd.weight"][1][-1] if "token_embd.weight" in infos else 0),
     }
     dtype = "gguf-" + FILE_TYPES.get(meta.get("general.file_type"), str(meta.get("general.file_type", "?")))
-    kept = kept_as_blocks(infos)
+    # an untied token embedding is looked up by rows, not multiplied (units.py lookup_tables)
+    looked = {"token_embd.weight"} & set(infos) if "output.weight" in infos else set()
+    kept = kept_as_blocks(infos) - looked
     blocks = _block_bytes(
         (
             {
@@ -353,9 +341,9 @@ def _from_gguf(path: Path) -> ModelFacts:
         )
         for n in kept
     )
-    facts = build_facts(
-        path.stem, tensor_units(path.stem, sizes, None), config, dtype, gguf_blocks=True, block_bytes=blocks
-    )
+    units = tensor_units(path.stem, sizes, None)
+    lookup = sum(sizes[n] for n in looked)
+    facts = build_facts(path.stem, units, config, dtype, gguf_blocks=True, block_bytes=blocks, lookup_bytes=lookup)
     window = get("attention.sliding_window")
     if isinstance(window, int) and window > 0 and not facts.kv_window_values:
         # The header declares sliding-window layers but not which (transformers derives them per architecture): every
@@ -365,36 +353,3 @@ def _from_gguf(path: Path) -> ModelFacts:
             facts, kv_window_values=window * 2 * (config["num_key_value_heads"] or 0) * (config["head_dim"] or 0)
         )
     return facts
-
-
-def tensor_units(name: str, sizes: dict[str, int], experts_per_layer: int | None) -> Units:
-    """Tensors by name into units: each index of the largest repeated stack is a layer (its `.experts.` tensors
-    apart when the config gives their count); every other stack's layer and every other module is a unit."""
-    stacks: dict[str, dict[int, int]] = {}
-    routed: dict[int, int] = {}  # decoder layer index -> its experts' bytes
-    others: dict[str, int] = {}
-    for tensor, nbytes in sizes.items():
-        m = _STACK.match(tensor)
-        if m:
-            stack = stacks.setdefault(m["prefix"], {})
-            stack[int(m["index"])] = stack.get(int(m["index"]), 0) + nbytes
-        else:
-            module = tensor.rsplit(".", 1)[0]
-            others[module] = others.get(module, 0) + nbytes
-    if not stacks:
-        raise ModelError(f"{name}: no repeated layer stack found in the tensor names")
-    decoder = max(stacks, key=lambda p: sum(stacks[p].values()))  # a vision tower is a smaller stack
-    if experts_per_layer:
-        for tensor, nbytes in sizes.items():
-            m = _STACK.match(tensor)
-            if m and m["prefix"] == decoder and ".experts." in tensor:
-                routed[int(m["index"])] = routed.get(int(m["index"]), 0) + nbytes
-    units = Units(others=list(others.values()))
-    for prefix, layers in stacks.items():
-        if prefix != decoder:
-            units.others.extend(layers.values())
-    for index in sorted(stacks[decoder]):
-        units.layers[index] = stacks[decoder][index] - routed.get(index, 0)
-        if routed.get(index):
-            units.experts[index] = (routed[index], experts_per_layer)
-    return units

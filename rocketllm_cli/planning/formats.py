@@ -20,7 +20,8 @@ from pathlib import Path
 from ..checkpoint.configfiles import read_json_object
 from ..checkpoint.configreads import config_int, expert_count
 from ..checkpoint.ggufheader import FILE_TYPES, read_gguf_tensors
-from ..checkpoint.modelfacts import ModelFacts, build_facts, model_facts_from_path, tensor_units
+from ..checkpoint.modelfacts import ModelFacts, build_facts, model_facts_from_path
+from ..checkpoint.units import tensor_units
 from ..checkpoint.packedformat import PackedFormat
 from ..checkpoint.stfile import read_header
 from ..dtypes import ITEMSIZE, short_name

@@ -93,10 +93,14 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
             if rate
             else ("unavailable: neither matvec nor device memory measured")
         )
-    compute = total / rate if rate else None
+    # a table a token only looks rows up in is no product: its bytes are served (a tier holds it), not multiplied
+    products = max(0, total - model.lookup_bytes)
+    compute = products / rate if rate else None
+    if products < total:
+        how += f"; the {model.lookup_bytes / 2**20:.1f} MiB embedding table is looked up by rows, not multiplied"
     kernels = model.kernel_rates
     if kernels and total and profile.is_cpu and not model.decode_compute:
-        compute, how = _on_kernels(model, kernels, total, rate, how)
+        compute, how = _on_kernels(model, kernels, total, rate, how, products)
     overhead = model.layer_overhead
     if kernels and compute is not None and not overhead and not model.decode_compute and model.num_layers:
         # a small model's token is as much its layers' own work as its products (SmolLM2: 10 of 18 ms, 2 cores)
@@ -137,17 +141,20 @@ def project(profile: HardwareProfile, model: ModelFacts, tier_bytes: dict[str, i
     return Projection(model.name, tiers, serial, io, compute, how, overlapped, reason)
 
 
-def _on_kernels(model: ModelFacts, kernels: dict, total: int, rate: float | None, how: str) -> tuple[float | None, str]:
-    """Seconds of compute for TOTAL weight bytes of a GGUF set: each block product's bytes at the rate the native
-    kernels measured for its type and shape here (probe/kernelrates.py), the rest (float tensors, types without a
-    kernel) at RATE, the dense matvec's. The floor still: a layer's own work beside its products is left out."""
+def _on_kernels(
+    model: ModelFacts, kernels: dict, total: int, rate: float | None, how: str, products: int
+) -> tuple[float | None, str]:
+    """Seconds of compute for TOTAL weight bytes of a GGUF set, PRODUCTS of them multiplied: each block product's bytes
+    at the rate the native kernels measured for its type and shape here (probe/kernelrates.py), the rest (float
+    tensors, types without a kernel) at RATE, the dense matvec's. The floor still: a layer's own work beside its
+    products is left out."""
     from .probe.kernelrates import block_shapes_of, describe, type_rates
 
     # the tiers' bytes: one token's, or a batch's
     share = total / model.bytes_per_token if model.bytes_per_token else 1.0
     blocks = {t: {shape: int(b * share) for shape, b in shapes.items()} for t, shapes in block_shapes_of(model).items()}
     timed = type_rates(kernels, blocks)
-    rest = max(0, total - sum(b for b, _ in timed.values()))
+    rest = max(0, products - sum(b for b, _ in timed.values()))
     if rest and not rate:
         return None, how
     seconds = sum(s for _, s in timed.values()) + (rest / rate if rest else 0.0)
