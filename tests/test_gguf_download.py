@@ -91,10 +91,11 @@ def test_the_default_set_keeps_the_files_floats_and_computes_like_transformers_f
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_an_untied_embedding_decoded_into_the_set_makes_it_bf16_where_it_is_most_of_the_floats():
-    """The auto dtype of a blocks set, from the header's types alone: the blocks are no float tensor; the file's F32
-    norms decide (fp32) unless an untied embedding (looked up by rows, decoded into the set) outweighs them."""
-    from rocketllm_cli.checkpoint.ggufheader import blocks_set_dtype, shard_sizes
+def test_an_untied_embedding_is_kept_as_its_blocks_and_the_norms_decide_the_sets_dtype():
+    """The auto dtype of a blocks set, from the header's types alone: the blocks are no float tensor (an untied token
+    embedding's neither: its lookups dequantize the rows they read); the file's F32 norms decide (fp32) unless a
+    tensor decoded into the set (a type not kept) outweighs them."""
+    from rocketllm_cli.checkpoint.ggufheader import blocks_set_dtype, kept_as_blocks, shard_sizes
 
     q4k, f32 = 12, 0
     tied = {
@@ -104,10 +105,12 @@ def test_an_untied_embedding_decoded_into_the_set_makes_it_bf16_where_it_is_most
     }
     assert blocks_set_dtype(tied) == "fp32"
     untied = {**tied, "output.weight": (q4k, (256, 1000))}
-    assert blocks_set_dtype(untied) == "bf16"
+    assert blocks_set_dtype(untied) == "fp32" and "token_embd.weight" in kept_as_blocks(untied)
     sizes = shard_sizes(untied)
-    assert sizes["token_embd.weight"] == 256 * 1000 * 2 and sizes["output.weight"] == 1000 * 144  # blocks kept
+    assert sizes["token_embd.weight"] == 1000 * 144 and sizes["output.weight"] == 1000 * 144  # both its blocks
     assert shard_sizes(tied)["output_norm.weight"] == 256 * 4
+    odd = {**untied, "token_embd.weight": (q4k, (250, 1000))}  # rows of 250: no whole Q4_K block, decoded
+    assert blocks_set_dtype(odd) == "bf16" and shard_sizes(odd)["token_embd.weight"] == 250 * 1000 * 2
 
 
 def test_the_default_set_is_planned_whole_where_memory_holds_it(gemma_gguf, tmp_path):

@@ -202,6 +202,50 @@ def test_a_manifest_window_past_the_file_or_bad_pieces_is_refused(tiny, tmp_path
             Manifest.load(broken)
 
 
+def test_an_untied_embedding_is_the_files_blocks_and_each_tier_matches_transformers(smollm2_gguf, tmp_path):
+    """A file with its own output head (Llama 3, Qwen 2.5 7B, Mistral ...): its Q4_K token embedding stays the file's
+    blocks (a lookup dequantizes the rows it reads), where it was once decoded into the set as bf16 (3.6x its bytes,
+    and bf16-rounded under an fp32 forward); every tier computes what transformers does on the file, in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from gguf import GGUFReader
+
+    from rocketllm_cli.checkpoint.modelfacts import facts_from_manifest, model_facts_from_path
+    from rocketllm_cli.compat import dtype_kwargs
+    from rocketllm_cli.synthetic.gguf import write_llama_gguf
+
+    path = write_llama_gguf(
+        tmp_path / "untied.gguf",
+        smollm2_gguf,
+        hidden=256,
+        layers=2,
+        intermediate=512,
+        heads=4,
+        kv_heads=2,
+        qtype="Q4_K",
+        embed_type="Q4_K",
+        output_type="Q6_K",
+    )
+    manifest, directory, _ = shard(path, out=tmp_path / "set", log=lambda m: None)
+    embed = next(t for u in manifest.units if u.kind == "embed" for t in u.tensors)
+    assert embed.packed["kind"] == "gguf" and embed.packed["gguf_type"] == "Q4_K" and not manifest.aliases
+    assert manifest.dtype == "fp32"  # the file's F32 norms decide: no table decoded into the set
+    stored = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    assert manifest.total_bytes <= stored + 4096 * len(manifest.units)  # the file's own bytes, the side file's aside
+    # a token looks one row of it up: the projection's products leave it out, from the header as from the set
+    config = json.loads((directory / "config.json").read_text())
+    for facts in (model_facts_from_path(path), facts_from_manifest(manifest, config)):
+        assert facts.lookup_bytes == embed.nbytes
+        assert f"{embed.packed['shape'][0]}x{embed.packed['shape'][1]}" not in facts.block_bytes.get("Q4_K", {})
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **dtype_kwargs(torch.float32))
+    with torch.inference_mode():
+        want = reference(IDS).logits
+    for tier in TIERS:
+        got, _, _ = _run(directory, tier)
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), tier
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), tier
+
+
 def test_gemma_norms_go_to_the_side_file(gemma_gguf, tmp_path):
     """transformers reads Gemma's norms less one: those few tensors are the set's own, the rest the file's."""
     manifest, directory, _ = shard(gemma_gguf, out=tmp_path / "g", log=lambda m: None)

@@ -218,9 +218,9 @@ def shard_sizes(infos: dict[str, tuple[int, tuple[int, ...]]], itemsize: int | N
     """Bytes each tensor will take in a `shard --quantize auto` set of `itemsize`-byte floats (None: the set's own
     dtype, blocks_set_dtype), from the header alone.
 
-    A matrix the model computes with (every 2-D tensor but an untied token embedding) stays packed when its
-    type is kept: its own blocks (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, IQ4_XS ...). Everything else is dequantized to the
-    set's dtype."""
+    A matrix stays packed when its type is kept: its own blocks (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, IQ4_XS ...), an untied
+    token embedding too (its lookups dequantize the rows they read). Everything else is dequantized to the set's
+    dtype."""
     if itemsize is None:
         itemsize = _FLOAT_ITEMSIZE[blocks_set_dtype(infos)]
     kept = kept_as_blocks(infos)
@@ -232,16 +232,12 @@ def shard_sizes(infos: dict[str, tuple[int, tuple[int, ...]]], itemsize: int | N
 
 
 def kept_as_blocks(infos: dict[str, tuple[int, tuple[int, ...]]]) -> set[str]:
-    """The tensors a `shard --quantize auto` set keeps as their blocks: matrices the model computes with (every 2-D
-    tensor but an untied token embedding, which is looked up by rows) of a kept type."""
-    tied = "output.weight" not in infos
+    """The tensors a `shard --quantize auto` set keeps as their blocks: every matrix of a kept type (the products'
+    weights, and a token embedding, tied to the head or looked up by rows alone)."""
     return {
         name
         for name, (ggml_type, dims) in infos.items()
-        if len(dims) == 2
-        and (name != "token_embd.weight" or tied)
-        and ggml_type in _KEPT_IDS
-        and dims[0] % _BLOCKS[ggml_type][0] == 0
+        if len(dims) == 2 and ggml_type in _KEPT_IDS and dims[0] % _BLOCKS[ggml_type][0] == 0
     }
 
 
@@ -252,8 +248,8 @@ _FLOAT_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
 def blocks_set_dtype(infos: dict[str, tuple[int, tuple[int, ...]]]) -> str:
     """The float dtype `shard --dtype auto` gives a set that keeps the file's blocks: the one most of the set's float
     values are stored in. The blocks are no float tensor of the set; the file's own float tensors count as stored (the
-    F32 norms stay F32, as llama.cpp and transformers read them), a quantized tensor decoded into the set (an untied
-    token embedding) as bf16, half an fp32 decode's bytes; fp32, what a block decodes to, where nothing counts."""
+    F32 norms stay F32, as llama.cpp and transformers read them), a quantized tensor decoded into the set (a type not
+    kept) as bf16, half an fp32 decode's bytes; fp32, what a block decodes to, where nothing counts."""
     kept = kept_as_blocks(infos)
     counts: dict[str, int] = {}
     for name, (ggml_type, dims) in infos.items():
