@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ModelError
 
@@ -46,7 +47,7 @@ def build_meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
     from ..compat import dtype_kwargs
 
     try:
-        with init_empty_weights(include_buffers=False):
+        with init_empty_weights(include_buffers=False), _MetaWritesSkipped():
             try:
                 model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(dtype))
             except ValueError:
@@ -66,6 +67,27 @@ def build_meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+class _MetaWritesSkipped(TorchDispatchMode):
+    """In-place writes into meta tensors are skipped: a parameter on the meta device holds no values, so an
+    initialiser's fill of it (nn.Linear's kaiming_uniform_, transformers' normal_ and zero_) is nothing but time; torch
+    runs uniform_ and normal_ on meta through Python decompositions, 0.05 s of a 30-layer Llama's 0.085 s build, and a
+    first run builds the skeleton three or four times. Every other op, those on the real buffers included, runs as
+    it would: the skeleton is the same."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        schema = func._schema
+        if (
+            schema.is_mutable
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].is_meta
+            and schema.arguments[0].alias_info is not None
+            and schema.arguments[0].alias_info.is_write
+        ):
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def _image_text_to_text(config, dtype):
