@@ -118,7 +118,7 @@ def plan_packing(
         return PackPlan()
     linear = _linear_weights(model, aliases)
     if mode == "blocks":  # a GGUF's own embedding table too, where its type is kept: only its rows are ever read
-        linear.update({k: v for k, v in _embedding_tables(model, aliases).items() if k not in linear})
+        linear.update({k: v for k, v in _linear_weights(model, aliases, nn.Embedding).items() if k not in linear})
     params: dict[str, str] = {}
     lazy = getattr(source, "_lazy", None)
     noted: dict[str, int] = {}
@@ -179,21 +179,14 @@ def packed_nbytes(source, mapping, name: str, plan: PackPlan, shape: tuple[int, 
     return fmt.offsets()[1]
 
 
-def _linear_weights(model: nn.Module, aliases: dict[str, str]) -> dict[str, tuple[int, int]]:
-    """{parameter: (N, K)} of every nn.Linear weight, and of each table tied to one (the name holding the data)."""
+def _linear_weights(
+    model: nn.Module, aliases: dict[str, str], kind: type[nn.Module] = nn.Linear
+) -> dict[str, tuple[int, int]]:
+    """{parameter: (N, K)} of every KIND module's 2-D weight (an nn.Linear's, and each table tied to one; or an
+    nn.Embedding's table, rows by width), by the name holding the data."""
     out: dict[str, tuple[int, int]] = {}
     for path, module in model.named_modules():
-        if isinstance(module, nn.Linear) and module.weight is not None and module.weight.dim() == 2:
-            name = f"{path}.weight" if path else "weight"
-            out[aliases.get(name, name)] = tuple(module.weight.shape)
-    return out
-
-
-def _embedding_tables(model: nn.Module, aliases: dict[str, str]) -> dict[str, tuple[int, int]]:
-    """{parameter: (rows, width)} of every nn.Embedding table (the name holding the data)."""
-    out: dict[str, tuple[int, int]] = {}
-    for path, module in model.named_modules():
-        if isinstance(module, nn.Embedding) and module.weight is not None and module.weight.dim() == 2:
+        if isinstance(module, kind) and module.weight is not None and module.weight.dim() == 2:
             name = f"{path}.weight" if path else "weight"
             out[aliases.get(name, name)] = tuple(module.weight.shape)
     return out
