@@ -267,6 +267,7 @@ def _from_shard_dir(path: Path) -> ModelFacts:
             ((u["kind"], [t["name"] for t in u["tensors"]]) for u in doc["units"]), doc.get("aliases") or {}
         )
         blocks = _block_bytes((t.get("packed"), t["nbytes"]) for t in tensors if t["name"] not in looked)
+        looked_bytes = sum(t["nbytes"] for t in tensors if t["name"] in looked)
         dtype = short_name(doc.get("dtype", "")) or str(doc.get("dtype", ""))
         name = (doc.get("source") or {}).get("name") or path.name
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -274,7 +275,6 @@ def _from_shard_dir(path: Path) -> ModelFacts:
     if not units.layers:
         raise ModelError(f"{path.name}/manifest.json lists no decoder layers")
     config = read_config(path / "config.json") if (path / "config.json").is_file() else {}
-    looked_bytes = sum(t["nbytes"] for t in tensors if t["name"] in looked)
     packing = doc.get("packing") == "blocks"
     return build_facts(name, units, config, dtype, gguf_blocks=packing, block_bytes=blocks, lookup_bytes=looked_bytes)
 
