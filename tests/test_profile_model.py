@@ -329,3 +329,24 @@ def test_default_plan_splits_the_whole_model(params):
     split = plan_tier_bytes(model, resolve_knobs(profile, model, env={}))
     assert sum(split.values()) == model.total_bytes and min(split.values()) >= 0
     assert split["device"] <= resolve_knobs(profile, model, env={}).value("device_cache_bytes")
+
+
+def test_a_slow_measurement_is_timed_once_within_its_budget(monkeypatch):
+    """measure._best: the warm-up counts against the budget, so a step the device runs slowly (fp16 matmuls on most
+    CPUs) is timed once, and a fast one as many times as asked. A clock that advances only where told."""
+    from types import SimpleNamespace
+
+    from rocketllm_cli.profiles.probe import measure
+
+    now = [0.0]
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(measure, "synchronize", lambda device: None)
+    for seconds, timed in ((0.09, 1), (0.001, 3)):
+        calls = []
+
+        def step(seconds=seconds, calls=calls):
+            calls.append(seconds)
+            now[0] += seconds
+
+        assert measure._best(step, "cpu", repeats=3, budget=0.15) == pytest.approx(seconds)
+        assert len(calls) == 1 + timed  # the warm-up and the timed runs
