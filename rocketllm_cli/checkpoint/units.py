@@ -73,13 +73,18 @@ def manifest_units(rows) -> Units:
     return units
 
 
+def is_lookup_table(kind: str, names, aliases: dict[str, str]) -> bool:
+    """Whether a manifest's unit of KIND holding tensors NAMES is only ever looked rows up in: an input embedding
+    table no output head is tied to (ALIASES: the manifest's, tied tensor -> the one holding the data)."""
+    return kind == "embed" and not set(aliases.values()) & set(names)
+
+
 def lookup_tables(units, aliases: dict[str, str]) -> set[str]:
-    """The tensors of UNITS ((kind, [tensor names]) per unit, a manifest's) that a token only looks rows up in: input
-    embedding tables not tied to an output head (stream/residency.py row_tables serves them by rows). A projection's
-    products leave them out: a token reads one row of each, not the table (a 2.5 B model's 252 MB bf16 table was
-    11 ms of a 77 ms token that it never spends)."""
-    tied = set(aliases.values())
-    return {name for kind, names in units if kind == "embed" and not tied & set(names) for name in names}
+    """The tensors of UNITS ((kind, [tensor names]) per unit, a manifest's) that a token only looks rows up in
+    (is_lookup_table; stream/residency.py row_tables serves them by rows). A projection's products leave them out: a
+    token reads one row of each, not the table (a 2.5 B model's 252 MB bf16 table was 11 ms of a 77 ms token that it
+    never spends)."""
+    return {name for kind, names in units if is_lookup_table(kind, names, aliases) for name in names}
 
 
 # a checkpoint's own input embedding and output head, by the names transformers' models give them

@@ -25,9 +25,10 @@ import time
 
 TOKENS = 24  # decode tokens per timed run (and 4 for the short one whose time is taken off)
 ROUNDS = 3  # runs of each model, in turns; the fastest counts
-# The set's attention shape that the probe's model takes (its hidden width capped at MAX_HIDDEN: a 4096-wide model's
-# probe would build and bind 100 MB of weights a layer for norms that cost little beside its products).
-SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+# The set's attention widths that the probe's models take (its hidden width capped at MAX_HIDDEN: a 4096-wide model's
+# probe would build and bind 100 MB of weights a layer for norms that cost little beside its products); a shape's
+# vocab_size goes to models of its own.
+WIDTH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 MAX_HIDDEN = 1024
 TINY = {
     "hidden_size": 64,
@@ -45,7 +46,7 @@ TINY = {
 
 def measure(architecture: str, compute_dtype: str, kernel: str = "", shape: dict | None = None) -> dict:
     """{"seconds", "token_seconds"} of ARCHITECTURE in COMPUTE_DTYPE here (the module docstring's method), its
-    products on the native kernels in mode KERNEL where given, its attention SHAPE (SHAPE_KEYS: the set's config's)
+    products on the native kernels in mode KERNEL where given, its SHAPE (WIDTH_KEYS and vocab_size: the set's config's)
     where given, or {"reason": why it could not be measured}. The profile's probe (profiles/probe/layercost.py
     layer_cost) takes it as its measure and keeps what it returns."""
     import torch
@@ -188,8 +189,8 @@ def _tiny_model(architecture: str, layers: int, dtype, shape: dict | None = None
 
 
 def _widths(shape: dict | None) -> dict:
-    """The set's attention shape as the probe's model takes it (SHAPE_KEYS, the hidden width capped), {} for none."""
-    found = {k: int(v) for k, v in (shape or {}).items() if k in SHAPE_KEYS[:4] and isinstance(v, int) and v > 0}
+    """The set's attention shape as the probe's model takes it (WIDTH_KEYS, the hidden width capped), {} for none."""
+    found = {k: int(v) for k, v in (shape or {}).items() if k in WIDTH_KEYS and isinstance(v, int) and v > 0}
     if "hidden_size" in found:  # capped at a multiple of the heads (configs that derive a head's size check it) and
         # of a block's 32 (a Linear the kernels take)
         step = math.lcm(found.get("num_attention_heads", 1), 32)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from math import ceil
 
 from ..checkpoint.manifest import Manifest
+from ..checkpoint.units import is_lookup_table
 from ..errors import ParameterError
 from ..sizes import format_bytes
 from ..tiers import RESIDENT_KINDS, TIERS
@@ -79,8 +80,7 @@ def row_tables(manifest: Manifest, device: str) -> set[str]:
     """Units a CPU serves by rows when they stream: input embedding tables not tied to an output head."""
     if device != "cpu":
         return set()
-    tied = set(manifest.aliases.values())
-    return {u.name for u in manifest.units if u.kind == "embed" and not any(t.name in tied for t in u.tensors)}
+    return {u.name for u in manifest.units if is_lookup_table(u.kind, [t.name for t in u.tensors], manifest.aliases)}
 
 
 def resident_bytes(unit, compute_itemsize: int | None) -> int:
