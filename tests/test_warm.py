@@ -231,3 +231,28 @@ def test_what_cannot_go_warm_runs_here_and_what_cannot_load_is_one_line(tiny, tm
     assert warm_models() == []
     missing = cli("generate", tmp_path / "nowhere", PROMPT)
     assert missing.returncode == 1 and "model path not found" in missing.stderr and warm_models() == []
+
+
+def test_an_install_without_the_server_extra_answers_here_and_says_how_to_keep_warm(tiny, cold):
+    """`pip install rocketllm` without [server]: the default keep-alive cannot start a server, so generate answers
+    in its own process, as a cold run does, with one note naming what to install."""
+    without = (
+        "import importlib.util\nfind = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name in ('fastapi', 'uvicorn') else find(name, *a)\n"
+        + CLIENT
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", without, "generate", str(tiny), PROMPT, "--raw", "-n", "6"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ROCKETLLM_KEEP_ALIVE": "60s"},
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0 and result.stdout == cold, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
+    assert notes == [
+        "note: fastapi and uvicorn are not installed (pip install fastapi uvicorn keeps models warm), so the model "
+        "loads in this process (no warm server)"
+    ], result.stderr
+    assert "error" not in result.stderr and warm_models() == []

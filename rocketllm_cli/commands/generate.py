@@ -13,6 +13,7 @@ from ..oneshot.elsewhere import (
     cold_reason,
     keep_alive_seconds,
     no_run_dir,
+    no_server_extra,
     through_server,
     warm,
 )
@@ -219,7 +220,7 @@ def run(
             from ..shard.source import check_locatable
 
             check_locatable(model)  # a mistyped path is one line here, not a server that fails to start
-            cold = no_run_dir()
+            cold = no_run_dir() or no_server_extra()
         if cold is None:
             return warm(model, text, params, chat, system, stats, json, knob_flags or {}, output, constraint, keep_s)
         output.log(f"note: {cold}, so the model loads in this process (no warm server)")

@@ -134,6 +134,18 @@ def no_run_dir() -> str | None:
     return None
 
 
+def no_server_extra() -> str | None:
+    """Why this install cannot start a warm server (the server extra's packages are missing), or None. Looked up, not
+    imported: importing fastapi and uvicorn would cost every generate ~0.3 s."""
+    from importlib.util import find_spec
+
+    missing = [name for name in ("fastapi", "uvicorn") if find_spec(name) is None]
+    if not missing:
+        return None
+    verb = "is" if len(missing) == 1 else "are"
+    return f"{' and '.join(missing)} {verb} not installed (pip install fastapi uvicorn keeps models warm)"
+
+
 def warm(model, text, params, chat, system, stats, json, knob_flags, output, constraint, keep_s) -> None:
     """generate with a warm model: attach to its background server, or start one that stays loaded for keep_s seconds
     after each request (docs/ARCHITECTURE.md, "A warm model"); this process imports neither torch nor transformers."""
