@@ -353,46 +353,77 @@ def test_linear_multiplies_densely_from_the_probes_row_count(monkeypatch):
 
 
 def test_gguf_blocks_multiply_densely_as_exact_weights_from_the_measured_row_count(monkeypatch, tmp_path):
-    """A native-kernel weight (GGUF blocks) bound with the crossover the probe measured: fewer rows take the kernel in
-    its mode; as many or more, exact mode's fp32 weights times torch's fp32 GEMM, a block of rows at a time; inside
-    kernel_passes() the kernel's mode again. The crossover is measured once and read back from the stored answer."""
+    """A native-kernel weight (GGUF blocks) bound before the crossover is known takes the kernel below the fewest rows
+    the crossover can be, measuring nothing (a first run's short prompt); the first pass of as many measures it once.
+    Fewer rows than the crossover take the kernel in its mode; as many or more, exact mode's fp32 weights times
+    torch's fp32 GEMM, a block of rows at a time; inside kernel_passes() the kernel's mode again. Later binds, and a
+    new process, read the answer back instead of measuring again."""
     import dataclasses
 
     import rocketllm_cli.native as native
     from rocketllm_cli.checkpoint.ggmlblocks import dequantize_blocks
     from rocketllm_cli.packed import compute, dense, nativeprobe
+    from rocketllm_cli.packed.probe import DENSE_ROWS
 
     if native.kernels() is None:
         pytest.skip(f"no native kernels here: {native.why_not()}")
+    fewest = min(DENSE_ROWS)
     measured = []
     monkeypatch.setattr(nativeprobe, "_CACHE", {})
     monkeypatch.setattr(nativeprobe, "stored_path", lambda: tmp_path / "kernels.json")
-    monkeypatch.setattr(nativeprobe, "_measure", lambda: measured.append(1) or 5)
+    monkeypatch.setattr(nativeprobe, "_measure", lambda: measured.append(1) or fewest)
     monkeypatch.setattr(dense, "CHUNK_VALUES", 64 * 96)  # 64 rows a block: two blocks, the last of 36 rows
     weights = (np.random.default_rng(3).standard_normal((100, 96)) * 0.05).astype(np.float32)
     blocks = gguf_quantize(weights, GGMLQuantizationType.Q4_1)
     packed = from_gguf(blocks, "Q4_1", raw=True)
     bound = bind(packed, "cpu", torch.float32, mode="int16")
-    assert (bound.path, bound.dense_rows, bound.dense_dtype, measured) == ("native", 5, torch.float32, [1])
-    monkeypatch.setattr(nativeprobe, "_CACHE", {})  # a new process: the stored answer, not a second measurement
-    assert bind(packed, "cpu", torch.float32, mode="int16").dense_rows == 5 and measured == [1]
-    row = nativeprobe.stored_row("cpu")
-    assert row["name"] == "packed_native_dense" and row["value"] == "from 5 rows"
+    assert (bound.path, bound.dense_rows, bound.dense_dtype, measured) == ("native", fewest, torch.float32, [])
     weights = dequantize_blocks(packed.parts["blocks"], "Q4_1").float()
-    x = torch.randn(2, 6, 96, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(2, 50, 96, generator=torch.Generator().manual_seed(4))
     exact = (x.double() @ weights.double().T).float()
     module = torch.nn.Linear(96, 100, bias=False)
     from rocketllm_cli.stream.packedbind import make_packed
 
     make_packed(module, "w", "a test")
     module.packed_weight = bound
-    assert torch.equal(module(x[:1, :4]), bound.fast(x[:1, :4]))  # 4 rows: the int16 kernel
-    dense_out = module(x.view(1, 12, 96)).view(2, 6, 100)  # 12 rows: dense
+    assert torch.equal(module(x[:1, :4]), bound.fast(x[:1, :4])) and measured == []  # 4 rows: the int16 kernel
+    dense_out = module(x.view(1, 100, 96)).view(2, 50, 100)  # 100 rows: measured now, then dense
+    assert measured == [1] and bound.dense_rows == fewest and bound.dense_rows_later is None
     assert torch.allclose(dense_out, exact, rtol=0, atol=1e-5 * float(exact.abs().max()))
     assert not torch.equal(dense_out, bound.fast(x))  # the int16 kernel's answer differs: its x is rounded
     with dense.kernel_passes():
-        assert torch.equal(compute.linear(x.view(12, 96), bound), bound.fast(x.view(12, 96)))
+        assert torch.equal(compute.linear(x.view(100, 96), bound), bound.fast(x.view(100, 96)))
+    assert bind(packed, "cpu", torch.float32, mode="int16").dense_rows_later is None and measured == [1]
+    monkeypatch.setattr(nativeprobe, "_CACHE", {})  # a new process: the stored answer, not a second measurement
+    again = bind(packed, "cpu", torch.float32, mode="int16")
+    assert (again.dense_rows, again.dense_rows_later, measured) == (fewest, None, [1])
+    row = nativeprobe.stored_row("cpu")
+    assert row["name"] == "packed_native_dense" and row["value"] == f"from {fewest} rows"
     assert dataclasses.replace(bound, dense_rows=0).dense_rows == 0
+
+
+def test_a_crossover_measured_as_never_leaves_every_pass_on_the_kernel(monkeypatch, tmp_path):
+    """The probe found dense multiplying never faster: the pass that measured it, and every later one, take the
+    kernel, and nothing asks again."""
+    import rocketllm_cli.native as native
+    from rocketllm_cli.packed import nativeprobe
+    from rocketllm_cli.packed.probe import DENSE_ROWS
+
+    if native.kernels() is None:
+        pytest.skip(f"no native kernels here: {native.why_not()}")
+    measured = []
+    monkeypatch.setattr(nativeprobe, "_CACHE", {})
+    monkeypatch.setattr(nativeprobe, "stored_path", lambda: tmp_path / "kernels.json")
+    monkeypatch.setattr(nativeprobe, "_measure", lambda: measured.append(1) or 0)
+    weights = (np.random.default_rng(5).standard_normal((40, 64)) * 0.05).astype(np.float32)
+    packed = from_gguf(gguf_quantize(weights, GGMLQuantizationType.Q4_0), "Q4_0", raw=True)
+    bound = bind(packed, "cpu", torch.float32, mode="int16")
+    x = torch.randn(2 * min(DENSE_ROWS), 64, generator=torch.Generator().manual_seed(6))
+    from rocketllm_cli.packed import compute
+
+    for _ in range(2):
+        assert torch.equal(compute.linear(x, bound), bound.fast(x))
+    assert measured == [1] and bound.dense_rows == 0 and bound.serves_fast(x)
 
 
 def test_a_burst_of_other_work_does_not_reverse_which_dtype_is_fastest(monkeypatch):

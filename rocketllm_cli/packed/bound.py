@@ -43,12 +43,22 @@ class BoundWeight:
     dense_dtype: torch.dtype | None = None  # the dtype that dense multiply runs in (None: `dtype`)
     fast_numel: int = field(default=sys.maxsize, repr=False)  # x.numel() below which `fast` serves (dense_rows · K)
     mode: str = "exact"  # path native: one of NATIVE_MODES
+    # the crossover still to be measured: dense_rows is then the fewest rows it can be, and a pass of as many settles
+    # it (settle_dense_rows) before choosing
+    dense_rows_later: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.fast is None and self.path in ("int4", "int8", "native"):
             self.fast = _fast_call(self)
         if self.dense_rows:
             self.fast_numel = self.dense_rows * self.format.shape[1]
+
+    def settle_dense_rows(self) -> None:
+        """Measure the crossover this weight was bound before (once per process: the probe keeps it)."""
+        later, self.dense_rows_later = self.dense_rows_later, None
+        if later is not None:
+            self.dense_rows = later()
+            self.fast_numel = self.dense_rows * self.format.shape[1] if self.dense_rows else sys.maxsize
 
     def serves_fast(self, x) -> bool:
         """Whether the fast call computes this input as it is: its dtype, K wide, contiguous, few enough rows."""

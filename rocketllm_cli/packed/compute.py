@@ -17,7 +17,7 @@ from ..checkpoint.packedformat import PackedFormat, PackedTensor
 from . import dense, layout
 from .bound import BoundWeight, native_kernels
 from .dequant import dequantize_into
-from .nativeprobe import native_dense_rows
+from .nativeprobe import native_dense_plan
 from .probe import capabilities
 from .scratch import SCRATCH, Scratch
 
@@ -53,9 +53,17 @@ def bind(
     device = torch.device(device)
     path = kernel_path(packed.format, dtype, device) if kernel else "scratch"
     if path == "native":  # from the probe's row count on, a pass multiplies exact fp32 weights densely
-        rows = native_dense_rows(device)
+        rows, later = native_dense_plan(device)
         return BoundWeight(
-            packed.format, dtype, device, path, portable=packed, mode=mode, dense_rows=rows, dense_dtype=torch.float32
+            packed.format,
+            dtype,
+            device,
+            path,
+            portable=packed,
+            mode=mode,
+            dense_rows=rows,
+            dense_dtype=torch.float32,
+            dense_rows_later=later,
         )
     if path in ("int4", "int8"):
         rows, in_dtype = dense_plan(path, dtype, device)

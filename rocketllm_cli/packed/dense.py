@@ -61,6 +61,10 @@ def dense_now(weight, rows: int) -> bool:
     kernels, outside kernel_passes())."""
     if not weight.dense_rows or rows < weight.dense_rows:
         return False
+    if weight.dense_rows_later is not None:  # as many rows as the crossover can be: measure it now
+        weight.settle_dense_rows()
+        if not weight.dense_rows or rows < weight.dense_rows:
+            return False
     return weight.path != "native" or not getattr(_KERNEL_ONLY, "on", False)
 
 
