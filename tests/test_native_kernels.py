@@ -294,6 +294,23 @@ def test_concurrent_callers(nk):
     assert not errors
 
 
+def test_a_bound_matmul_gives_matmuls_bits_and_checks_its_weight_once(nk):
+    """The packed Linear's per-call product: the blocks, type and mode checked when it is made; each call writes
+    what matmul returns into the caller's output, whatever its rows' shape."""
+    blocks, x = make_blocks("Q5_K", 24, 512, 0), activations(3, 512, 0)
+    product = nk.bound_matmul(blocks, "Q5_K", 512, "int16")
+    out = torch.full((1, 3, 24), float("nan"))
+    product(x.view(1, 3, 512), 3, out, 2)
+    assert torch.equal(out.view(3, 24), nk.matmul(blocks, "Q5_K", x, mode="int16"))
+    for bad, message in (
+        (lambda: nk.bound_matmul(blocks, "Q5_K", 256, "int16"), "do not hold K = 256"),
+        (lambda: nk.bound_matmul(blocks, "Q5_K", 512, "fp8"), "mode"),
+        (lambda: nk.bound_matmul(blocks.view(torch.int8), "Q5_K", 512), "uint8"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            bad()
+
+
 def test_supported_and_layouts(nk):
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 

@@ -170,6 +170,26 @@ class NativeKernels:
             raise RuntimeError(f"native {name} matmul failed: {_ERRORS.get(rc, rc)}")
         return out
 
+    def bound_matmul(self, blocks: torch.Tensor, gguf_type, k: int, mode: str = "exact"):
+        """matmul on one weight's blocks, checked once: f(x, m, out, threads) writes out = x · Wᵀ with x the M rows of
+        K fp32 values of a contiguous CPU tensor and out a contiguous fp32 CPU tensor of M · N values, neither
+        checked (the packed Linear's per call path, whose caller guarantees both: matmul's checks and allocation
+        were a third of a small decode product's time). The blocks are held by the call."""
+        name, type_id = self._type_of(gguf_type)
+        mode_id = MODES.get(mode)
+        if mode_id is None:
+            raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
+        n, row_bytes = self._check_blocks(name, blocks, k, f"K = {k}")
+        call, isa, held = self._call, self._isa_id, blocks
+        at = held.data_ptr()
+
+        def product(x: torch.Tensor, m: int, out: torch.Tensor, threads: int) -> None:
+            rc = call(isa, type_id, mode_id, at, n, row_bytes, x.data_ptr(), m, k, out.data_ptr(), threads)
+            if rc:
+                raise RuntimeError(f"native {name} matmul of {held.shape[0]} rows failed: {_ERRORS.get(rc, rc)}")
+
+        return product
+
     def dequantize(
         self, blocks: torch.Tensor, gguf_type, k: int, out: torch.Tensor | None = None, threads: int | None = None
     ) -> torch.Tensor:

@@ -102,21 +102,16 @@ def _fast_call(weight: BoundWeight):
         # A weight this small is computed on the calling thread: waking the pool's workers (and competing with
         # torch's spinning OpenMP threads for the cores) cost ~0.3 ms a call, more than the product itself.
         threads = 1 if blocks.numel() < ONE_THREAD_BYTES else None
+        product = nk.bound_matmul(blocks, kind, k, mode)
 
-        def native(x):
-            rows = x.reshape(-1, k)
+        def native(x):  # x contiguous (serves_fast, linear()), K wide
+            rows = x if x.dtype == torch.float32 else x.float()
+            m = rows.numel() // k
             # a decode the model runs on these kernels: the free cores are theirs (threads.py, native_pass)
-            used = (
-                COMPUTE_THREADS.native_threads()
-                if COMPUTE_THREADS.native_pass
-                else threads
-                if rows.shape[0] == 1
-                else None
-            )
-            out = nk.matmul(
-                blocks, kind, rows if rows.dtype == torch.float32 else rows.float(), mode=mode, threads=used
-            )
-            return (out if x.dtype == torch.float32 else out.to(x.dtype)).view(x.shape[:-1] + tail)
+            used = COMPUTE_THREADS.native_threads() if COMPUTE_THREADS.native_pass else threads if m == 1 else None
+            out = torch.empty(x.shape[:-1] + tail, dtype=torch.float32)
+            product(rows, m, out, torch.get_num_threads() if used is None else used)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
 
         return native
     if weight.path == "int4":
