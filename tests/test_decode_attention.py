@@ -60,6 +60,17 @@ def test_threads_agree_bit_for_bit_and_out_is_written(nk):
     assert torch.equal(one, out)  # the chunks are the same whoever computes them; the merge is one thread's
 
 
+def test_transformers_shapes_give_attends_bits(nk):
+    """attend_heads, the decode path's call, on [1, H, 1, D] and [1, KH, L, D] views of a longer cache (as the
+    append cache hands them over) gives what attend gives on the same tensors selected."""
+    kbuf, vbuf = (torch.randn(1, 4, 300, 64, generator=torch.Generator().manual_seed(s)) for s in (5, 6))
+    k, v = kbuf[:, :, :130], vbuf[:, :, :130]
+    q = torch.randn(1, 1, 12, 64, generator=torch.Generator().manual_seed(7)).transpose(1, 2)  # as transformers has it
+    got = nk.attend_heads(q, k, v, 0.125, 2)
+    assert got.shape == (1, 1, 12, 64) and got.is_contiguous()
+    assert torch.equal(got[0, 0], nk.attend(q[0, :, 0], k[0], v[0], 0.125, threads=2))
+
+
 def test_a_nan_in_the_cache_reaches_its_heads_alone(nk):
     k, v = cache(2, 100, 64, seed=2)
     k = k.clone()
@@ -113,13 +124,13 @@ def decode(directory, attention, ids):
 
 def test_a_gguf_model_decodes_the_same_tokens_attending_natively(nk, tiny_gguf_set, monkeypatch):
     calls = {"native": 0}
-    attend = NativeKernels.attend
+    attend = NativeKernels.attend_heads
 
     def counted(self, *args, **kwargs):
         calls["native"] += 1
         return attend(self, *args, **kwargs)
 
-    monkeypatch.setattr(NativeKernels, "attend", counted)
+    monkeypatch.setattr(NativeKernels, "attend_heads", counted)
     ids = torch.randint(5, 40000, (1, 90), generator=torch.Generator().manual_seed(0))  # two chunks of the cache
     path_torch, tokens_torch, scores_torch = decode(tiny_gguf_set, "torch", ids)
     assert (path_torch, calls["native"]) == ("torch", 0)
@@ -145,8 +156,8 @@ def test_masks_that_hide_no_key_attend_natively_and_others_go_to_sdpa(nk, monkey
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     monkeypatch.setattr(decodeattention, "_kernels", nk)
-    calls, attend = [], NativeKernels.attend
-    monkeypatch.setattr(NativeKernels, "attend", lambda self, *a, **k: calls.append(1) or attend(self, *a, **k))
+    calls, attend = [], NativeKernels.attend_heads
+    monkeypatch.setattr(NativeKernels, "attend_heads", lambda self, *a, **k: calls.append(1) or attend(self, *a, **k))
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(1, 4, 1, 64, generator=g), torch.randn(1, 2, 50, 64, generator=g), torch.randn(1, 2, 50, 64)
     module = torch.nn.Module()

@@ -99,15 +99,15 @@ def _native_case(query, key, value, attention_mask, dropout, kwargs) -> bool:
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' attention function contract: query [1, H, 1, D], key and value [1, KH, L, D] -> ([1, 1, H, D],
     None) on the native kernels in the decode case, else exactly what SDPA's function returns."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if not _native_case(query, key, value, attention_mask, dropout, kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    heads, dim = query.shape[1], query.shape[3]
-    scale = dim**-0.5 if scaling is None else scaling
+    scale = query.shape[3] ** -0.5 if scaling is None else float(scaling)
     # a decode on the native kernels gives them the free cores (threads.py native_pass); else torch's count
     threads = COMPUTE_THREADS.native_threads() if COMPUTE_THREADS.native_pass else None
-    out = _kernels.attend(query[0, :, 0], key[0], value[0], scale, threads=threads)
-    return out.view(1, 1, heads, dim), None
+    return _kernels.attend_heads(
+        query, key, value, scale, torch.get_num_threads() if threads is None else threads
+    ), None
