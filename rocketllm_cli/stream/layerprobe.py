@@ -215,6 +215,7 @@ def _as_engine(model, kernel: str, head: bool = False) -> bool:
     from ..packed.bound import BoundWeight
     from ..profiles.knobs.table import NATIVE_ATTENTION_KERNELS
     from .decodeattention import use_native_attention
+    from .fusednorms import fuse_norms
     from .packedbind import make_packed
 
     if kernels() is None:
@@ -237,6 +238,7 @@ def _as_engine(model, kernel: str, head: bool = False) -> bool:
         )
     if kernel in NATIVE_ATTENTION_KERNELS and hasattr(model, "config"):  # decode_attention's formula (running.py)
         use_native_attention(model)
+    fuse_norms(model, torch.float32)  # as the engine's model on a CPU (fusednorms.py)
     return True
 
 

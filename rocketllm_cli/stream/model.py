@@ -1,9 +1,9 @@
 """The streaming model: a transformers model on the meta device whose weights arrive just in time.
 
-Resident units are bound once. Each streamed unit gets a forward pre-hook on its
-module that binds views of its bytes to (module, name) pairs computed up front,
-and a post-hook that puts the placeholders back and frees the buffer.
-transformers runs the forward pass and generate() unchanged.
+Resident units are bound once. Each streamed unit gets a forward pre-hook on its module that binds views of its bytes
+to (module, name) pairs computed up front, and a post-hook that puts the placeholders back and frees the buffer.
+transformers runs the forward pass and generate() unchanged; on a CPU its RMS norms run torch's fused call where that
+gives their bits (fusednorms.py).
 
 An unbound tensor is an `Unbound` placeholder (unbound.py): it answers shape, dtype and the compute device and raises
 UnboundWeightError from any computation. A streamed embedding table's placeholder answers lookups by reading rows.
@@ -29,6 +29,7 @@ from .attention import planless_attention
 from .binding import Binding, assign, called_site, is_lookup, move_buffers
 from .decodeattention import attention_path
 from .engineconfig import EngineConfig
+from .fusednorms import fuse_norms
 from .graphs import graphs_excluded
 from .ledger import Ledger
 from .packedbind import PackedBinding, activation_dtype, make_fused, make_packed
@@ -69,6 +70,7 @@ class StreamingModel:
             if why:
                 raise ParameterError(why, "kv_cache_dtype")  # before any weight is read
         model = build_meta_model(hf_config, self.dtype)
+        self.fused_norms = fuse_norms(model, self.dtype) if self.device.type == "cpu" else "not on this device"
         self.plan: ResidencyPlan = make_plan(
             self.manifest,
             config.device_cache_bytes,
@@ -76,8 +78,8 @@ class StreamingModel:
             device=self.device.type,
             compute_itemsize=self.dtype.itemsize,
         )
-        # Resident experts are counted when routed, like every expert, and a vision tower runs once per request, not per
-        # pass: the rest of the device tier serves every pass.
+        # Resident experts are counted when routed, like every expert, and a vision tower runs once a request: the rest
+        # of the device tier serves every pass.
         resident = sum(
             u.tensor_bytes
             for u in self.manifest.units
@@ -149,8 +151,7 @@ class StreamingModel:
             is_buffer = attr in module._buffers
             table = module._buffers if is_buffer else module._parameters
             hook = called_site(model, hook_of[unit] if name == key else module_path, module_path)
-            # Buffers are real (initial values) and parameters may be tied placeholders: each gets its own, naming its
-            # site.
+            # Buffers are real (initial values), parameters may be tied placeholders: each gets its own, naming its site
             where = f"{hook or 'the model'} (unit {unit})"
             placeholder = table[attr] = Unbound(name, table[attr], self.device, where)
             persistent = self.plan.tier[unit] == "host" and self.device.type == "cpu"  # views of the persistent mapping
@@ -318,7 +319,6 @@ class StreamingModel:
         """Where the units live and how the streamed ones are read, in words (--stats, bench, /health)."""
         return f"{self.plan.describe(self.manifest)}; {self.store.describe_buffers()}"
 
-    # -- transformers surface -------------------------------------------------------------
     def generate(self, *args, json_schema: dict | None = None, grammar: str | None = None, **kwargs):
         """transformers' generate(), on the streamed model. A prompt plus max_new_tokens over the max_context knob
         is refused first (ParameterError, with the numbers), as `generate` and `serve` refuse it.

@@ -18,7 +18,8 @@ from __future__ import annotations
 from .keptfile import KeptFile
 
 FILE = "layer-cost.json"
-VERSION = 2  # of the method: a figure measured otherwise is measured again (2: at the set's shape, products off)
+VERSION = 3  # of the method: a figure measured otherwise is measured again (2: at the set's shape, products off;
+# 3: its RMS norms fused as the engine's are)
 KEPT = KeptFile(FILE)  # the file as read or written in this process, per profile fingerprint
 
 

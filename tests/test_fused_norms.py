@@ -1,0 +1,111 @@
+"""RMS norms as torch's fused call (stream/fusednorms.py): found by their shape, not their class; a form is taken only
+where it gives the module's own bits; anything else (hooks, another dtype, a module that is not a norm) runs the
+module's forward as before; the engine's model does it on the CPU and still matches plain transformers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import Gemma3TextConfig, LlamaConfig
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from rocketllm_cli.stream.fusednorms import _FusedNorm, fuse_norms
+
+
+def _inputs(width: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(width)
+    return [
+        (s * torch.randn(*lead, width, generator=g)).to(dtype) for lead in ((1, 1), (1, 9), (3, 2, 1)) for s in (1, 40)
+    ]
+
+
+def _eager(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return type(module).__mro__[2].forward(module, x) if isinstance(module, _FusedNorm) else module(x)
+
+
+def test_llama_and_gemma_norms_take_their_form_and_give_the_same_bits():
+    llama, gemma = LlamaRMSNorm(96, eps=1e-5), Gemma3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        llama.weight.normal_()
+        gemma.weight.normal_()
+    model = nn.ModuleDict({"a": llama, "b": gemma, "c": nn.Linear(4, 4)})
+    before = {name: [m(x) for x in _inputs(m.weight.shape[0])] for name, m in (("a", llama), ("b", gemma))}
+    said = fuse_norms(model, torch.float32)
+    assert said == "2 of 2 norm modules run torch's fused RMS norm (1 + weight, weight)"
+    assert isinstance(llama, _FusedNorm) and isinstance(llama, LlamaRMSNorm) and isinstance(gemma, _FusedNorm)
+    assert type(model["c"]) is nn.Linear
+    for name, module in (("a", llama), ("b", gemma)):
+        after = [module(x) for x in _inputs(module.weight.shape[0])]
+        assert all(torch.equal(a, b) for a, b in zip(after, before[name]))
+    with torch.no_grad():  # the weight is read at each call: a streamed unit's is bound afresh
+        llama.weight.mul_(2)
+    x = _inputs(96)[0]
+    assert torch.equal(llama(x), _eager(llama, x))
+
+
+def test_a_bf16_model_takes_the_forms_that_cast_where_its_norm_does():
+    """Llama multiplies by its weight after casting back to bf16, Gemma before: each probe finds its own."""
+    llama, gemma = LlamaRMSNorm(96).to(torch.bfloat16), Gemma3RMSNorm(64).to(torch.bfloat16)
+    assert fuse_norms(llama, torch.bfloat16).endswith("(weight, after the cast)")
+    assert fuse_norms(gemma, torch.bfloat16).endswith("(1 + weight, before the cast)")
+    for module in (llama, gemma):
+        with torch.no_grad():
+            module.weight.normal_()
+        for x in _inputs(module.weight.shape[0], torch.bfloat16):
+            assert torch.equal(module(x), _eager(module, x))
+
+
+def test_another_dtype_and_hooks_go_through_the_modules_own_forward():
+    norm = LlamaRMSNorm(32)
+    fuse_norms(norm, torch.float32)
+    calls = []
+    handle = norm.register_forward_hook(lambda module, args, out: calls.append(1))
+    x = torch.randn(1, 1, 32)
+    assert torch.equal(norm(x), _eager(norm, x)) and calls == [1]
+    handle.remove()
+    xb = x.to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.data = norm.weight.data.to(torch.bfloat16)
+    assert torch.equal(norm(xb), _eager(norm, xb))  # bf16 was not probed: the module's own ops
+
+
+def test_a_module_shaped_like_a_norm_that_is_not_one_keeps_its_forward():
+    class Scale(nn.Module):  # one 1-D weight and an epsilon, but no normalisation
+        def __init__(self):
+            super().__init__()
+            self.eps = 1e-6
+            self.weight = nn.Parameter(torch.ones(16))
+
+        def forward(self, x):
+            return x * self.weight + self.eps
+
+    scale = Scale()
+    assert fuse_norms(scale, torch.float32) == "0 of 1 norm modules run torch's fused RMS norm (no form matched)"
+    assert type(scale) is Scale
+    assert fuse_norms(nn.Linear(3, 3), torch.float32) == "no RMS norm modules"
+
+
+def test_probing_a_model_on_meta_leaves_its_weights_as_they_were():
+    from rocketllm_cli.shard.discover import build_meta_model
+
+    for config in (
+        LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2, vocab_size=128),
+        Gemma3TextConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=2,
+            vocab_size=128,
+        ),
+    ):
+        model = build_meta_model(config, torch.float32)
+        weights = {name: p for name, p in model.named_parameters()}
+        said = fuse_norms(model, torch.float32)
+        assert said.startswith(f"{sum(isinstance(m, _FusedNorm) for m in model.modules())} of ")
+        assert sum(isinstance(m, _FusedNorm) for m in model.modules()) == (
+            5 if "Llama" in type(config).__name__ else 13
+        )
+        assert all(p is weights[name] and p.is_meta for name, p in model.named_parameters())
