@@ -86,6 +86,25 @@ def test_a_module_shaped_like_a_norm_that_is_not_one_keeps_its_forward():
     assert fuse_norms(nn.Linear(3, 3), torch.float32) == "no RMS norm modules"
 
 
+def test_instances_of_one_class_that_differ_in_a_flag_are_probed_apart():
+    class Norm(nn.Module):  # one class, two behaviours: the flag decides
+        def __init__(self, offset: bool):
+            super().__init__()
+            self.eps, self.offset = 1e-6, offset
+            self.weight = nn.Parameter(torch.randn(32))
+
+        def forward(self, x):
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return normed * (1.0 + self.weight.float()) if self.offset else normed * self.weight
+
+    plain, offset = Norm(False), Norm(True)
+    said = fuse_norms(nn.ModuleList([plain, offset]), torch.float32)
+    assert said == "2 of 2 norm modules run torch's fused RMS norm (1 + weight, weight)"
+    for module in (plain, offset):
+        for x in _inputs(32):
+            assert torch.equal(module(x), _eager(module, x))
+
+
 def test_probing_a_model_on_meta_leaves_its_weights_as_they_were():
     from rocketllm_cli.shard.discover import build_meta_model
 

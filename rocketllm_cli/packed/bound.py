@@ -104,8 +104,10 @@ def _fast_call(weight: BoundWeight):
         threads = 1 if blocks.numel() < ONE_THREAD_BYTES else None
         product = nk.bound_matmul(blocks, kind, k, mode)
 
-        def native(x):  # x contiguous (serves_fast, linear()), K wide
+        def native(x):  # x K wide (serves_fast, linear())
             rows = x if x.dtype == torch.float32 else x.float()
+            if not rows.is_contiguous():  # the kernel reads rows by pointer
+                rows = rows.contiguous()
             m = rows.numel() // k
             # a decode the model runs on these kernels: the free cores are theirs (threads.py, native_pass)
             used = COMPUTE_THREADS.native_threads() if COMPUTE_THREADS.native_pass else threads if m == 1 else None

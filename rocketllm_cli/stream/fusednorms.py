@@ -76,8 +76,8 @@ def fuse_norms(model: nn.Module, dtype: torch.dtype) -> str:
         if candidate is None:
             continue
         found += 1
-        width, eps = candidate
-        key = (type(module), width, eps, dtype)
+        width, eps, state = candidate
+        key = (type(module), width, eps, dtype, state)  # instances of a class that differ in a flag differ here
         if key not in verdicts:
             verdicts[key] = _probe(module, width, eps, dtype)
         form = verdicts[key]
@@ -97,15 +97,21 @@ def fuse_norms(model: nn.Module, dtype: torch.dtype) -> str:
     return f"{fused} of {found} norm modules run torch's fused RMS norm ({', '.join(forms) or 'no form matched'})"
 
 
-def _candidate(module: nn.Module) -> tuple[int, float] | None:
-    """(width, epsilon) of a module shaped like an RMS norm, else None."""
+def _candidate(module: nn.Module) -> tuple[int, float, tuple] | None:
+    """(width, epsilon, its other attributes) of a module shaped like an RMS norm, else None. Attributes that are not
+    plain values (another object a forward could consult) make it no candidate."""
     if module._modules or module._buffers or isinstance(module, _FusedNorm):
         return None
     params = module._parameters
     if set(params) != {"weight"} or params["weight"] is None or params["weight"].dim() != 1:
         return None
-    eps = [v for v in vars(module).values() if type(v) is float and 0 < v <= 1e-2]
-    return (int(params["weight"].shape[0]), eps[0]) if len(eps) == 1 else None
+    public = {k: v for k, v in vars(module).items() if not k.startswith("_")}
+    if any(v is not None and type(v) not in (bool, int, float, str) for v in public.values()):
+        return None
+    eps = [v for v in public.values() if type(v) is float and 0 < v <= 1e-2]
+    if len(eps) != 1:
+        return None
+    return int(params["weight"].shape[0]), eps[0], tuple(sorted(public.items()))
 
 
 def _probe(module: nn.Module, width: int, eps: float, dtype: torch.dtype) -> str | None:
