@@ -368,9 +368,10 @@ def test_gguf_blocks_multiply_densely_as_exact_weights_from_the_measured_row_cou
     if native.kernels() is None:
         pytest.skip(f"no native kernels here: {native.why_not()}")
     fewest = min(DENSE_ROWS)
-    measured = []
+    measured, looked = [], []
     monkeypatch.setattr(nativeprobe, "_CACHE", {})
-    monkeypatch.setattr(nativeprobe, "stored_path", lambda: tmp_path / "kernels.json")
+    monkeypatch.setattr(nativeprobe, "_UNSTORED", set())
+    monkeypatch.setattr(nativeprobe, "stored_path", lambda: looked.append(1) or tmp_path / "kernels.json")
     monkeypatch.setattr(nativeprobe, "_measure", lambda: measured.append(1) or fewest)
     monkeypatch.setattr(dense, "CHUNK_VALUES", 64 * 96)  # 64 rows a block: two blocks, the last of 36 rows
     weights = (np.random.default_rng(3).standard_normal((100, 96)) * 0.05).astype(np.float32)
@@ -378,6 +379,9 @@ def test_gguf_blocks_multiply_densely_as_exact_weights_from_the_measured_row_cou
     packed = from_gguf(blocks, "Q4_1", raw=True)
     bound = bind(packed, "cpu", torch.float32, mode="int16")
     assert (bound.path, bound.dense_rows, bound.dense_dtype, measured) == ("native", fewest, torch.float32, [])
+    for _ in range(5):  # a model's other weights: the stored file was looked for once (its path takes a fingerprint)
+        bind(packed, "cpu", torch.float32, mode="int16")
+    assert len(looked) == 1
     weights = dequantize_blocks(packed.parts["blocks"], "Q4_1").float()
     x = torch.randn(2, 50, 96, generator=torch.Generator().manual_seed(4))
     exact = (x.double() @ weights.double().T).float()
@@ -395,6 +399,7 @@ def test_gguf_blocks_multiply_densely_as_exact_weights_from_the_measured_row_cou
         assert torch.equal(compute.linear(x.view(100, 96), bound), bound.fast(x.view(100, 96)))
     assert bind(packed, "cpu", torch.float32, mode="int16").dense_rows_later is None and measured == [1]
     monkeypatch.setattr(nativeprobe, "_CACHE", {})  # a new process: the stored answer, not a second measurement
+    monkeypatch.setattr(nativeprobe, "_UNSTORED", set())
     again = bind(packed, "cpu", torch.float32, mode="int16")
     assert (again.dense_rows, again.dense_rows_later, measured) == (fewest, None, [1])
     row = nativeprobe.stored_row("cpu")
@@ -413,6 +418,7 @@ def test_a_crossover_measured_as_never_leaves_every_pass_on_the_kernel(monkeypat
         pytest.skip(f"no native kernels here: {native.why_not()}")
     measured = []
     monkeypatch.setattr(nativeprobe, "_CACHE", {})
+    monkeypatch.setattr(nativeprobe, "_UNSTORED", set())
     monkeypatch.setattr(nativeprobe, "stored_path", lambda: tmp_path / "kernels.json")
     monkeypatch.setattr(nativeprobe, "_measure", lambda: measured.append(1) or 0)
     weights = (np.random.default_rng(5).standard_normal((40, 64)) * 0.05).astype(np.float32)

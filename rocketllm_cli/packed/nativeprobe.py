@@ -18,6 +18,7 @@ FORMAT = 1  # of the method: another way of measuring is measured again
 TYPE, MODE = "Q4_0", "int16"  # the blocks timed, and the mode the kernel runs them in (the CPU's default)
 
 _CACHE: dict[str, int] = {}  # kernel build -> rows, this process's
+_UNSTORED: set[str] = set()  # kernel builds this process found no stored crossover for (native_dense_plan)
 
 
 def native_dense_rows(device) -> int:
@@ -36,6 +37,7 @@ def native_dense_rows(device) -> int:
             rows = _measure()
             _store(nk.build, rows)
         _CACHE[nk.build] = rows
+        _UNSTORED.discard(nk.build)
     return _CACHE[nk.build]
 
 
@@ -52,8 +54,9 @@ def native_dense_plan(device) -> tuple[int, object]:
     if nk is None or not nk.supported(TYPE):
         return 0, None
     if nk.build not in _CACHE:
-        rows = _stored(nk.build)
-        if rows is None:
+        rows = None if nk.build in _UNSTORED else _stored(nk.build)
+        if rows is None:  # looked for once a process: the stored file's path takes the machine's fingerprint
+            _UNSTORED.add(nk.build)
             return min(DENSE_ROWS), lambda: native_dense_rows(device)
         _CACHE[nk.build] = rows
     return _CACHE[nk.build], None
