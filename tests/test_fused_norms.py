@@ -56,7 +56,7 @@ def test_a_bf16_model_takes_the_forms_that_cast_where_its_norm_does():
             assert torch.equal(module(x), _eager(module, x))
 
 
-def test_another_dtype_and_hooks_go_through_the_modules_own_forward():
+def test_another_dtype_hooks_and_a_compiled_call_go_through_the_modules_own_call():
     norm = LlamaRMSNorm(32)
     fuse_norms(norm, torch.float32)
     calls = []
@@ -64,6 +64,9 @@ def test_another_dtype_and_hooks_go_through_the_modules_own_forward():
     x = torch.randn(1, 1, 32)
     assert torch.equal(norm(x), _eager(norm, x)) and calls == [1]
     handle.remove()
+    norm._compiled_call_impl = lambda *args: calls.append("compiled") or _eager(norm, *args)  # as module.compile()
+    assert torch.equal(norm(x), _eager(norm, x)) and calls == [1, "compiled"]
+    norm._compiled_call_impl = None
     xb = x.to(torch.bfloat16)
     with torch.no_grad():
         norm.weight.data = norm.weight.data.to(torch.bfloat16)

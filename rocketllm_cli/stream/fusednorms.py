@@ -10,7 +10,7 @@ dimension, no buffers, and a small positive float attribute (its epsilon). Each 
 width, epsilon and dtype, with a random weight put in for the probe (the model's may be unbound, on meta or streamed)
 and inputs of several shapes and magnitudes: the first of FORMS whose output equals the module's own forward bit for
 bit is the one it runs from then on; a class no form matches keeps its forward. A call another dtype reaches, or one
-with hooks or extra arguments, goes through the module's own forward as before.
+with hooks, extra arguments or a compiled call, goes through the module's own forward as before.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packedbind import _hooked
+from .packedbind import module_call_needed
 
 
 def _one_plus(w: torch.Tensor) -> torch.Tensor:  # Gemma's (1 + weight), in fp32
@@ -46,19 +46,8 @@ class _FusedNorm:
     fused_dtype = None  # the dtype of x and weight the form was probed in
 
     def __call__(self, x, *args, **kwargs):
-        d = self.__dict__
         weight = self._parameters["weight"]
-        if (
-            args
-            or kwargs
-            or x.dtype != self.fused_dtype
-            or weight.dtype != self.fused_dtype
-            or d["_forward_pre_hooks"]
-            or d["_forward_hooks"]
-            or d["_backward_hooks"]
-            or d["_backward_pre_hooks"]
-            or _hooked()
-        ):
+        if x.dtype != self.fused_dtype or weight.dtype != self.fused_dtype or module_call_needed(self, args, kwargs):
             return nn.Module.__call__(self, x, *args, **kwargs)
         return self.fused_form(x, weight, self.fused_shape, self.fused_eps)
 

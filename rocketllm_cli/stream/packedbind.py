@@ -34,17 +34,7 @@ class _PackedForward:
     def __call__(self, x, *args, **kwargs):
         # nn.Module.__call__ checks for hooks and tracing on every call (a fifth of a small matvec's time): a call
         # with none of them goes straight to forward, any other through nn.Module as before.
-        d = self.__dict__
-        if (
-            args
-            or kwargs
-            or d["_forward_pre_hooks"]
-            or d["_forward_hooks"]
-            or d["_backward_hooks"]
-            or d["_backward_pre_hooks"]
-            or _hooked()
-            or d.get("_compiled_call_impl") is not None
-        ):
+        if module_call_needed(self, args, kwargs):
             return nn.Module.__call__(self, x, *args, **kwargs)
         return self.forward(x)
 
@@ -119,11 +109,19 @@ def _version(x: torch.Tensor):
     return None if x.is_inference() else x._version
 
 
-def _hooked() -> bool:
-    """A global module hook, a backward hook, or a tracer is active: nn.Module.__call__ must run them."""
-    m = _module
+def module_call_needed(module: nn.Module, args, kwargs) -> bool:
+    """Whether a call of MODULE must go through nn.Module.__call__: extra arguments, a hook of its own or a global one,
+    a tracer, or a compiled call; else its fast path may skip that machinery (a packed Linear's, a fused norm's)."""
+    d, m = module.__dict__, _module
     return bool(
-        m._global_forward_pre_hooks
+        args
+        or kwargs
+        or d["_forward_pre_hooks"]
+        or d["_forward_hooks"]
+        or d["_backward_hooks"]
+        or d["_backward_pre_hooks"]
+        or d.get("_compiled_call_impl") is not None
+        or m._global_forward_pre_hooks
         or m._global_forward_hooks
         or m._global_backward_pre_hooks
         or m._global_backward_hooks
