@@ -24,21 +24,8 @@ _UNSTORED: set[str] = set()  # kernel builds this process found no stored crosso
 def native_dense_rows(device) -> int:
     """Rows of x from which a native-kernel weight multiplies densely on `device` (0: never): stored, else measured
     now and stored."""
-    if torch.device(device).type != "cpu":
-        return 0
-    from ..native import kernels
-
-    nk = kernels()
-    if nk is None or not nk.supported(TYPE):
-        return 0
-    if nk.build not in _CACHE:
-        rows = _stored(nk.build)
-        if rows is None:
-            rows = _measure()
-            _store(nk.build, rows)
-        _CACHE[nk.build] = rows
-        _UNSTORED.discard(nk.build)
-    return _CACHE[nk.build]
+    build = _build(device)
+    return 0 if build is None else _settled(build)
 
 
 def native_dense_plan(device) -> tuple[int, object]:
@@ -46,20 +33,38 @@ def native_dense_plan(device) -> tuple[int, object]:
     that measures it): a weight bound before it is known multiplies on the kernel below that many rows, as it would
     for any crossover measured, and measures it on the first pass of as many (a first run's short prompt measures
     nothing: 0.24 s of a first generate's 5.7 on a 2-core AMD EPYC)."""
-    if torch.device(device).type != "cpu":
+    build = _build(device)
+    if build is None:
         return 0, None
+    if build not in _CACHE:
+        rows = None if build in _UNSTORED else _stored(build)
+        if rows is None:  # looked for once a process: the stored file's path takes the machine's fingerprint
+            _UNSTORED.add(build)
+            return min(DENSE_ROWS), lambda: _settled(build)
+        _CACHE[build] = rows
+    return _CACHE[build], None
+
+
+def _build(device) -> str | None:
+    """The native kernels' build where GGUF blocks (TYPE's) multiply on them on `device`, else None."""
+    if torch.device(device).type != "cpu":
+        return None
     from ..native import kernels
 
     nk = kernels()
-    if nk is None or not nk.supported(TYPE):
-        return 0, None
-    if nk.build not in _CACHE:
-        rows = None if nk.build in _UNSTORED else _stored(nk.build)
-        if rows is None:  # looked for once a process: the stored file's path takes the machine's fingerprint
-            _UNSTORED.add(nk.build)
-            return min(DENSE_ROWS), lambda: native_dense_rows(device)
-        _CACHE[nk.build] = rows
-    return _CACHE[nk.build], None
+    return nk.build if nk is not None and nk.supported(TYPE) else None
+
+
+def _settled(build: str) -> int:
+    """The crossover for kernel build BUILD: this process's, else stored, else measured now and stored."""
+    if build not in _CACHE:
+        rows = _stored(build)
+        if rows is None:
+            rows = _measure()
+            _store(build, rows)
+        _CACHE[build] = rows
+        _UNSTORED.discard(build)
+    return _CACHE[build]
 
 
 def stored_row(device) -> dict | None:
