@@ -217,6 +217,7 @@ def _as_engine(model, kernel: str, head: bool = False) -> bool:
     from .decodeattention import use_native_attention
     from .fusednorms import fuse_norms
     from .packedbind import make_packed
+    from .rotary import fast_rotary
 
     if kernels() is None:
         return False
@@ -238,7 +239,8 @@ def _as_engine(model, kernel: str, head: bool = False) -> bool:
         )
     if kernel in NATIVE_ATTENTION_KERNELS and hasattr(model, "config"):  # decode_attention's formula (running.py)
         use_native_attention(model)
-    fuse_norms(model, torch.float32)  # as the engine's model on a CPU (fusednorms.py)
+    fuse_norms(model, torch.float32)  # as the engine's model on a CPU (fusednorms.py, rotary.py)
+    fast_rotary(model, torch.float32)
     return True
 
 

@@ -2,11 +2,11 @@
 
 Resident units are bound once. Each streamed unit gets a forward pre-hook on its module that binds views of its bytes
 to (module, name) pairs computed up front, and a post-hook that puts the placeholders back and frees the buffer.
-transformers runs the forward pass and generate() unchanged; on a CPU its RMS norms run torch's fused call where that
-gives their bits (fusednorms.py).
+transformers runs the forward pass and generate() unchanged; on a CPU its RMS norms and rotary embedding run in fewer
+torch ops where that gives their bits (fusednorms.py, rotary.py).
 
-An unbound tensor is an `Unbound` placeholder (unbound.py): it answers shape, dtype and the compute device and raises
-UnboundWeightError from any computation. A streamed embedding table's placeholder answers lookups by reading rows.
+An unbound tensor is an `Unbound` placeholder (unbound.py): shape, dtype and device answer, a computation raises
+UnboundWeightError, and a streamed embedding table's placeholder answers lookups by reading rows.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .graphs import graphs_excluded
 from .ledger import Ledger
 from .packedbind import PackedBinding, activation_dtype, make_fused, make_packed
 from .residency import ResidencyPlan, make_plan
+from .rotary import fast_rotary
 from .store import WeightStore
 from .unbound import Unbound, unbind_all
 
@@ -46,8 +47,7 @@ class StreamingModel:
     knobs.
     """
 
-    # generate()'s json_schema/grammar: adds the grammar's logits processor to generate's keywords. The grammar engine
-    # lives in text/, above this layer: AutoModel.from_pretrained sets it (text/grammar.py constrained_kwargs).
+    # generate()'s json_schema/grammar: its logits processor's keywords, set from text/ (grammar.py constrained_kwargs)
     constrain = None
 
     def __init__(self, directory: Path, config: EngineConfig, manifest: Manifest | None = None, tokenizer=None) -> None:
@@ -71,6 +71,7 @@ class StreamingModel:
                 raise ParameterError(why, "kv_cache_dtype")  # before any weight is read
         model = build_meta_model(hf_config, self.dtype)
         self.fused_norms = fuse_norms(model, self.dtype) if self.device.type == "cpu" else "not on this device"
+        self.fast_rotary = fast_rotary(model, self.dtype) if self.device.type == "cpu" else "not on this device"
         self.plan: ResidencyPlan = make_plan(
             self.manifest,
             config.device_cache_bytes,
@@ -78,8 +79,7 @@ class StreamingModel:
             device=self.device.type,
             compute_itemsize=self.dtype.itemsize,
         )
-        # Resident experts are counted when routed, like every expert, and a vision tower runs once a request: the rest
-        # of the device tier serves every pass.
+        # the device tier's bytes every pass serves: resident experts count when routed, a vision tower once a request
         resident = sum(
             u.tensor_bytes
             for u in self.manifest.units

@@ -78,7 +78,7 @@ class FusedGroup:
 
     def call(self, index: int, x: torch.Tensor) -> torch.Tensor:
         outs = self._outs
-        if outs is not None and outs[index] is not None and self._x is x and _version(x) == self._version:
+        if outs is not None and outs[index] is not None and self._x is x and tensor_version(x) == self._version:
             out, outs[index] = outs[index], None
             self._left -= 1
             if not self._left:
@@ -99,11 +99,11 @@ class FusedGroup:
             if bias is not None:
                 part.add_(bias)
         out, parts[index] = parts[index], None
-        self._x, self._version, self._outs, self._left = x, _version(x), parts, len(parts) - 1
+        self._x, self._version, self._outs, self._left = x, tensor_version(x), parts, len(parts) - 1
         return out
 
 
-def _version(x: torch.Tensor):
+def tensor_version(x: torch.Tensor):
     # An inference tensor has no version counter (nothing in a layer changes its input in place). Asked first: reading
     # its _version raises, and raising cost SmolLM2 4 ms of a 20.8 ms resident token (150 calls a token).
     return None if x.is_inference() else x._version

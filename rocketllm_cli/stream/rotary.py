@@ -1,0 +1,145 @@
+"""A model's rotary embedding in fewer torch ops, where that gives its bits.
+
+transformers applies rotary position embeddings as `q * cos + rotate_half(q) * sin`, and the same for k, where
+`rotate_half(x)` is `cat(-x2, x1)` of x's two halves: seven ops for q, seven for k, two unsqueezes, and two module
+calls, since transformers 5 routes the function through a per-attention-module wrapper (the `kernels` package's
+`use_kernelized_func`). On a 2-core AMD EPYC that was 30.6 us a layer, 8.5% of a SmolLM2 decode step.
+
+`cat(-x2, x1) * sin` is `roll(x, half) * cat(-sin1, sin2)` element for element: each product is the same two numbers
+with the same sign moved from one factor to the other, which IEEE multiplication rounds identically, and the sum
+keeps transformers' order. The signed sin (and both unsqueezes) depend on the position alone, so they are made once a
+forward pass, by the first layer that sees that pass's cos and sin, and every other layer reuses them: four ops for q,
+four for k.
+
+Nothing here names an architecture. A module is a candidate where transformers gave it a private rotary function
+(`_kernel_funcs`, the per-instance wrapper of transformers 5); each such class is probed once per head width and
+dtype against that function on random inputs (a decode step, a prompt, a batch): where the outputs equal it bit for
+bit and stride for stride, its instances call this form. A call outside the form's case (another unsqueeze dim,
+partial rotary, extra arguments) runs transformers' function, as does a compiled forward.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .packedbind import tensor_version
+
+PROBE_SHAPES = ((1, 3, 1, 1), (1, 3, 5, 1), (2, 2, 3, 2))  # (batch, heads, positions, kv heads)
+
+
+class _Angles:
+    """One forward pass's cos and sin as the form takes them: cos unsqueezed, sin signed and unsqueezed."""
+
+    __slots__ = ("cos", "sin", "versions", "cos_u", "sin_u")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        half = sin.shape[-1] // 2
+        self.cos, self.sin = cos, sin  # held, so that an identity check never meets a reused id
+        self.versions = (tensor_version(cos), tensor_version(sin))
+        self.cos_u = cos.unsqueeze(1)
+        self.sin_u = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
+
+
+_last: _Angles | None = None  # the angles of the latest pass (the layers of one pass share cos and sin)
+
+
+def _angles(cos: torch.Tensor, sin: torch.Tensor) -> _Angles:
+    global _last
+    last = _last
+    if last is not None and last.cos is cos and last.sin is sin:
+        if last.versions == (tensor_version(cos), tensor_version(sin)):
+            return last
+    made = _Angles(cos, sin)
+    _last = made
+    return made
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' rotary form, `(x * cos) + (rotate_half(x) * sin)` for x in q and k, in four ops each."""
+    a = _angles(cos, sin)
+    half = q.shape[-1] // 2
+    return q * a.cos_u + q.roll(half, -1) * a.sin_u, k * a.cos_u + k.roll(half, -1) * a.sin_u
+
+
+def _form_case(q, k, cos, sin, rest: tuple, kwargs: dict) -> bool:
+    unsqueeze = rest[0] if rest else kwargs.get("unsqueeze_dim", 1)
+    return (
+        unsqueeze == 1
+        and len(rest) <= 1
+        and set(kwargs) <= {"unsqueeze_dim"}
+        and q.dim() == k.dim() == 4
+        and cos.dim() == sin.dim() == 3
+        and q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]
+        and q.shape[-1] % 2 == 0
+        and q.dtype == k.dtype == cos.dtype == sin.dtype
+    )
+
+
+class _FastRotary:
+    """Stands in a module's `_kernel_funcs` for transformers' wrapper of its rotary function: a plain call runs the
+    form in its case, else the wrapper it replaced. Its `forward` is the wrapper class's own, so that a compiled
+    forward (which calls `forward` on the model-wide wrapper) runs transformers' function."""
+
+    def __init__(self, original) -> None:
+        self.original = original
+        self.forward = types.MethodType(type(original).forward, original)
+
+    def __call__(self, q, k, cos, sin, *rest, **kwargs):
+        if _form_case(q, k, cos, sin, rest, kwargs):
+            return rotate(q, k, cos, sin)
+        return self.original(q, k, cos, sin, *rest, **kwargs)
+
+
+def _rotary_keys(module) -> list[str]:
+    funcs = module.__dict__.get("_kernel_funcs")
+    if not isinstance(funcs, dict):
+        return []
+    return [name for name, f in funcs.items() if "rotary" in name and not isinstance(f, _FastRotary)]
+
+
+def fast_rotary(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """Give each attention module of MODEL whose rotary function the form matches (for DTYPE) the form; what was
+    done, in words."""
+    verdicts: dict[tuple, bool] = {}
+    found = done = 0
+    for module in model.modules():
+        for name in _rotary_keys(module):
+            found += 1
+            width = getattr(module, "head_dim", None)
+            if not isinstance(width, int) or width <= 0 or width % 2:
+                continue
+            original = module._kernel_funcs[name]
+            key = (type(module), name, width, dtype)
+            if key not in verdicts:
+                verdicts[key] = _probe(original, width, dtype)
+            if verdicts[key]:
+                module._kernel_funcs[name] = _FastRotary(original)
+                done += 1
+    if not found:
+        return "no per-module rotary function"
+    return f"{done} of {found} attention modules run the rotary form of four ops a tensor"
+
+
+def _probe(original, width: int, dtype: torch.dtype) -> bool:
+    """Whether the form equals ORIGINAL bit for bit, with the same strides, on random decode, prompt and batch
+    inputs (q and k as transformers hands them: views of [batch, positions, heads, width] transposed)."""
+    g = torch.Generator().manual_seed(width)
+    try:
+        with torch.inference_mode():
+            for batch, heads, positions, kv_heads in PROBE_SHAPES:
+                q = torch.randn(batch, positions, heads, width, generator=g).to(dtype).transpose(1, 2)
+                k = (4 * torch.randn(batch, positions, kv_heads, width, generator=g)).to(dtype).transpose(1, 2)
+                angle = torch.rand(batch, positions, width, generator=g) * 100
+                cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+                want = original(q, k, cos, sin)
+                got = rotate(q, k, cos, sin)
+                if not all(torch.equal(w, h) and w.stride() == h.stride() for w, h in zip(want, got)):
+                    return False
+    except Exception:  # noqa: BLE001 - a function that is not this rotary after all keeps its own
+        return False
+    finally:
+        global _last
+        _last = None
+    return True
