@@ -25,6 +25,8 @@ class AppendLayer(DynamicLayer):
 
     _kbuf: torch.Tensor | None = None
     _vbuf: torch.Tensor | None = None
+    _kview: torch.Tensor | None = None  # the views of the buffers the last update handed out as keys and values
+    _vview: torch.Tensor | None = None
     limit: int | None = None  # the tokens this cache is meant to hold (a generate call's prompt and new tokens)
 
     def lazy_initialization(self, key_states, value_states=None) -> None:  # transformers 4.x passes the keys alone
@@ -38,13 +40,19 @@ class AppendLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        held = self.keys.shape[-2] if self.keys.dim() == key_states.dim() else 0
-        total = held + key_states.shape[-2]
-        if not self._room_for(total, key_states, value_states):
-            self._grow(held, total, key_states, value_states)
-        self._kbuf[..., held:total, :].copy_(key_states)
-        self._vbuf[..., held:total, :].copy_(value_states)
-        self.keys, self.values = self._kbuf[..., :total, :], self._vbuf[..., :total, :]
+        keys, new = self.keys, key_states.shape[-2]
+        held = keys.shape[-2] if keys.dim() == key_states.dim() else 0
+        total = held + new
+        # The keys and values are still the views the last update handed out (nothing replaced them): only the room
+        # and the new tokens' shape and dtype need checking. Else the full check, as after a crop or a restore.
+        if not (keys is self._kview and self.values is self._vview and self._fits(total, key_states, value_states)):
+            if not self._room_for(total, key_states, value_states):
+                self._grow(held, total, key_states, value_states)
+        kbuf, vbuf = self._kbuf, self._vbuf
+        kbuf.narrow(-2, held, new).copy_(key_states)
+        vbuf.narrow(-2, held, new).copy_(value_states)
+        self.keys = self._kview = kbuf.narrow(-2, 0, total)
+        self.values = self._vview = vbuf.narrow(-2, 0, total)
         return self.keys, self.values
 
     def release_spare(self) -> None:
@@ -58,7 +66,8 @@ class AppendLayer(DynamicLayer):
             return [self._kbuf, self._vbuf]
         return [t for t in (getattr(self, "keys", None), getattr(self, "values", None)) if isinstance(t, torch.Tensor)]
 
-    def _room_for(self, total: int, key_states, value_states) -> bool:
+    def _fits(self, total: int, key_states, value_states) -> bool:
+        """Whether the buffers have room for TOTAL tokens of these keys' and values' dtype and leading shape."""
         k, v = self._kbuf, self._vbuf
         return (
             k is not None
@@ -67,8 +76,13 @@ class AppendLayer(DynamicLayer):
             and v.dtype == value_states.dtype
             and k.shape[:-2] == key_states.shape[:-2]
             and v.shape[:-2] == value_states.shape[:-2]
-            and _prefix_of(self.keys, k)
-            and _prefix_of(self.values, v)
+        )
+
+    def _room_for(self, total: int, key_states, value_states) -> bool:
+        return (
+            self._fits(total, key_states, value_states)
+            and _prefix_of(self.keys, self._kbuf)
+            and _prefix_of(self.values, self._vbuf)
         )
 
     def _grow(self, held: int, total: int, key_states, value_states) -> None:
