@@ -40,7 +40,7 @@ def test_generate_gives_transformers_logits_bit_for_bit(kind, dtype, monkeypatch
     reference, model = _tiny(kind, dtype)
     if not rotary._rotary_keys(model.model.layers[0].self_attn):
         pytest.skip("this transformers gives attention modules no per-module rotary function")
-    said = rotary.fast_rotary(model, dtype)
+    said = rotary.fast_rotary(model, dtype, torch.device("cpu"))
     assert said == "2 of 2 attention modules run the rotary form of four ops a tensor"
     calls = []
     form = rotary.rotate
@@ -97,14 +97,15 @@ def test_a_rotary_of_another_convention_keeps_its_function():
     module = _attention(_interleaved)
     original = module._kernel_funcs["rotary_pos_emb"]
     assert (
-        rotary.fast_rotary(module, torch.float32) == "0 of 1 attention modules run the rotary form of four ops a tensor"
+        rotary.fast_rotary(module, torch.float32, torch.device("cpu"))
+        == "0 of 1 attention modules run the rotary form of four ops a tensor"
     )
     assert module._kernel_funcs["rotary_pos_emb"] is original
 
 
 def test_calls_outside_the_form_run_the_function_it_replaced():
     module = _attention(_transformers_form)
-    assert rotary.fast_rotary(module, torch.float32).startswith("1 of 1")
+    assert rotary.fast_rotary(module, torch.float32, torch.device("cpu")).startswith("1 of 1")
     fast = module._kernel_funcs["rotary_pos_emb"]
     original = fast.original
     assert fast.forward.__func__ is _Recorder.forward  # a compiled forward runs the wrapper's own
@@ -133,3 +134,35 @@ def test_angles_made_again_when_sin_changes_in_place():
     sin.mul_(-0.5)  # the same tensor object, changed: the form must not reuse the signed sin it made from it
     again = rotary.rotate(q, k, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip(again, _transformers_form(q, k, cos, sin)))
+
+
+def test_the_native_rotary_gives_the_torch_forms_bits_on_strided_views(nk):
+    g = torch.Generator().manual_seed(5)
+    for positions in (1, 6):
+        fused = torch.randn(1, positions, 4 * 16 + 2 * 2 * 16, generator=g)  # q | k | v of one product, as transformers
+        q = fused[..., : 4 * 16].view(1, positions, 4, 16).transpose(1, 2)  # views them: strided, not contiguous
+        k = fused[..., 4 * 16 : 6 * 16].view(1, positions, 2, 16).transpose(1, 2)
+        angle = torch.rand(1, positions, 16, generator=g) * 1000
+        cos, sin = angle.cos(), angle.sin()
+        want, got = _transformers_form(q, k, cos, sin), nk.rope(q, k, cos, sin)
+        for w, h in zip(want, got):
+            assert torch.equal(w, h) and rotary._layout(w) == rotary._layout(h)
+
+
+def test_a_model_on_the_native_kernels_rotates_on_them_with_transformers_bits(nk, monkeypatch):
+    reference, model = _tiny("llama", torch.float32)
+    if not rotary._rotary_keys(model.model.layers[0].self_attn):
+        pytest.skip("this transformers gives attention modules no per-module rotary function")
+    said = rotary.fast_rotary(model, torch.float32, torch.device("cpu"), native=True)
+    assert said.endswith("2 of them on the native kernels"), said
+    calls = []
+    real = type(nk).rope
+    monkeypatch.setattr(type(nk), "rope", lambda self, *a: calls.append(a[0].shape) or real(self, *a))
+    ids = torch.randint(0, 120, (1, 7), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        want = reference.generate(ids, **kwargs)
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(want.sequences, got.sequences)
+    assert all(torch.equal(w, g) for w, g in zip(want.logits, got.logits))
+    assert len(calls) == 2 * 6

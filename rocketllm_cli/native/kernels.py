@@ -38,7 +38,7 @@ GGML_IDS = {
     "IQ4_NL": 20,
     "IQ4_XS": 23,
 }
-ABI_VERSION = 4
+ABI_VERSION = 5
 _ERRORS = {
     -1: "unsupported type",
     -2: "variant not runnable on this CPU",
@@ -81,19 +81,8 @@ class NativeKernels:
             return None, f"cannot load {path.name}: {' '.join(str(exc).split())}"
         if abi != ABI_VERSION:
             return None, f"{path} has ABI {abi}, this code expects {ABI_VERSION}"
-        lib.rl_matmul.argtypes = [
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            _ptr,
-            _i64,
-            _i64,
-            _ptr,
-            _i64,
-            _i64,
-            _ptr,
-            ctypes.c_int,
-        ]
+        # isa, type, mode, blocks, n, row bytes, x, m, k, out, threads
+        lib.rl_matmul.argtypes = [*[ctypes.c_int] * 3, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int]
         lib.rl_dequantize.argtypes = [ctypes.c_int, ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
         lib.rl_quantize.argtypes = [ctypes.c_int, _ptr, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
         lib.rl_quantize16.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr]
@@ -101,6 +90,9 @@ class NativeKernels:
         # threads
         lib.rl_attend.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, *[_i64] * 4, _ptr, _i64, _i64, _i64]
         lib.rl_attend.argtypes += [ctypes.c_float, _ptr, _i64, ctypes.c_int]
+        # q, heads, head and position strides, its out and out's strides; k likewise; positions, dim, cos, sin, their
+        # row stride
+        lib.rl_rope.argtypes = [*[_ptr, _i64, _i64, _i64, _ptr, _i64, _i64] * 2, _i64, _i64, _ptr, _ptr, _i64]
         mask = lib.rl_isas()
         runnable = tuple(name for i, name in reversed(list(enumerate(ISAS))) if mask >> i & 1)
         layouts, reason = _layouts(lib)
@@ -297,6 +289,24 @@ class NativeKernels:
         if rc:
             raise RuntimeError(f"native attention failed: {_ERRORS.get(rc, rc)}")
         return out
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' rotary embedding, (x · cos) + (rotate_half(x) · sin) for x in q and k, each product and the
+        sum rounded apart as torch's ops round them, unchecked: q [1, H, S, D] and k [1, KH, S, D], cos and sin
+        [1, S, D] at one stride, fp32 CPU tensors whose last dimensions are contiguous (the caller has checked them:
+        stream/rotary.py). The outputs are laid out as empty_like lays out q and k."""
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        qs, ks, qos, kos = q.stride(), k.stride(), q_out.stride(), k_out.stride()
+        rc = self._lib.rl_rope(
+            q.data_ptr(), q.shape[1], qs[1], qs[2], q_out.data_ptr(), qos[1], qos[2],
+            k.data_ptr(), k.shape[1], ks[1], ks[2], k_out.data_ptr(), kos[1], kos[2],
+            q.shape[2], q.shape[3], cos.data_ptr(), sin.data_ptr(), cos.stride(1),
+        )  # fmt: skip
+        if rc:
+            raise RuntimeError(f"native rotary failed: {_ERRORS.get(rc, rc)}")
+        return q_out, k_out
 
     def _type_of(self, gguf_type) -> tuple[str, int]:
         name = str(getattr(gguf_type, "name", gguf_type))

@@ -71,7 +71,7 @@ class StreamingModel:
                 raise ParameterError(why, "kv_cache_dtype")  # before any weight is read
         model = build_meta_model(hf_config, self.dtype)
         self.fused_norms = fuse_norms(model, self.dtype) if self.device.type == "cpu" else "not on this device"
-        self.fast_rotary = fast_rotary(model, self.dtype) if self.device.type == "cpu" else "not on this device"
+        self.fast_rotary = fast_rotary(model, self.dtype, self.device, self.manifest.packing == "blocks")
         self.plan: ResidencyPlan = make_plan(
             self.manifest,
             config.device_cache_bytes,

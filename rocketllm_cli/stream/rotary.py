@@ -63,6 +63,19 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return q * a.cos_u + q.roll(half, -1) * a.sin_u, k * a.cos_u + k.roll(half, -1) * a.sin_u
 
 
+def _native_case(q, k, cos, sin) -> bool:
+    """Whether the native kernels' rotary takes these (their call checks nothing): one sequence of fp32 on the CPU,
+    each last dimension contiguous, cos and sin at one stride."""
+    return (
+        q.dtype == torch.float32
+        and q.device.type == "cpu"
+        and q.shape[0] == 1
+        and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1
+        and cos.shape[0] == 1
+        and cos.stride() == sin.stride()
+    )
+
+
 def _form_case(q, k, cos, sin, rest: tuple, kwargs: dict) -> bool:
     unsqueeze = rest[0] if rest else kwargs.get("unsqueeze_dim", 1)
     return (
@@ -82,12 +95,15 @@ class _FastRotary:
     form in its case, else the wrapper it replaced. Its `forward` is the wrapper class's own, so that a compiled
     forward (which calls `forward` on the model-wide wrapper) runs transformers' function."""
 
-    def __init__(self, original) -> None:
+    def __init__(self, original, native=None) -> None:
         self.original = original
+        self.native = native  # the native kernels, where their rotary (one call for q and k) gives the same bits
         self.forward = types.MethodType(type(original).forward, original)
 
     def __call__(self, q, k, cos, sin, *rest, **kwargs):
         if _form_case(q, k, cos, sin, rest, kwargs):
+            if self.native is not None and _native_case(q, k, cos, sin):
+                return self.native.rope(q, k, cos, sin)
             return rotate(q, k, cos, sin)
         return self.original(q, k, cos, sin, *rest, **kwargs)
 
@@ -99,11 +115,19 @@ def _rotary_keys(module) -> list[str]:
     return [name for name, f in funcs.items() if "rotary" in name and not isinstance(f, _FastRotary)]
 
 
-def fast_rotary(model: torch.nn.Module, dtype: torch.dtype) -> str:
+def fast_rotary(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, native: bool = False) -> str:
     """Give each attention module of MODEL whose rotary function the form matches (for DTYPE) the form; what was
-    done, in words."""
-    verdicts: dict[tuple, bool] = {}
-    found = done = 0
+    done, in words. NATIVE: the model's products run on the native kernels (built already), whose rotary then runs
+    an fp32 form where it too gives the function's bits."""
+    if device.type != "cpu":
+        return "not on this device"
+    kernels = None
+    if native and dtype == torch.float32:
+        from ..native import kernels as native_kernels
+
+        kernels = native_kernels()
+    verdicts: dict[tuple, tuple[bool, bool]] = {}
+    found = done = natively = 0
     for module in model.modules():
         for name in _rotary_keys(module):
             found += 1
@@ -113,18 +137,27 @@ def fast_rotary(model: torch.nn.Module, dtype: torch.dtype) -> str:
             original = module._kernel_funcs[name]
             key = (type(module), name, width, dtype)
             if key not in verdicts:
-                verdicts[key] = _probe(original, width, dtype)
-            if verdicts[key]:
-                module._kernel_funcs[name] = _FastRotary(original)
+                torch_form = _probe(original, width, dtype, rotate)
+                verdicts[key] = (
+                    torch_form,
+                    torch_form
+                    and kernels is not None
+                    and _probe(original, width, dtype, _FastRotary(original, kernels)),
+                )
+            torch_form, native_form = verdicts[key]
+            if torch_form:
+                module._kernel_funcs[name] = _FastRotary(original, kernels if native_form else None)
                 done += 1
+                natively += native_form
     if not found:
         return "no per-module rotary function"
-    return f"{done} of {found} attention modules run the rotary form of four ops a tensor"
+    on = f", {natively} of them on the native kernels" if natively else ""
+    return f"{done} of {found} attention modules run the rotary form of four ops a tensor{on}"
 
 
-def _probe(original, width: int, dtype: torch.dtype) -> bool:
-    """Whether the form equals ORIGINAL bit for bit, with the same strides, on random decode, prompt and batch
-    inputs (q and k as transformers hands them: views of [batch, positions, heads, width] transposed)."""
+def _probe(original, width: int, dtype: torch.dtype, form) -> bool:
+    """Whether FORM equals ORIGINAL bit for bit, laid out alike, on random decode, prompt and batch inputs
+    (q and k as transformers hands them: views of [batch, positions, heads, width] transposed)."""
     g = torch.Generator().manual_seed(width)
     try:
         with torch.inference_mode():
@@ -134,8 +167,8 @@ def _probe(original, width: int, dtype: torch.dtype) -> bool:
                 angle = torch.rand(batch, positions, width, generator=g) * 100
                 cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
                 want = original(q, k, cos, sin)
-                got = rotate(q, k, cos, sin)
-                if not all(torch.equal(w, h) and w.stride() == h.stride() for w, h in zip(want, got)):
+                got = form(q, k, cos, sin)
+                if not all(torch.equal(w, h) and _layout(w) == _layout(h) for w, h in zip(want, got)):
                     return False
     except Exception:  # noqa: BLE001 - a function that is not this rotary after all keeps its own
         return False
@@ -143,3 +176,8 @@ def _probe(original, width: int, dtype: torch.dtype) -> bool:
         global _last
         _last = None
     return True
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """T's strides where they matter: a dimension of one element has no step to take."""
+    return tuple(stride for size, stride in zip(t.shape, t.stride()) if size > 1)

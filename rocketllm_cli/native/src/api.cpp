@@ -136,7 +136,7 @@ using namespace rl;
 extern "C" {
 
 // Bumped whenever a signature below changes, so that Python never calls a stale library wrongly.
-RL_EXPORT int rl_abi_version() { return 4; }
+RL_EXPORT int rl_abi_version() { return 5; }
 
 // Bit mask of the variants compiled in and runnable here: 1 scalar, 2 AVX2, 4 AVX-512.
 RL_EXPORT int rl_isas() {
@@ -267,6 +267,40 @@ RL_EXPORT int rl_attend(int isa, const float* q, int64_t heads, int64_t q_head, 
   AttendRun run{var, &job};
   parallel_for(threads, items, 1, attend_range, &run);
   attend_merge(job, chunks, out, out_head);
+  return 0;
+}
+
+// transformers' rotary embedding of q and k at once: y = (x · cos) + (rotate_half(x) · sin), rotate_half(x) = (−x2, x1)
+// of x's halves. x [heads, positions, dim] at the given strides in floats (dim contiguous), cos and sin [positions,
+// dim] at row stride cs_row, y like x at its own strides. Each product and the sum rounded apart, as torch's ops round
+// them (the library is built with -ffp-contract=off: no FMA). 0, or -3 shapes.
+static void rope_heads(const float* x, int64_t heads, int64_t x_head, int64_t x_pos, float* y, int64_t y_head,
+                       int64_t y_pos, int64_t positions, int64_t dim, const float* cos, const float* sin,
+                       int64_t cs_row) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t p = 0; p < positions; ++p) {
+      const float* a = x + h * x_head + p * x_pos;
+      const float *c = cos + p * cs_row, *s = sin + p * cs_row;
+      float* out = y + h * y_head + p * y_pos;
+      for (int64_t i = 0; i < half; ++i) {
+        const float u = a[i] * c[i], v = -a[i + half] * s[i];
+        out[i] = u + v;
+      }
+      for (int64_t i = half; i < dim; ++i) {
+        const float u = a[i] * c[i], v = a[i - half] * s[i];
+        out[i] = u + v;
+      }
+    }
+}
+
+RL_EXPORT int rl_rope(const float* q, int64_t q_heads, int64_t q_head, int64_t q_pos, float* q_out, int64_t qo_head,
+                      int64_t qo_pos, const float* k, int64_t k_heads, int64_t k_head, int64_t k_pos, float* k_out,
+                      int64_t ko_head, int64_t ko_pos, int64_t positions, int64_t dim, const float* cos,
+                      const float* sin, int64_t cs_row) {
+  if (q_heads < 0 || k_heads < 0 || positions < 0 || dim < 0 || dim % 2 != 0) return -3;
+  rope_heads(q, q_heads, q_head, q_pos, q_out, qo_head, qo_pos, positions, dim, cos, sin, cs_row);
+  rope_heads(k, k_heads, k_head, k_pos, k_out, ko_head, ko_pos, positions, dim, cos, sin, cs_row);
   return 0;
 }
 
