@@ -23,7 +23,7 @@ from ..threads import COMPUTE_THREADS
 
 NAME = "rocketllm_decode"
 # keywords transformers passes that change what attention computes: any of them set sends the call to SDPA
-_CHANGES = ("softcap", "s_aux", "sinks", "position_bias", "head_mask")
+_CHANGES = frozenset(("softcap", "s_aux", "sinks", "position_bias", "head_mask"))
 _registered = False
 _kernels = None  # the native kernels, found when a model first asks for this attention
 
@@ -80,19 +80,21 @@ def _no_mask(mask, length: int) -> bool:
 
 
 def _native_case(query, key, value, attention_mask, dropout, kwargs) -> bool:
+    # each shape read once: a decode step calls this once a layer, right after a product has left the caches cold
+    qs, ks, vs = query.shape, key.shape, value.shape
     return (
         not dropout
-        and query.dim() == 4
-        and query.shape[0] == 1
-        and query.shape[2] == 1
+        and len(qs) == len(ks) == len(vs) == 4
+        and qs[0] == 1
+        and qs[2] == 1
         and query.dtype == key.dtype == value.dtype == torch.float32
-        and query.device.type == "cpu"
-        and key.shape[-1] == value.shape[-1] == query.shape[-1]
-        and key.shape[2] == value.shape[2]
-        and query.shape[1] % key.shape[1] == 0
+        and query.is_cpu
+        and ks[3] == vs[3] == qs[3]
+        and ks[2] == vs[2]
+        and qs[1] % ks[1] == 0
         and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
-        and not any(kwargs.get(name) is not None for name in _CHANGES)
-        and _no_mask(attention_mask, key.shape[2])
+        and not (kwargs.keys() & _CHANGES and any(kwargs.get(name) is not None for name in _CHANGES))
+        and _no_mask(attention_mask, ks[2])
     )
 
 
