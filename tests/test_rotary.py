@@ -34,6 +34,17 @@ def _tiny(kind: str, dtype: torch.dtype):
     return reference, model
 
 
+def _same_generation(reference, model) -> None:
+    """Six greedy tokens of a 7-token prompt: the same tokens and the same logits, bit for bit."""
+    ids = torch.randint(0, 120, (1, 7), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        want = reference.generate(ids, **kwargs)
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(want.sequences, got.sequences)
+    assert all(torch.equal(w, g) for w, g in zip(want.logits, got.logits))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_generate_gives_transformers_logits_bit_for_bit(kind, dtype, monkeypatch):
@@ -45,13 +56,7 @@ def test_generate_gives_transformers_logits_bit_for_bit(kind, dtype, monkeypatch
     calls = []
     form = rotary.rotate
     monkeypatch.setattr(rotary, "rotate", lambda *a: calls.append(a[0].shape) or form(*a))
-    ids = torch.randint(0, 120, (1, 7), generator=torch.Generator().manual_seed(1))
-    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    with torch.inference_mode():
-        want = reference.generate(ids, **kwargs)
-        got = model.generate(ids, **kwargs)
-    assert torch.equal(want.sequences, got.sequences)
-    assert all(torch.equal(w, g) for w, g in zip(want.logits, got.logits))
+    _same_generation(reference, model)
     assert len(calls) == 2 * 6  # two layers, a prompt pass and five decode steps: every call ran the form
     assert calls[0][2] == 7 and calls[-1][2] == 1
 
@@ -158,11 +163,5 @@ def test_a_model_on_the_native_kernels_rotates_on_them_with_transformers_bits(nk
     calls = []
     real = type(nk).rope
     monkeypatch.setattr(type(nk), "rope", lambda self, *a: calls.append(a[0].shape) or real(self, *a))
-    ids = torch.randint(0, 120, (1, 7), generator=torch.Generator().manual_seed(1))
-    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    with torch.inference_mode():
-        want = reference.generate(ids, **kwargs)
-        got = model.generate(ids, **kwargs)
-    assert torch.equal(want.sequences, got.sequences)
-    assert all(torch.equal(w, g) for w, g in zip(want.logits, got.logits))
+    _same_generation(reference, model)
     assert len(calls) == 2 * 6
