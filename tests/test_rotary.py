@@ -165,3 +165,12 @@ def test_a_model_on_the_native_kernels_rotates_on_them_with_transformers_bits(nk
     monkeypatch.setattr(type(nk), "rope", lambda self, *a: calls.append(a[0].shape) or real(self, *a))
     _same_generation(reference, model)
     assert len(calls) == 2 * 6
+
+
+def test_a_cos_broadcast_over_positions_takes_the_torch_form(nk):
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 1, 5, 8, generator=g)
+    cos, sin = torch.randn(1, 1, 8, generator=g), torch.randn(1, 1, 8, generator=g)  # one position for all five
+    assert not rotary._native_case(q, k, cos, sin)
+    fast = rotary._FastRotary(_Recorder(_transformers_form), nk)
+    assert all(torch.equal(a, b) for a, b in zip(fast(q, k, cos, sin), _transformers_form(q, k, cos, sin)))

@@ -72,13 +72,15 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def _native_case(q, k, cos, sin) -> bool:
     """Whether the native kernels' rotary takes these (their call checks nothing): one sequence of fp32 on the CPU,
-    each last dimension contiguous, cos and sin at one stride."""
+    q, k, cos and sin over the same positions (no broadcast), each last dimension contiguous, cos and sin alike."""
+    qs, cs = q.shape, cos.shape
     return (
         q.dtype == torch.float32
-        and q.device.type == "cpu"
-        and q.shape[0] == 1
+        and q.is_cpu
+        and qs[0] == k.shape[0] == cs[0] == 1
+        and qs[2] == k.shape[2] == cs[1]
+        and sin.shape == cs
         and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1
-        and cos.shape[0] == 1
         and cos.stride() == sin.stride()
     )
 
