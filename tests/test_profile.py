@@ -282,45 +282,45 @@ def test_an_isa_ceiling_hides_the_flags_kernels_are_told_not_to_use(monkeypatch)
 
 
 def test_a_probe_file_written_ahead_is_the_one_measured_then_deleted(tmp_path, monkeypatch):
-    from rocketllm_cli.profiles.probe import storage
+    from rocketllm_cli.profiles.probe import probefile, storage
 
     size = storage.probe_bytes()
-    storage.write_ahead([tmp_path], size)  # a first run: beside its imports
-    storage._ahead[0][2].join()
+    probefile.write_ahead([tmp_path], size)  # a first run: beside its imports
+    probefile._ahead[0][2].join()
     written = list(tmp_path.glob(".rocketllm-probe-*"))
     assert len(written) == 1 and written[0].stat().st_size == size
-    monkeypatch.setattr(storage, "_write_probe", lambda *args: pytest.fail("the probe file was written again"))
+    monkeypatch.setattr(probefile, "_write_probe", lambda *args: pytest.fail("the probe file was written again"))
     found, _, cacheable = storage.measure_storage(filesystem_of(tmp_path), size, directories=[tmp_path])
     assert cacheable and found["page_cache_read"].available and found["page_cache_read"].bytes_moved == size
-    assert not list(tmp_path.glob(".rocketllm-probe-*")) and not storage._ahead
+    assert not list(tmp_path.glob(".rocketllm-probe-*")) and not probefile._ahead
 
 
 def test_a_probe_file_written_ahead_is_taken_however_its_directory_was_spelled(tmp_path, monkeypatch):
-    from rocketllm_cli.profiles.probe import storage
+    from rocketllm_cli.profiles.probe import probefile, storage
 
     (tmp_path / "models").mkdir()
     spelled = tmp_path / "models" / ".." / "models"  # `generate ../models/m.gguf`; the set's manifest resolves it
-    storage.write_ahead([spelled], storage.probe_bytes())
-    monkeypatch.setattr(storage, "_write_probe", lambda *args: pytest.fail("the probe file was written again"))
+    probefile.write_ahead([spelled], storage.probe_bytes())
+    monkeypatch.setattr(probefile, "_write_probe", lambda *args: pytest.fail("the probe file was written again"))
     found, _, cacheable = storage.measure_storage(
         filesystem_of(tmp_path), storage.probe_bytes(), directories=[tmp_path / "models"]
     )
-    assert cacheable and found["page_cache_read"].available and not storage._ahead
+    assert cacheable and found["page_cache_read"].available and not probefile._ahead
     assert not list((tmp_path / "models").glob(".rocketllm-probe-*"))
 
 
 def test_a_probe_file_no_measurement_takes_is_deleted_at_exit(tmp_path):
-    from rocketllm_cli.profiles.probe import storage
+    from rocketllm_cli.profiles.probe import probefile, storage
 
-    storage.write_ahead([tmp_path], storage.probe_bytes())
+    probefile.write_ahead([tmp_path], storage.probe_bytes())
     try:
-        storage._discard_ahead()  # atexit's: a write under way stops, a written file goes
-        assert not list(tmp_path.glob(".rocketllm-probe-*")) and not storage._ahead
+        probefile._discard_ahead()  # atexit's: a write under way stops, a written file goes
+        assert not list(tmp_path.glob(".rocketllm-probe-*")) and not probefile._ahead
         with pytest.raises(OSError, match="stopped"):  # and no probe file is written after it
-            storage._write_probe(tmp_path / "late", storage.probe_bytes())
+            probefile._write_probe(tmp_path / "late", storage.probe_bytes())
     finally:
-        storage._stop_ahead.clear()  # the rest of the session measures as a process that is not leaving
-    storage._write_probe(tmp_path / "again", 1 << 20)
+        probefile._stop_ahead.clear()  # the rest of the session measures as a process that is not leaving
+    probefile._write_probe(tmp_path / "again", 1 << 20)
     assert (tmp_path / "again").stat().st_size == 1 << 20
 
 
@@ -332,3 +332,75 @@ def test_the_probe_file_is_written_ahead_only_where_the_filesystem_is_not_profil
     assert calls == []
     HardwareProfile.write_storage_probe_ahead(tmp_path / "model.gguf", refresh=True)
     assert len(calls) == 1 and calls[0][-1] == filesystem_of(tmp_path).directory
+    big = tmp_path / "big.gguf"  # a model file large enough to be read in place: nothing is written ahead for it
+    big.write_bytes(os.urandom(storage_size()))
+    HardwareProfile.write_storage_probe_ahead(big, refresh=True)
+    assert len(calls) == 1
+
+
+def storage_size() -> int:
+    from rocketllm_cli.profiles.probe import storage
+
+    return storage.probe_bytes()
+
+
+def _weights_file(path: Path, size: int) -> bytes:
+    data = os.urandom(size + 12345)  # not a multiple of the alignment: the probe reads the aligned first SIZE bytes
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())  # written back, as a model downloaded before is: its clean pages can be evicted
+    return data
+
+
+def test_the_weights_own_file_is_read_in_place_of_a_probe_file_and_left_as_it_was(tmp_path, monkeypatch):
+    from rocketllm_cli.profiles.probe import probefile, storage
+
+    size = storage.probe_bytes()
+    fs = filesystem_of(tmp_path)
+    plain, _, _ = storage.measure_storage(fs, size, directories=[tmp_path])
+    if not plain["storage_read"].available:
+        pytest.skip(f"no cold read can be forced on this filesystem: {plain['storage_read'].reason}")
+    model = tmp_path / "model.gguf"
+    data = _weights_file(model, 2 * size)
+    monkeypatch.setattr(probefile, "_write_probe", lambda *args: pytest.fail("a probe file was written"))
+    found, decided, cacheable = storage.measure_storage(
+        fs, size, directories=[tmp_path], own=storage.own_file(model, size)
+    )
+    assert cacheable and "the weights file" in found["page_cache_read"].method
+    assert found["page_cache_read"].bytes_moved == size and found["storage_read"].bytes_moved == size
+    assert found["storage_read"].available and "eviction verified" in found["storage_read"].method
+    assert decided["fadvise_dontneed"].value is True
+    assert model.read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_a_weights_file_whose_cold_read_cannot_be_forced_gives_way_to_a_probe_file(tmp_path, monkeypatch):
+    from rocketllm_cli.profiles.probe import probefile, storage
+
+    size = storage.probe_bytes()
+    model = tmp_path / "model.gguf"
+    data = _weights_file(model, size)
+    written = []
+    real_write = probefile._write_probe
+    monkeypatch.setattr(probefile, "_write_probe", lambda path, n: (written.append(n), real_write(path, n)))
+    monkeypatch.setattr(storage, "evict_file", lambda *args: "pages not written back")  # dirty: DONTNEED keeps them
+    found, _, cacheable = storage.measure_storage(
+        filesystem_of(tmp_path), size, directories=[tmp_path], own=storage.own_file(model, size)
+    )
+    assert written == [size] and "a just-written file" in found["page_cache_read"].method
+    assert cacheable and not found["storage_read"].available
+    assert model.read_bytes() == data and not list(tmp_path.glob(".rocketllm-probe-*"))
+
+
+def test_the_own_file_is_the_weights_file_or_a_sets_largest_and_large_enough(tmp_path):
+    from rocketllm_cli.profiles.probe import storage
+
+    size = storage.probe_bytes()
+    assert storage.own_file(tmp_path / "missing.gguf", size) is None
+    (tmp_path / "small.gguf").write_bytes(b"x" * (size - 4096))
+    assert storage.own_file(tmp_path / "small.gguf", size) is None  # a tiny file's read says little of the disk
+    assert storage.own_file(tmp_path, size) is None
+    (tmp_path / "unit-0001.bin").write_bytes(b"y" * size)
+    (tmp_path / "manifest.json").write_text("{}")
+    assert storage.own_file(tmp_path, size) == tmp_path / "unit-0001.bin"
+    assert storage.own_file(tmp_path / "unit-0001.bin", size) == tmp_path / "unit-0001.bin"

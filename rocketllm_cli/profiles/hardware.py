@@ -33,7 +33,8 @@ from .probe.machine import (
 )
 from .probe.runtime import METHOD as RUNTIME_METHOD
 from .probe.runtime import measure_runtime, process_memory
-from .probe.storage import measure_storage, probe_bytes, wait_written, write_ahead
+from .probe.probefile import wait_written, write_ahead
+from .probe.storage import measure_storage, own_file, probe_bytes
 from .records import Capability, Measurement
 
 Log = Callable[[str], None]
@@ -84,9 +85,12 @@ class HardwareProfile:
     def write_storage_probe_ahead(storage_path: Path, refresh: bool = False) -> None:
         """Where the filesystem of STORAGE_PATH's weights is not profiled yet (or REFRESH), write its probe file now
         on a thread of its own (a first run: beside the imports); load() then times its reads as always."""
-        fs = filesystem_of(weights_location(Path(storage_path)))
+        location = weights_location(Path(storage_path))
+        fs = filesystem_of(location)
         if not refresh and read_json(profile_dir(fingerprint(fingerprint_facts())) / f"{fs.key}.json") is not None:
             return
+        if own_file(location, probe_bytes()) is not None:
+            return  # the profile reads the model's own file: nothing to write
         try:  # the cache dir the run makes anyway, made now: the file goes there, never beside a model first
             cache_dir().mkdir(parents=True, exist_ok=True)
         except OSError:
@@ -105,7 +109,8 @@ class HardwareProfile:
     ) -> "HardwareProfile | None":
         log = log or logging.getLogger("rocketllm").info
         fp = fingerprint(fingerprint_facts())
-        fs = filesystem_of(weights_location(Path(storage_path)) if storage_path is not None else cache_dir())
+        location = weights_location(Path(storage_path)) if storage_path is not None else cache_dir()
+        fs = filesystem_of(location)
         where = profile_dir(fp)
         if refresh:
             (where / "kernels.json").unlink(missing_ok=True)  # the low-bit kernel probe (packed/probe.py) runs again
@@ -125,7 +130,7 @@ class HardwareProfile:
             host = {**host, "measurements": {**host["measurements"], "runtime_rss": measure_runtime().to_dict()}}
             unsaved += _save(where / "host.json", host)
         if disk is None:
-            disk = _measure_filesystem(fs, log)
+            disk = _measure_filesystem(fs, log, own_file(location, probe_bytes()) if storage_path else None)
             if disk.pop("cacheable"):
                 unsaved += _save(where / f"{fs.key}.json", disk)
         if unsaved:
@@ -336,10 +341,14 @@ def _probe_directories(fs) -> list[Path]:
     return [cache_dir(), fs.directory] if filesystem_of(cache_dir()).key == fs.key else [fs.directory]
 
 
-def _measure_filesystem(fs, log: Log) -> dict:
+def _measure_filesystem(fs, log: Log, own: Path | None) -> dict:
+    """The filesystem's measurements: on OWN (the weights' own file, storage.own_file's) where given, else on a probe
+    file."""
     start, busy = time.perf_counter(), cpu_snapshot()
     directories = _probe_directories(fs)
-    found, decided, cacheable = measure_storage(fs, probe_bytes(), lambda message: log(redact(message)), directories)
+    found, decided, cacheable = measure_storage(
+        fs, probe_bytes(), lambda message: log(redact(message)), directories, own
+    )
     _log_decisions(decided, log)
     return {
         "filesystem": {

@@ -8,10 +8,8 @@ reached the device. The probe file is always deleted.
 
 from __future__ import annotations
 
-import atexit
 import mmap
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,10 +18,12 @@ from ...sizes import ALIGN, format_bytes, parse_bytes
 from ..records import Capability, Measurement
 from .filesystems import Filesystem
 from .machine import usable_cores
+from .probefile import free_bytes, remove, take_written, written
 
 DEFAULT_PROBE_BYTES = 256 * 1024**2  # ~1 s of writing and reading on a 2-core VM disk
 CHUNK = 16 * 1024**2  # buffered reads: large, so syscall cost vanishes
 MIN_PROBE_BYTES = 1024**2  # below this, timer resolution and readahead dominate the figure
+OWN_FLOOR = 64 * 1024**2  # a weights file this large (or the probe's size) is read instead of a probe file
 
 
 def probe_bytes() -> int:
@@ -33,112 +33,85 @@ def probe_bytes() -> int:
     return max(MIN_PROBE_BYTES, size // ALIGN * ALIGN)
 
 
+def own_file(location: Path, size: int) -> Path | None:
+    """The weights' own file, which the probe reads in place of writing one of SIZE bytes: LOCATION where it is a
+    file (a GGUF, or the file a set indexes in place), else the largest file in it (a shard set's units); None where
+    that is smaller than min(SIZE, OWN_FLOOR) or there is none. Writing the probe file took 2.4-3.5 s of a first
+    run on a VM disk that writes at ~75 MB/s; reading the model's own bytes measures the very file it streams."""
+    try:
+        if location.is_file():
+            found = location
+        else:
+            found = max((p for p in location.iterdir() if p.is_file()), key=lambda p: p.stat().st_size, default=None)
+        return found if found is not None and found.stat().st_size >= min(size, OWN_FLOOR) else None
+    except OSError:
+        return None
+
+
 def measure_storage(
-    fs: Filesystem, size: int, log=lambda message: None, directories: list[Path] | None = None
+    fs: Filesystem,
+    size: int,
+    log=lambda message: None,
+    directories: list[Path] | None = None,
+    own: Path | None = None,
 ) -> tuple[dict[str, Measurement], dict[str, Capability], bool]:
     """page_cache_read, storage_read (cold, buffered) and storage_read_direct, the I/O capabilities,
-    and whether the result may be cached (not when no probe file could be written: a later run may succeed)."""
+    and whether the result may be cached (not when no probe file could be written: a later run may succeed).
+    OWN (own_file's): the first SIZE bytes of that file are read instead, where a cold read of them can be forced;
+    else a probe file is written as always."""
     caps = {"storage_kind": Capability("storage_kind", fs.kind, None, fs.kind_reason)}
-    free = _free_bytes(fs.directory)
+    found = _measure_own(own, size, fs, caps, log) if own is not None else None
+    if found is not None:
+        return (*found, True)
+    free = free_bytes(fs.directory)
     if free is not None and free < 2 * size:
         size = max(0, free // 4 // ALIGN * ALIGN)
     if size < MIN_PROBE_BYTES:
         why = f"only {format_bytes(free)} free on this filesystem: too little for a meaningful probe file"
         return _all_unavailable(why), {**caps, **_io_caps_unknown(why)}, False
     directories = list(directories or [fs.directory])
-    path, error = _take_written(directories, size) or _written(directories, size)
+    path, error = take_written(directories, size) or written(directories, size)
     if path is None:
         why = f"cannot write a {format_bytes(size)} probe file on this filesystem ({error.strerror or error})"
         return _all_unavailable(why), {**caps, **_io_caps_unknown(why)}, False
     try:
         return (*_measure_file(path, size, fs, caps, log), True)
     finally:
-        _remove(path)
+        remove(path)
 
 
-def _written(directories: list[Path], size: int) -> tuple[Path | None, OSError | None]:
-    """(the probe file written in the first of DIRECTORIES that takes it, None) or (None, the last error)."""
-    error: OSError | None = None
-    for directory in directories:
-        path = directory / f".rocketllm-probe-{os.getpid()}-{time.monotonic_ns()}"
-        try:
-            _write_probe(path, size)
-            return path, None
-        except OSError as exc:
-            _remove(path)
-            error = exc
-    return None, error
-
-
-# A probe file written ahead (write_ahead): (its directories, size, the writing thread, [its (path, error)])
-_ahead: list[tuple[tuple[Path, ...], int, threading.Thread, list]] = []
-_stop_ahead = threading.Event()  # set at exit: a write ahead still under way stops and its file goes
-
-
-def write_ahead(directories: list[Path], size: int) -> None:
-    """Write the probe file now, on a thread of its own, for the measure_storage call to come (a first run: the
-    write is not timed, and takes a second of a disk beside the imports). Only its reads are measured, later, as
-    always. A file no measurement takes is deleted at exit."""
-    if _ahead:
-        return
-    free = _free_bytes(directories[0])
-    if free is not None and free < 2 * size:
-        return  # measure_storage shrinks its file: no file of this size will be asked for
-    box: list = []
-    thread = threading.Thread(target=lambda: box.append(_written(directories, size)), name="rocketllm-probe-write")
-    thread.daemon = True
-    _ahead.append((_real(directories), size, thread, box))
-    atexit.unregister(_discard_ahead)  # registered once, however many files a process writes ahead
-    atexit.register(_discard_ahead)
-    thread.start()
-
-
-def _take_written(directories: list[Path], size: int) -> tuple[Path, None] | None:
-    """The file write_ahead wrote for these DIRECTORIES and SIZE (waiting for it), or None."""
-    if not _ahead or _ahead[0][:2] != (_real(directories), size):
+def _measure_own(
+    path: Path, size: int, fs: Filesystem, caps: dict, log
+) -> tuple[dict[str, Measurement], dict[str, Capability]] | None:
+    """The measurement on the first SIZE bytes of the weights' own file, or None where its cold read did not reach
+    the device (pages not written back yet cannot be evicted) or it could not be read. Those bytes are left evicted:
+    the load reads them from storage, as it would have."""
+    try:
+        size = min(size, path.stat().st_size // ALIGN * ALIGN)
+        _buffered_read(path, size)  # in the page cache, as a just-written probe file is
+        out, decided = _measure_file(path, size, fs, dict(caps), log, own=True)
+    except OSError:
         return None
-    _, _, thread, box = _ahead.pop()
-    thread.join()
-    path = box[0][0] if box else None
-    return (path, None) if path is not None else None
-
-
-def _real(directories: list[Path]) -> tuple[str, ...]:
-    """One spelling per directory: a file written ahead in `/a/b/../m` is the one the profile asks for in `/a/m`
-    (unmatched, the first run waited 0.8 s on writing a second one)."""
-    return tuple(os.path.realpath(d) for d in directories)
-
-
-def wait_written() -> None:
-    """Wait for a probe file being written ahead to land (other measurements must not share the machine with it)."""
-    for _, _, thread, _ in list(_ahead):
-        thread.join()
-
-
-def _discard_ahead() -> None:
-    _stop_ahead.set()
-    while _ahead:
-        _, _, thread, box = _ahead.pop()
-        thread.join(timeout=30)
-        if box and box[0][0] is not None:
-            _remove(box[0][0])
+    return (out, decided) if out["storage_read"].available else None
 
 
 def _measure_file(
-    path: Path, size: int, fs: Filesystem, caps: dict, log
+    path: Path, size: int, fs: Filesystem, caps: dict, log, own: bool = False
 ) -> tuple[dict[str, Measurement], dict[str, Capability]]:
-    log(f"measuring storage: {format_bytes(size)} probe file on {fs.mount_point} ({fs.fstype}, {fs.kind})")
+    what = f"the first {format_bytes(size)} of {path.name}" if own else f"{format_bytes(size)} probe file"
+    log(f"measuring storage: {what} on {fs.mount_point} ({fs.fstype}, {fs.kind})")
     out: dict[str, Measurement] = {}
-    warm = min((_buffered_read(path) for _ in range(2)), key=lambda r: r[1])
+    warm = min((_buffered_read(path, size) for _ in range(2)), key=lambda r: r[1])
     out["page_cache_read"] = Measurement(
         "page_cache_read",
         size / warm[1],
-        "read() of a just-written file into a reused 16 MiB buffer, best of 2",
+        f"read() of {'the weights file, read just before,' if own else 'a just-written file'} into a reused 16 MiB "
+        "buffer, best of 2",
         size,
         warm[1],
     )
 
-    evicted = evict_file(path)
+    evicted = evict_file(path, 0, size)
     io_before = _io_read_bytes()
     n, seconds, cpu = _unit_reads(path, size, fs.kind, direct=False)
     delta = None if io_before is None else _io_read_bytes() - io_before
@@ -196,26 +169,13 @@ def read_cost(m: Measurement, cpu_shared: bool) -> float:
     return (m.seconds + (m.cpu_seconds if cpu_shared else 0.0)) / max(1, m.bytes_moved)
 
 
-def _write_probe(path: Path, size: int) -> None:
-    block = os.urandom(4 * 1024**2)  # random, so compressing or deduplicating storage cannot flatter the read
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        written = 0
-        while written < size:
-            if _stop_ahead.is_set():  # the process is leaving (an error before any measurement): no file to finish
-                raise OSError("the probe file's write was stopped")
-            written += os.write(fd, memoryview(block)[: min(len(block), size - written)])
-        os.fsync(fd)  # dirty pages cannot be evicted; after fsync they are clean and DONTNEED drops them
-    finally:
-        os.close(fd)
-
-
-def _buffered_read(path: Path) -> tuple[int, float]:
+def _buffered_read(path: Path, size: int) -> tuple[int, float]:
+    """(bytes, seconds) of reading the file's first SIZE bytes."""
     buf = memoryview(bytearray(CHUNK))
     total = 0
     with open(path, "rb", buffering=0) as f:
         start = time.perf_counter()
-        while n := f.readinto(buf):
+        while total < size and (n := f.readinto(buf[: min(CHUNK, size - total)])):
             total += n
         return total, max(time.perf_counter() - start, 1e-9)
 
@@ -288,7 +248,7 @@ def _direct_read(path: Path, size: int, kind: str) -> Measurement:
     name = "storage_read_direct"
     if not hasattr(os, "O_DIRECT"):
         return Measurement.unavailable(name, "O_DIRECT", "this OS has no O_DIRECT")
-    evict_file(path)
+    evict_file(path, 0, size)
     try:
         n, seconds, cpu = _unit_reads(path, size, kind, direct=True)
     except OSError as exc:
@@ -367,21 +327,6 @@ def _io_read_bytes() -> int | None:
     except (OSError, ValueError):
         pass
     return None
-
-
-def _free_bytes(directory: Path) -> int | None:
-    try:
-        st = os.statvfs(directory)
-        return st.f_bavail * st.f_frsize
-    except OSError:
-        return None
-
-
-def _remove(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _all_unavailable(why: str) -> dict[str, Measurement]:
