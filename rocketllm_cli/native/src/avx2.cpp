@@ -127,6 +127,7 @@ RL_TARGET void int8_tile(const Job& j, int64_t n, int64_t m0) {
   for (int t = 0; t < M; ++t) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * T::BYTES;
+    stream_ahead(blk, T::BYTES);
     const Scales<T> s = scales_of<T>(blk);
     __m256i isum[M];
     for (int t = 0; t < M; ++t) isum[t] = _mm256_setzero_si256();
@@ -188,10 +189,14 @@ RL_TARGET void int8_tile32(const Job& j, int64_t n, int64_t m0) {
   }
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
+    stream_ahead(row + b * T::BYTES, 2 * T::BYTES);
     int8_block32<T, M, 0>(j, row + b * T::BYTES, b, m0, acc, mins);
     int8_block32<T, M, 1>(j, row + (b + 1) * T::BYTES, b + 1, m0, acc, mins);
   }
-  if (b < nb) int8_block32<T, M, 0>(j, row + b * T::BYTES, b, m0, acc, mins);
+  if (b < nb) {
+    stream_ahead(row + b * T::BYTES, T::BYTES);
+    int8_block32<T, M, 0>(j, row + b * T::BYTES, b, m0, acc, mins);
+  }
   for (int t = 0; t < M; ++t) {
     const float y = hsum256(_mm256_add_ps(acc[t][0], acc[t][1]));
     j.y[(m0 + t) * j.n + n] = T::MIN || T::OFF ? y + offset_part<T>(mins[t][0], mins[t][1]) : y;

@@ -150,6 +150,7 @@ RL_TARGET void exact_lut_tile(const Job& j, int64_t n, int64_t m0) {
     alignas(64) float a[LUT_SPAN], off[LUT_SPAN];
     for (int64_t b0 = 0; b0 < nb; b0 += LUT_SPAN) {
       const int count = int(nb - b0 < LUT_SPAN ? nb - b0 : LUT_SPAN);
+      stream_ahead(row + b0 * T::BYTES, count * T::BYTES);
       block_scales<T>(row + b0 * T::BYTES, count, a, off);
       int i = 0;
       for (; i + 2 <= count; i += 2) {
@@ -162,6 +163,7 @@ RL_TARGET void exact_lut_tile(const Job& j, int64_t n, int64_t m0) {
   } else {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * T::BYTES;
+      stream_ahead(blk, T::BYTES);
       const Scales<T> s = scales_of<T>(blk);
       alignas(64) float a16[16], off16[16], a[8], off[8];
       scale_floats(s.sc, s.d, a16);
@@ -279,14 +281,19 @@ RL_TARGET void int8_tile32(const Job& j, int64_t n, int64_t m0) {
   }
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) {
+    stream_ahead(row + b * T::BYTES, 4 * T::BYTES);
     int8_pair<T, M, 0, false>(j, row + b * T::BYTES, b, m0, acc, mins);
     int8_pair<T, M, 1, false>(j, row + (b + 2) * T::BYTES, b + 2, m0, acc, mins);
   }
   if (b + 2 <= nb) {
+    stream_ahead(row + b * T::BYTES, 2 * T::BYTES);
     int8_pair<T, M, 0, false>(j, row + b * T::BYTES, b, m0, acc, mins);
     b += 2;
   }
-  if (b < nb) int8_pair<T, M, 1, true>(j, row + b * T::BYTES, b, m0, acc, mins);
+  if (b < nb) {
+    stream_ahead(row + b * T::BYTES, T::BYTES);
+    int8_pair<T, M, 1, true>(j, row + b * T::BYTES, b, m0, acc, mins);
+  }
   for (int t = 0; t < M; ++t) {
     const float y = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
     constexpr bool SPLIT = T::MIN || INT8_OFF<T>;
@@ -308,6 +315,7 @@ RL_TARGET void int8_tile(const Job& j, int64_t n, int64_t m0) {
   for (int t = 0; t < M; ++t) { acc[t] = _mm512_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * T::BYTES;
+    stream_ahead(blk, T::BYTES);
     const Scales<T> s = scales_of<T>(blk);
     const __m512i sc = _mm512_castsi256_si512(s.sc);
     __m512i isum[M];

@@ -107,34 +107,29 @@ constexpr int N_TILE = 8;  // rows of W per pass over x's m-tiles (their blocks 
 
 using TileFn = void (*)(const Job&, int64_t n, int64_t m0);  // y[m0 : m0 + MT, n]
 
-// Rows of W are read once per call, straight from memory: the cores' own prefetchers stop at every 4 KiB page and a
-// decode's products are too short for them to ramp up, so each row's bytes PREFETCH_BYTES further on are asked for
-// as the row starts (a prefetch never faults, past the end included). Measured on a 2-core Xeon, products cycling
-// through 66 MB of SmolLM2-shaped Q4_1 weights: 12.8 -> 8.3 ms exact, 13.0 -> 6.8 ms int8; a 4096 x 4096 Q4_K
-// product 9.2 -> 28.5 GB/s int8. 1-2 KiB ahead was best; 4 KiB and more, or a whole tile at once, less so.
-constexpr int64_t PREFETCH_BYTES = 1536;
-inline void prefetch_ahead(const Job& j, int64_t n) {
-  const char* from = reinterpret_cast<const char*>(j.w + n * j.row_bytes) + PREFETCH_BYTES;
-  for (int64_t at = 0; at < j.row_bytes; at += 64) __builtin_prefetch(from + at, 0, 3);
+// Rows of W are read once per call, straight from memory, and the cores' own prefetchers stop at every 4 KiB page. So
+// each kernel asks for the bytes STREAM_BYTES ahead of the blocks it is about to multiply, as it goes (stream_ahead:
+// a prefetch never faults, past the end included), into L2 (a T1 hint: more misses in flight than L1 takes, and L1
+// keeps the interpreter's and x's lines). Each row's bytes 1.5 KiB ahead asked for at once as the row started, into
+// L1, had served compute and memory one after the other: [1, 4096] x [4096, 4096] products cycling through 512 MiB
+// on a 2-core Xeon, int16, 2 threads: Q4_0 11.6 -> 17.9 GB/s, Q4_1 12.5 -> 17.5, Q8_0 18.0 -> 21.7, Q4_K 12.5 ->
+// 18.9, Q6_K 11.4 -> 17.1. 3-8 KiB ahead measured alike; T0 (L1) 5-12% slower; 1 KiB ahead 10-20% slower.
+constexpr int64_t STREAM_BYTES = 4096;
+inline void stream_ahead(const uint8_t* at, int64_t bytes) {
+  const char* from = reinterpret_cast<const char*>(at) + STREAM_BYTES;
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(from + i, 0, 2);
 }
 
-// Visit y[:, n0:n1] by tiles: MT rows of x at a time (a block's decoded weights serve them all), the rest one by one;
-// each row of W is prefetched ahead on its first visit.
+// Visit y[:, n0:n1] by tiles: MT rows of x at a time (a block's decoded weights serve them all), the rest one by one
 template <int MT>
 inline void for_each_tile(const Job& j, int64_t n0, int64_t n1, TileFn tile, TileFn tile1) {
   for (int64_t nt = n0; nt < n1; nt += N_TILE) {
     const int64_t ne = nt + N_TILE < n1 ? nt + N_TILE : n1;
     int64_t m0 = 0;
     for (; m0 + MT <= j.m; m0 += MT)
-      for (int64_t n = nt; n < ne; ++n) {
-        if (m0 == 0) prefetch_ahead(j, n);
-        tile(j, n, m0);
-      }
-    for (const int64_t first = m0; m0 < j.m; ++m0)
-      for (int64_t n = nt; n < ne; ++n) {
-        if (m0 == first && first == 0) prefetch_ahead(j, n);
-        tile1(j, n, m0);
-      }
+      for (int64_t n = nt; n < ne; ++n) tile(j, n, m0);
+    for (; m0 < j.m; ++m0)
+      for (int64_t n = nt; n < ne; ++n) tile1(j, n, m0);
   }
 }
 

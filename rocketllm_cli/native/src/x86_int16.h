@@ -192,6 +192,7 @@ RL_TARGET void int16_tile32(const Job& j, int64_t n, int64_t m0) {
       for (int t = 0; t < M; ++t)
         mins[t] = _mm256_fmadd_ps(m, pair_sums(j.q16.xs + (m0 + t) * (j.k / 16) + 2 * b), mins[t]);
     }
+    stream_ahead(row + b * T::BYTES, 8 * T::BYTES);
     for (int i = 0; i < 8; i += 2) {
       int16_block32<T, M, 0>(j, row + (b + i) * T::BYTES, b + i, m0, acc);
       int16_block32<T, M, 1>(j, row + (b + i + 1) * T::BYTES, b + i + 1, m0, acc);
@@ -199,6 +200,7 @@ RL_TARGET void int16_tile32(const Job& j, int64_t n, int64_t m0) {
   }
   float tail[M] = {};  // the last nb % 8 blocks' mins
   for (; b < nb; ++b) {
+    stream_ahead(row + b * T::BYTES, T::BYTES);
     int16_block32<T, M, 0>(j, row + b * T::BYTES, b, m0, acc);
     if constexpr (T::MIN)
       for (int t = 0; t < M; ++t) {
@@ -227,6 +229,7 @@ RL_TARGET void int16_tile(const Job& j, int64_t n, int64_t m0) {
   static_assert(T::QK == 256, "eight chunks of 32 a block: one 8-lane vector of their factors");
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * T::BYTES;
+    stream_ahead(blk, T::BYTES);
     const Scales<T> s = scales_of<T>(blk);
     alignas(32) int16_t sc[16];
     // Where a scale spans a chunk: each chunk's d · sc_c (sc holds it in both int16 halves of lane c, so an

@@ -49,10 +49,14 @@ RL_TARGET void exact_tile(const Job& j, int64_t n, int64_t m0) {
   int64_t b = 0;
   if (T::QK == 32)  // blocks in pairs: the second takes the other set of accumulators
     for (; b + 2 <= nb; b += 2) {
+      stream_ahead(row + b * T::BYTES, 2 * T::BYTES);
       exact_block<T, M, 0>(row + b * T::BYTES, x + b * T::QK, j.k, acc);
       exact_block<T, M, 1>(row + (b + 1) * T::BYTES, x + (b + 1) * T::QK, j.k, acc);
     }
-  for (; b < nb; ++b) exact_block<T, M, 0>(row + b * T::BYTES, x + b * T::QK, j.k, acc);
+  for (; b < nb; ++b) {
+    stream_ahead(row + b * T::BYTES, T::BYTES);
+    exact_block<T, M, 0>(row + b * T::BYTES, x + b * T::QK, j.k, acc);
+  }
   for (int t = 0; t < M; ++t) {
     F sum = acc[t][0];
     for (int v = 1; v < NA; ++v) sum = fadd(sum, acc[t][v]);
@@ -85,10 +89,14 @@ RL_TARGET void exact_q8_tile(const Job& j, int64_t n, int64_t m0) {
   for (int t = 0; t < M; ++t) acc[t][0] = acc[t][1] = fzero();
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
+    stream_ahead(row + b * Q8_0::BYTES, 2 * Q8_0::BYTES);
     exact_q8_block<M, 0>(row + b * Q8_0::BYTES, x + b * 32, j.k, acc);
     exact_q8_block<M, 1>(row + (b + 1) * Q8_0::BYTES, x + (b + 1) * 32, j.k, acc);
   }
-  if (b < nb) exact_q8_block<M, 0>(row + b * Q8_0::BYTES, x + b * 32, j.k, acc);
+  if (b < nb) {
+    stream_ahead(row + b * Q8_0::BYTES, Q8_0::BYTES);
+    exact_q8_block<M, 0>(row + b * Q8_0::BYTES, x + b * 32, j.k, acc);
+  }
   for (int t = 0; t < M; ++t) j.y[(m0 + t) * j.n + n] = fsum(fadd(acc[t][0], acc[t][1]));
 }
 
