@@ -69,15 +69,15 @@ class WeightStore(RowGathers):
         self.cuda = device.type == "cuda"
         self.pin = pin_memory and self.cuda
         self._resident: dict[str, dict[str, torch.Tensor]] = {}
+        self._parts_of_resident: dict = {}  # (unit, key) -> (its resident bytes, their packed parts): rowgathers
         self._host: dict[str, torch.Tensor] = {}  # unit -> its file bytes (mmap on CPU, pinned on CUDA)
         self._host_views: dict[str, dict[str, torch.Tensor]] = {}
         self._host_raw: dict[str, dict[str, torch.Tensor]] = {}  # the same tensors as stored, never converted
         self._maps: list[mmap.mmap] = []
         self._tables: dict[str, torch.Tensor] = {}  # sparse embedding tables for row gathers
         streamed = [u for u in manifest.units if plan.tier[u.name] != "device"]
-        # Buffers fit the units they hold (experts have staging buffers of their own, expertstream.py): a pool of
-        # prefetch_depth + 1 sized for the largest streamed layer, and one more for the units larger than that (a tied
-        # embedding and head of 27 MiB beside SmolLM2's 2.1 MiB layers), so the depth a layer needs costs layers' bytes.
+        # Buffers fit their units (experts stage in their own, expertstream.py): prefetch_depth + 1 for the largest
+        # streamed layer, one more for larger units (SmolLM2's 27 MiB tied table): a layer's depth costs layers' bytes.
         # a CPU maps its host tier
         self._per_use = [u for u in streamed if u.kind != "expert" and (plan.tier[u.name] == "storage" or self.cuda)]
         self.slot_bytes = self.large_bytes = 0
