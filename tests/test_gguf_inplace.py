@@ -358,7 +358,7 @@ def test_a_looked_up_row_is_the_torch_decoders_bit_for_bit_on_the_native_path():
     from rocketllm_cli.native.sample import sample_blocks
     from rocketllm_cli.stream import rowgathers
 
-    nk = kernels()
+    nk = kernels()  # loaded now, as a model on them has them
     calls = []
     for name in GGML_IDS:
         blocks = sample_blocks(name, 5, 512, seed=3)

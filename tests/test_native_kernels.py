@@ -568,3 +568,13 @@ def test_bench_kernels_takes_no_model():
 
     done = CliRunner().invoke(app, ["bench", "--kernels", "some.gguf"])
     assert done.exit_code != 0 and "--kernels measures the kernels alone" in done.stderr
+
+
+def test_loaded_never_builds_or_waits(monkeypatch):
+    """loaded(): the kernels this process has already, else None without a build (a lookup's fallback is exact)."""
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(build, "library", lambda *a, **k: pytest.fail("loaded() started a build"))
+    assert native.loaded() is None
+    monkeypatch.undo()
+    found = native.kernels()
+    assert (native.loaded() is None) == (found is None) and (found is None or native.loaded().isa == found.isa)

@@ -28,7 +28,7 @@ import threading
 from .build import ISA_ENV
 from .kernels import ISAS, MODES, NO_VARIANT, NativeKernels
 
-__all__ = ["ISAS", "ISA_ENV", "MODES", "NativeKernels", "build_in_background", "kernels", "why_not"]
+__all__ = ["ISAS", "ISA_ENV", "MODES", "NativeKernels", "build_in_background", "kernels", "loaded", "why_not"]
 
 _lock = threading.Lock()
 _loaded: tuple[NativeKernels | None, str] | None = None  # the library, loaded once per process
@@ -39,6 +39,12 @@ def kernels(isa: str | None = None) -> NativeKernels | None:
     """The kernels, built and loaded on first call (seconds, then cached on disk), or None (see why_not()).
     `isa` (default $ROCKETLLM_NATIVE_ISA) caps the variant: "avx512", "avx2" or "scalar"."""
     return _resolve(isa)[0]
+
+
+def loaded() -> NativeKernels | None:
+    """The kernels where this process has loaded them already (and $ROCKETLLM_NATIVE_ISA allows), else None: never
+    builds or waits, for a path that has a correct fallback and must not stall on a compiler run."""
+    return _resolve(None)[0] if _loaded is not None else None
 
 
 def build_in_background() -> None:

@@ -197,9 +197,9 @@ def _gguf_rows(blocks: torch.Tensor, fmt) -> torch.Tensor:
     from ..checkpoint.ggmlblocks import dequantize_blocks
 
     if blocks.is_cpu:
-        from ..native import kernels
+        from ..native import loaded
 
-        nk = kernels()
+        nk = loaded()  # a model whose products run on them has them; a lookup never waits on their build
         if nk is not None and nk.supported(fmt.gguf_type):
             return nk.dequantize(blocks.contiguous(), fmt.gguf_type, fmt.shape[1], threads=1)
     return dequantize_blocks(blocks, fmt.gguf_type)
