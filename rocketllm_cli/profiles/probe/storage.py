@@ -1,9 +1,9 @@
-"""Storage and page-cache bandwidth of one filesystem, measured with a probe file.
+"""Storage and page-cache bandwidth of one filesystem, measured on the weights' own file or a probe file.
 
-Order matters: the freshly written file is warm (page-cache read), then evicted with
-POSIX_FADV_DONTNEED and read cold (buffered, with readahead), then evicted again and
-read with O_DIRECT. /proc/self/io `read_bytes` witnesses that a cold read really
-reached the device. The probe file is always deleted.
+Order matters: the file is warm (just written, or read just before), then evicted with POSIX_FADV_DONTNEED and read
+cold (buffered, with readahead), then evicted again and read with O_DIRECT. /proc/self/io `read_bytes` witnesses
+that a cold read really reached the device. The weights' own file (own_file) is read where a cold read of it can be
+forced, and left evicted; else a probe file (probefile.py) is written, measured and always deleted.
 """
 
 from __future__ import annotations
