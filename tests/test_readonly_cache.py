@@ -79,7 +79,7 @@ def test_nothing_can_be_written_there(readonly_cache):
 def test_doctor_measures_and_says_the_profile_was_not_cached(stored_profile, readonly_cache, monkeypatch):
     host, disk = stored_profile
     monkeypatch.setattr(hardware, "_measure_host", lambda log: dict(host))
-    monkeypatch.setattr(hardware, "_measure_filesystem", lambda fs, log: {**disk, "cacheable": True})
+    monkeypatch.setattr(hardware, "_measure_filesystem", lambda fs, log, own: {**disk, "cacheable": True})
     result = invoke("doctor")
     assert result.exit_code == 0, result.stderr
     assert "profile cached" not in result.stderr
