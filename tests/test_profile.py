@@ -13,6 +13,7 @@ import pytest
 from rocketllm_cli.profiles import HardwareProfile, cache_dir, hardware
 from rocketllm_cli.profiles.probe import machine as facts
 from rocketllm_cli.profiles.probe.filesystems import filesystem_of
+from rocketllm_cli.profiles.probe.storage import probe_bytes
 from rocketllm_cli.profiles.report import document as report
 from rocketllm_cli.profiles.report import markdown
 
@@ -333,15 +334,9 @@ def test_the_probe_file_is_written_ahead_only_where_the_filesystem_is_not_profil
     HardwareProfile.write_storage_probe_ahead(tmp_path / "model.gguf", refresh=True)
     assert len(calls) == 1 and calls[0][-1] == filesystem_of(tmp_path).directory
     big = tmp_path / "big.gguf"  # a model file large enough to be read in place: nothing is written ahead for it
-    big.write_bytes(os.urandom(storage_size()))
+    big.write_bytes(os.urandom(probe_bytes()))
     HardwareProfile.write_storage_probe_ahead(big, refresh=True)
     assert len(calls) == 1
-
-
-def storage_size() -> int:
-    from rocketllm_cli.profiles.probe import storage
-
-    return storage.probe_bytes()
 
 
 def _weights_file(path: Path, size: int) -> bytes:

@@ -93,7 +93,7 @@ def _native_case(query, key, value, attention_mask, dropout, kwargs) -> bool:
         and ks[2] == vs[2]
         and qs[1] % ks[1] == 0
         and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
-        and not (kwargs.keys() & _CHANGES and any(kwargs.get(name) is not None for name in _CHANGES))
+        and all(kwargs[name] is None for name in kwargs.keys() & _CHANGES)
         and _no_mask(attention_mask, ks[2])
     )
 

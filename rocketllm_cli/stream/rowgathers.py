@@ -44,7 +44,7 @@ class RowGathers:
         """
         unit = self.units[name]
         record = unit.tensors[0]
-        rows = torch.unique(ids.reshape(-1)).tolist()
+        rows = _unique_rows(ids)
         row_bytes = record.nbytes // record.shape[0]
         self.ledger.serve(self.plan.tier[name], len(rows) * row_bytes)
         stored = DTYPES[record.dtype]
@@ -194,12 +194,12 @@ def _gguf_rows(blocks: torch.Tensor, fmt) -> torch.Tensor:
     """Rows of a GGUF type's blocks as fp32: one call to the native kernels' dequantize where they cover the type
     (bit for bit the torch decoder's, tested per type and variant), else the torch decoder. SmolLM2's tied Q8_0 table
     took 98 us a looked-up token through the decoder's ~15 ops, ~320 inside a decode, where caches are cold."""
-    from ..checkpoint.ggmlblocks import dequantize_blocks
-
     if blocks.is_cpu:
         from ..native import loaded
 
         nk = loaded()  # a model whose products run on them has them; a lookup never waits on their build
         if nk is not None and nk.supported(fmt.gguf_type):
             return nk.dequantize(blocks.contiguous(), fmt.gguf_type, fmt.shape[1], threads=1)
+    from ..checkpoint.ggmlblocks import dequantize_blocks
+
     return dequantize_blocks(blocks, fmt.gguf_type)
