@@ -24,21 +24,11 @@ from .build import ISAS, build_id  # the variants, in the library's numbering; l
 MODES = {"exact": 0, "int8": 1, "int16": 2}
 NO_VARIANT = "no variant this CPU runs"
 # name -> GGML type number; the library reports each one's block layout, checked against ggmlblocks.SUPPORTED
-GGML_IDS = {
-    "Q4_0": 2,
-    "Q4_1": 3,
-    "Q5_0": 6,
-    "Q5_1": 7,
-    "Q8_0": 8,
-    "Q2_K": 10,
-    "Q3_K": 11,
-    "Q4_K": 12,
-    "Q5_K": 13,
-    "Q6_K": 14,
-    "IQ4_NL": 20,
-    "IQ4_XS": 23,
-}
-ABI_VERSION = 5
+# fmt: off
+GGML_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+            "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+# fmt: on
+ABI_VERSION = 6
 _ERRORS = {
     -1: "unsupported type",
     -2: "variant not runnable on this CPU",
@@ -93,6 +83,8 @@ class NativeKernels:
         # q, heads, head and position strides, its out and out's strides; k likewise; positions, dim, cos, sin, their
         # row stride
         lib.rl_rope.argtypes = [*[_ptr, _i64, _i64, _i64, _ptr, _i64, _i64] * 2, _i64, _i64, _ptr, _ptr, _i64]
+        # x, rows, width, weight, one_plus, eps, lanes, out
+        lib.rl_rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, ctypes.c_float, ctypes.c_int, _ptr]
         mask = lib.rl_isas()
         runnable = tuple(name for i, name in reversed(list(enumerate(ISAS))) if mask >> i & 1)
         layouts, reason = _layouts(lib)
@@ -145,19 +137,9 @@ class NativeKernels:
         out = _out(out, (m, n))
         if not x.is_contiguous():
             x = x.contiguous()  # activations are small; W is never copied
-        rc = self._call(
-            self._isa_id,
-            type_id,
-            mode_id,
-            blocks.data_ptr(),
-            n,
-            row_bytes,
-            x.data_ptr(),
-            m,
-            k,
-            out.data_ptr(),
-            torch.get_num_threads() if threads is None else threads,
-        )
+        threads = torch.get_num_threads() if threads is None else threads
+        rc = self._call(self._isa_id, type_id, mode_id, blocks.data_ptr(), n, row_bytes, x.data_ptr(), m, k,
+                        out.data_ptr(), threads)  # fmt: skip
         if rc:
             raise RuntimeError(f"native {name} matmul failed: {_ERRORS.get(rc, rc)}")
         return out
@@ -307,6 +289,22 @@ class NativeKernels:
         if rc:
             raise RuntimeError(f"native rotary failed: {_ERRORS.get(rc, rc)}")
         return q_out, k_out
+
+    def rms_norm(self, width: int, eps: float, lanes: int, one_plus: bool):
+        """f(x, weight) -> y: transformers' RMS norm of x's rows of WIDTH, x · rsqrt(mean(x²) + EPS) · weight (or
+        · (1 + weight) where ONE_PLUS), its sum of squares added as torch's CPU sum adds a row in vectors of LANES
+        floats (8 or 16), unchecked: x and weight contiguous fp32 CPU tensors (stream/fusednorms.py checks them and
+        probes the bits). y is laid out as x."""
+        call, one_plus = self._lib.rl_rms_norm, int(one_plus)
+
+        def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(x)
+            rc = call(x.data_ptr(), x.numel() // width, width, weight.data_ptr(), one_plus, eps, lanes, out.data_ptr())
+            if rc:
+                raise RuntimeError(f"native RMS norm failed: {_ERRORS.get(rc, rc)}")
+            return out
+
+        return norm
 
     def _type_of(self, gguf_type) -> tuple[str, int]:
         name = str(getattr(gguf_type, "name", gguf_type))

@@ -243,7 +243,7 @@ def _as_engine(model, kernel: str, head: bool = False) -> bool:
         )
     if kernel in NATIVE_ATTENTION_KERNELS and hasattr(model, "config"):  # decode_attention's formula (running.py)
         use_native_attention(model)
-    fuse_norms(model, torch.float32)  # as the engine's model on a CPU (fusednorms.py, rotary.py)
+    fuse_norms(model, torch.float32, native=True)  # as the engine's model on a CPU (fusednorms.py, rotary.py)
     fast_rotary(model, torch.float32, torch.device("cpu"), native=True)
     return True
 

@@ -3,7 +3,7 @@
 Resident units are bound once. Each streamed unit gets a forward pre-hook on its module that binds views of its bytes
 to (module, name) pairs computed up front, and a post-hook that puts the placeholders back and frees the buffer.
 transformers runs the forward pass and generate() unchanged; on a CPU its RMS norms and rotary embedding run in fewer
-torch ops where that gives their bits (fusednorms.py, rotary.py).
+torch ops, or one native call, where that gives their bits (fusednorms.py, rotary.py).
 
 An unbound tensor is an `Unbound` placeholder (unbound.py): shape, dtype and device answer, a computation raises
 UnboundWeightError, and a streamed embedding table's placeholder answers lookups by reading rows.
@@ -70,7 +70,7 @@ class StreamingModel:
             if why:
                 raise ParameterError(why, "kv_cache_dtype")  # before any weight is read
         model = build_meta_model(hf_config, self.dtype)
-        self.fused_norms = fuse_norms(model, self.dtype) if self.device.type == "cpu" else "not on this device"
+        self.fused_norms = fuse_norms(model, self.dtype, self.manifest.packing == "blocks", self.device)
         self.fast_rotary = fast_rotary(model, self.dtype, self.device, self.manifest.packing == "blocks")
         self.plan: ResidencyPlan = make_plan(
             self.manifest,

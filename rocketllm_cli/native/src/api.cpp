@@ -6,6 +6,7 @@
 
 #include "kernels.h"
 #include "pool.h"
+#include "rmsnorm.h"
 
 #if defined(__x86_64__) && !defined(RL_SCALAR_ONLY)
 #include <cpuid.h>
@@ -136,7 +137,7 @@ using namespace rl;
 extern "C" {
 
 // Bumped whenever a signature below changes, so that Python never calls a stale library wrongly.
-RL_EXPORT int rl_abi_version() { return 5; }
+RL_EXPORT int rl_abi_version() { return 6; }
 
 // Bit mask of the variants compiled in and runnable here: 1 scalar, 2 AVX2, 4 AVX-512.
 RL_EXPORT int rl_isas() {
@@ -301,6 +302,22 @@ RL_EXPORT int rl_rope(const float* q, int64_t q_heads, int64_t q_head, int64_t q
   if (q_heads < 0 || k_heads < 0 || positions < 0 || dim < 0 || dim % 2 != 0) return -3;
   rope_heads(q, q_heads, q_head, q_pos, q_out, qo_head, qo_pos, positions, dim, cos, sin, cs_row);
   rope_heads(k, k_heads, k_head, k_pos, k_out, ko_head, ko_pos, positions, dim, cos, sin, cs_row);
+  return 0;
+}
+
+// transformers' RMS norm (rmsnorm.h): y [rows, n] = x · rsqrt(mean(x²) + eps) · w, fp32, contiguous; weight may be
+// null (none) or taken as 1 + weight (one_plus); lanes: the float vector width torch's sum adds rows in (8 or 16).
+// 0, or -3 shapes, -5 out of memory.
+RL_EXPORT int rl_rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, int one_plus, float eps,
+                          int lanes, float* y) {
+  if (rows < 0 || n < 1 || (lanes != 8 && lanes != 16)) return -3;
+  thread_local std::vector<float> scratch;
+  try {
+    if (scratch.size() < size_t(n)) scratch.resize(size_t(n));
+  } catch (const std::bad_alloc&) {
+    return -5;
+  }
+  rms_norm_rows(x, rows, n, weight, one_plus, eps, lanes, y, scratch.data());
   return 0;
 }
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 from .keptfile import KeptFile
 
 FILE = "layer-cost.json"
-VERSION = 4  # of the method: a figure measured otherwise is measured again (2: at the set's shape, products off;
-# 3: its RMS norms fused as the engine's are; 4: its rotary embedding in the engine's form too)
+VERSION = 5  # of the method: a figure measured otherwise is measured again (2: at the set's shape, products off;
+# 3: its RMS norms fused as the engine's are; 4: its rotary embedding in the engine's form too; 5: its norms on the
+# native kernels as the engine's are)
 KEPT = KeptFile(FILE)  # the file as read or written in this process, per profile fingerprint
 
 
