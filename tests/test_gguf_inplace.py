@@ -370,3 +370,32 @@ def test_a_looked_up_row_is_the_torch_decoders_bit_for_bit_on_the_native_path(mo
     assert calls == (list(GGML_IDS) if nk is not None else [])
     assert rowgathers._unique_rows(torch.tensor([[7, 3, 7]])) == [3, 7]
     assert rowgathers._unique_rows(torch.arange(100).flip(0)) == list(range(100))
+
+
+def test_a_resident_tables_few_rows_are_dequantized_in_place_a_native_call_each(tiny, monkeypatch):
+    """A decode step looks up one row: a resident GGUF table's few rows go from its blocks straight into its sparse
+    fp32 table, a native call a row (no index tensors, no copies), the same values as a prompt's many rows take."""
+    from rocketllm_cli.checkpoint.ggmlblocks import dequantize_blocks
+    from rocketllm_cli.native import kernels
+    from rocketllm_cli.native.kernels import NativeKernels
+    from rocketllm_cli.stream import rowgathers
+
+    if kernels() is None:
+        pytest.skip("no native kernels here")
+    _, (manifest, directory, _), _, _ = tiny
+    rows_asked = []
+    real = NativeKernels.dequantize
+    monkeypatch.setattr(
+        NativeKernels, "dequantize", lambda self, b, *a, **k: (rows_asked.append(b.shape[0]), real(self, b, *a, **k))[1]
+    )
+    with StreamingModel(directory, EngineConfig(compute_dtype="fp32", **TIERS["device"])) as model:
+        embed = model.model.get_input_embeddings()
+        name = next(u.name for u in manifest.units if u.kind == "embed")
+        key = next(t.name for u in manifest.units if u.kind == "embed" for t in u.tensors)
+        with torch.inference_mode():
+            few = embed(torch.tensor([[5000, 12, 5000]]))
+            assert rows_asked == [1, 1]  # two distinct rows, a call each
+            many = embed(torch.arange(rowgathers.FEW_ROWS + 1).reshape(1, -1) * 7 + 12)  # a prompt: the batched path
+    blocks = model.store._parts_of_resident[(name, key)][1]["blocks"]
+    assert torch.equal(few[0], dequantize_blocks(blocks[[5000, 12, 5000]], "Q8_0"))
+    assert torch.equal(many[0, 0], few[0, 1])  # row 12 both ways

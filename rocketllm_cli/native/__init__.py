@@ -32,6 +32,7 @@ __all__ = ["ISAS", "ISA_ENV", "MODES", "NativeKernels", "build_in_background", "
 
 _lock = threading.Lock()
 _loaded: tuple[NativeKernels | None, str] | None = None  # the library, loaded once per process
+_capped: dict[str, NativeKernels] = {}  # variant -> the loaded library driven by it, under an ISA cap
 _background: threading.Thread | None = None  # build_in_background's thread
 
 
@@ -85,4 +86,9 @@ def _resolve(isa: str | None) -> tuple[NativeKernels | None, str]:
     capped = next((name for name in best.isas if ISAS.index(name) <= ISAS.index(cap)), None)
     if capped is None:  # a library built before the cap was asked for (build.py builds the capped variant too)
         return None, f"{ISA_ENV}={cap}: this process's native library has only {', '.join(best.isas)}"
-    return best.with_isa(capped), ""
+    if capped == best.isa:
+        return best, ""
+    held = _capped.get(capped)
+    if held is None or held._lib is not best._lib:  # one capped copy per library and variant: a lookup asks per token
+        held = _capped[capped] = best.with_isa(capped)
+    return held, ""

@@ -22,6 +22,9 @@ from ..errors import ShardError
 from ..profiles.probe.storage import evict_range
 
 
+FEW_ROWS = 16  # looked-up rows at most that a resident GGUF table dequantizes one native call a row
+
+
 class RowGathers:
     """The row-gathering half of WeightStore (which supplies units, plan, ledger, dtype, directory, cuda and the
     host mappings)."""
@@ -68,14 +71,19 @@ class RowGathers:
         rows looked up are read and dequantized, into a sparse full-shaped table of the compute dtype."""
         from ..checkpoint.packedformat import PackedTensor
 
-        unit = self.units[name]
-        record = next(t for t in unit.tensors if t.name == key)
         rows = _unique_rows(ids)
         n, k = fmt.shape
         if rows and not (0 <= rows[0] and rows[-1] < n):
             raise IndexError(
                 f"token id {rows[-1] if rows[-1] >= n else rows[0]} outside the embedding table of {n} rows"
             )
+        tier = self.plan.tier[name]
+        if tier == "device" and len(rows) <= FEW_ROWS and fmt.kind == "gguf" and self.dtype == torch.float32:
+            table = self._native_rows(name, key, fmt, rows)
+            if table is not None:
+                return table
+        unit = self.units[name]
+        record = next(t for t in unit.tensors if t.name == key)
         offsets, _ = fmt.offsets()
         # bytes of one row in each part: int8 codes and their scale, or one row of blocks
         widths = (
@@ -83,7 +91,6 @@ class RowGathers:
             if fmt.kind == "gguf"
             else {"codes": k, "scale": fmt.parts()["scale"][0][1] * dtypes.ITEMSIZE[fmt.scale_dtype]}
         )
-        tier = self.plan.tier[name]
         if tier != "device":  # a resident unit is counted once per pass already
             self.ledger.serve(tier, len(rows) * sum(widths.values()))
         index = where = torch.tensor(rows, dtype=torch.long)  # WHERE: the rows' places in the table
@@ -108,6 +115,29 @@ class RowGathers:
         table.index_copy_(0, where, values)
         self.ledger.add_time("convert", time.perf_counter() - started)
         return table.to(self.device) if self.cuda else table
+
+    def _native_rows(self, name: str, key: str, fmt, rows: list[int]) -> torch.Tensor | None:
+        """A resident GGUF table's few looked-up ROWS dequantized by the native kernels straight into its sparse fp32
+        table, a call a row (a decode step's lookup: no index tensors, no copies); None where this process has no
+        kernels loaded for the type (a lookup never waits on their build)."""
+        if self.cuda:
+            return None
+        from ..native import loaded
+
+        nk = loaded()
+        if nk is None or not nk.supported(fmt.gguf_type):
+            return None
+        started = time.perf_counter()
+        blocks = self._resident_parts(name, key, fmt)["blocks"]
+        n, k = fmt.shape
+        table = self._tables.get(f"{name}:{key}:fp32 rows")  # the sparse table as fp32 rows, viewed once
+        if table is None:
+            table = self._sparse_table(f"{name}:{key}:{self.dtype}", n * k * 4).view(torch.float32).view(n, k)
+            self._tables[f"{name}:{key}:fp32 rows"] = table
+        for row in rows:
+            nk.dequantize(blocks[row : row + 1], fmt.gguf_type, k, out=table[row : row + 1], threads=1)
+        self.ledger.add_time("convert", time.perf_counter() - started)
+        return table
 
     def _resident_parts(self, name: str, key: str, fmt) -> dict[str, torch.Tensor]:
         """The parts of a resident packed table, parsed once per load of its bytes (a decode looks a row up a
