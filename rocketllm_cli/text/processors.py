@@ -19,10 +19,15 @@ class HoldEndOfSequence(LogitsProcessor):
     def __init__(self, prompt_width: int, count: int, eos_ids) -> None:
         self.until = prompt_width + count
         self.eos = sorted(eos_ids)
+        self._index = torch.tensor(self.eos, dtype=torch.long)  # one index_fill_ a step (bench holds every step)
+        self._index_on = {}  # device -> the index there
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[-1] < self.until:
-            scores[..., self.eos] = -math.inf
+        if input_ids.shape[-1] < self.until and self.eos:
+            index = self._index_on.get(scores.device)
+            if index is None:
+                index = self._index_on[scores.device] = self._index.to(scores.device)
+            scores.index_fill_(-1, index, -math.inf)
         return scores
 
 
