@@ -67,11 +67,12 @@ class ComputeThreads:
     def poll(self, native_decode: bool = False) -> None:
         """Sample if INTERVAL_S has passed since the last sample; set the thread count if it changed.
 
-        NATIVE_DECODE: the pass about to run is a decode whose products run on the native kernels (one position
-        per row): torch gets one thread and the kernels' own pool the free cores (native_pass). Its products are
-        hundreds of short calls with torch's small ops between them; torch's OpenMP threads spinning after each op
-        took the cores the pool's workers needed (SmolLM2 Q4_1, 2 cores: 25-30 ms/token with both on two threads,
-        16 with the cores the pool's alone). A prefill, with large products torch computes too, keeps both."""
+        NATIVE_DECODE: the pass about to run computes every product on the native kernels (a decode step, or a
+        prompt short of the dense crossover: stream/nativepass.py): torch gets one thread and the kernels' own pool
+        the free cores (native_pass). Its products are hundreds of short calls with torch's small ops between them;
+        torch's OpenMP threads spinning after each op took the cores the pool's workers needed (SmolLM2 Q4_1, 2
+        cores: 25-30 ms/token with both on two threads, 16 with the cores the pool's alone). A longer prompt, whose
+        large products torch computes too, keeps both."""
         if not self.enabled:
             self.native_pass = False
             return

@@ -28,7 +28,7 @@ NO_VARIANT = "no variant this CPU runs"
 GGML_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
             "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
 # fmt: on
-ABI_VERSION = 6
+ABI_VERSION = 7
 _ERRORS = {
     -1: "unsupported type",
     -2: "variant not runnable on this CPU",
@@ -59,6 +59,7 @@ class NativeKernels:
         self._isa_id = ISAS.index(isa)
         self._layouts = layouts  # name -> (GGML type number, elements per block, bytes per block)
         self._call = lib.rl_matmul
+        self.hold_pool = lib.rl_pool_hold  # hold_pool(1): the pool's workers spin between calls until hold_pool(0)
 
     @classmethod
     def load(cls, path: Path, isa: str | None = None) -> tuple[NativeKernels | None, str]:
@@ -85,6 +86,7 @@ class NativeKernels:
         lib.rl_rope.argtypes = [*[_ptr, _i64, _i64, _i64, _ptr, _i64, _i64] * 2, _i64, _i64, _ptr, _ptr, _i64]
         # x, rows, width, weight, one_plus, eps, lanes, out
         lib.rl_rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, ctypes.c_float, ctypes.c_int, _ptr]
+        lib.rl_pool_hold.argtypes, lib.rl_pool_hold.restype = [ctypes.c_int], None
         mask = lib.rl_isas()
         runnable = tuple(name for i, name in reversed(list(enumerate(ISAS))) if mask >> i & 1)
         layouts, reason = _layouts(lib)

@@ -21,7 +21,6 @@ from ..checkpoint.packedformat import PackedFormat
 from ..dtypes import torch_dtype
 from ..errors import ParameterError, ShardError
 from ..heap import return_large_blocks
-from ..native import kernels
 from ..shard.discover import build_meta_model
 from ..threads import COMPUTE_THREADS
 from .assets import load_generation_config, load_processor, load_tokenizer
@@ -30,6 +29,7 @@ from .binding import Binding, assign, called_site, is_lookup, move_buffers
 from .decodeattention import attention_path
 from .engineconfig import EngineConfig
 from .fusednorms import fuse_norms
+from .nativepass import NO_NATIVE_PASSES, NativePasses
 from .graphs import graphs_excluded
 from .ledger import Ledger
 from .packedbind import PackedBinding, activation_dtype, make_fused, make_packed
@@ -49,6 +49,7 @@ class StreamingModel:
 
     # generate()'s json_schema/grammar: its logits processor's keywords, set from text/ (grammar.py constrained_kwargs)
     constrain = None
+    native_passes = NO_NATIVE_PASSES  # until the model is bound (nativepass.py)
 
     def __init__(self, directory: Path, config: EngineConfig, manifest: Manifest | None = None, tokenizer=None) -> None:
         """Open the shard set in DIRECTORY as `config` says; `manifest` and `tokenizer` (the set's, loaded already)
@@ -184,12 +185,10 @@ class StreamingModel:
                 self._hooks.append(module.register_forward_hook(self._post_hook(unit, group)))
                 hooked.add(unit)
         self.pass_hooks = self.register_pass_hooks(model)
-        # GGUF blocks on a CPU with the native kernels: a decode step hands them the cores (threads.py native_pass)
-        self._native_products = (
-            self.device.type == "cpu" and self.manifest.packing == "blocks" and kernels() is not None
-        )
+        # GGUF blocks on a CPU with the native kernels: a pass they compute alone gets the cores (nativepass.py)
+        self.native_passes = NativePasses(self.device, self.manifest.packing)
         # ... and attends on them too where the knob says so (decodeattention.py: the decode case alone)
-        self.decode_attention = attention_path(model, self.config_engine.decode_attention, self._native_products)
+        self.decode_attention = attention_path(model, self.config_engine.decode_attention, self.native_passes.products)
         # A unit only ever looked up by rows is never read whole: no read-ahead, and no buffer sized for it.
         self.store.read_whole_only(hooked)
 
@@ -305,7 +304,7 @@ class StreamingModel:
     def begin_pass(self, tokens: int, positions: int | None = None) -> None:
         """A forward pass of TOKENS positions starts (the pre-hook, or graphs.PassClock where no hook runs), POSITIONS
         of them per row (1: a decode step), where known."""
-        COMPUTE_THREADS.poll(native_decode=positions == 1 and getattr(self, "_native_products", False))
+        self.native_passes.begin(tokens, positions)
         self.ledger.begin(tokens)
         self.store.begin_pass()
 

@@ -137,7 +137,7 @@ using namespace rl;
 extern "C" {
 
 // Bumped whenever a signature below changes, so that Python never calls a stale library wrongly.
-RL_EXPORT int rl_abi_version() { return 6; }
+RL_EXPORT int rl_abi_version() { return 7; }
 
 // Bit mask of the variants compiled in and runnable here: 1 scalar, 2 AVX2, 4 AVX-512.
 RL_EXPORT int rl_isas() {
@@ -304,6 +304,9 @@ RL_EXPORT int rl_rope(const float* q, int64_t q_heads, int64_t q_head, int64_t q
   rope_heads(k, k_heads, k_head, k_pos, k_out, ko_head, ko_pos, positions, dim, cos, sin, cs_row);
   return 0;
 }
+
+// Hold the pool's workers awake between calls (1) or let them sleep after a short spin (0): pool.h.
+RL_EXPORT void rl_pool_hold(int on) { pool_hold(on != 0); }
 
 // transformers' RMS norm (rmsnorm.h): y [rows, n] = x · rsqrt(mean(x²) + eps) · w, fp32, contiguous; weight may be
 // null (none) or taken as 1 + weight (one_plus); lanes: the float vector width torch's sum adds rows in (8 or 16).

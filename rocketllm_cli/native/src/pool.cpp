@@ -16,6 +16,15 @@ namespace {
 // between them (~0.1 ms); a worker asleep by then is woken by an interrupt each call (SmolLM2 Q4_1 on 2 cores: 20.7
 // ms/token at 50 us, 15.9 at 500 us, torch on one thread meanwhile; threads.py native_pass).
 constexpr auto SPIN = std::chrono::microseconds(500);
+// How long held workers spin after the last call before they sleep anyway. Held, they spin through a pass whose
+// every product runs here (torch on one thread meanwhile): a worker asleep while torch ran a prompt's attention (~0.5
+// ms) was woken on a halted vCPU, 1.6-3.5 ms for the next product, ~14 times a SmolLM2 prompt of 16 tokens.
+constexpr auto HOLD = std::chrono::milliseconds(50);
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 inline void relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -27,8 +36,20 @@ inline void relax() {
 
 class Pool {
  public:
+  void hold(bool on) {
+    last_call_.store(now_ns(), std::memory_order_relaxed);
+    held_.store(on, std::memory_order_release);
+    if (!on) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      hold_epoch_ += 1;
+    }
+    wake_.notify_all();
+  }
+
   void run(int threads, int64_t total, int64_t chunk, RangeFn fn, void* ctx) {
     spawn(threads - 1);
+    last_call_.store(now_ns(), std::memory_order_relaxed);
     total_ = total; chunk_ = chunk; fn_ = fn; ctx_ = ctx;
     next_.store(0, std::memory_order_relaxed);
     pending_.store(threads - 1, std::memory_order_relaxed);
@@ -67,16 +88,28 @@ class Pool {
     }
   }
   uint64_t wait(uint64_t seen) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 1;; ++i) {
-      const uint64_t word = word_.load(std::memory_order_acquire);
-      if (word != seen) return word;
-      relax();
-      if (i % 256 == 0 && std::chrono::steady_clock::now() - start > SPIN) break;
-    }
-    std::unique_lock<std::mutex> lock(mutex_);
-    wake_.wait(lock, [&] { return word_.load(std::memory_order_acquire) != seen; });
-    return word_.load(std::memory_order_acquire);
+    for (;;) {
+      const int64_t start = now_ns(), spin = std::chrono::nanoseconds(SPIN).count();
+      const int64_t hold = std::chrono::nanoseconds(HOLD).count();
+      for (int i = 1;; ++i) {
+        const uint64_t word = word_.load(std::memory_order_acquire);
+        if (word != seen) return word;
+        relax();
+        if (i % 256) continue;
+        const int64_t t = now_ns();
+        if (!held_.load(std::memory_order_acquire)) {
+          if (t - start > spin) break;
+        } else if (t - last_call_.load(std::memory_order_relaxed) > hold) {
+          break;
+        } else if (i % 1024 == 0) {
+          std::this_thread::yield();  // a thread that needs this core gets it
+        }
+      }
+      std::unique_lock<std::mutex> lock(mutex_);
+      const uint64_t epoch = hold_epoch_;
+      wake_.wait(lock, [&] { return word_.load(std::memory_order_acquire) != seen || hold_epoch_ != epoch; });
+      if (word_.load(std::memory_order_acquire) != seen) return word_.load(std::memory_order_acquire);
+    }  // held again: spin
   }
 
   std::mutex mutex_;
@@ -84,12 +117,25 @@ class Pool {
   std::atomic<uint64_t> word_{0};
   std::atomic<int64_t> next_{0};
   std::atomic<int> pending_{0};
+  std::atomic<bool> held_{false};
+  std::atomic<int64_t> last_call_{0};  // steady clock ns of the last call or hold
   uint64_t generation_ = 0;
+  uint64_t hold_epoch_ = 0;  // under mutex_: bumped by each hold, which wakes the sleepers
   int workers_ = 0;
   int64_t total_ = 0, chunk_ = 1;
   RangeFn fn_ = nullptr;
   void* ctx_ = nullptr;
 };
+
+Pool* this_process_pool() {
+  static Pool* pool = nullptr;  // leaked on purpose: detached workers wait on it until the process ends
+  static pid_t owner = 0;
+  if (pool == nullptr || owner != getpid()) {  // a forked child has the memory but not the threads
+    pool = new Pool;
+    owner = getpid();
+  }
+  return pool;
+}
 
 }  // namespace
 
@@ -98,13 +144,9 @@ void parallel_for(int threads, int64_t total, int64_t chunk, RangeFn fn, void* c
     fn(ctx, 0, total);
     return;
   }
-  static Pool* pool = nullptr;  // leaked on purpose: detached workers wait on it until the process ends
-  static pid_t owner = 0;
-  if (pool == nullptr || owner != getpid()) {  // a forked child has the memory but not the threads
-    pool = new Pool;
-    owner = getpid();
-  }
-  pool->run(threads, total, chunk, fn, ctx);
+  this_process_pool()->run(threads, total, chunk, fn, ctx);
 }
+
+void pool_hold(bool on) { this_process_pool()->hold(on); }
 
 }  // namespace rl

@@ -11,4 +11,9 @@ using RangeFn = void (*)(void* ctx, int64_t begin, int64_t end);
 // variable. One call at a time (the caller serialises); safe after fork (a child starts a pool of its own).
 void parallel_for(int threads, int64_t total, int64_t chunk, RangeFn fn, void* ctx);
 
+// While held, the workers spin between calls instead of sleeping after a short spin, until released or until a while
+// after the last call (a pass that raised never releases them). Holding wakes sleeping workers, so the first call of
+// a pass finds them awake.
+void pool_hold(bool on);
+
 }  // namespace rl
