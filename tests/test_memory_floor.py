@@ -286,6 +286,31 @@ def test_the_heap_gives_large_blocks_back_once_and_leaves_a_users_setting(monkey
     assert said == heap.return_large_blocks() and said  # decided once per process
 
 
+def test_a_vocabularys_logits_stay_on_the_heap_between_decode_steps():
+    """A decode step's logits (Gemma 3: 262,144 fp32, 1 MiB) were each a fresh mapping whose pages faulted in anew;
+    with the threshold raised to twice the block, taking one again faults nothing in."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import resource, torch
+        from rocketllm_cli import heap
+        print(heap.return_large_blocks(4 * 262144), heap.return_large_blocks(4 * 1000))
+        def faults(n=50):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(n):
+                torch.empty(262144).fill_(1.0)
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        faults(5)
+        print(faults())
+    """
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    said, faulted = out.splitlines()
+    assert said.count("blocks of 2 MiB and more") == 2, said  # raised for the vocabulary, not lowered after
+    assert int(faulted) < 50 * 256 // 10, faulted  # not 256 pages a step
+
+
 def test_the_runtime_measured_before_a_first_run_shards_is_collected_once(monkeypatch):
     """start() measures this process after the runtime's imports; measure_runtime() hands that out once, then
     measures a fresh interpreter: both the memory of the same imports."""

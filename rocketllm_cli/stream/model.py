@@ -56,13 +56,13 @@ class StreamingModel:
         save loading them again."""
         from transformers import AutoConfig
 
-        return_large_blocks()  # a pass's activations go back to the OS after it (heap.py)
         self.directory = Path(directory)
         self.config_engine = config
         self.manifest = manifest or Manifest.load(self.directory)
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.compute_dtype)
         hf_config = AutoConfig.from_pretrained(self.directory)
+        return_large_blocks(4 * (getattr(hf_config.get_text_config(), "vocab_size", 0) or 0))  # passes' (heap.py)
         self.kv_dtype = config.kv_dtype()
         if self.kv_dtype not in (config.compute_dtype, "auto"):
             from .kvcache import refusal
