@@ -162,5 +162,8 @@ def test_a_strided_input_takes_the_torch_form_and_no_kernels_none_of_them(nk):
     assert not x.is_contiguous() and torch.equal(norm(x), _eager(norm, x))
     plain = LlamaRMSNorm(64)
     assert fuse_norms(plain, torch.float32, native=False).endswith("(weight)") and plain.fused_native is None
+    grad = torch.randn(1, 2, 64, requires_grad=True)  # a call that records gradients takes torch's form
+    norm(grad).sum().backward()
+    assert grad.grad is not None and grad.grad.abs().sum() > 0
     half = LlamaRMSNorm(64).to(torch.bfloat16)  # a bf16 model: the native norm is fp32 alone
     assert "native" not in fuse_norms(half, torch.bfloat16, native=True) and half.fused_native is None

@@ -65,6 +65,7 @@ class _FusedNorm:
             and x.is_cpu
             and weight.is_cpu
             and weight.is_contiguous()
+            and not (x.requires_grad or weight.requires_grad)  # the native call records no gradient
         ):
             return native(x, weight)
         if self.fused_form is None:
