@@ -136,21 +136,32 @@ def test_probing_a_model_on_meta_leaves_its_weights_as_they_were():
 def test_the_native_norm_gives_the_modules_bits_at_every_width_and_shape(nk, monkeypatch):
     """One native call where the module's forward was six to eight torch ops: its sum of squares added in the order
     torch's CPU sum adds a row (vectors, four at a time, a cascade of levels past 16 steps), found by the probe."""
-    calls = []
+    made, ran = [], []
     real = type(nk).rms_norm
-    monkeypatch.setattr(type(nk), "rms_norm", lambda self, *a: calls.append(a) or real(self, *a))
+
+    def counted(self, *a):
+        norm = real(self, *a)
+        made.append(a)
+        return lambda x, w: ran.append(a[3]) or norm(x, w)
+
+    monkeypatch.setattr(type(nk), "rms_norm", counted)
     for width in (12, 100, 576, 2560, 8192):  # under one vector, a tail past whole vectors, SmolLM2, cascades
         llama, gemma = LlamaRMSNorm(width, eps=1e-5), Gemma3RMSNorm(width, eps=1e-6)
         with torch.no_grad():
             llama.weight.normal_()
             gemma.weight.normal_()
+        for module in (llama, gemma):
+            module.requires_grad_(False)  # as the engine binds weights: a call recording gradients takes torch's form
         said = fuse_norms(nn.ModuleList([llama, gemma]), torch.float32, native=True)
         assert said.endswith(", 2 of them on the native kernels"), (width, said)
         assert llama.fused_native is not None and gemma.fused_native is not None
         for module in (llama, gemma):
-            for x in _inputs(width) + [1e-3 * torch.randn(1, 1, width), 300 * torch.randn(2, 7, width)]:
+            inputs = _inputs(width) + [1e-3 * torch.randn(1, 1, width), 300 * torch.randn(2, 7, width)]
+            before = len(ran)
+            for x in inputs:
                 assert torch.equal(module(x), _eager(module, x)), (width, type(module).__name__, x.shape)
-    assert {a[3] for a in calls} == {True, False}  # Gemma's 1 + weight and Llama's weight, each a form of its own
+            assert len(ran) - before == len(inputs)  # every call on the native norm
+    assert {a[3] for a in made} == {True, False} == set(ran)  # Gemma's 1 + weight and Llama's weight
 
 
 def test_a_strided_input_takes_the_torch_form_and_no_kernels_none_of_them(nk):
@@ -158,6 +169,7 @@ def test_a_strided_input_takes_the_torch_form_and_no_kernels_none_of_them(nk):
     with torch.no_grad():
         norm.weight.normal_()
     assert fuse_norms(norm, torch.float32, native=True).endswith("1 of them on the native kernels")
+    norm.requires_grad_(False)
     x = torch.randn(1, 64, 3).transpose(1, 2)  # each row strided: the native call reads rows by pointer
     assert not x.is_contiguous() and torch.equal(norm(x), _eager(norm, x))
     plain = LlamaRMSNorm(64)
