@@ -112,3 +112,34 @@ def test_a_cache_sized_for_a_run_holds_no_room_past_it():
     assert cache.layers[0]._kbuf.shape[-2] == 20 and cache.get_seq_length() == 20
     cache.update(*_kv(1, 2), 0)  # past the run's tokens (a draft verified at the end): grows as any cache does
     assert cache.layers[0]._kbuf.shape[-2] == STEP and cache.get_seq_length() == 21
+
+
+def test_a_call_is_handed_a_cache_only_where_it_keeps_one_the_forward_takes_one_and_none_was_given():
+    """MPT's config says use_cache=False: generate recomputes the whole sequence each step, and handed a cache anyway
+    it attended the cache's keys beside the recomputed ones (its fourth token drifted from transformers'). GPT-1's
+    forward takes no cache; xLSTM keeps its own (a DynamicCache lacks its rnn_state)."""
+    from types import SimpleNamespace
+
+    from rocketllm_cli.stream.appendcache import needs_cache
+
+    class Plain:
+        generation_config = SimpleNamespace(use_cache=True)
+
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    class NoCacheArgument(Plain):
+        def forward(self, input_ids, attention_mask=None): ...
+
+    class OwnCache(Plain):
+        @classmethod
+        def _supports_default_dynamic_cache(cls):
+            return False
+
+    model = Plain()
+    assert needs_cache(model, {})
+    assert not needs_cache(model, {"use_cache": False}) and needs_cache(model, {"use_cache": True})
+    assert not needs_cache(model, {"cache": object()}) and not needs_cache(model, {"past_key_values": object()})
+    assert not needs_cache(model, {"generation_config": SimpleNamespace(use_cache=False)})
+    model.generation_config = SimpleNamespace(use_cache=False)  # MPT's
+    assert not needs_cache(model, {}) and needs_cache(model, {"use_cache": True})
+    assert not needs_cache(NoCacheArgument(), {}) and not needs_cache(OwnCache(), {})

@@ -14,9 +14,12 @@ declares sliding-window or other non-full-attention layers keep transformers' ow
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
+_CACHE_KWARGS = ("cache", "past_key_values")  # what a forward and generate take a KV cache as (5.x, 4.x)
 STEP = 256  # tokens a buffer grows by: the most KV held beyond the tokens, and how often a buffer is copied
 
 
@@ -130,6 +133,32 @@ def appending_cache(config, tokens: int | None = None):
 
     cache.layer_class_to_replicate = layer
     return cache
+
+
+def needs_cache(model, kwargs) -> bool:
+    """Whether a generate call of MODEL with KWARGS is to be handed a KV cache: none given, and the call keeps one (its
+    own use_cache, else its generation config's, else the model's). A call that keeps none (MPT's config says so)
+    recomputes the whole sequence each step; handed a cache anyway, it attended the cache's keys beside the recomputed
+    ones and its tokens drifted from transformers'."""
+    if any(kwargs.get(name) is not None for name in _CACHE_KWARGS) or not _takes_a_cache(model):
+        return False
+    if kwargs.get("use_cache") is not None:
+        return bool(kwargs["use_cache"])
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, "use_cache", True) is not False
+
+
+def _takes_a_cache(model) -> bool:
+    """Whether MODEL's forward takes a KV cache that a DynamicCache can be: GPT-1's forward takes none, and xLSTM,
+    RWKV, Reformer and XLNet keep caches of their own (transformers' `_supports_default_dynamic_cache`)."""
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        return False
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return any(name in params for name in _CACHE_KWARGS)
 
 
 def run_tokens(args, kwargs) -> int | None:

@@ -337,8 +337,9 @@ class StreamingModel:
                     "json_schema" if json_schema is not None else "grammar",
                 )
             self.constrain(self, args, kwargs, json_schema, grammar)
-        if not any(kwargs.get(name) is not None for name in ("cache", "past_key_values")):
-            from .appendcache import appending_cache, run_tokens
+        from .appendcache import appending_cache, needs_cache, run_tokens
+
+        if needs_cache(self.model, kwargs):
             from .kvcache import generate_cache_kwarg
 
             cache = self.new_kv_cache()
