@@ -58,6 +58,19 @@ def test_without_the_thread_follower_nothing_is_held(passes, monkeypatch):
     assert seen == [True] and made.kernels.holds == []
 
 
+def test_a_model_that_streams_units_gets_native_passes_without_a_held_pool(passes):
+    from types import SimpleNamespace
+
+    made, seen = passes
+    streams = nativepass.NativePasses(
+        torch.device("meta"), "blocks", SimpleNamespace(tier={"a": "device", "b": "host"})
+    )
+    streams.kernels, streams.products = made.kernels, True
+    assert not streams.resident and made.resident
+    streams.begin(1, 1)  # its passes wait on reads: a spinning worker would take a core their threads need
+    assert seen == [True] and made.kernels.holds == []
+
+
 def test_a_model_off_the_native_kernels_is_never_native():
     for device, packing in ((torch.device("cpu"), "int4"), (torch.device("meta"), "blocks")):
         made = nativepass.NativePasses(device, packing)

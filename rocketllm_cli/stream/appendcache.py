@@ -152,8 +152,11 @@ def _takes_a_cache(model) -> bool:
     """Whether MODEL's forward takes a KV cache that a DynamicCache can be: GPT-1's forward takes none, and xLSTM,
     RWKV, Reformer and XLNet keep caches of their own (transformers' `_supports_default_dynamic_cache`)."""
     supports = getattr(model, "_supports_default_dynamic_cache", None)
-    if supports is not None and not supports():
-        return False
+    try:
+        if supports is not None and not supports():
+            return False
+    except TypeError:  # another signature than transformers' classmethod of none: take the forward's word
+        pass
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

@@ -186,7 +186,7 @@ class StreamingModel:
                 hooked.add(unit)
         self.pass_hooks = self.register_pass_hooks(model)
         # GGUF blocks on a CPU with the native kernels: a pass they compute alone gets the cores (nativepass.py)
-        self.native_passes = NativePasses(self.device, self.manifest.packing)
+        self.native_passes = NativePasses(self.device, self.manifest.packing, self.plan)
         # ... and attends on them too where the knob says so (decodeattention.py: the decode case alone)
         self.decode_attention = attention_path(model, self.config_engine.decode_attention, self.native_passes.products)
         # A unit only ever looked up by rows is never read whole: no read-ahead, and no buffer sized for it.

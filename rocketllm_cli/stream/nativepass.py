@@ -19,21 +19,25 @@ from ..threads import COMPUTE_THREADS
 class NativePasses:
     """The native-pass decision for one model: begin(tokens, positions) before each pass."""
 
-    def __init__(self, device: torch.device, packing: str) -> None:
+    def __init__(self, device: torch.device, packing: str, plan=None) -> None:
+        """DEVICE and PACKING: the model's (GGUF blocks on a CPU run their products on the kernels); PLAN: its
+        residency plan. A model that streams units waits on reads within its passes, where a spinning worker would
+        take a core the reads' threads need: its workers are not held."""
         kernels = None
-        if device.type == "cpu" and packing == "blocks":  # GGUF blocks on a CPU: the products run on the kernels
+        if device.type == "cpu" and packing == "blocks":
             from ..native import kernels as native_kernels
 
             kernels = native_kernels()
         self.kernels = kernels
         self.products = kernels is not None  # whether this model's products run on the native kernels
+        self.resident = plan is None or set(plan.tier.values()) <= {"device"}  # every unit in memory
         self._held = False
 
     def begin(self, tokens: int, positions: int | None) -> None:
         """A pass of TOKENS positions, POSITIONS a row (1: a decode step), is about to run."""
         native = self.products and (positions == 1 or (positions is not None and tokens < _dense_rows()))
         COMPUTE_THREADS.poll(native_decode=native)
-        hold = native and COMPUTE_THREADS.native_pass
+        hold = native and self.resident and COMPUTE_THREADS.native_pass
         if hold or self._held:  # a pass that is not native releases them: torch's threads want the cores
             self.kernels.hold_pool(int(hold))
             self._held = hold
