@@ -147,7 +147,8 @@ def _probe(module: nn.Module, width: int, eps: float, dtype: torch.dtype) -> str
 
 def _probe_native(module: nn.Module, width: int, eps: float, kernels) -> tuple[int, bool] | None:
     """(lanes, one_plus) of the native norm that equals MODULE's fp32 forward bit for bit on the probe's inputs, else
-    None: torch's sum adds a row in vectors of 16 floats where it dispatches AVX-512, of 8 elsewhere."""
+    None: torch's sum adds a row in vectors of 8 or 16 floats as its build dispatches (torch 2.13 adds in 8 under its
+    AVX-512, AVX2 and default dispatch alike), so both are tried."""
     if kernels is None:
         return None
     forms = {

@@ -29,9 +29,9 @@ from .binding import Binding, assign, called_site, is_lookup, move_buffers
 from .decodeattention import attention_path
 from .engineconfig import EngineConfig
 from .fusednorms import fuse_norms
-from .nativepass import NO_NATIVE_PASSES, NativePasses
 from .graphs import graphs_excluded
 from .ledger import Ledger
+from .nativepass import NO_NATIVE_PASSES, NativePasses
 from .packedbind import PackedBinding, activation_dtype, make_fused, make_packed
 from .residency import ResidencyPlan, make_plan
 from .rotary import fast_rotary
