@@ -107,9 +107,7 @@ class RowGathers:
             values = _gguf_rows(picked["blocks"], fmt).to(self.dtype)
         else:
             values = (picked["codes"].float() * picked["scale"].float()).to(self.dtype)
-        table = (
-            self._sparse_table(f"{name}:{key}:{self.dtype}", n * k * self.dtype.itemsize).view(self.dtype).view(n, k)
-        )
+        table = self._rows_table(name, key, n, k)
         if table.device != values.device:
             values = values.to(table.device)
         table.index_copy_(0, where, values)
@@ -130,10 +128,7 @@ class RowGathers:
         started = time.perf_counter()
         blocks = self._resident_parts(name, key, fmt)["blocks"]
         n, k = fmt.shape
-        table = self._tables.get(f"{name}:{key}:fp32 rows")  # the sparse table as fp32 rows, viewed once
-        if table is None:
-            table = self._sparse_table(f"{name}:{key}:{self.dtype}", n * k * 4).view(torch.float32).view(n, k)
-            self._tables[f"{name}:{key}:fp32 rows"] = table
+        table = self._rows_table(name, key, n, k)
         for row in rows:
             nk.dequantize(blocks[row : row + 1], fmt.gguf_type, k, out=table[row : row + 1], threads=1)
         self.ledger.add_time("convert", time.perf_counter() - started)
@@ -196,6 +191,16 @@ class RowGathers:
             os.close(fd)
         self.ledger.add_time("read", time.perf_counter() - started)
         return table.view(DTYPES[record.dtype]).view(record.shape)
+
+    def _rows_table(self, name: str, key: str, n: int, k: int) -> torch.Tensor:
+        """The sparse [N, K] table of the compute dtype that a packed table's looked-up rows are written into, viewed
+        once (a decode step looks a row up a token)."""
+        view = f"{name}:{key}:{self.dtype} rows"
+        table = self._tables.get(view)
+        if table is None:
+            raw = self._sparse_table(f"{name}:{key}:{self.dtype}", n * k * self.dtype.itemsize)
+            table = self._tables[view] = raw.view(self.dtype).view(n, k)
+        return table
 
     def _sparse_table(self, name: str, nbytes: int) -> torch.Tensor:
         table = self._tables.get(name)
